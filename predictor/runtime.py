@@ -1,0 +1,116 @@
+"""Inference with onnxruntime from a model package directory (what the registry stores and serves).
+
+A package holds ``model.onnx`` (LoRA merged), ``tokenizer.json``, and ``meta.json`` (bucket scheme,
+input format, backbone, evaluation summary). Nothing here imports torch or transformers, so the
+sidecar starts fast and stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from predictor.buckets import BucketScheme
+from predictor.prompt import Encoded, InputFormat, encode_turns
+
+Prompt = Union[str, Sequence[tuple[str, str]]]
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "meta.json"
+
+
+@dataclass
+class PredictionBatch:
+    """Per prompt: argmax bucket, bucket probabilities, expected and quantile length (tokens)."""
+
+    buckets: np.ndarray
+    probs: np.ndarray
+    expected: np.ndarray
+    quantile: np.ndarray
+    truncated: np.ndarray
+
+    def __iter__(self):  # buckets, probs, expected, quantile = predictor.predict(...)
+        return iter((self.buckets, self.probs, self.expected, self.quantile))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def pad_ids(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad to the longest sequence; returns (input_ids, attention_mask) as int64."""
+    width = max(len(x) for x in ids)
+    out = np.full((len(ids), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(ids), width), dtype=np.int64)
+    for r, x in enumerate(ids):
+        out[r, : len(x)] = x
+        mask[r, : len(x)] = 1
+    return out, mask
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    n = threads or int(os.environ.get("LENGTHWISE_ORT_THREADS", "0")) or min(4, os.cpu_count() or 1)
+    opts.intra_op_num_threads = n
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return opts
+
+
+class OnnxLengthPredictor:
+    """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime."""
+
+    def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32):
+        d = Path(package_dir)
+        self.package_dir = d
+        self.meta = json.loads((d / META_FILE).read_text())
+        self.scheme = BucketScheme.from_dict(self.meta["buckets"])
+        self.input_format = InputFormat.from_dict(self.meta["input_format"])
+        self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.session = ort.InferenceSession(str(d / MODEL_FILE), session_options(threads), providers=["CPUExecutionProvider"])
+        self.batch_size = batch_size
+
+    @staticmethod
+    def _as_turns(p: Prompt) -> Sequence[tuple[str, str]]:
+        return [("user", p)] if isinstance(p, str) else p
+
+    def encode(self, prompts: Sequence[Prompt]) -> list[Encoded]:
+        return encode_turns(self.tokenizer, self.input_format, [self._as_turns(p) for p in prompts])
+
+    def logits_encoded(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Logits for already-encoded prompts, batched by similar length to limit padding."""
+        order = np.argsort([len(x) for x in ids], kind="stable")
+        out = np.zeros((len(ids), self.scheme.n), dtype=np.float32)
+        for s in range(0, len(order), self.batch_size):
+            sel = order[s : s + self.batch_size]
+            x, m = pad_ids([ids[i] for i in sel], self.input_format.pad_id)
+            out[sel] = self.session.run(None, {"input_ids": x, "attention_mask": m})[0]
+        return out
+
+    def predict_encoded(self, encoded: Sequence[Encoded], quantile: float = 0.9) -> PredictionBatch:
+        if not encoded:
+            raise ValueError("no prompts to predict")
+        probs = softmax(self.logits_encoded([e.ids for e in encoded]).astype(np.float64))
+        return PredictionBatch(
+            buckets=probs.argmax(1),
+            probs=probs,
+            expected=self.scheme.expected(probs),
+            quantile=self.scheme.quantile(probs, quantile),
+            truncated=np.array([e.truncated for e in encoded]),
+        )
+
+    def predict(self, prompts: Sequence[Prompt], quantile: float = 0.9) -> PredictionBatch:
+        """Predict for prompts given as strings or as ``[(role, text), ...]`` conversations."""
+        return self.predict_encoded(self.encode(prompts), quantile)

@@ -1,0 +1,2 @@
+"""MLflow model registry for length predictors (versions, aliases, guarded promotion) and online
+prediction-error tracking."""

@@ -1,0 +1,53 @@
+"""``lengthwise registry``: list versions, promote with the guard, move aliases."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("registry", help="inspect and promote registered length predictors")
+    rs = p.add_subparsers(dest="registry_cmd", required=True)
+    ls = rs.add_parser("list", help="versions of a registered model with their aliases and test metrics")
+    ls.add_argument("--name", default="length-predictor")
+    pr = rs.add_parser("promote", help="point an alias (default champion) at a version, guarded by its evaluation")
+    pr.add_argument("version")
+    pr.add_argument("--name", default="length-predictor")
+    pr.add_argument("--alias", default="champion")
+    pr.add_argument("--force", action="store_true", help="promote even if worse or evaluated on other data")
+    return p
+
+
+def dispatch(a: argparse.Namespace) -> int:
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from rich.console import Console
+    from rich.table import Table
+
+    from registry import store
+
+    store.configure()
+    try:
+        if a.registry_cmd == "list":
+            client = MlflowClient()
+            versions = client.search_model_versions(f"name='{a.name}'")
+            aliases = {}
+            for alias in client.get_registered_model(a.name).aliases:
+                aliases.setdefault(str(client.get_model_version_by_alias(a.name, alias).version), []).append(alias)
+            t = Table(title=f"{a.name} @ {store.tracking_uri()}")
+            for c in ("version", "aliases", "accuracy", "kendall_tau", "mae_tokens", "eval_split", "run"):
+                t.add_column(c)
+            for v in sorted(versions, key=lambda v: int(v.version)):
+                t.add_row(str(v.version), ",".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
+                          v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""), v.run_id or "")
+            Console().print(t)
+        elif a.registry_cmd == "promote":
+            print(store.promote(a.name, a.version, a.alias, a.force))
+    except store.PromotionRefused as exc:
+        print(f"lengthwise registry: refused: {exc}", file=sys.stderr)
+        return 2
+    except MlflowException as exc:
+        print(f"lengthwise registry: error: {exc.message.splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,89 @@
+"""Shared fixtures: real data from $LENGTHWISE_DATA, an isolated MLflow store, one small trained model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from training.pipeline import data_dir
+
+SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
+ALPACA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+
+
+@pytest.fixture(scope="session")
+def data() -> Path:
+    d = data_dir()
+    if not (d / SHAREGPT).exists():
+        pytest.fail(f"real data not found under {d}; set LENGTHWISE_DATA")
+    return d
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> Path:
+    """One embedded MLflow store for the session; MLFLOW_TRACKING_URI is unset so the default is used."""
+    h = tmp_path_factory.mktemp("lengthwise-home")
+    os.environ["LENGTHWISE_HOME"] = str(h)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    return h
+
+
+@pytest.fixture(scope="session")
+def trained(home, data, tmp_path_factory) -> dict:
+    """A short real training run through the CLI: 3,000 ShareGPT first turns, 2 epochs, 64-token prompts."""
+    from training.cli import main
+
+    work = tmp_path_factory.mktemp("train")
+    out = work / "metrics.json"
+    rc = main([
+        "--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
+        "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "3000", "--epochs", "2",
+        "--max-prompt-tokens", "64", "--batch-size", "32", "--lr", "3e-3", "--experiment", "tests",
+        "--work-dir", str(work), "--output-json", str(out), "--promote",
+    ])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    report["work_dir"] = str(work)
+    return report
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def mlflow_server(tmp_path):
+    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store; stopped after the test."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art"),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not start")
+    yield url
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)

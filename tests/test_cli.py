@@ -1,0 +1,45 @@
+"""Bad input to train-predictor: exit status 2 and one clear line, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import SHAREGPT
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "training.cli", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, data):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.json").write_text("[]")
+    (d / "table.csv").write_text("a,b\n1,2\n")
+    return d
+
+
+@pytest.mark.parametrize("case", ["missing", "wrong-format", "empty", "tokenizer", "one-bucket", "bad-edges", "base-model"])
+def test_bad_input_exits_2_with_one_line(case, files, data, home):
+    sg = str(data / SHAREGPT)
+    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    args = {
+        "missing": ["--data", str(files / "nope.json"), "--tokenizer", tok],
+        "wrong-format": ["--data", str(files / "table.csv"), "--format", "sharegpt", "--tokenizer", tok],
+        "empty": ["--data", str(files / "empty.json"), "--tokenizer", tok],
+        "tokenizer": ["--data", sg, "--tokenizer", str(files / "no-tokenizer.json"), "--max-samples", "50"],
+        "one-bucket": ["--data", sg, "--tokenizer", tok, "--bucket-width", "4096", "--max-samples", "50"],
+        "bad-edges": ["--data", sg, "--tokenizer", tok, "--edges", "10,abc", "--max-samples", "50"],
+        "base-model": ["--data", sg, "--tokenizer", tok, "--base-model", str(files), "--max-samples", "200"],
+    }[case]
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train-predictor: error:"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_teaches():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "--bucket-width" in r.stdout

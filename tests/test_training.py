@@ -1,0 +1,47 @@
+"""The short real training run of conftest.trained: quality vs the baselines, ONNX parity, artifacts."""
+
+from pathlib import Path
+
+import numpy as np
+
+from predictor.runtime import OnnxLengthPredictor
+
+
+def test_beats_global_median_on_held_out_split(trained):
+    ours, median = trained["model"], trained["baselines"]["global-median"]
+    assert trained["n_test"] >= 200
+    assert ours["kendall_tau"] > median["kendall_tau"] + 0.15
+    assert ours["mae_tokens"] < median["mae_tokens"]
+    assert ours["accuracy_within_1"] > median["accuracy_within_1"]
+
+
+def test_report_contract(trained):
+    for key in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "kendall_tau", "baselines",
+                "model_uri", "onnx_parity_max_abs_diff"):
+        assert key in trained
+    assert set(trained["baselines"]) == {"global-median", "prompt-length-bin", "tfidf-logreg"}
+    assert set(trained["accuracy_at_widths"]["model"]) == {"100", "200", "400"}
+    assert trained["model_uri"].startswith("models:/length-predictor/")
+    assert len(trained["epoch_seconds"]) == trained["epochs_run"] >= 1
+
+
+def test_onnx_parity_and_plots(trained):
+    assert trained["onnx_parity_max_abs_diff"] < 1e-3
+    work = Path(trained["work_dir"])
+    for name in ("confusion_matrix.png", "reliability.png", "error_by_prompt_length.png"):
+        assert (work / "plots" / name).stat().st_size > 5000
+
+
+def test_runtime_predict_shapes_and_consistency(trained):
+    p = OnnxLengthPredictor(Path(trained["work_dir"]) / "package")
+    prompts = ["Write a detailed 2000 word essay on the history of Rome.", "Say yes or no.",
+               [("user", "hi"), ("assistant", "hello"), ("user", "translate 'cat' to French")]]
+    out = p.predict(prompts, quantile=0.9)
+    buckets, probs, expected, quantile = out
+    assert probs.shape == (3, p.scheme.n)
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-6)
+    assert (quantile >= 0).all() and (expected > 0).all()
+    np.testing.assert_array_equal(buckets, probs.argmax(1))
+    # batch composition must not change a prompt's prediction (padding is masked)
+    alone = p.predict([prompts[1]]).probs[0]
+    np.testing.assert_allclose(alone, probs[1], atol=1e-5)

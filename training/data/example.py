@@ -1,0 +1,37 @@
+"""The unit of training data: a prompt (as turns), its response length label, and a group id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+
+
+class DataError(ValueError):
+    """Input data that cannot be used: missing file, wrong format, no usable examples."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: Role
+    text: str
+
+
+@dataclass
+class Example:
+    """One (prompt, response) pair.
+
+    ``group`` is the conversation id: all turns of one conversation share it, and the train/val/test
+    split is made on it so no conversation leaks across splits. ``response_tokens`` is filled by
+    :func:`training.labels.attach_labels` from ``response`` unless the source gave counts directly.
+    """
+
+    group: str
+    turns: tuple[Turn, ...]
+    response: str | None = None
+    response_tokens: int | None = None
+
+    @property
+    def latest(self) -> str:
+        return self.turns[-1].text

@@ -11,9 +11,10 @@ bucket, whose nominal upper bound is ``max_tokens`` (the generation cap).
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -44,7 +45,7 @@ class BucketScheme:
             )
         if edges[0] != 0:
             raise BucketSchemeError(f"the first bucket edge must be 0, got {edges[0]}")
-        if any(b <= a for a, b in zip(edges, edges[1:])):
+        if any(b <= a for a, b in itertools.pairwise(edges)):
             raise BucketSchemeError(f"bucket edges must be strictly increasing, got {list(edges)}")
         if self.max_tokens <= edges[-1]:
             raise BucketSchemeError(
@@ -58,7 +59,7 @@ class BucketScheme:
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
-    def equal_width(cls, width: int, max_tokens: int = 2048) -> "BucketScheme":
+    def equal_width(cls, width: int, max_tokens: int = 2048) -> BucketScheme:
         """Buckets ``[0,w), [w,2w), ...`` up to ``max_tokens`` (TetriInfer's granularity)."""
         if width <= 0:
             raise BucketSchemeError(f"bucket width must be positive, got {width}")
@@ -69,13 +70,13 @@ class BucketScheme:
         return cls(edges=tuple(range(0, max_tokens, width)), max_tokens=max_tokens)
 
     @classmethod
-    def from_edges(cls, inner_edges: Sequence[int], max_tokens: int = 2048) -> "BucketScheme":
+    def from_edges(cls, inner_edges: Sequence[int], max_tokens: int = 2048) -> BucketScheme:
         """Explicit boundaries, e.g. ``--edges 64,128,256,512`` gives 5 buckets starting at 0."""
         edges = [0] + [int(e) for e in inner_edges if int(e) != 0]
         return cls(edges=tuple(edges), max_tokens=max(max_tokens, edges[-1] + 1))
 
     @classmethod
-    def parse(cls, spec: str, max_tokens: int = 2048) -> "BucketScheme":
+    def parse(cls, spec: str, max_tokens: int = 2048) -> BucketScheme:
         """Parse ``"a,b,c"``; raises :class:`BucketSchemeError` with a readable message."""
         try:
             values = [int(x) for x in spec.split(",") if x.strip()]
@@ -83,7 +84,7 @@ class BucketScheme:
             raise BucketSchemeError(f"--edges must be comma-separated integers, got {spec!r}") from exc
         return cls.from_edges(values, max_tokens)
 
-    def with_centers(self, lengths: np.ndarray) -> "BucketScheme":
+    def with_centers(self, lengths: np.ndarray) -> BucketScheme:
         """Return a copy whose centers are the mean observed length per bucket (midpoint if empty)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         idx = self.assign(lengths)
@@ -140,7 +141,7 @@ class BucketScheme:
         return {"edges": list(self.edges), "max_tokens": self.max_tokens, "centers": list(self.centers)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BucketScheme":
+    def from_dict(cls, d: dict) -> BucketScheme:
         return cls(tuple(d["edges"]), int(d["max_tokens"]), tuple(d.get("centers") or ()))
 
     def to_json(self) -> str:

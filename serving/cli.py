@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-v", "--verbose", action="store_true")
     bp.set_defaults(func=_bench_predictor)
 
+    cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
+    cv.add_argument("gguf")
+    cv.add_argument("out")
+    cv.set_defaults(func=lambda a: __import__("predictor.convert", fromlist=["main"]).main([a.gguf, a.out]))
+
     from registry.cli import add_parser as add_registry
 
     add_registry(sub).set_defaults(func=_registry)

@@ -43,3 +43,15 @@ def test_short_prompt_untouched_and_messages():
     turns = messages_to_turns([{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     (enc,) = encode_turns(tok, fmt, [turns])
     assert not enc.truncated and tok.decode(enc.ids) == "system : be brief user : hi"
+
+
+def test_length_hints_survive_truncation():
+    tok = _tok()
+    fmt = InputFormat(48, (101,), (102,), 0, length_hints=True)
+    convo = [("user", "write code " * 20), ("assistant", "here is code " * 300), ("user", "now make it shorter")]
+    (enc,) = encode_turns(tok, fmt, [convo])
+    text = tok.decode(enc.ids)
+    assert len(enc.ids) == 48 and enc.truncated
+    assert text.startswith("assistant ( ~ 900 words ) :")
+    assert text.endswith("user ( ~ 4 words ) : now make it shorter")
+    assert InputFormat.from_dict(fmt.to_dict()) == fmt

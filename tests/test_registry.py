@@ -1,7 +1,5 @@
 """Registration, aliases, the promotion guard and loading by alias, on the embedded store and a real server."""
 
-import os
-
 import mlflow
 import pytest
 from mlflow import MlflowClient
@@ -82,5 +80,5 @@ def test_real_mlflow_server(trained, mlflow_server, monkeypatch):
     pred = store.load_predictor("models:/lp-server@champion")
     assert pred.predict(["hello"]).probs.shape == (1, len(trained["buckets"]["edges"]))
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    store.configure()
-    assert os.environ.get("MLFLOW_TRACKING_URI") is None
+    assert store.configure().startswith("sqlite:///")  # back on the embedded store
+    assert store.alias_version("lp-server", "champion") is None  # the server's model is not in it

@@ -8,7 +8,7 @@ Each returns :class:`~training.evaluate.Predictions` so the metrics code treats 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ def _one_hot_smoothed(n_rows: int, dist: np.ndarray) -> np.ndarray:
 class GlobalMedian:
     name = "global-median"
 
-    def fit(self, train_len: np.ndarray, scheme: BucketScheme, **_) -> "GlobalMedian":
+    def fit(self, train_len: np.ndarray, scheme: BucketScheme, **_) -> GlobalMedian:
         self.scheme = scheme
         self.median = float(np.median(train_len))
         self.dist = np.bincount(scheme.assign(train_len), minlength=scheme.n).astype(np.float64) + 1e-3
@@ -43,7 +43,7 @@ class PromptLengthBin:
     def __init__(self, bins: int = 20):
         self.bins = bins
 
-    def fit(self, train_len: np.ndarray, scheme: BucketScheme, prompt_len: np.ndarray, **_) -> "PromptLengthBin":
+    def fit(self, train_len: np.ndarray, scheme: BucketScheme, prompt_len: np.ndarray, **_) -> PromptLengthBin:
         self.scheme = scheme
         self.edges = np.unique(np.quantile(prompt_len, np.linspace(0, 1, self.bins + 1))[1:-1])
         which = np.searchsorted(self.edges, prompt_len, side="right")
@@ -62,7 +62,7 @@ class PromptLengthBin:
 class TfidfLogReg:
     name = "tfidf-logreg"
 
-    def fit(self, train_len: np.ndarray, scheme: BucketScheme, texts: Sequence[str], **_) -> "TfidfLogReg":
+    def fit(self, train_len: np.ndarray, scheme: BucketScheme, texts: Sequence[str], **_) -> TfidfLogReg:
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.linear_model import LogisticRegression
 

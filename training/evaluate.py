@@ -72,7 +72,7 @@ def compute_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme
     err = pred.point - lengths
     tau = kendalltau(pred.point, lengths).statistic if np.ptp(pred.point) > 0 else 0.0
     return {
-        "n": int(len(lengths)),
+        "n": len(lengths),
         "accuracy": float((bucket == truth).mean()),
         "accuracy_within_1": float((np.abs(bucket - truth) <= 1).mean()),
         "mae_tokens": float(np.abs(err).mean()),

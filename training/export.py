@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from predictor.prompt import InputFormat
 from predictor.runtime import META_FILE, MODEL_FILE, TOKENIZER_FILE, OnnxLengthPredictor, pad_ids
 
 
-def input_format_for(tokenizer: Tokenizer, max_tokens: int, pad_id: int | None) -> InputFormat:
+def input_format_for(tokenizer: Tokenizer, max_tokens: int, pad_id: int | None, length_hints: bool = False) -> InputFormat:
     """Read the special tokens a backbone expects around a prompt from its tokenizer's post-processor."""
     plain = tokenizer.encode("length", add_special_tokens=False).ids
     full = tokenizer.encode("length", add_special_tokens=True).ids
@@ -25,7 +25,7 @@ def input_format_for(tokenizer: Tokenizer, max_tokens: int, pad_id: int | None) 
     prefix, suffix = full[:start], full[start + len(plain) :]
     if pad_id is None:
         pad_id = next((tokenizer.token_to_id(t) for t in ("[PAD]", "<pad>", "<|endoftext|>") if tokenizer.token_to_id(t) is not None), 0)
-    return InputFormat(max_tokens, tuple(prefix), tuple(suffix), int(pad_id))
+    return InputFormat(max_tokens, tuple(prefix), tuple(suffix), int(pad_id), length_hints)
 
 
 def load_backbone_tokenizer(base_model: str | Path) -> Tokenizer:

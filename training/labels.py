@@ -8,8 +8,9 @@ tiktoken BPE ranks file (Llama-3 style ``tokenizer.model``), or a HF tokenizer d
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -91,11 +92,11 @@ def load_counter(path: str | os.PathLike) -> TokenCounter:
             return _HFTokenizersCounter(p)
         try:
             return _SentencePieceCounter(p)
-        except Exception:
+        except Exception:  # noqa: BLE001 - not SentencePiece: try tiktoken
             return _TiktokenCounter(p)
     except DataError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure is a bad --tokenizer
         raise DataError(f"unknown or unreadable tokenizer {p}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 

@@ -53,6 +53,7 @@ class TrainConfig:
     lr: float = 2e-3
     batch_size: int = 32
     max_prompt_tokens: int = 128
+    length_hints: bool = False
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.1
@@ -112,10 +113,9 @@ def run(cfg: TrainConfig) -> dict:
     from predictor.prompt import encode_turns
     from predictor.runtime import OnnxLengthPredictor
     from registry import store
+    from training.cli import silence_loggers
     from training.export import export_package, input_format_for, load_backbone_tokenizer, parity_max_abs_diff
     from training.module import LengthModule, make_loader
-
-    from training.cli import silence_loggers
 
     silence_loggers()
     t0 = time.perf_counter()
@@ -132,7 +132,7 @@ def run(cfg: TrainConfig) -> dict:
     from transformers import AutoConfig
 
     model_type = AutoConfig.from_pretrained(base, local_files_only=True).model_type
-    fmt_in = input_format_for(tok, cfg.max_prompt_tokens, None)
+    fmt_in = input_format_for(tok, cfg.max_prompt_tokens, None, cfg.length_hints)
     enc = {name: encode_turns(tok, fmt_in, [_turns(e) for e in part])
            for name, part in (("train", splits.train), ("val", splits.val), ("test", splits.test))}
     y = {name: scheme.assign(labels_of(part)) for name, part in
@@ -235,7 +235,7 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["model"]["quantile"] = cfg.quantile
     report["model"]["under_prediction_rate_at_quantile"] = float((y_len > batch.quantile).mean())
     report["model"]["truncated_prompts"] = float(batch.truncated.mean())
-    report["accuracy_at_widths"] = {"model": accuracy_at_widths(ours, scheme, y_len)}
+    report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
     prompt_len = {k: np.array([len(e.ids) for e in enc[k]]) for k in ("train", "test")}
     texts = {k: [" \n".join(t.text[-4000:] for t in e.turns[-3:]) for e in part]
              for k, part in (("train", splits.train), ("test", test))}
@@ -259,3 +259,30 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     reliability_png(batch.probs, truth, plots / "reliability.png", report["model"]["ece"])
     error_by_prompt_length_png(prompt_len["test"], errors, plots / "error_by_prompt_length.png")
     return report
+
+
+def config_from_params(params: dict[str, str]) -> TrainConfig:
+    """Rebuild the :class:`TrainConfig` of a logged run from its MLflow params (all strings)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(TrainConfig)
+    kwargs = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in params or f.name == "extra":
+            continue
+        raw = params[f.name]
+        hint = str(hints[f.name])
+        if raw == "None":
+            kwargs[f.name] = None
+        elif "bool" in hint:
+            kwargs[f.name] = raw == "True"
+        elif "int" in hint:
+            kwargs[f.name] = int(raw)
+        elif "float" in hint:
+            kwargs[f.name] = float(raw)
+        elif "list" in hint:
+            kwargs[f.name] = [x.strip(" '\"") for x in raw.strip("[]").split(",") if x.strip()]
+        else:
+            kwargs[f.name] = raw
+    return TrainConfig(**kwargs)

@@ -7,11 +7,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from predictor.buckets import BucketScheme  # noqa: E402
-from training.evaluate import reliability  # noqa: E402
+from predictor.buckets import BucketScheme
+from training.evaluate import reliability
 
 
 def _labels(scheme: BucketScheme) -> list[str]:

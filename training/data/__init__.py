@@ -8,4 +8,4 @@ id used to split without leakage.
 from training.data.example import DataError, Example, Turn
 from training.data.loaders import FORMATS, load_examples
 
-__all__ = ["DataError", "Example", "Turn", "FORMATS", "load_examples"]
+__all__ = ["FORMATS", "DataError", "Example", "Turn", "load_examples"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import lzma
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pandas as pd
 
@@ -151,7 +151,7 @@ def load_hf(dataset_id: str, split: str = "train") -> list[Example]:
         import datasets
 
         ds = datasets.load_dataset(dataset_id, split=split)
-    except Exception as exc:  # datasets raises many types for "not found/offline"
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for "not found/offline"
         raise DataError(f"could not load Hugging Face dataset {dataset_id!r}: {str(exc).splitlines()[0]}") from None
     if "conversations" in ds.column_names or "messages" in ds.column_names:
         return sharegpt_examples(ds)

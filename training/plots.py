@@ -1,14 +1,14 @@
-"""Figures logged with every evaluation: confusion matrix, reliability diagram, error by prompt length."""
+"""Figures logged with every evaluation: confusion matrix, reliability diagram, error by prompt length.
+
+Built on ``matplotlib.figure.Figure`` (no pyplot), so saving a PNG never touches the global backend of
+the caller (a notebook keeps its inline backend)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from predictor.buckets import BucketScheme
 from training.evaluate import reliability
@@ -22,7 +22,8 @@ def confusion_png(truth: np.ndarray, pred: np.ndarray, scheme: BucketScheme, pat
     cm = np.zeros((scheme.n, scheme.n))
     np.add.at(cm, (truth, pred), 1)
     norm = cm / np.maximum(cm.sum(1, keepdims=True), 1)
-    fig, ax = plt.subplots(figsize=(7, 6))
+    fig = Figure(figsize=(7, 6))
+    ax = fig.subplots()
     im = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
     ax.set_xticks(range(scheme.n), _labels(scheme), rotation=60, ha="right", fontsize=7)
     ax.set_yticks(range(scheme.n), _labels(scheme), fontsize=7)
@@ -37,13 +38,13 @@ def confusion_png(truth: np.ndarray, pred: np.ndarray, scheme: BucketScheme, pat
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def reliability_png(probs: np.ndarray, truth: np.ndarray, path: Path, ece: float) -> Path:
     conf, acc, cnt = reliability(probs, truth)
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig = Figure(figsize=(5, 5))
+    ax = fig.subplots()
     ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
     sel = cnt > 0
     ax.plot(conf[sel], acc[sel], "o-", label=f"model (ECE {ece:.3f})")
@@ -55,7 +56,6 @@ def reliability_png(probs: np.ndarray, truth: np.ndarray, path: Path, ece: float
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -64,7 +64,8 @@ def error_by_prompt_length_png(prompt_len: np.ndarray, errors: dict[str, np.ndar
     edges = np.unique(np.quantile(prompt_len, np.linspace(0, 1, bins + 1)))
     which = np.clip(np.searchsorted(edges, prompt_len, side="right") - 1, 0, len(edges) - 2)
     centers = [f"{int(edges[i])}-{int(edges[i + 1])}" for i in range(len(edges) - 1)]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for name, err in errors.items():
         ax.plot(range(len(centers)), [np.abs(err[which == b]).mean() if np.any(which == b) else np.nan
                                       for b in range(len(centers))], "o-", label=name)
@@ -75,5 +76,4 @@ def error_by_prompt_length_png(prompt_len: np.ndarray, errors: dict[str, np.ndar
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

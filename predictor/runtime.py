@@ -58,6 +58,22 @@ def pad_ids(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.n
     return out, mask
 
 
+def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int) -> list[np.ndarray]:
+    """Group prompt indices by similar length: at most ``batch_size`` prompts and, beyond the first,
+    at most ``token_budget`` padded tokens per group. On a CPU the forward pass is compute-bound, so
+    padding a 20-token prompt to 128 costs as much as a real 128-token prompt."""
+    order = np.argsort(lengths, kind="stable")
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) >= batch_size or (len(cur) + 1) * lengths[i] > token_budget):
+            groups.append(np.array(cur))
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(np.array(cur))
+    return groups
+
+
 def session_options(threads: int | None = None) -> ort.SessionOptions:
     opts = ort.SessionOptions()
     n = threads or int(os.environ.get("LENGTHWISE_ORT_THREADS", "0")) or min(4, os.cpu_count() or 1)
@@ -70,7 +86,8 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 class OnnxLengthPredictor:
     """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime."""
 
-    def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32):
+    def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32,
+                 token_budget: int = 2048):
         d = Path(package_dir)
         self.package_dir = d
         self.meta = json.loads((d / META_FILE).read_text())
@@ -81,6 +98,7 @@ class OnnxLengthPredictor:
         self.tokenizer.no_padding()
         self.session = ort.InferenceSession(str(d / MODEL_FILE), session_options(threads), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
+        self.token_budget = token_budget
 
     @staticmethod
     def _as_turns(p: Prompt) -> Sequence[tuple[str, str]]:
@@ -90,11 +108,9 @@ class OnnxLengthPredictor:
         return encode_turns(self.tokenizer, self.input_format, [self._as_turns(p) for p in prompts])
 
     def logits_encoded(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """Logits for already-encoded prompts, batched by similar length to limit padding."""
-        order = np.argsort([len(x) for x in ids], kind="stable")
+        """Logits for already-encoded prompts."""
         out = np.zeros((len(ids), self.scheme.n), dtype=np.float32)
-        for s in range(0, len(order), self.batch_size):
-            sel = order[s : s + self.batch_size]
+        for sel in length_batches([len(x) for x in ids], self.batch_size, self.token_budget):
             x, m = pad_ids([ids[i] for i in sel], self.input_format.pad_id)
             out[sel] = self.session.run(None, {"input_ids": x, "attention_mask": m})[0]
         return out

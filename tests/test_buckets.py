@@ -69,3 +69,16 @@ def test_assign_within_bounds(lengths, width):
     for v, i in zip(lengths, idx):
         lo, hi = s.range_of(int(i))
         assert lo <= v and (v < hi or i == s.n - 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=100), bs=st.integers(1, 40), budget=st.integers(64, 4096))
+def test_length_batches_cover_each_prompt_once_within_limits(lengths, bs, budget):
+    from predictor.runtime import length_batches
+
+    groups = length_batches(lengths, bs, budget)
+    flat = sorted(int(i) for g in groups for i in g)
+    assert flat == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) <= bs
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget

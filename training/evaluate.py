@@ -90,7 +90,8 @@ def accuracy_at_widths(pred: Predictions, scheme: BucketScheme, lengths: np.ndar
     out = {}
     for w in widths:
         coarse = BucketScheme.equal_width(w, scheme.max_tokens)
-        merged = merge_probs(pred.probs, scheme, coarse)
+        # a predictor that names its bucket from a point estimate is judged by that estimate at every width
+        merged = merge_probs(pred.probs, scheme, coarse) if pred.bucket is None else None
         truth = coarse.assign(lengths)
         if merged is not None:
             out[str(w)] = {"accuracy": float((merged.argmax(1) == truth).mean()), "method": "merged-probs"}

@@ -53,7 +53,7 @@ class TrainConfig:
     lr: float = 2e-3
     batch_size: int = 32
     max_prompt_tokens: int = 128
-    length_hints: bool = False
+    length_hints: bool = True
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.1

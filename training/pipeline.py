@@ -236,7 +236,10 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["model"]["under_prediction_rate_at_quantile"] = float((y_len > batch.quantile).mean())
     report["model"]["truncated_prompts"] = float(batch.truncated.mean())
     report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
-    prompt_len = {k: np.array([len(e.ids) for e in enc[k]]) for k in ("train", "test")}
+    # full (untruncated) prompt length in target-model tokens: what Aladdin's predictor conditions on
+    counter = load_counter(cfg.tokenizer or default_tokenizer())
+    prompt_len = {k: counter.count(["\n".join(t.text for t in e.turns) for e in part])
+                  for k, part in (("train", splits.train), ("test", test))}
     texts = {k: [" \n".join(t.text[-4000:] for t in e.turns[-3:]) for e in part]
              for k, part in (("train", splits.train), ("test", test))}
     train_len = labels_of(splits.train).astype(np.float64)

@@ -70,7 +70,7 @@ def error_by_prompt_length_png(prompt_len: np.ndarray, errors: dict[str, np.ndar
         ax.plot(range(len(centers)), [np.abs(err[which == b]).mean() if np.any(which == b) else np.nan
                                       for b in range(len(centers))], "o-", label=name)
     ax.set_xticks(range(len(centers)), centers, rotation=30, fontsize=8)
-    ax.set_xlabel("prompt length (predictor tokens)")
+    ax.set_xlabel("prompt length (target-model tokens, whole conversation)")
     ax.set_ylabel("MAE (response tokens)")
     ax.set_title("Error by prompt length")
     ax.legend(fontsize=8)

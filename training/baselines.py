@@ -16,7 +16,7 @@ from predictor.buckets import BucketScheme
 from training.evaluate import Predictions
 
 
-def _one_hot_smoothed(n_rows: int, dist: np.ndarray) -> np.ndarray:
+def _repeat_distribution(n_rows: int, dist: np.ndarray) -> np.ndarray:
     return np.tile(dist / dist.sum(), (n_rows, 1))
 
 
@@ -30,7 +30,7 @@ class GlobalMedian:
         return self
 
     def predict(self, n: int, **_) -> Predictions:
-        probs = _one_hot_smoothed(n, self.dist)
+        probs = _repeat_distribution(n, self.dist)
         point = np.full(n, self.median)
         return Predictions(probs, point, self.scheme.assign(point))
 

@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +70,6 @@ class TrainConfig:
     output_json: str | None = None
     work_dir: str | None = None
     baselines: bool = True
-    limit_eval: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -147,7 +145,7 @@ def run(cfg: TrainConfig) -> dict:
     exp_id = store.ensure_experiment(cfg.experiment)
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lengthwise-train-"))
     work.mkdir(parents=True, exist_ok=True)
-    params = {k: v for k, v in asdict(cfg).items() if k not in ("extra",)}
+    params = dict(asdict(cfg))
     params.update(base_model=str(base), model_type=model_type, n_buckets=scheme.n,
                   n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test),
                   lora_targets=",".join(lora.target_modules), eval_split=splits.fingerprint(),
@@ -272,7 +270,7 @@ def config_from_params(params: dict[str, str]) -> TrainConfig:
     hints = typing.get_type_hints(TrainConfig)
     kwargs = {}
     for f in dataclasses.fields(TrainConfig):
-        if f.name not in params or f.name == "extra":
+        if f.name not in params:
             continue
         raw = params[f.name]
         hint = str(hints[f.name])

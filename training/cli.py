@@ -87,11 +87,9 @@ def _fail(msg: str) -> int:
 def config_from_args(a: argparse.Namespace):
     from training.pipeline import TrainConfig
 
-    if a.bucket_width is not None and a.bucket_width <= 0:
-        raise BucketSchemeError(f"--bucket-width must be positive, got {a.bucket_width}")
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
-        bucket_width=a.bucket_width or (None if a.edges else 200), edges=a.edges, max_tokens=a.max_tokens,
+        bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else 200), edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
         max_prompt_tokens=a.max_prompt_tokens, length_hints=a.length_hints, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,

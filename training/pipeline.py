@@ -15,7 +15,7 @@ import numpy as np
 
 from predictor.buckets import BucketScheme
 from training.data import Example, load_examples
-from training.labels import attach_labels, labels_of, load_counter
+from training.labels import TokenCounter, attach_labels, labels_of, load_counter
 from training.split import Splits, cap_groups, split_by_group
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,13 @@ class TrainConfig:
 class Prepared:
     splits: Splits
     scheme: BucketScheme
+    counter: TokenCounter  # the target model's tokenizer, also used for prompt lengths in evaluation
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Load, label, cap and split the data, and fix the bucket scheme (centers from training labels)."""
     scheme = (BucketScheme.parse(cfg.edges, cfg.max_tokens) if cfg.edges
-              else BucketScheme.equal_width(int(cfg.bucket_width or 200), cfg.max_tokens))
+              else BucketScheme.equal_width(200 if cfg.bucket_width is None else int(cfg.bucket_width), cfg.max_tokens))
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
     examples = cap_groups(load_examples(cfg.data, cfg.fmt, **kwargs), cfg.max_samples, cfg.seed)
@@ -92,7 +93,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
 
         raise DataError(f"too few conversations to split ({len(examples)} examples): need data for train, val and test")
     scheme = scheme.with_centers(labels_of(splits.train))
-    return Prepared(splits, scheme)
+    return Prepared(splits, scheme, counter)
 
 
 def _turns(e: Example) -> list[tuple[str, str]]:
@@ -235,8 +236,7 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["model"]["truncated_prompts"] = float(batch.truncated.mean())
     report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
     # full (untruncated) prompt length in target-model tokens: what Aladdin's predictor conditions on
-    counter = load_counter(cfg.tokenizer or default_tokenizer())
-    prompt_len = {k: counter.count(["\n".join(t.text for t in e.turns) for e in part])
+    prompt_len = {k: prep.counter.count(["\n".join(t.text for t in e.turns) for e in part])
                   for k, part in (("train", splits.train), ("test", test))}
     texts = {k: [" \n".join(t.text[-4000:] for t in e.turns[-3:]) for e in part]
              for k, part in (("train", splits.train), ("test", test))}

@@ -1,0 +1,145 @@
+"""The one interface every scheduling policy implements, and the registry that names them.
+
+A host (the simulator, or the vLLM adapter) drives a policy like vLLM drives its scheduler:
+
+    policy.add(request, now)                 # on arrival
+    plan = policy.schedule(now)              # what runs this step, with how many tokens each
+    ... the engine runs the step ...
+    policy.update(plan, finished_ids, now)   # apply tokens, retire finished requests
+
+The policy owns its queues and the :class:`~serving.policy.kv.BlockLedger`; the host owns time and the
+truth (which requests emitted their last token).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from serving.policy.config import PolicyConfig
+from serving.policy.kv import BlockLedger
+from serving.policy.request import Phase, Request, blocks_for
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's decision: tokens per request id (in batch order) and what was preempted or paused."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    preempted: list[int] = field(default_factory=list)  # recompute: KV dropped, back to the waiting queue
+    paused: list[int] = field(default_factory=list)     # offload-free: KV kept, out of the batch
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+Repredict = Callable[[Request], float]
+
+
+class PolicyError(ValueError):
+    """Unknown policy name or bad policy configuration."""
+
+
+class Policy(ABC):
+    """Base class: request bookkeeping shared by all policies; subclasses decide ``_schedule``."""
+
+    name = "base"
+
+    def __init__(self, config: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> None:
+        self.cfg = config
+        self.kv = BlockLedger(kv_blocks)
+        self.requests: dict[int, Request] = {}
+        self.repredict = repredict or (lambda r: r.pred.remaining_after(r.generated))
+        self.stats = {"preemptions": 0, "pauses": 0, "steps": 0, "sched_s": 0.0, "hosted": 0, "relocations": 0}
+
+    # -- host-facing API -------------------------------------------------------------------------
+    def add(self, req: Request, now: float) -> None:
+        if req.rid in self.requests:
+            raise ValueError(f"request {req.rid} added twice")
+        if req.prompt_len <= 0:
+            raise ValueError(f"request {req.rid}: prompt must have at least one token")
+        if blocks_for(req.prompt_len + 1, self.cfg.block_size) > self.kv.total:
+            raise ValueError(f"request {req.rid}: prompt of {req.prompt_len} tokens cannot fit the KV cache")
+        req.phase = Phase.WAITING
+        req.planned_rl = max(1, round(req.pred.length))
+        self.requests[req.rid] = req
+        self._enqueue_new(req, now)
+
+    def schedule(self, now: float) -> StepPlan:
+        t0 = time.perf_counter()
+        plan = self._schedule(now)
+        for rid in plan.tokens:
+            r = self.requests[rid]
+            if r.first_scheduled is None:
+                r.first_scheduled = now
+        self.stats["steps"] += 1
+        self.stats["sched_s"] += time.perf_counter() - t0
+        return plan
+
+    def update(self, plan: StepPlan, finished: Iterable[int], now: float) -> None:
+        """Apply the step: advance token counters, then retire ``finished`` (their last token came out)."""
+        t0 = time.perf_counter()
+        done = set(finished)
+        for rid, n in plan.tokens.items():
+            self.requests[rid].advance(n)
+        for rid in done:
+            req = self.requests.pop(rid)
+            req.phase = Phase.FINISHED
+            self._on_finish(req, now)
+            self.kv.release(rid)
+        self._after_step(plan, done, now)
+        self.stats["sched_s"] += time.perf_counter() - t0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def used_tokens(self) -> int:
+        """KV tokens actually written (for utilization): computed tokens of every live request."""
+        return sum(r.computed for r in self.requests.values())
+
+    # -- subclass hooks --------------------------------------------------------------------------
+    @abstractmethod
+    def _enqueue_new(self, req: Request, now: float) -> None: ...
+
+    @abstractmethod
+    def _schedule(self, now: float) -> StepPlan: ...
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        """Remove ``req`` from the policy's own structures (its blocks are released after)."""
+
+    def _after_step(self, plan: StepPlan, finished: set[int], now: float) -> None:
+        """Per-step bookkeeping after tokens were applied."""
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def policy_names() -> list[str]:
+    from serving.policy import ecoserve  # noqa: F401  (registers the variants)
+    return sorted(_REGISTRY) + ["ecoserve-<flags>", "oracle"]
+
+
+def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> Policy:
+    """Build a policy by name: vllm, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle."""
+    from serving.policy import baselines, ecoserve  # noqa: F401  (registration side effects)
+
+    key = name.strip().lower()
+    if key == "oracle":  # the host feeds true lengths; the policy is the full ecoserve
+        key = "ecoserve"
+    if key in _REGISTRY:
+        return _REGISTRY[key](config, kv_blocks, repredict)
+    if key.startswith("ecoserve-"):
+        return ecoserve.EcoServe.from_flags(key.split("-", 1)[1], config, kv_blocks, repredict)
+    raise PolicyError(f"unknown policy {name!r}; choose one of: vllm, orca, sarathi, sjf, fcfs-max-alloc, "
+                      "ecoserve, ecoserve-D, ecoserve-SD, ecoserve-SDO (any of the letters D S O P), oracle")

@@ -1,0 +1,207 @@
+"""Baseline policies: vLLM V1's default scheduler and the classic schedulers EcoServe compares with.
+
+``vllm`` follows ``vllm/v1/core/sched/scheduler.py`` (0.32) step for step, minus features a simulator
+has no use for (speculative decoding, encoders, connectors, prefix caching):
+
+1. Running requests, in list order, each get ``min(uncomputed tokens, token budget)`` tokens. When the
+   KV pool cannot grow one of them, the newest running request (``running[-1]``; for the priority
+   policy the one with the worst ``(priority, arrival)``) is preempted by recompute — blocks freed,
+   ``computed = 0``, put back at the head of the waiting queue — until it fits or the request itself
+   was the victim.
+2. Only if nothing was preempted this step, waiting requests are admitted in queue order while the
+   budget, ``max_num_seqs`` and KV allow. Admission needs the whole sequence to fit in the free blocks
+   (vLLM's ``scheduler_reserve_full_isl``), but allocates only the blocks of the scheduled chunk.
+
+``sarathi`` is the same loop with the budget set to the target forward size (stall-free chunked
+prefill: decodes first, prefill chunks fill the rest). ``sjf`` is vLLM's priority policy with the
+predicted RL as priority, aged so nobody starves. ``orca`` and ``fcfs-max-alloc`` reserve KV for the
+maximum sequence length at admission, so they never preempt.
+"""
+
+from __future__ import annotations
+
+from serving.policy.base import Policy, StepPlan, register
+from serving.policy.request import Phase, Request, SortedQueue, blocks_for
+
+
+class VLLMPolicy(Policy):
+    """vLLM V1 default: FCFS, chunked prefill within the token budget, KV on demand, recompute preemption."""
+
+    name = "vllm"
+    priority = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.running: list[Request] = []
+        self.waiting = SortedQueue()
+
+    @property
+    def budget(self) -> int:
+        return self.cfg.max_num_batched_tokens
+
+    def _key(self, req: Request) -> tuple:
+        return ()
+
+    def _enqueue_new(self, req: Request, now: float) -> None:
+        self.waiting.push(self._key(req), req)
+
+    def _victim(self) -> Request:
+        if self.priority:
+            return max(self.running, key=lambda r: (self._key(r), r.arrival))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.kv.release(victim.rid)
+        victim.computed = 0
+        victim.phase = Phase.WAITING
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        plan.preempted.append(victim.rid)
+        self.waiting.push(self._key(victim), victim, front=not self.priority)
+
+    def _schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        budget = self.budget
+        bs = self.cfg.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.uncomputed, budget, self.cfg.max_model_len - req.computed)
+            if n <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while not self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs)):
+                victim = self._victim()
+                idx = self.running.index(victim) if self.priority else len(self.running) - 1
+                del self.running[idx]
+                if idx < i:
+                    i -= 1
+                budget += plan.tokens.pop(victim.rid, 0)
+                self._preempt(victim, plan)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            plan.tokens[req.rid] = n
+            budget -= n
+            i += 1
+        if not plan.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                req = self.waiting.peek()
+                if blocks_for(req.seq_len, bs) - self.kv.of(req.rid) > self.kv.free:
+                    break
+                n = min(req.uncomputed, budget)
+                self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs))
+                self.waiting.pop()
+                req.phase = Phase.RUNNING
+                self.running.append(req)
+                plan.tokens[req.rid] = n
+                budget -= n
+        return plan
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+
+
+@register("vllm")
+def _vllm(cfg, kv_blocks, repredict=None):
+    return VLLMPolicy(cfg, kv_blocks, repredict)
+
+
+class SarathiPolicy(VLLMPolicy):
+    """Sarathi-Serve / FastGen: stall-free chunked prefill to the target forward size, block allocation."""
+
+    name = "sarathi"
+
+    @property
+    def budget(self) -> int:
+        return self.cfg.tfs
+
+
+@register("sarathi")
+def _sarathi(cfg, kv_blocks, repredict=None):
+    return SarathiPolicy(cfg, kv_blocks, repredict)
+
+
+class SJFPolicy(VLLMPolicy):
+    """Shortest predicted job first via vLLM's priority policy, with linear aging.
+
+    Priority = predicted RL − α·(time waited), α = max_model_len / aging_s, written in the static form
+    ``predicted RL + α·arrival`` so the queue never needs re-sorting: after ``aging_s`` seconds a
+    request outranks any fresh arrival, which bounds starvation.
+    """
+
+    name = "sjf"
+    priority = True
+
+    def _key(self, req: Request) -> tuple:
+        alpha = self.cfg.max_model_len / self.cfg.aging_s
+        return (req.pred.length + alpha * req.arrival,)
+
+
+@register("sjf")
+def _sjf(cfg, kv_blocks, repredict=None):
+    return SJFPolicy(cfg, kv_blocks, repredict)
+
+
+class MaxAllocPolicy(Policy):
+    """FCFS with max-allocation: KV for prompt + max output reserved at admission (ORCA, FasterTransformer).
+
+    Never preempts, but reserved-and-unused KV caps the batch. ``batch_size`` limits concurrent
+    requests (ORCA: 8); ``chunked`` lets prefill chunks share the token budget (otherwise a prompt runs
+    whole in one step, as ORCA does).
+    """
+
+    name = "fcfs-max-alloc"
+
+    def __init__(self, cfg, kv_blocks, repredict=None, batch_size: int | None = None, chunked: bool = True) -> None:
+        super().__init__(cfg, kv_blocks, repredict)
+        self.batch_size = batch_size or cfg.max_num_seqs
+        self.chunked = chunked
+        self.running: list[Request] = []
+        self.waiting = SortedQueue()
+
+    def _max_blocks(self, req: Request) -> int:
+        limit = self.cfg.max_model_len if req.max_tokens is None else min(self.cfg.max_model_len, req.prompt_len + req.max_tokens)
+        return min(blocks_for(max(limit, req.seq_len + 1), self.cfg.block_size), self.kv.total)
+
+    def _enqueue_new(self, req: Request, now: float) -> None:
+        self.waiting.push((), req)
+
+    def _schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens if self.chunked else 1 << 62
+        for req in self.running:
+            if budget <= 0:
+                break
+            n = min(req.uncomputed, budget)
+            plan.tokens[req.rid] = n
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.batch_size:
+            req = self.waiting.peek()
+            if not self.kv.grow_to(req.rid, self._max_blocks(req)):
+                break
+            self.waiting.pop()
+            req.phase = Phase.RUNNING
+            self.running.append(req)
+            n = min(req.uncomputed, budget)
+            plan.tokens[req.rid] = n
+            budget -= n
+        return plan
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+
+
+@register("fcfs-max-alloc")
+def _max_alloc(cfg, kv_blocks, repredict=None):
+    return MaxAllocPolicy(cfg, kv_blocks, repredict)
+
+
+@register("orca")
+def _orca(cfg, kv_blocks, repredict=None):
+    p = MaxAllocPolicy(cfg, kv_blocks, repredict, batch_size=cfg.orca_batch_size, chunked=False)
+    p.name = "orca"
+    return p

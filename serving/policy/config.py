@@ -1,0 +1,27 @@
+"""Typed knobs of every scheduling policy, with EcoServe's published defaults (ShareGPT column)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PolicyConfig(BaseModel):
+    """One config for all policies; each policy reads the fields it needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(32, gt=0, description="KV block size in tokens (EcoServe §2.1 and vLLM: 32)")
+    max_num_seqs: int = Field(256, gt=0, description="most requests in one step (vLLM max_num_seqs)")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="token budget per step (vLLM max_num_batched_tokens)")
+    max_model_len: int = Field(2048, gt=0, description="context limit; max-allocation policies reserve this much")
+    tfs: int = Field(2048, gt=0, description="target forward size: tokens per step that saturate the accelerator (EcoServe, Sarathi)")
+    padding: float = Field(0.15, ge=0, description="exact allocation pads the predicted RL by this fraction (EcoServe §2.3: 10/15/20%)")
+    reserve: float = Field(0.03, ge=0, lt=1, description="fraction of KV blocks GTs may not take, kept for PTs and overruns (1.2-5%)")
+    buffer: float = Field(0.15, ge=0, lt=0.5, description="KVC pipelining buffer b as a fraction of the host's predicted RL (10-15%)")
+    slo_scale: float = Field(2.0, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x RL) (EcoServe §4)")
+    deadline_bin_s: float = Field(0.5, gt=0, description="ordering: width of a deadline range in seconds")
+    kv_bin_tokens: int = Field(128, gt=0, description="ordering: width of an occupied-KV range in tokens")
+    orca_batch_size: int = Field(8, gt=0, description="ORCA's fixed batch size (EcoServe §2.1)")
+    aging_s: float = Field(60.0, gt=0, description="sjf: a request waiting this long outranks any new arrival")
+    group_tokens: int = Field(32, gt=0, description="time-synced batching: GTs whose remaining predicted RL rounds up to the same multiple form one group")
+    pipeline_depth: int = Field(4, ge=1, description="KVC pipelining: nesting levels (halves, quarters, ...)")

@@ -1,0 +1,323 @@
+"""Response-length predictions for a workload, from perfect to realistic, so the simulator can chart
+what a scheduler gains as prediction quality changes.
+
+A predictor spec names where predictions come from:
+
+* ``oracle`` — the true output length (upper bound on any benefit);
+* ``noise:ACC`` — the truth times log-normal noise, its spread set so that top-1 accuracy at 200-token
+  buckets is ``ACC`` on this very workload (our trained predictor reaches about 0.55 on ShareGPT);
+* ``gauss:SIGMA`` — ``truth * (1 + N(0, SIGMA))``, the robustness test of SeaLLM-style papers;
+* ``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/...`` or a predictor package directory —
+  the real ONNX length predictor run on the requests' prompt turns.
+
+Noise is drawn from a hash of ``(seed, rid, generated)``, so a request's prediction does not depend on
+which other requests are in the workload, and re-running gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from predictor.buckets import BucketScheme
+from serving.policy.request import Prediction
+from serving.sim.workload import TraceRequest, WorkloadError
+
+# The accuracy that ``noise:ACC`` matches is measured at these buckets: 200-token wide up to 2048
+# tokens, the scheme our predictor is trained and reported with (lengths >= 2000 share the last bucket).
+ACCURACY_SCHEME = BucketScheme.equal_width(200, 2048)
+PROGRESS_MIN = 500  # show a progress bar when the real model predicts more prompts than this
+
+_VALID = ("oracle, noise:ACC (0 < ACC <= 1, e.g. noise:0.55), gauss:SIGMA (SIGMA >= 0, e.g. gauss:0.2), "
+          "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, or a predictor package directory")
+_SALT_PREDICT = 0
+_SALT_REPREDICT = 1
+
+
+class PredictorSpecError(ValueError):
+    """A predictor spec that names no known predictor or has an out-of-range parameter."""
+
+
+class LengthOracle(Protocol):
+    """What the simulator needs from a length predictor."""
+
+    spec: str
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        """One prediction per request, in order."""
+        ...
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        """Tokens still expected once ``generated`` were produced and the request is still running."""
+        ...
+
+
+# --- deterministic noise ----------------------------------------------------------------------------
+
+_U64 = np.uint64
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser, vectorised (uint64 arithmetic wraps, which is the point)."""
+    with np.errstate(over="ignore"):
+        x = x + _U64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return x ^ (x >> _U64(31))
+
+
+def standard_normal(seed: int, rids, salt=0) -> np.ndarray:
+    """N(0, 1) draws keyed by ``(seed, rid, salt)``: the same key always gives the same draw."""
+    rid = np.atleast_1d(np.asarray(rids, dtype=np.int64)).astype(np.uint64)
+    s = np.broadcast_to(np.atleast_1d(np.asarray(salt, dtype=np.int64)).astype(np.uint64), rid.shape)
+    key = _splitmix(_splitmix(_splitmix(np.full(rid.shape, seed % 2**64, dtype=np.uint64)) ^ rid) ^ s)
+    u1 = ((_splitmix(key ^ _U64(1)) >> _U64(11)).astype(np.float64) + 0.5) / 2.0**53
+    u2 = ((_splitmix(key ^ _U64(2)) >> _U64(11)).astype(np.float64) + 0.5) / 2.0**53
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def bucket_accuracy(truth: np.ndarray, pred: np.ndarray, scheme: BucketScheme = ACCURACY_SCHEME) -> float:
+    """Share of predictions in the same bucket as the truth (top-1 bucket accuracy)."""
+    return float(np.mean(scheme.assign(truth) == scheme.assign(pred)))
+
+
+def calibrate_sigma(truth: np.ndarray, z: np.ndarray, accuracy: float, scheme: BucketScheme = ACCURACY_SCHEME) -> float:
+    """The log-normal spread σ at which ``truth * exp(σ z)`` has top-1 bucket accuracy ``accuracy``.
+
+    With ``z`` fixed, a prediction that left its bucket never comes back as σ grows, so accuracy is
+    monotone in σ and bisection finds the closest achievable value (steps of 1/len(truth)).
+    Raises :class:`PredictorSpecError` when even very large noise keeps accuracy above the target:
+    on workloads where most lengths share one bucket, random guesses are often right.
+    """
+    truth = np.asarray(truth, dtype=np.float64)
+    if accuracy >= 1.0:
+        return 0.0
+    true_b = scheme.assign(truth)
+
+    def acc(sigma: float) -> float:
+        return float(np.mean(scheme.assign(truth * np.exp(sigma * z)) == true_b))
+
+    hi = 1.0
+    while acc(hi) > accuracy:
+        hi *= 2.0
+        if hi > 64.0:
+            floor = acc(hi)
+            if floor - accuracy > 0.01:
+                raise PredictorSpecError(
+                    f"noise:{accuracy:g} is below what this workload gives even with random guesses "
+                    f"(top-1 accuracy {floor:.2f} at 200-token buckets: most lengths share a bucket); use noise:ACC "
+                    f"with ACC >= {math.ceil(floor * 100) / 100:.2f} or gauss:SIGMA"
+                )
+            return hi
+    lo = 0.0  # acc(lo) > accuracy >= acc(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        if acc(mid) > accuracy:
+            lo = mid
+        else:
+            hi = mid
+    return lo if abs(acc(lo) - accuracy) < abs(acc(hi) - accuracy) else hi
+
+
+def _point(length: float) -> Prediction:
+    """A point prediction with its bucket under :data:`ACCURACY_SCHEME` (``hi`` = that bucket's top)."""
+    b = int(ACCURACY_SCHEME.assign(length)[0])
+    return Prediction(length=float(length), hi=float(max(ACCURACY_SCHEME.upper()[b], length)), bucket=b)
+
+
+def _truth(requests: list[TraceRequest]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([r.output_tokens for r in requests], dtype=np.float64),
+            np.array([r.rid for r in requests], dtype=np.int64))
+
+
+# --- predictors ----------------------------------------------------------------------------------------
+
+
+class ExactOracle:
+    """The true output length: the best any length-aware scheduler could do."""
+
+    def __init__(self) -> None:
+        self.spec = "oracle"
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        return [Prediction(length=float(r.output_tokens), hi=float(r.output_tokens)) for r in requests]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return float(max(1, request.output_tokens - generated))
+
+
+class LogNormalNoise:
+    """Truth × exp(N(0, σ)), σ calibrated per workload to a target top-1 bucket accuracy.
+
+    Multiplicative noise keeps predictions positive and makes errors proportional to the length, as a
+    classifier's are; matching accuracy (not σ) lets a chart put it beside the real predictor.
+    """
+
+    def __init__(self, accuracy: float, seed: int = 0) -> None:
+        self.accuracy = accuracy
+        self.seed = seed
+        self.sigma: float | None = None  # set by predict() on the workload's own lengths
+        self.achieved: float | None = None
+        self.spec = f"noise:{accuracy:g}"
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        if not requests:
+            return []
+        truth, rids = _truth(requests)
+        z = standard_normal(self.seed, rids, _SALT_PREDICT)
+        self.sigma = calibrate_sigma(truth, z, self.accuracy)
+        pred = np.maximum(1.0, truth * np.exp(self.sigma * z))
+        self.achieved = bucket_accuracy(truth, pred)
+        return [_point(p) for p in pred]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        if self.sigma is None:
+            raise RuntimeError("call predict() on the workload before repredict(): σ is calibrated there")
+        remaining = max(1, request.output_tokens - generated)
+        z = standard_normal(self.seed, request.rid, _SALT_REPREDICT + max(0, generated))[0]
+        return float(max(1.0, remaining * math.exp(self.sigma * z)))
+
+
+class GaussianNoise:
+    """Truth × (1 + N(0, SIGMA)), floored at one token (additive relative error, SeaLLM-style)."""
+
+    def __init__(self, sigma: float, seed: int = 0) -> None:
+        self.sigma = sigma
+        self.seed = seed
+        self.spec = f"gauss:{sigma:g}"
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        if not requests:
+            return []
+        truth, rids = _truth(requests)
+        pred = np.maximum(1.0, truth * (1.0 + self.sigma * standard_normal(self.seed, rids, _SALT_PREDICT)))
+        return [_point(p) for p in pred]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        remaining = max(1, request.output_tokens - generated)
+        z = standard_normal(self.seed, request.rid, _SALT_REPREDICT + max(0, generated))[0]
+        return float(max(1.0, remaining * (1.0 + self.sigma * z)))
+
+
+class ModelPredictor:
+    """The trained ONNX length predictor on each request's prompt turns.
+
+    ``length`` is the expected length (or the ``quantile`` length when given), ``hi`` the top of the
+    argmax bucket, and ``edges``/``probs`` the bucket distribution, which re-prediction conditions on.
+    """
+
+    def __init__(self, spec: str, predictor, quantile: float | None = None) -> None:
+        self.spec = spec
+        self.predictor = predictor  # predictor.runtime.OnnxLengthPredictor
+        self.quantile = quantile
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        if not requests:
+            return []
+        missing = [r.rid for r in requests if not r.turns]
+        if missing:
+            raise WorkloadError(
+                f"predictor {self.spec} needs prompt text, but {len(missing)} request(s) have none (e.g. rid {missing[0]}); "
+                "use a ShareGPT or AlpacaEval workload, or oracle / noise:ACC / gauss:SIGMA for length-only traces"
+            )
+        from tqdm.auto import tqdm
+
+        scheme: BucketScheme = self.predictor.scheme
+        prompts = [[(str(role), str(text)) for role, text in _turn_pairs(r.turns)] for r in requests]
+        q = self.quantile if self.quantile is not None else 0.9
+        chunk = 256
+        buckets, probs, lengths = [], [], []
+        with tqdm(total=len(prompts), desc=f"predicting ({self.spec})", unit="prompt", disable=len(prompts) <= PROGRESS_MIN) as bar:
+            for i in range(0, len(prompts), chunk):
+                out = self.predictor.predict(prompts[i : i + chunk], quantile=q)
+                buckets.append(np.asarray(out.buckets))
+                probs.append(np.asarray(out.probs))
+                lengths.append(np.asarray(out.quantile if self.quantile is not None else out.expected))
+                bar.update(len(prompts[i : i + chunk]))
+        b_all, p_all, l_all = np.concatenate(buckets), np.concatenate(probs), np.concatenate(lengths)
+        upper = scheme.upper()
+        inner = tuple(int(e) for e in scheme.edges[1:])  # Prediction.edges: bucket tops but the last (open) one
+        return [
+            Prediction(length=float(max(1.0, l_all[i])), hi=float(upper[int(b_all[i])]), bucket=int(b_all[i]),
+                       edges=inner, probs=tuple(float(x) for x in p_all[i]))
+            for i in range(len(requests))
+        ]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return float(prediction.remaining_after(generated))
+
+
+def _turn_pairs(turns) -> list[tuple[str, str]]:
+    """``(role, text)`` pairs from tuples or ``training.data.Turn`` objects."""
+    return [(t.role, t.text) if hasattr(t, "role") else (t[0], t[1]) for t in turns]
+
+
+# --- specs ----------------------------------------------------------------------------------------------
+
+
+def _number(spec: str, value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise PredictorSpecError(f"predictor spec {spec!r} needs a number after ':'; valid forms: {_VALID}") from None
+    if not math.isfinite(x):
+        raise PredictorSpecError(f"predictor spec {spec!r} needs a finite number; valid forms: {_VALID}")
+    return x
+
+
+def _load_model(spec: str):
+    if spec.startswith(("models:/", "runs:/")):
+        from registry.store import load_predictor
+
+        try:
+            return load_predictor(spec)
+        except Exception as exc:  # noqa: BLE001 - MLflow raises many types for "no such model/alias"
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PredictorSpecError(f"cannot load predictor {spec}: {first}") from None
+    from predictor.runtime import META_FILE, MODEL_FILE, OnnxLengthPredictor
+
+    d = Path(spec).expanduser()
+    if not ((d / MODEL_FILE).exists() and (d / META_FILE).exists()):
+        raise PredictorSpecError(f"{d} is not a predictor package (needs {MODEL_FILE} and {META_FILE}); valid forms: {_VALID}")
+    try:
+        return OnnxLengthPredictor(d)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime/tokenizers raise their own types on bad files
+        raise PredictorSpecError(f"cannot load predictor package {d}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> LengthOracle:
+    """Build the predictor a spec names (see the module doc); a bad spec raises :class:`PredictorSpecError`.
+
+    ``quantile`` (real model only) makes ``length`` the bucket-distribution quantile instead of the mean,
+    i.e. padded predictions.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise PredictorSpecError(f"empty predictor spec; valid forms: {_VALID}")
+    s = spec.strip()
+    kind, _, value = s.partition(":")
+    kind_l = kind.lower()
+    is_model = s.startswith(("models:/", "runs:/")) or (
+        kind_l not in ("oracle", "noise", "gauss") and ("/" in s or Path(s).expanduser().is_dir()))
+    if quantile is not None:
+        if not is_model:
+            raise PredictorSpecError(f"quantile applies only to a real model predictor, not to {s!r}")
+        if not 0.0 < quantile < 1.0:
+            raise PredictorSpecError(f"quantile must be in (0, 1), got {quantile}")
+    if is_model:
+        return ModelPredictor(s, _load_model(s), quantile)
+    if kind_l == "oracle" and not value:
+        return ExactOracle()
+    if kind_l == "noise" and value:
+        acc = _number(s, value)
+        if not 0.0 < acc <= 1.0:
+            raise PredictorSpecError(f"noise accuracy must be in (0, 1], got {value}; e.g. noise:0.55")
+        return LogNormalNoise(acc, seed)
+    if kind_l == "gauss" and value:
+        sigma = _number(s, value)
+        if sigma < 0.0:
+            raise PredictorSpecError(f"gauss sigma must be >= 0, got {value}; e.g. gauss:0.2")
+        return GaussianNoise(sigma, seed)
+    raise PredictorSpecError(f"unknown predictor spec {spec!r}; valid forms: {_VALID}")

@@ -1,0 +1,73 @@
+"""Rate sweeps: the highest request rate each policy sustains at >= 90% SLO attainment, and its curves.
+
+Every policy walks the same geometric grid of rates (so curves line up in the figure) until its
+attainment drops below the target, then bisects between the last rate that passed and the first that
+failed. One run per point, all in this process, so ratios between policies are measured side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from serving.sim.engine import simulate
+from serving.sim.metrics import RunMetrics
+from serving.sim.scenarios import Setup
+
+BENCH_POLICIES = ("vllm", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle")
+
+
+def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> RunMetrics:
+    preds, oracle = setup.predictions_for(policy)
+    reqs = setup.at_rate(rate)
+    m = simulate(reqs, preds, policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                 repredict=oracle.repredict, check=check)
+    m.extra["rate"] = rate
+    return m
+
+
+def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: float = 1.25, max_points: int = 14,
+                 refine: int = 3, on_point: Callable[[str, float, RunMetrics], None] | None = None) -> dict:
+    """Max rate at ``target`` attainment for one policy, with every point it ran."""
+    points: dict[float, RunMetrics] = {}
+
+    def at(rate: float) -> RunMetrics:
+        rate = round(rate, 6)
+        if rate not in points:
+            points[rate] = run_point(setup, policy, rate)
+            if on_point:
+                on_point(policy, rate, points[rate])
+        return points[rate]
+
+    rate = setup.scenario.start_rate
+    lo = hi = None
+    if at(rate).slo_attainment >= target:
+        lo = rate
+        for _ in range(max_points):
+            rate *= factor
+            if at(rate).slo_attainment < target:
+                hi = rate
+                at(rate * factor)  # one more point past the knee for the curve
+                break
+            lo = rate
+    else:
+        hi = rate
+        for _ in range(max_points):
+            rate /= factor
+            if at(rate).slo_attainment >= target:
+                lo = rate
+                break
+            hi = rate
+    if lo is not None and hi is not None:
+        for _ in range(refine):
+            mid = math.sqrt(lo * hi)
+            if at(mid).slo_attainment >= target:
+                lo = mid
+            else:
+                hi = mid
+    curve = [{"rate": r, **{k: v for k, v in m.to_dict().items() if not isinstance(v, dict)}} for r, m in sorted(points.items())]
+    return {"max_rate_at_90_slo": lo or 0.0, "first_failing_rate": hi, "curve": curve}
+
+
+def sweep(setup: Setup, policies: Sequence[str] = BENCH_POLICIES, **kw) -> dict:
+    return {p: sweep_policy(setup, p, **kw) for p in policies}

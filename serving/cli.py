@@ -1,4 +1,4 @@
-"""``lengthwise``: the operator's command line (benchmarks, registry; serving and simulation follow)."""
+"""``lengthwise``: the operator's command line: simulation, benchmarks, registry tools."""
 
 from __future__ import annotations
 
@@ -14,6 +14,100 @@ def _bench_predictor(a: argparse.Namespace) -> int:
     run_bench(a.json, a.max_samples or None, a.epochs, a.work_dir, a.base_model, a.max_prompt_tokens, a.bucket_width,
               a.first_turn_only, a.threads)
     return 0
+
+
+def _knobs(pairs: list[str]) -> dict:
+    """``--set padding=0.2`` pairs into PolicyConfig overrides (validated by pydantic later)."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE (e.g. padding=0.2), got {pair!r}")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def _setup(a: argparse.Namespace, scenario_name: str):
+    from serving.sim.scenarios import SCENARIOS, build_setup
+
+    if scenario_name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario_name!r}; choose one of: {', '.join(SCENARIOS)}")
+    if getattr(a, "rate", None) is not None and not a.rate > 0:
+        raise ValueError(f"--rate must be a positive number of requests per second, got {a.rate}")
+    if a.max_requests is not None and a.max_requests < 1:
+        raise ValueError(f"--max-requests must be at least 1, got {a.max_requests}")
+    hw = {k: v for k, v in (("model", a.model), ("gpu", a.gpu), ("kv_blocks", a.kv_blocks), ("block_size", a.block_size),
+                            ("max_model_len", a.max_model_len),
+                            ("kv_bytes", a.kv_gb * 1e9 if a.kv_gb else None)) if v is not None}
+    if getattr(a, "rate", None) is not None and getattr(a, "arrival", None) != "trace":
+        hw["start_rate"] = a.rate
+    from rich.console import Console
+
+    with Console(stderr=True).status("loading workload and pricing requests..."):
+        return build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor, max_requests=a.max_requests,
+                           latency=a.latency_model, seed=a.seed, arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
+                           overrides=_knobs(a.set), **hw)
+
+
+def _simulate(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from serving.policy.base import make_policy
+    from serving.policy.config import PolicyConfig
+    from serving.sim.bench import simulate_once
+
+    make_policy(a.policy, PolicyConfig(), 64)  # an unknown name fails now, not after loading the workload
+    setup = _setup(a, a.scenario)
+    simulate_once(setup, a.policy, a.rate, a.json, Console())
+    return 0
+
+
+def _bench_sim(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from serving.policy.base import make_policy
+    from serving.policy.config import PolicyConfig
+    from serving.sim.bench import bench_sim
+    from serving.sim.scenarios import SCENARIOS
+
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    for p in policies:  # fail before minutes of work, not after
+        make_policy(p, PolicyConfig(), 64)
+    names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
+    out_dir = Path(a.out_dir)
+    for name in names:
+        setup = _setup(a, name)
+        json_path = Path(a.json) if a.json and len(names) == 1 else out_dir / f"bench_sim_{name}.json"
+        bench_sim(setup, policies, json_path, json_path.with_suffix(".png"), Console())
+    return 0
+
+
+def _add_sim_options(p: argparse.ArgumentParser, workload_required: bool) -> None:
+    from serving.sim.scenarios import SCENARIOS
+
+    g = p.add_argument_group("workload and hardware (defaults come from the scenario)")
+    g.add_argument("--workload", required=workload_required, metavar="PATH",
+                   help="Azure CSV, Mooncake JSONL, ShareGPT JSON(.xz), AlpacaEval JSONL(.xz) or a length-only CSV; "
+                        "the format is detected from the file")
+    g.add_argument("--max-requests", type=int, metavar="N", help="replay the first N usable requests")
+    g.add_argument("--predictor", metavar="SPEC",
+                   help="oracle | noise:ACC (log-normal noise giving top-1 accuracy ACC at 200-token buckets) | gauss:SIGMA "
+                        "| models:/NAME@ALIAS or a predictor package dir (the real ONNX model; needs prompt text)")
+    g.add_argument("--latency-model", metavar="SPEC", help="roofline | blis | linear:b0,b1,b2[,b3] (us) | fitted:PROFILE.csv")
+    g.add_argument("--model", help="model config for roofline/BLIS/KV size, e.g. opt-13b, llama-3.1-8b, smollm2-135m")
+    g.add_argument("--gpu", help="a100-80gb | h100 | h200")
+    g.add_argument("--kv-gb", type=float, help="KV cache memory in GB (10^9 bytes)")
+    g.add_argument("--kv-blocks", type=int, help="KV cache size in blocks (overrides --kv-gb)")
+    g.add_argument("--block-size", type=int, help="KV block size in tokens")
+    g.add_argument("--max-model-len", type=int, help="context limit; longer requests are skipped and counted")
+    g.add_argument("--tokenizer", metavar="PATH", help="tokenizer for text workloads (tokenizer.json, tokenizer.model, HF dir)")
+    g.add_argument("--seed", type=int, default=0, help="seed for Poisson arrivals and prediction noise (default: 0)")
+    g.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="policy knob, repeatable: padding, reserve, buffer, tfs, slo_scale, deadline_bin_s, max_num_seqs, ...")
+    p.add_argument("--scenario", default="ecoserve-paper", choices=list(SCENARIOS) + (["all"] if not workload_required else []),
+                   help="hardware, limits and workload defaults (default: %(default)s)")
 
 
 def _registry(a: argparse.Namespace) -> int:
@@ -44,6 +138,41 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-v", "--verbose", action="store_true")
     bp.set_defaults(func=_bench_predictor)
 
+    bs = bsub.add_parser(
+        "sim", help="rate sweep of every scheduling policy in the simulator",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="For each policy, find the highest request rate sustained at >= 90%% JCT SLO attainment (EcoServe's "
+                    "SLO: slo_scale x (t_p + t_g x RL)), and draw normalized latency and attainment against rate.",
+        epilog="scenarios:\n" + "\n".join(f"  {k}: {v.description}" for k, v in __import__(
+            "serving.sim.scenarios", fromlist=["SCENARIOS"]).SCENARIOS.items()) +
+        "\n\nexamples:\n  lengthwise bench sim\n  lengthwise bench sim --scenario all --max-requests 800\n"
+        "  lengthwise bench sim --policies vllm,ecoserve,oracle --predictor noise:0.8")
+    bs.add_argument("--policies", default=",".join(__import__("serving.sim.sweep", fromlist=["BENCH_POLICIES"]).BENCH_POLICIES),
+                    help="comma-separated policy names (default: %(default)s)")
+    bs.add_argument("--json", help="write results here (default: OUT_DIR/bench_sim_<scenario>.json; PNG beside it)")
+    bs.add_argument("--out-dir", default="bench-results/sim")
+    _add_sim_options(bs, workload_required=False)
+    bs.set_defaults(func=_bench_sim)
+
+    sm = sub.add_parser(
+        "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Replay a trace (or prompts with Poisson arrivals) through one policy on a simulated engine and "
+                    "report EcoServe's metrics: SLO attainment, normalized latency, JCT/TTFT/TBT, KV use, preemptions.",
+        epilog="policies: vllm, sarathi, sjf, orca, fcfs-max-alloc, ecoserve, ecoserve-<D|S|O|P flags> "
+               "(e.g. ecoserve-SDO), oracle (ecoserve fed true lengths)\n\nexamples:\n"
+               "  lengthwise simulate --workload $LENGTHWISE_DATA/traces/AzureLLMInferenceTrace_code_2023.csv --policy vllm "
+               "--arrival trace --model llama-3.1-8b --gpu a100-80gb --latency-model blis --kv-blocks 29205 --block-size 16 "
+               "--max-model-len 8192 --predictor noise:0.6\n"
+               "  lengthwise simulate --workload $LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz "
+               "--policy ecoserve --rate 2 --max-requests 1000 --json run.json")
+    sm.add_argument("--policy", required=True, help="scheduling policy name (see below)")
+    sm.add_argument("--arrival", choices=["trace", "poisson"], help="file timestamps (rescaled to --rate if given) or Poisson at --rate")
+    sm.add_argument("--rate", type=float, help="requests per second")
+    sm.add_argument("--json", help="write the run's metrics here")
+    _add_sim_options(sm, workload_required=True)
+    sm.set_defaults(func=_simulate)
+
     cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
     cv.add_argument("gguf")
     cv.add_argument("out")
@@ -55,9 +184,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from pydantic import ValidationError
+
+    from serving.policy.base import PolicyError
+    from serving.sim.hardware import HardwareError
+    from serving.sim.latency import LatencyError
+    from serving.sim.predictions import PredictorSpecError
+    from serving.sim.workload import WorkloadError
+
+    return (WorkloadError, PredictorSpecError, PolicyError, LatencyError, HardwareError, ValidationError, ValueError, FileNotFoundError)
+
+
+def _one_line(exc: BaseException) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        e = exc.errors()[0]
+        return f"policy setting {'.'.join(map(str, e['loc']))}: {e['msg']}"
+    return " ".join(str(exc).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.command not in ("simulate", "bench") or getattr(args, "bench", "sim") != "sim":
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as exc:
+        print(f"lengthwise: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lengthwise: error: interrupted", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

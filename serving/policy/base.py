@@ -64,7 +64,7 @@ class Policy(ABC):
         if blocks_for(req.prompt_len + 1, self.cfg.block_size) > self.kv.total:
             raise ValueError(f"request {req.rid}: prompt of {req.prompt_len} tokens cannot fit the KV cache")
         req.phase = Phase.WAITING
-        req.planned_rl = max(1, round(req.pred.length))
+        self.plan_rl(req, req.pred.length)
         self.requests[req.rid] = req
         self._enqueue_new(req, now)
 
@@ -92,6 +92,16 @@ class Policy(ABC):
             self.kv.release(rid)
         self._after_step(plan, done, now)
         self.stats["sched_s"] += time.perf_counter() - t0
+
+    def max_seq_len(self, req: Request) -> int:
+        """The longest ``req`` can grow: the context limit, or prompt + max_tokens when set."""
+        limit = self.cfg.max_model_len
+        return limit if req.max_tokens is None else min(limit, req.prompt_len + req.max_tokens)
+
+    def plan_rl(self, req: Request, total_rl: float) -> int:
+        """Set the RL the policy plans for: a prediction, clamped to what the request can still produce."""
+        req.planned_rl = int(min(max(req.generated + 1, round(total_rl)), max(req.generated + 1, self.max_seq_len(req) - req.prompt_len)))
+        return req.planned_rl
 
     @property
     def has_work(self) -> bool:
@@ -126,13 +136,13 @@ def register(name: str):
 
 
 def policy_names() -> list[str]:
-    from serving.policy import ecoserve  # noqa: F401  (registers the variants)
+    from serving.policy import baselines, ecoserve, lengthwise  # noqa: F401  (registers the policies)
     return sorted(_REGISTRY) + ["ecoserve-<flags>", "oracle"]
 
 
 def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> Policy:
-    """Build a policy by name: vllm, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle."""
-    from serving.policy import baselines, ecoserve  # noqa: F401  (registration side effects)
+    """Build a policy by name: vllm, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle, lengthwise[-fcfs]."""
+    from serving.policy import baselines, ecoserve, lengthwise  # noqa: F401  (registration side effects)
 
     key = name.strip().lower()
     if key == "oracle":  # the host feeds true lengths; the policy is the full ecoserve
@@ -142,4 +152,4 @@ def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repr
     if key.startswith("ecoserve-"):
         return ecoserve.EcoServe.from_flags(key.split("-", 1)[1], config, kv_blocks, repredict)
     raise PolicyError(f"unknown policy {name!r}; choose one of: vllm, orca, sarathi, sjf, fcfs-max-alloc, "
-                      "ecoserve, ecoserve-D, ecoserve-SD, ecoserve-SDO (any of the letters D S O P), oracle")
+                      "ecoserve, ecoserve-D, ecoserve-SD, ecoserve-SDO (any of the letters D S O P), oracle, lengthwise, lengthwise-fcfs")

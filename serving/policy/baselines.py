@@ -90,7 +90,7 @@ class VLLMPolicy(Policy):
         if not plan.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting.peek()
-                if blocks_for(req.seq_len, bs) - self.kv.of(req.rid) > self.kv.free:
+                if blocks_for(req.seq_len, bs) - self.kv.of(req.rid) > self.kv.free or not self._admissible(req):
                     break
                 n = min(req.uncomputed, budget)
                 self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs))
@@ -100,6 +100,10 @@ class VLLMPolicy(Policy):
                 plan.tokens[req.rid] = n
                 budget -= n
         return plan
+
+    def _admissible(self, req: Request) -> bool:
+        """Extra admission test for subclasses (vLLM itself only needs the whole sequence to fit)."""
+        return True
 
     def _on_finish(self, req: Request, now: float) -> None:
         self.running.remove(req)

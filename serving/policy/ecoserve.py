@@ -74,6 +74,10 @@ class EcoServe(Policy):
     def _padded(self, tokens: int) -> int:
         return math.ceil(tokens * (1 + self.cfg.padding))
 
+    def _target(self, r: Request, tokens: int) -> int:
+        """Blocks to hold ``tokens`` more tokens of ``r``, never beyond its context limit."""
+        return blocks_for(min(r.computed + tokens, self.max_seq_len(r)), self.cfg.block_size)
+
     def _group(self, r: Request) -> int:
         return -(-self._remaining(r) // self.cfg.group_tokens)
 
@@ -120,7 +124,7 @@ class EcoServe(Policy):
 
     def _admit_gt(self, r: Request, avail: int) -> bool:
         """Give ``r`` its exact allocation if it fits in ``avail`` blocks; start it."""
-        target = blocks_for(r.computed + self._padded(self._remaining(r)), self.cfg.block_size)
+        target = self._target(r, self._padded(self._remaining(r)))
         if target - self.kv.of(r.rid) > avail:
             return False
         self._unqueue_gt(r)
@@ -133,8 +137,8 @@ class EcoServe(Policy):
 
     def _extend(self, r: Request) -> bool:
         """Under-provisioned GT: grow by its re-predicted remaining RL from any free KV (reserve included)."""
-        rem = max(1, round(self.repredict(r)))
-        target = blocks_for(r.computed + self._padded(rem), self.cfg.block_size)
+        rem = self.plan_rl(r, r.generated + self.repredict(r)) - r.generated
+        target = self._target(r, self._padded(rem))
         lend = self.host_of.get(r.rid)
         own = self.kv.of(r.rid)
         # a hosted GT's written tokens live in its host's span: moving out means owning all of them
@@ -145,7 +149,6 @@ class EcoServe(Policy):
             del self.host_of[r.rid]
             self.stats["relocations"] += 1
             self.origin[r.rid] = r.computed
-        r.planned_rl = r.generated + rem
         self.cap[r.rid] = self._own_cap(r) if lend is None else r.computed + self._padded(rem)
         return True
 
@@ -156,7 +159,7 @@ class EcoServe(Policy):
         r.pauses += 1
         self.stats["pauses"] += 1
         plan.paused.append(r.rid)
-        r.planned_rl = r.generated + max(1, round(self.repredict(r)))
+        self.plan_rl(r, r.generated + self.repredict(r))
         self._queue_gt(r, _RESUMED)
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
@@ -297,8 +300,7 @@ class EcoServe(Policy):
         if plan.tokens or self.prefilling or not self.gt_queue:
             return
         head = self.gt_queue.peek(0)
-        grow = min(self.kv.free, blocks_for(head.computed + self._padded(self._remaining(head)), self.cfg.block_size)
-                   - self.kv.of(head.rid))
+        grow = min(self.kv.free, self._target(head, self._padded(self._remaining(head))) - self.kv.of(head.rid))
         if head.computed + 1 <= (self.kv.of(head.rid) + max(grow, 0)) * self.cfg.block_size:
             self._unqueue_gt(head)
             self.kv.grow_to(head.rid, self.kv.of(head.rid) + max(grow, 0))
@@ -329,7 +331,7 @@ class EcoServe(Policy):
                     i = end
             r = self.pt_queue.peek(j)
             extra = 0 if self.D else self._padded(self._remaining(r))
-            need = blocks_for(r.seq_len + extra, bs) - self.kv.of(r.rid)
+            need = blocks_for(min(r.seq_len + extra, self.max_seq_len(r)), bs) - self.kv.of(r.rid)
             if need > self._pt_room():
                 break
             self.pt_queue.pop(j)
@@ -352,7 +354,7 @@ class EcoServe(Policy):
         if not self.gt_queue:
             return self.kv.free
         head = self.gt_queue.peek(0)
-        head_need = blocks_for(head.computed + self._padded(self._remaining(head)), self.cfg.block_size) - self.kv.of(head.rid)
+        head_need = self._target(head, self._padded(self._remaining(head))) - self.kv.of(head.rid)
         return min(self.kv.free, max(self.reserve_blocks, self.kv.free - self.reserve_blocks - head_need))
 
     def _after_step(self, plan: StepPlan, finished: set[int], now: float) -> None:

@@ -133,25 +133,36 @@ class Setup:
 
 
 def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: str | None = None,
-                max_requests: int | None = None, latency: str | None = None, seed: int = 0,
-                overrides: dict | None = None) -> Setup:
-    """Load the workload, price it, size the KV pool and derive the SLOs for ``scenario``."""
+                max_requests: int | None = None, latency: str | None = None, seed: int = 0, arrival: str | None = None,
+                tokenizer: str | None = None, overrides: dict | None = None, **hardware) -> Setup:
+    """Load the workload, price it, size the KV pool and derive the SLOs for ``scenario``.
+
+    ``workload``/``arrival``/``tokenizer``/``latency``/``predictor`` and ``hardware`` (any Scenario field, e.g.
+    ``model``, ``gpu``, ``kv_blocks``) replace the scenario's; ``overrides`` sets PolicyConfig fields.
+    """
+    if hardware:
+        if "kv_bytes" in hardware and "kv_blocks" not in hardware:
+            hardware["kv_blocks"] = None
+        scenario = dataclasses.replace(scenario, **hardware)
+    if arrival:
+        scenario = dataclasses.replace(scenario, arrival=arrival)
     model = get_model(scenario.model)
     lat = make_latency_model(latency or scenario.latency, scenario.model, scenario.gpu)
-    kw = {}
-    if scenario.tokenizer and not workload:
-        kw["tokenizer"] = str(data_path(scenario.tokenizer))
-    w = load_workload(workload or data_path(scenario.workload), arrival="trace" if scenario.arrival == "trace" else "poisson",
+    tok = tokenizer or (str(data_path(scenario.tokenizer)) if scenario.tokenizer else None)
+    w = load_workload(workload or data_path(scenario.workload), arrival=scenario.arrival,
                       rate=None if scenario.arrival == "trace" else scenario.start_rate,
                       max_requests=max_requests or scenario.max_requests, seed=seed,
-                      max_prompt_tokens=scenario.max_model_len, **kw)
-    if not w.requests:
-        raise ValueError(f"workload {w.source} has no usable requests for a {scenario.max_model_len}-token context")
-    blocks = scenario.kv_blocks or kv_blocks(model, scenario.kv_bytes, scenario.block_size)
+                      max_prompt_tokens=scenario.max_model_len, tokenizer=tok)
+    if scenario.kv_blocks:
+        blocks = scenario.kv_blocks
+    elif scenario.kv_bytes:
+        blocks = kv_blocks(model, scenario.kv_bytes, scenario.block_size)
+    else:
+        raise ValueError(f"scenario {scenario.name} sets neither kv_blocks nor kv_bytes")
     tfs = saturating_forward_size(lat, max(scenario.max_num_batched_tokens, 4096))
-    cfg = PolicyConfig(block_size=scenario.block_size, max_num_seqs=scenario.max_num_seqs,
-                       max_num_batched_tokens=scenario.max_num_batched_tokens, max_model_len=scenario.max_model_len,
-                       tfs=tfs, **{**scenario.policy_overrides, **(overrides or {})})
+    cfg = PolicyConfig(**{"block_size": scenario.block_size, "max_num_seqs": scenario.max_num_seqs,
+                          "max_num_batched_tokens": scenario.max_num_batched_tokens, "max_model_len": scenario.max_model_len,
+                          "tfs": tfs, **scenario.policy_overrides, **(overrides or {})})
     slo = derive_slo(lat, [r.prompt_tokens for r in w.requests], [r.output_tokens for r in w.requests], cfg.slo_scale)
     pred = make_predictor(predictor or scenario.predictor, seed=seed)
     return Setup(scenario, w, lat, blocks, cfg, slo, pred, pred.predict(w.requests), seed)

@@ -14,7 +14,8 @@ from serving.sim.engine import simulate
 from serving.sim.metrics import RunMetrics
 from serving.sim.scenarios import Setup
 
-BENCH_POLICIES = ("vllm", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle")
+BENCH_POLICIES = ("vllm", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
+                  "lengthwise-fcfs", "lengthwise")
 
 
 def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> RunMetrics:
@@ -32,7 +33,6 @@ def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: floa
     points: dict[float, RunMetrics] = {}
 
     def at(rate: float) -> RunMetrics:
-        rate = round(rate, 6)
         if rate not in points:
             points[rate] = run_point(setup, policy, rate)
             if on_point:
@@ -44,29 +44,30 @@ def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: floa
     if at(rate).slo_attainment >= target:
         lo = rate
         for _ in range(max_points):
-            rate *= factor
+            rate = round(rate * factor, 4)
             if at(rate).slo_attainment < target:
                 hi = rate
-                at(rate * factor)  # one more point past the knee for the curve
+                at(round(rate * factor, 4))  # one more point past the knee for the curve
                 break
             lo = rate
     else:
         hi = rate
         for _ in range(max_points):
-            rate /= factor
+            rate = round(rate / factor, 4)
             if at(rate).slo_attainment >= target:
                 lo = rate
                 break
             hi = rate
     if lo is not None and hi is not None:
         for _ in range(refine):
-            mid = math.sqrt(lo * hi)
+            mid = round(math.sqrt(lo * hi), 4)
             if at(mid).slo_attainment >= target:
                 lo = mid
             else:
                 hi = mid
     curve = [{"rate": r, **{k: v for k, v in m.to_dict().items() if not isinstance(v, dict)}} for r, m in sorted(points.items())]
-    return {"max_rate_at_90_slo": lo or 0.0, "first_failing_rate": hi, "curve": curve}
+    return {"max_rate_at_90_slo": lo or 0.0, "first_failing_rate": hi,
+            "peak_throughput_rps": max((c["throughput_rps"] for c in curve), default=0.0), "curve": curve}
 
 
 def sweep(setup: Setup, policies: Sequence[str] = BENCH_POLICIES, **kw) -> dict:

@@ -1,0 +1,125 @@
+"""``lengthwise simulate`` and ``lengthwise bench sim``: run, print a table, write JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from serving.sim.metrics import RunMetrics
+from serving.sim.scenarios import Setup
+from serving.sim.sweep import BENCH_POLICIES, run_point, sweep_policy
+
+# The fields `lengthwise simulate --json` promises (scripts outside the project read them).
+CONTRACT = ("policy", "requests_total", "requests_completed", "slo_attainment", "throughput_rps", "normalized_latency_s",
+            "jct_p50_s", "jct_p99_s", "ttft_p50_s", "tbt_p50_s", "preemptions", "kv_utilization", "sched_us_per_step", "wall_s")
+
+
+def describe_setup(setup: Setup) -> dict:
+    s = setup.scenario
+    return {
+        "scenario": s.name, "description": s.description, "workload": setup.workload.source,
+        "requests": len(setup.requests), "dropped_over_context": setup.workload.dropped, "arrival": s.arrival,
+        "model": s.model, "gpu": s.gpu, "latency_model": setup.latency.describe(), "kv_blocks": setup.kv_blocks,
+        "predictor": setup.predictor.spec, "policy_config": setup.config.model_dump(),
+        "slo": {"scale": setup.slo.scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g, "ttft_s": setup.slo.ttft_s,
+                "tpot_s": setup.slo.tpot_s},
+    }
+
+
+def simulate_once(setup: Setup, policy: str, rate: float | None, json_path: str | None, console: Console) -> RunMetrics:
+    if rate is None:
+        rate = setup.native_rate() if setup.scenario.arrival == "trace" else setup.scenario.start_rate
+    m = run_point(setup, policy, rate)
+    d = m.to_dict()
+    t = Table(title=f"{policy} on {Path(setup.workload.source).name} at {rate:.3g} req/s ({len(setup.requests)} requests)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k in ("requests_completed", "slo_attainment", "ttft_tpot_attainment", "throughput_rps", "goodput_rps", "normalized_latency_s",
+              "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "tbt_p50_s", "kv_utilization", "kv_allocated",
+              "forward_size", "batch_size", "preemptions", "pauses", "hosted", "sched_us_per_step", "sim_requests_per_s"):
+        v = d[k]
+        t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    console.print(t)
+    if json_path:
+        out = {**d, "rate": rate, "setup": describe_setup(setup)}
+        _write_json(json_path, out)
+        console.print(f"JSON written to {json_path}")
+    return m
+
+
+def _write_json(path: str | Path, obj: dict) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj, indent=1, default=float))
+
+
+def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path, console: Console) -> dict:
+    """Sweep every policy; print the table; write JSON (policy → max rate and curve) and the figure."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    bar = tqdm(desc=f"{setup.scenario.name}", unit="run", leave=False, disable=None)
+
+    def on_point(policy: str, rate: float, m: RunMetrics) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"{policy} @ {rate:.3g}/s: SLO {m.slo_attainment:.2f}")
+
+    results = {p: sweep_policy(setup, p, on_point=on_point) for p in policies}
+    bar.close()
+    base = results.get("vllm", {}).get("max_rate_at_90_slo") or None
+    table = Table(title=f"{setup.scenario.name}: max rate at >= 90% SLO attainment ({len(setup.requests)} requests, "
+                        f"predictor {setup.predictor.spec})")
+    for col in ("policy", "max req/s", "x vllm", "peak thr.", "SLO att.", "norm. lat. (s/tok)", "p99 JCT (s)", "preempt", "pauses", "hosted",
+                "KV used", "KV alloc", "sched us/step", "sim req/s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for p, r in results.items():
+        best = _point_at(r["curve"], r["max_rate_at_90_slo"])
+        ratio = r["max_rate_at_90_slo"] / base if base else float("nan")
+        r["ratio_vs_vllm"] = ratio
+        table.add_row(p, f"{r['max_rate_at_90_slo']:.3g}", f"{ratio:.2f}", f"{r['peak_throughput_rps']:.3g}",
+                      *(f"{best[k]:.3g}" if best else "-" for k in ("slo_attainment", "normalized_latency_s", "jct_p99_s")),
+                      *(str(best[k]) if best else "-" for k in ("preemptions", "pauses", "hosted")),
+                      *(f"{best[k]:.2f}" if best else "-" for k in ("kv_utilization", "kv_allocated")),
+                      f"{best['sched_us_per_step']:.0f}" if best else "-", f"{best['sim_requests_per_s']:.0f}" if best else "-")
+    Console(width=max(console.width, 170)).print(table)
+    out = {**results, "_meta": {**describe_setup(setup), "wall_s": time.perf_counter() - t0, "png": str(png_path)}}
+    _write_json(json_path, out)
+    plot_sweep(results, png_path, title=f"{setup.scenario.name} ({setup.scenario.model} on {setup.scenario.gpu})")
+    console.print(f"JSON: {json_path}\nPNG:  {png_path}")
+    return out
+
+
+def _point_at(curve: list[dict], rate: float) -> dict | None:
+    return next((c for c in curve if abs(c["rate"] - rate) < 1e-9), None)
+
+
+def plot_sweep(results: dict, path: Path, title: str = "") -> Path:
+    """Normalized latency and SLO attainment against request rate, one line per policy (EcoServe Fig. 10)."""
+    fig = Figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
+    for name, r in results.items():
+        if name.startswith("_"):
+            continue
+        rates = [c["rate"] for c in r["curve"]]
+        ax1.plot(rates, [c["normalized_latency_s"] for c in r["curve"]], marker="o", ms=3, label=name)
+        ax2.plot(rates, [c["slo_attainment"] for c in r["curve"]], marker="o", ms=3, label=name)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("normalized latency (s/token)")
+    ax2.axhline(0.9, color="grey", ls="--", lw=0.8)
+    ax2.set_xlabel("request rate (req/s)")
+    ax2.set_ylabel("JCT SLO attainment")
+    ax2.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+__all__ = ["BENCH_POLICIES", "CONTRACT", "bench_sim", "plot_sweep", "simulate_once"]

@@ -83,8 +83,16 @@ class Policy(ABC):
         """Apply the step: advance token counters, then retire ``finished`` (their last token came out)."""
         t0 = time.perf_counter()
         done = set(finished)
-        for rid, n in plan.tokens.items():
-            self.requests[rid].advance(n)
+        reqs = self.requests
+        for rid, n in plan.tokens.items():  # Request.advance, inlined for the hot path
+            r = reqs[rid]
+            c = r.computed + n
+            seq = r.prompt_len + r.generated
+            if n <= 0 or c > seq:
+                r.advance(n)  # raises with the details
+            r.computed = c
+            if c == seq:
+                r.generated += 1
         for rid in done:
             req = self.requests.pop(rid)
             req.phase = Phase.FINISHED

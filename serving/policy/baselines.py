@@ -64,14 +64,22 @@ class VLLMPolicy(Policy):
         budget = self.budget
         bs = self.cfg.block_size
         i = 0
+        held = self.kv.held
+        max_len = self.cfg.max_model_len
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.uncomputed, budget, self.cfg.max_model_len - req.computed)
+            c = req.computed
+            n = req.prompt_len + req.generated - c
+            if n > budget:
+                n = budget
+            if n > max_len - c:
+                n = max_len - c
             if n <= 0:
                 i += 1
                 continue
             scheduled = True
-            while not self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs)):
+            need = -(-(c + n) // bs)
+            while need > held.get(req.rid, 0) and not self.kv.grow_to(req.rid, need):
                 victim = self._victim()
                 idx = self.running.index(victim) if self.priority else len(self.running) - 1
                 del self.running[idx]

@@ -96,22 +96,29 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
                 continue
             raise SimulationError(f"policy {policy_name} scheduled nothing with {len(policy.requests)} requests left "
                                   f"and no arrivals pending (KV {policy.kv.used}/{policy.kv.total} blocks)")
-        prefill_chunks = []
-        decode_ctx = []
+        # the step's shape (StepShape.of, inlined: this loop is the simulator's hot path)
+        prefill = decode = kv_read = 0
+        attn2 = 0.0
         finished = []
-        emitting = []
+        first = []
         reqs = policy.requests
         for rid, n in plan.tokens.items():
             r = reqs[rid]
-            if n == 1 and r.computed == r.seq_len - 1 and r.generated > 0:
-                decode_ctx.append(r.computed)
+            c = r.computed
+            seq = r.prompt_len + r.generated
+            if n == 1 and c == seq - 1 and r.generated > 0:
+                decode += 1
+                kv_read += c
             else:
-                prefill_chunks.append((r.computed, n))
-            if r.computed + n == r.seq_len:
-                emitting.append(rid)
+                prefill += n
+                kv_read += c + n
+                attn2 += n * (c + n / 2)
+            if c + n == seq:
+                if r.generated == 0:
+                    first.append(rid)
                 if r.generated + 1 >= truth[rid]:
                     finished.append(rid)
-        dt = latency.step_time(StepShape.of(prefill_chunks, decode_ctx))
+        dt = latency.step_time(StepShape(prefill, decode, kv_read, len(plan.tokens), attn2))
         now += dt
         busy += dt
         steps += 1
@@ -119,10 +126,10 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
         if check or steps % 8 == 0:  # written KV is an O(requests) sum: sampled every 8th step
             kv_used_tokens += policy.used_tokens()
             samples += 1
-        fwd_tokens += plan.num_tokens
+        fwd_tokens += prefill + decode
         batch += len(plan.tokens)
-        for rid in emitting:
-            records[rid].token(now)
+        for rid in first:
+            records[rid].first_token = now
         policy.update(plan, finished, now)
         for rid in finished:
             records[rid].finish(now)

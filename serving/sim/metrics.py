@@ -25,14 +25,11 @@ class RequestRecord:
     tokens: int = 0
     preemptions: int = 0
 
-    def token(self, now: float) -> None:
-        if self.first_token is None:
-            self.first_token = now
-        self.last_token = now
-        self.tokens += 1
-
     def finish(self, now: float) -> None:
+        """Last token out: every output token was emitted by now (the simulator ends a request at its true RL)."""
         self.finished = now
+        self.last_token = now
+        self.tokens = self.output_tokens
 
 
 @dataclass

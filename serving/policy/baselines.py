@@ -70,10 +70,8 @@ class VLLMPolicy(Policy):
             req = self.running[i]
             c = req.computed
             n = req.prompt_len + req.generated - c
-            if n > budget:
-                n = budget
-            if n > max_len - c:
-                n = max_len - c
+            n = min(n, budget)
+            n = min(n, max_len - c)
             if n <= 0:
                 i += 1
                 continue

@@ -149,7 +149,7 @@ def policy_names() -> list[str]:
 
 
 def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> Policy:
-    """Build a policy by name: vllm, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle, lengthwise[-fcfs]."""
+    """Build a policy by name: vllm, vllm-v0, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle, lengthwise[-fcfs]."""
     from serving.policy import baselines, ecoserve, lengthwise  # noqa: F401  (registration side effects)
 
     key = name.strip().lower()
@@ -159,5 +159,5 @@ def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repr
         return _REGISTRY[key](config, kv_blocks, repredict)
     if key.startswith("ecoserve-"):
         return ecoserve.EcoServe.from_flags(key.split("-", 1)[1], config, kv_blocks, repredict)
-    raise PolicyError(f"unknown policy {name!r}; choose one of: vllm, orca, sarathi, sjf, fcfs-max-alloc, "
+    raise PolicyError(f"unknown policy {name!r}; choose one of: vllm, vllm-v0, orca, sarathi, sjf, fcfs-max-alloc, "
                       "ecoserve, ecoserve-D, ecoserve-SD, ecoserve-SDO (any of the letters D S O P), oracle, lengthwise, lengthwise-fcfs")

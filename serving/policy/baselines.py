@@ -12,6 +12,7 @@ has no use for (speculative decoding, encoders, connectors, prefix caching):
    budget, ``max_num_seqs`` and KV allow. Admission needs the whole sequence to fit in the free blocks
    (vLLM's ``scheduler_reserve_full_isl``), but allocates only the blocks of the scheduled chunk.
 
+``vllm-v0`` is the older prefill-first scheduler without chunked prefill that the papers compared with.
 ``sarathi`` is the same loop with the budget set to the target forward size (stall-free chunked
 prefill: decodes first, prefill chunks fill the rest). ``sjf`` is vLLM's priority policy with the
 predicted RL as priority, aged so nobody starves. ``orca`` and ``fcfs-max-alloc`` reserve KV for the
@@ -89,7 +90,9 @@ class VLLMPolicy(Policy):
                     scheduled = False
                     break
             if not scheduled:
-                break
+                # vLLM breaks here; with the priority policy the victim can precede better-ranked running
+                # requests, and skipping them could leave the step empty, which a host reads as "idle"
+                continue
             plan.tokens[req.rid] = n
             budget -= n
             i += 1
@@ -154,6 +157,64 @@ class SJFPolicy(VLLMPolicy):
 @register("sjf")
 def _sjf(cfg, kv_blocks, repredict=None):
     return SJFPolicy(cfg, kv_blocks, repredict)
+
+
+class VLLMV0Policy(VLLMPolicy):
+    """vLLM v0's default scheduler (no chunked prefill), the baseline EcoServe and its peers measured.
+
+    Prefill-prioritised: while whole waiting prompts fit the token budget, the free blocks (less a 1%
+    watermark) and ``max_num_seqs``, a step runs only prefills, FCFS, and every decode stalls. Otherwise
+    the step decodes every running request one token, preempting the newest by recompute when a block
+    cannot be appended. Kept to show how far today's scheduler (``vllm``) has moved the baseline.
+    """
+
+    name = "vllm-v0"
+
+    @property
+    def budget(self) -> int:
+        return max(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+
+    def _schedule(self, now: float) -> StepPlan:
+        plan = StepPlan()
+        budget = self.budget
+        bs = self.cfg.block_size
+        watermark = max(1, self.kv.total // 100)
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting.peek()
+            n = req.uncomputed
+            if n > budget or blocks_for(req.computed + n, bs) - self.kv.of(req.rid) > self.kv.free - (watermark if self.running else 0):
+                break
+            self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs))
+            self.waiting.pop()
+            req.phase = Phase.RUNNING
+            self.running.append(req)
+            plan.tokens[req.rid] = n
+            budget -= n
+        if plan.tokens:
+            return plan
+        i = 0
+        held = self.kv.held
+        while i < len(self.running):
+            req = self.running[i]
+            need = blocks_for(req.seq_len, bs)
+            scheduled = True
+            while need > held.get(req.rid, 0) and not self.kv.grow_to(req.rid, need):
+                victim = self.running.pop()
+                plan.tokens.pop(victim.rid, None)
+                self._preempt(victim, plan)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            plan.tokens[req.rid] = req.uncomputed
+            i += 1
+        return plan
+
+
+@register("vllm-v0")
+def _vllm_v0(cfg, kv_blocks, repredict=None):
+    return VLLMV0Policy(cfg, kv_blocks, repredict)
 
 
 class MaxAllocPolicy(Policy):

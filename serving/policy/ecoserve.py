@@ -20,7 +20,8 @@ free KV, the reserve included, by its re-predicted remaining RL; if the pool can
 without offloading (keeps its KV), re-predicted, and queued again ahead of new GTs.
 
 Liveness: if nothing is running and the head GT cannot get its allocation, it starts with what is free;
-if nothing is free, the last queued GT is preempted by recompute. Neither happens in normal operation.
+if nothing is free, queued GTs are preempted by recompute from the back until it can. Neither happens in
+normal operation.
 """
 
 from __future__ import annotations
@@ -217,7 +218,10 @@ class EcoServe(Policy):
                     if h is not None and self.host_of.get(h.rid) is lend:
                         self._evict_hosted(h, plan)
             if r.computed + 1 > self.cap[r.rid] and not self._extend(r):
-                self._pause(r, plan)
+                if r.rid in self.host_of:  # its tokens live in the writer's span, which it cannot keep
+                    self._preempt(r, plan)
+                else:
+                    self._pause(r, plan)
                 continue
             plan.tokens[r.rid] = 1
 
@@ -297,17 +301,19 @@ class EcoServe(Policy):
 
     def _liveness(self, plan: StepPlan) -> None:
         """If no GT or PT can run and GTs wait, start the head with what is free (or free some by recompute)."""
-        if plan.tokens or self.prefilling or not self.gt_queue:
-            return
-        head = self.gt_queue.peek(0)
-        grow = min(self.kv.free, self._target(head, self._padded(self._remaining(head))) - self.kv.of(head.rid))
-        if head.computed + 1 <= (self.kv.of(head.rid) + max(grow, 0)) * self.cfg.block_size:
-            self._unqueue_gt(head)
-            self.kv.grow_to(head.rid, self.kv.of(head.rid) + max(grow, 0))
-            self._start_gt(head, self._own_cap(head))
-            plan.tokens[head.rid] = 1
-        elif len(self.gt_queue) > 1:
-            self._preempt(self.gt_queue.peek(len(self.gt_queue) - 1), plan)
+        # loop: one preemption may not free enough, and an empty plan tells the host nothing can run
+        while not plan.tokens and not self.prefilling and self.gt_queue:
+            head = self.gt_queue.peek(0)
+            grow = min(self.kv.free, self._target(head, self._padded(self._remaining(head))) - self.kv.of(head.rid))
+            if head.computed + 1 <= (self.kv.of(head.rid) + max(grow, 0)) * self.cfg.block_size:
+                self._unqueue_gt(head)
+                self.kv.grow_to(head.rid, self.kv.of(head.rid) + max(grow, 0))
+                self._start_gt(head, self._own_cap(head))
+                plan.tokens[head.rid] = 1
+            elif len(self.gt_queue) > 1:
+                self._preempt(self.gt_queue.peek(len(self.gt_queue) - 1), plan)
+            else:
+                return
 
     def _fill_pts(self, plan: StepPlan) -> None:
         """Step ③: PTs (chunks) fill the step up to the TFS."""

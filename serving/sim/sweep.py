@@ -14,7 +14,7 @@ from serving.sim.engine import simulate
 from serving.sim.metrics import RunMetrics
 from serving.sim.scenarios import Setup
 
-BENCH_POLICIES = ("vllm", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
+BENCH_POLICIES = ("vllm", "vllm-v0", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
                   "lengthwise-fcfs", "lengthwise")
 
 

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser(
         "sim", help="rate sweep of every scheduling policy in the simulator",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="For each policy, find the highest request rate sustained at >= 90%% JCT SLO attainment (EcoServe's "
+        description="For each policy, find the highest request rate sustained at >= 90% JCT SLO attainment (EcoServe's "
                     "SLO: slo_scale x (t_p + t_g x RL)), and draw normalized latency and attainment against rate.",
         epilog="scenarios:\n" + "\n".join(f"  {k}: {v.description}" for k, v in __import__(
             "serving.sim.scenarios", fromlist=["SCENARIOS"]).SCENARIOS.items()) +

@@ -77,6 +77,19 @@ def _bench_sim(a: argparse.Namespace) -> int:
         make_policy(p, PolicyConfig(), 64)
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
+    if a.predictors:
+        from serving.sim.bench import bench_quality
+
+        specs = [s.strip() for s in a.predictors.split(",") if s.strip()]
+        if a.scenario == "all" or len(specs) < 2:
+            raise ValueError("--predictors needs one --scenario and at least two predictor specs, e.g. oracle,noise:0.7,noise:0.5")
+        setups = {}
+        for spec in specs:
+            a.predictor = spec
+            setups[spec] = _setup(a, names[0])
+        json_path = Path(a.json) if a.json else out_dir / f"bench_quality_{names[0]}.json"
+        bench_quality(setups, policies, json_path, json_path.with_suffix(".png"), Console())
+        return 0
     for name in names:
         setup = _setup(a, name)
         json_path = Path(a.json) if a.json and len(names) == 1 else out_dir / f"bench_sim_{name}.json"
@@ -146,11 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="scenarios:\n" + "\n".join(f"  {k}: {v.description}" for k, v in __import__(
             "serving.sim.scenarios", fromlist=["SCENARIOS"]).SCENARIOS.items()) +
         "\n\nexamples:\n  lengthwise bench sim\n  lengthwise bench sim --scenario all --max-requests 800\n"
-        "  lengthwise bench sim --policies vllm,ecoserve,oracle --predictor noise:0.8")
+        "  lengthwise bench sim --policies vllm,ecoserve,oracle --predictor noise:0.8\n"
+        "  lengthwise bench sim --policies vllm,sjf,ecoserve,lengthwise --predictors oracle,noise:0.85,noise:0.55,noise:0.4")
     bs.add_argument("--policies", default=",".join(__import__("serving.sim.sweep", fromlist=["BENCH_POLICIES"]).BENCH_POLICIES),
                     help="comma-separated policy names (default: %(default)s)")
     bs.add_argument("--json", help="write results here (default: OUT_DIR/bench_sim_<scenario>.json; PNG beside it)")
     bs.add_argument("--out-dir", default="bench-results/sim")
+    bs.add_argument("--predictors", metavar="SPEC,SPEC,...",
+                    help="chart benefit against prediction quality instead: max rate of each policy under each predictor "
+                         "(e.g. oracle,noise:0.85,noise:0.7,noise:0.55,noise:0.4); writes bench_quality_<scenario>.json/.png")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
 

@@ -70,7 +70,7 @@ def bad_trace(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", ["unknown-policy", "negative-rate", "malformed-row", "unknown-model", "bad-predictor",
-                                  "bad-knob", "missing-file", "unknown-scenario"])
+                                  "bad-knob", "missing-file", "unknown-scenario", "one-predictor"])
 def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
     wl = str(data / LENGTHS)
     args = {
@@ -82,6 +82,7 @@ def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
         "bad-knob": ["simulate", "--workload", wl, "--policy", "vllm", "--set", "padding=-1"],
         "missing-file": ["simulate", "--workload", wl + ".nope", "--policy", "vllm"],
         "unknown-scenario": ["bench", "sim", "--scenario", "mars"],
+        "one-predictor": ["bench", "sim", "--workload", wl, "--predictors", "oracle"],
     }[case]
     r = lengthwise(*args)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -119,3 +120,18 @@ def test_bench_sim_sweep_and_notebook(data, tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 3
     assert "rows compared: 3" in "".join(o.get("text", "") for o in outputs)
+
+
+def test_bench_sim_quality_sweep(data, tmp_path):
+    """Benefit against prediction quality: blind policies once, length-aware ones per predictor."""
+    out = tmp_path / "quality.json"
+    r = lengthwise("bench", "sim", "--workload", str(data / LENGTHS), "--max-requests", "120", "--policies", "vllm,sjf",
+                   "--predictors", "oracle,noise:0.5", "--json", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["quality"]["oracle"]["accuracy"] == 1.0 and d["quality"]["oracle"]["kendall_tau"] > 0.99
+    assert abs(d["quality"]["noise:0.5"]["accuracy"] - 0.5) < 0.05
+    assert set(d["max_rate_at_90_slo"]["vllm"]) == {"oracle"}
+    assert set(d["max_rate_at_90_slo"]["sjf"]) == {"oracle", "noise:0.5"}
+    assert all(v > 0 for by in d["max_rate_at_90_slo"].values() for v in by.values())
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
@@ -94,6 +95,74 @@ def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path
     return out
 
 
+# Policies that never read a prediction: swept once, drawn as flat reference lines.
+BLIND = ("vllm", "vllm-v0", "orca", "sarathi", "fcfs-max-alloc", "oracle")
+
+
+def prediction_quality(setup: Setup) -> dict:
+    """Top-1 accuracy at 200-token buckets and Kendall tau of the setup's predictions against the truth."""
+    from scipy.stats import kendalltau
+
+    from serving.sim.predictions import bucket_accuracy
+
+    truth = np.array([r.output_tokens for r in setup.requests], dtype=np.float64)
+    pred = np.array([p.length for p in setup.predictions], dtype=np.float64)
+    tau = kendalltau(truth, pred).statistic if np.ptp(pred) > 0 else 0.0
+    return {"accuracy": bucket_accuracy(truth, pred), "kendall_tau": float(tau)}
+
+
+def bench_quality(setups: dict[str, Setup], policies: list[str], json_path: Path, png_path: Path, console: Console) -> dict:
+    """Benefit against prediction quality: each length-aware policy's max rate under each predictor.
+
+    Prediction-blind policies run once (under the first predictor) as the reference lines.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    specs = list(setups)
+    bar = tqdm(desc="quality sweep", unit="run", leave=False, disable=None)
+
+    def on_point(policy: str, rate: float, m: RunMetrics) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"{policy} @ {rate:.3g}/s: SLO {m.slo_attainment:.2f}")
+
+    quality = {spec: prediction_quality(setups[spec]) for spec in specs}
+    rates: dict[str, dict[str, float]] = {}
+    for p in policies:
+        for spec in specs[:1] if p in BLIND else specs:
+            rates.setdefault(p, {})[spec] = sweep_policy(setups[spec], p, on_point=on_point)["max_rate_at_90_slo"]
+    bar.close()
+    table = Table(title=f"{setups[specs[0]].scenario.name}: max req/s at >= 90% SLO by predictor quality")
+    table.add_column("policy")
+    for spec in specs:
+        q = quality[spec]
+        table.add_column(f"{spec}\nacc {q['accuracy']:.2f} tau {q['kendall_tau']:.2f}", justify="right")
+    for p, by in rates.items():
+        table.add_row(p, *(f"{by[s]:.3g}" if s in by else f"({next(iter(by.values())):.3g})" for s in specs))
+    Console(width=max(console.width, 170)).print(table)
+    out = {"quality": quality, "max_rate_at_90_slo": rates,
+           "_meta": {**describe_setup(setups[specs[0]]), "predictors": specs, "wall_s": time.perf_counter() - t0}}
+    _write_json(json_path, out)
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    xs = [quality[s]["accuracy"] for s in specs]
+    for p, by in rates.items():
+        if p in BLIND:
+            ax.axhline(next(iter(by.values())), ls="--", lw=0.9, label=f"{p} (blind)", color="grey" if p != "vllm" else "black")
+        else:
+            ax.plot([quality[s]["accuracy"] for s in by], list(by.values()), marker="o", label=p)
+    ax.set_xlabel("predictor top-1 accuracy at 200-token buckets")
+    ax.set_ylabel("max req/s at >= 90% JCT SLO")
+    ax.set_xlim(min(xs) - 0.05, 1.02)
+    ax.legend(fontsize=7)
+    ax.set_title("benefit against prediction quality")
+    fig.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    console.print(f"JSON: {json_path}\nPNG:  {png_path}")
+    return out
+
+
 def _point_at(curve: list[dict], rate: float) -> dict | None:
     return next((c for c in curve if abs(c["rate"] - rate) < 1e-9), None)
 
@@ -122,4 +191,4 @@ def plot_sweep(results: dict, path: Path, title: str = "") -> Path:
     return path
 
 
-__all__ = ["BENCH_POLICIES", "CONTRACT", "bench_sim", "plot_sweep", "simulate_once"]
+__all__ = ["BENCH_POLICIES", "CONTRACT", "bench_quality", "bench_sim", "plot_sweep", "simulate_once"]

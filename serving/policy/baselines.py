@@ -67,17 +67,27 @@ class VLLMPolicy(Policy):
         i = 0
         held = self.kv.held
         max_len = self.cfg.max_model_len
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        running = self.running
+        tokens = plan.tokens
+        while i < len(running) and budget > 0:
+            req = running[i]
             c = req.computed
             n = req.prompt_len + req.generated - c
-            n = min(n, budget)
-            n = min(n, max_len - c)
+            if n > budget:  # noqa: PLR1730 (hot path: min() is a call)
+                n = budget
+            if c + n > max_len:
+                n = max_len - c
             if n <= 0:
                 i += 1
                 continue
+            rid = req.rid
+            need = (c + n + bs - 1) // bs
+            if need <= held.get(rid, 0):  # the common case: a decode inside its last block
+                tokens[rid] = n
+                budget -= n
+                i += 1
+                continue
             scheduled = True
-            need = -(-(c + n) // bs)
             while need > held.get(req.rid, 0) and not self.kv.grow_to(req.rid, need):
                 victim = self._victim()
                 idx = self.running.index(victim) if self.priority else len(self.running) - 1

@@ -172,12 +172,14 @@ class RooflineLatency(LatencyModel):
         self.name = f"roofline:{model.name}@{gpu.name}x{tp}"
         self._flops_s = gpu.flops * gpu.mfu * tp
         self._bw = gpu.mem_bw * gpu.mbu * tp
+        # per-step constants, computed once: step_time runs once per simulated step
+        self._fpt, self._afpt = model.flops_per_token(), model.attn_flops_per_context_token()
+        self._wb, self._kvb = model.weight_bytes(), model.kv_bytes_per_token()
 
     def _parts(self, s: StepShape) -> tuple[float, float]:
-        m = self.model
         tokens = s.prefill_tokens + s.decode_tokens
-        flops = m.flops_per_token() * tokens + m.attn_flops_per_context_token() * (s.prefill_attn_tokens2 + s.kv_read_tokens)
-        nbytes = m.weight_bytes() + (s.kv_read_tokens + tokens) * m.kv_bytes_per_token()
+        flops = self._fpt * tokens + self._afpt * (s.prefill_attn_tokens2 + s.kv_read_tokens)
+        nbytes = self._wb + (s.kv_read_tokens + tokens) * self._kvb
         return flops / self._flops_s, nbytes / self._bw
 
     def breakdown(self, s: StepShape) -> dict[str, float | str]:

@@ -146,11 +146,11 @@ def bench_quality(setups: dict[str, Setup], policies: list[str], json_path: Path
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     xs = [quality[s]["accuracy"] for s in specs]
-    for p, by in rates.items():
+    for i, (p, by) in enumerate(rates.items()):
         if p in BLIND:
             ax.axhline(next(iter(by.values())), ls="--", lw=0.9, label=f"{p} (blind)", color="grey" if p != "vllm" else "black")
         else:
-            ax.plot([quality[s]["accuracy"] for s in by], list(by.values()), marker="o", label=p)
+            ax.plot([quality[s]["accuracy"] for s in by], list(by.values()), label=p, **line_style(i))
     ax.set_xlabel("predictor top-1 accuracy at 200-token buckets")
     ax.set_ylabel("max req/s at >= 90% JCT SLO")
     ax.set_xlim(min(xs) - 0.05, 1.02)
@@ -167,16 +167,22 @@ def _point_at(curve: list[dict], rate: float) -> dict | None:
     return next((c for c in curve if abs(c["rate"] - rate) < 1e-9), None)
 
 
+def line_style(i: int) -> dict:
+    """A distinct colour/line/marker per series: ten colours, then dashed lines with other markers."""
+    return {"color": f"C{i % 10}", "ls": ("-", "--", ":")[i // 10 % 3], "marker": "os^"[i // 10 % 3], "ms": 3}
+
+
 def plot_sweep(results: dict, path: Path, title: str = "") -> Path:
     """Normalized latency and SLO attainment against request rate, one line per policy (EcoServe Fig. 10)."""
     fig = Figure(figsize=(12, 4.5))
     ax1, ax2 = fig.subplots(1, 2)
-    for name, r in results.items():
-        if name.startswith("_"):
-            continue
+    names = [n for n in results if not n.startswith("_")]
+    for i, name in enumerate(names):
+        r = results[name]
         rates = [c["rate"] for c in r["curve"]]
-        ax1.plot(rates, [c["normalized_latency_s"] for c in r["curve"]], marker="o", ms=3, label=name)
-        ax2.plot(rates, [c["slo_attainment"] for c in r["curve"]], marker="o", ms=3, label=name)
+        style = line_style(i)
+        ax1.plot(rates, [c["normalized_latency_s"] for c in r["curve"]], label=name, **style)
+        ax2.plot(rates, [c["slo_attainment"] for c in r["curve"]], label=name, **style)
     ax1.set_yscale("log")
     ax1.set_xlabel("request rate (req/s)")
     ax1.set_ylabel("normalized latency (s/token)")

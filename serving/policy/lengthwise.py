@@ -15,6 +15,7 @@ linear aging (``sjf``), or FCFS in the ``lengthwise-fcfs`` ablation.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from serving.policy.base import register
@@ -33,6 +34,8 @@ class LengthwisePolicy(SJFPolicy):
             self.priority = False
         self.limit = self.kv.total - math.ceil(self.cfg.reserve * self.kv.total)
         self.stats["peak_refusals"] = 0
+        self._projection: list[tuple[int, int]] | None = None
+        self._projected_tokens = 0
 
     def _key(self, req: Request) -> tuple:
         return () if self.fcfs else super()._key(req)
@@ -44,17 +47,29 @@ class LengthwisePolicy(SJFPolicy):
             rem = self.plan_rl(r, r.generated + self.repredict(r)) - r.generated
         return max(1, min(math.ceil(rem * (1 + self.cfg.padding)), self.max_seq_len(r) - r.seq_len + 1))
 
+    def _schedule(self, now: float):
+        self._projection = None  # running requests advanced: rebuild on the first admission test
+        return super()._schedule(now)
+
     def _admissible(self, req: Request) -> bool:
         bs = self.cfg.block_size
-        items = sorted([(self._remaining(r), r.seq_len) for r in self.running] + [(self._remaining(req), req.seq_len)])
-        tokens = sum(c for _, c in items)
-        n = len(items)
-        for rem, c in items:  # usage just before each request's projected finish
+        if self._projection is None:  # sorted once per step; admitted requests are inserted in place
+            self._projection = sorted((self._remaining(r), r.seq_len) for r in self.running)
+            self._projected_tokens = sum(c for _, c in self._projection)
+        item = (self._remaining(req), req.seq_len)
+        items = self._projection
+        at = bisect.bisect_left(items, item)
+        tokens = self._projected_tokens + item[1]
+        n = len(items) + 1
+        for k in range(len(items) + 1):  # usage just before each request's projected finish
+            rem, c = item if k == at else items[k - (k > at)]
             if (tokens + (rem - 1) * n) / bs + n > self.limit:
                 self.stats["peak_refusals"] += 1
                 return False
             tokens -= c
             n -= 1
+        items.insert(at, item)
+        self._projected_tokens += item[1]
         return True
 
 

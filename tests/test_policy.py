@@ -21,8 +21,9 @@ from serving.policy.config import PolicyConfig
 from serving.policy.ecoserve import EcoServe
 from serving.policy.request import Phase, Prediction, Request
 
-POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP"]
-VLLM_LIKE = ("vllm", "sarathi", "sjf")
+POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP",
+            "lengthwise", "lengthwise-fcfs"]
+VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-fcfs")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 
 
@@ -545,8 +546,10 @@ def test_policy_properties(name, w):
     # step limits
     for s in run.trace:
         n = sum(s.tokens.values())
-        if name in ("vllm", "sjf", "fcfs-max-alloc"):
+        if name in ("vllm", "sjf", "fcfs-max-alloc", "lengthwise", "lengthwise-fcfs"):
             assert n <= c.max_num_batched_tokens
+        elif name == "vllm-v0":
+            assert n <= max(c.max_num_batched_tokens, c.max_model_len)
         elif name == "sarathi":
             assert n <= c.tfs
         elif name.startswith("ecoserve"):

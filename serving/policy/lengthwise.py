@@ -52,6 +52,8 @@ class LengthwisePolicy(SJFPolicy):
         return super()._schedule(now)
 
     def _admissible(self, req: Request) -> bool:
+        if not self.running:  # liveness: a projection over the pool (a huge prediction) must not block an idle engine
+            return True
         bs = self.cfg.block_size
         if self._projection is None:  # sorted once per step; admitted requests are inserted in place
             self._projection = sorted((self._remaining(r), r.seq_len) for r in self.running)

@@ -85,6 +85,28 @@ def test_mooncake_trace(data):
     assert w.requests[-1].arrival > 0
 
 
+def test_mooncake_ticks_are_spread_not_bursts(data):
+    """Mooncake stamps arrivals in 3-second ticks; requests sharing a tick are spread over it, counts kept."""
+    import json
+
+    raw = [json.loads(line)["timestamp"] / 1000.0 for line in (data / MOONCAKE).open()][:1000]
+    w = load_workload(data / MOONCAKE, max_requests=1000)
+    arr = np.array([r.arrival for r in w.requests])
+    assert len(set(raw)) < 200 and len(np.unique(arr)) == 1000       # ~9 requests per tick before, none tied after
+    assert np.all(np.diff(arr) > 0) and [r.rid for r in w.requests] == list(range(1000))
+    ticks = sorted(set(raw))
+    per_tick = np.searchsorted(ticks, np.array(raw) - raw[0] + ticks[0], side="right")
+    assert np.array_equal(np.searchsorted(np.array(ticks) - ticks[0], arr, side="right"), per_tick)  # each stays in its tick
+
+
+def test_spread_ties_unit():
+    from serving.sim.workload import spread_ties
+
+    assert spread_ties(np.array([0.0, 0.0, 3.0, 3.0, 3.0, 6.0])).tolist() == [0.0, 1.5, 3.0, 4.0, 5.0, 6.0]
+    assert spread_ties(np.array([0.0, 1.0, 2.5])).tolist() == [0.0, 1.0, 2.5]   # no ties: unchanged
+    assert spread_ties(np.array([0.0, 2.0, 2.0])).tolist() == [0.0, 2.0, 3.0]   # last tick: the median gap
+
+
 def test_max_prompt_tokens_drops_and_counts(data):
     w = load_workload(data / "traces/mooncake_synthetic_trace.jsonl", max_prompt_tokens=2048)
     assert w.dropped > 0 and len(w.requests) + w.dropped == 3993

@@ -546,11 +546,11 @@ def test_policy_properties(name, w):
     # step limits
     for s in run.trace:
         n = sum(s.tokens.values())
-        if name in ("vllm", "sjf", "fcfs-max-alloc", "lengthwise", "lengthwise-fcfs"):
+        if name in ("vllm", "sjf", "fcfs-max-alloc"):
             assert n <= c.max_num_batched_tokens
         elif name == "vllm-v0":
             assert n <= max(c.max_num_batched_tokens, c.max_model_len)
-        elif name == "sarathi":
+        elif name in ("sarathi", "lengthwise", "lengthwise-fcfs"):
             assert n <= c.tfs
         elif name.startswith("ecoserve"):
             assert n <= max(c.tfs, len(s.tokens))

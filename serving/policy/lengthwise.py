@@ -7,10 +7,13 @@ every running request forward (one token per step until its padded predicted RL,
 in use never exceeds the pool at any future step. The peak of that piecewise-linear curve sits just
 before some request finishes, so one sort and one pass over the running set check it (O(n log n)).
 
-Blocks are still allocated on demand as in vLLM, so nothing is reserved and idle. When a request outlives
-its prediction, its remaining RL is re-predicted (conditional on the length so far); if the pool runs out
-anyway, vLLM's recompute preemption is the fallback. The waiting queue is ordered by predicted RL with
-linear aging (``sjf``), or FCFS in the ``lengthwise-fcfs`` ablation.
+Steps are filled to the target forward size (TFS), not vLLM's larger default token budget, so long
+prompts are chunked and running decodes keep their pace. Blocks are still allocated on demand as in
+vLLM, so nothing is reserved and idle. When a request outlives its prediction, its remaining RL is
+re-predicted (conditional on the length so far); if the pool runs out anyway, vLLM's recompute
+preemption is the fallback. The waiting queue is ordered by predicted RL with linear aging (``sjf``),
+or FCFS in the ``lengthwise-fcfs`` ablation. Ablation chain: ``sarathi`` (vLLM with the TFS budget) →
+``lengthwise-fcfs`` (+ projected-peak admission) → ``lengthwise`` (+ shortest predicted first).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from serving.policy.request import Request
 
 class LengthwisePolicy(SJFPolicy):
     name = "lengthwise"
+
+    @property
+    def budget(self) -> int:
+        """Tokens per step capped at the target forward size, as EcoServe and Sarathi-Serve do: past it a
+        step only grows slower, and every running decode waits for it."""
+        return self.cfg.tfs
 
     def __init__(self, *args, fcfs: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)

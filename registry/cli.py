@@ -1,4 +1,4 @@
-"""``lengthwise registry``: list versions, promote with the guard, move aliases."""
+"""``lengthwise registry``: list versions, promote with the guard, move aliases, report online error."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--name", default="length-predictor")
     pr.add_argument("--alias", default="champion")
     pr.add_argument("--force", action="store_true", help="promote even if worse or evaluated on other data")
+    rp = rs.add_parser("report", help="online prediction error of a version, from the sidecar's feedback windows in MLflow",
+                       description="Print the online error windows (top-1 and within-one accuracy, MAE, bias, under-prediction, "
+                                   "alarms) that predictor-sidecar logged for one model version, with their feedback-weighted "
+                                   "total beside the version's offline test accuracy.")
+    rp.add_argument("--name", default="length-predictor")
+    which = rp.add_mutually_exclusive_group()
+    which.add_argument("--version", help="a version number")
+    which.add_argument("--alias", default="champion", help="the version an alias points at (default: %(default)s)")
+    rp.add_argument("--last", type=int, default=20, metavar="N", help="show the last N windows (default: %(default)s)")
     return p
 
 
@@ -44,6 +53,10 @@ def dispatch(a: argparse.Namespace) -> int:
             Console(width=max(Console().width, 160)).print(t)
         elif a.registry_cmd == "promote":
             print(store.promote(a.name, a.version, a.alias, a.force))
+        elif a.registry_cmd == "report":
+            from registry.report import print_report
+
+            print_report(a.name, a.version, a.alias, a.last)
     except store.PromotionRefused as exc:
         print(f"lengthwise registry: refused: {exc}", file=sys.stderr)
         return 2

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. oracle,noise:0.85,noise:0.7,noise:0.55,noise:0.4); writes bench_quality_<scenario>.json/.png")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
+    from predictor.bench_sidecar import add_parser as add_bench_sidecar
+
+    add_bench_sidecar(bsub)
 
     sm = sub.add_parser(
         "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",

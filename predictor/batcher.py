@@ -1,0 +1,116 @@
+"""Dynamic micro-batching: concurrent requests share one forward pass.
+
+Each HTTP request puts its prompts on a queue and awaits their results. One collector task takes
+what is queued, waits at most ``max_wait_s`` after the oldest item arrived for more to join (so a lone
+request is delayed by no more than that), cuts at ``max_batch`` items, and runs the batch in a worker
+thread so the event loop keeps accepting requests meanwhile. Under load the queue refills while a
+batch runs, the next batch forms without waiting, and throughput grows with concurrency; with one
+worker thread there is never more than one forward pass competing for the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class MicroBatcher(Generic[T, R]):
+    """``await batcher.submit(items)`` returns ``run_batch``'s results for exactly those items.
+
+    ``run_batch(items) -> results`` (same length and order) runs in a single worker thread; an
+    exception fails every request of that batch. ``on_batch(size, seconds)`` observes each batch.
+    """
+
+    def __init__(self, run_batch: Callable[[list[T]], Sequence[R]], max_batch: int = 32, max_wait_s: float = 0.002,
+                 executor: Executor | None = None, on_batch: Callable[[int, float], None] | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.run_batch = run_batch
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self._own_executor = executor is None
+        self._on_batch = on_batch or (lambda size, seconds: None)
+        self._pending: deque[tuple[T, asyncio.Future, float]] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the collector on the running event loop."""
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._collect(), name="micro-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for _, fut, _ in self._pending:
+            if not fut.done():
+                fut.set_exception(RuntimeError("the predictor is shutting down"))
+        self._pending.clear()
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    async def submit(self, items: Sequence[T]) -> list[R]:
+        if self._task is None or self._wakeup is None:
+            raise RuntimeError("MicroBatcher.start() was not called")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        futures = [loop.create_future() for _ in items]
+        self._pending.extend((item, fut, now) for item, fut in zip(items, futures))
+        self._wakeup.set()
+        return list(await asyncio.gather(*futures))
+
+    async def _collect(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            deadline = self._pending[0][2] + self.max_wait_s
+            while len(self._pending) < self.max_batch:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except TimeoutError:
+                    break
+            batch = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
+            batch = [b for b in batch if not b[1].done()]  # the client went away: skip its work
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self.run_batch, [b[0] for b in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} items")
+            except Exception as exc:  # noqa: BLE001 - delivered to every waiting request
+                for _, fut, _ in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            finally:
+                self._on_batch(len(batch), time.perf_counter() - t0)
+            for (_, fut, _), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)

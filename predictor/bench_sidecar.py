@@ -1,0 +1,277 @@
+"""``lengthwise bench sidecar``: latency and throughput of the prediction sidecar under closed-loop load.
+
+The sidecar runs as its own process (started here on a free 127.0.0.1 port, or reached with ``--url``)
+and this process is the client: at each concurrency level N, N workers each keep exactly one
+``POST /v1/predict`` in flight with real ShareGPT prompts (the latest human turn; the sidecar truncates
+to the model's input budget as in training). Reported per level: p50/p99 latency as the client sees it,
+predictions per second, the mean micro-batch size (from ``/metrics``) and the sidecar's CPU seconds per
+prediction (its process CPU time over the window). Client and server share the machine, as they would
+beside an engine; the client's own CPU time is reported too, so the reader can judge the competition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_LEVELS = "1,8,32,128"
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run: no data, a sidecar that does not start, an unreachable --url."""
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    """Register ``bench sidecar`` under the ``lengthwise bench`` group."""
+    p = bench_sub.add_parser(
+        "sidecar", help="latency/throughput of predictor-sidecar at several concurrency levels",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start predictor-sidecar as a separate process (or use --url), drive it with closed-loop load of real "
+                    "ShareGPT prompts at each concurrency level, and report p50/p99 latency, predictions per second and "
+                    "the sidecar's CPU seconds per prediction. Prints a table, writes JSON and a PNG beside it.",
+        epilog="examples:\n  lengthwise bench sidecar\n  lengthwise bench sidecar --levels 1,8 --duration 5 --json /tmp/sc.json\n"
+               "  lengthwise bench sidecar --url http://127.0.0.1:8100 --levels 32")
+    p.add_argument("--model", default="models:/length-predictor@champion", metavar="URI",
+                   help="what the started sidecar serves (default: %(default)s)")
+    p.add_argument("--url", help="benchmark an already running sidecar instead of starting one (no CPU accounting)")
+    p.add_argument("--levels", default=DEFAULT_LEVELS, help="comma-separated concurrency levels (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per level (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each level (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=2000, help="distinct ShareGPT prompts cycled through (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, help="passed to the started sidecar")
+    p.add_argument("--max-wait-ms", type=float, help="passed to the started sidecar")
+    p.add_argument("--threads", type=int, help="onnxruntime threads of the started sidecar")
+    p.add_argument("--token-budget", type=int, help="padded tokens per onnxruntime run of the started sidecar")
+    p.add_argument("--json", help="write results here (default: bench-results/sidecar/bench_sidecar.json; PNG beside it)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def parse_levels(spec: str) -> list[int]:
+    try:
+        levels = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--levels must be comma-separated integers, got {spec!r}") from None
+    if not levels or any(n < 1 or n > 1024 for n in levels):
+        raise BenchError(f"--levels must be between 1 and 1024, got {spec!r}")
+    return levels
+
+
+def sharegpt_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` latest human turns of real ShareGPT conversations, shuffled deterministically."""
+    from training.data import load_examples
+    from training.pipeline import default_sharegpt
+
+    path = default_sharegpt()
+    if not path.exists():
+        raise BenchError(f"ShareGPT prompts not found at {path}; set LENGTHWISE_DATA")
+    texts = [e.latest for e in load_examples(path, "sharegpt") if e.latest.strip()]
+    random.Random(seed).shuffle(texts)
+    return texts[:n]
+
+
+def start_sidecar(model: str, port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "predictor.sidecar", "--model", model, "--port", str(port), "--reload-interval", "0",
+           "--log-level", "warning", *extra]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, log_path: Path | None, timeout: float = 180.0) -> dict:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()] if log_path else []
+            raise BenchError(f"the sidecar exited ({proc.returncode}): {lines[-1] if lines else 'no output'}")
+        try:
+            r = httpx.get(f"{url}/ready", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise BenchError(f"the sidecar at {url} was not ready after {timeout:.0f} s")
+
+
+def _batch_counters(url: str) -> tuple[float, float]:
+    """(sum, count) of the sidecar's batch-size histogram."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    vals = dict(re.findall(r"^lengthwise_sidecar_batch_size_(sum|count) ([0-9.eE+-]+)$", text, flags=re.MULTILINE))
+    return float(vals.get("sum", 0.0)), float(vals.get("count", 0.0))
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def closed_loop(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float) -> dict:
+    """``concurrency`` workers, each with one request in flight; completions inside the window are measured."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    lat: list[float] = []
+    errors = 0
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60.0, headers=headers) as client:
+        t0 = time.perf_counter()
+        start, stop = t0 + warmup, t0 + warmup + duration
+
+        async def worker(i: int) -> None:
+            nonlocal errors
+            k = i
+            while time.perf_counter() < stop:
+                body = bodies[k % len(bodies)]
+                k += concurrency
+                t = time.perf_counter()
+                try:
+                    ok = (await client.post("/v1/predict", content=body)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                done = time.perf_counter()
+                if start <= done <= stop:
+                    if ok:
+                        lat.append(done - t)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    arr = np.array(lat) * 1000.0 if lat else np.array([np.nan])
+    return {"concurrency": concurrency, "requests": len(lat), "errors": errors,
+            "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
+            "mean_ms": float(arr.mean()), "throughput_rps": len(lat) / duration}
+
+
+def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float, pid: int | None) -> dict:
+    # CPU and batch counters cover warm-up too; scale them by requests completed over the same span
+    b_sum0, b_n0 = _batch_counters(url)
+    cpu0, client0, w0 = _cpu_seconds(pid), time.process_time(), time.perf_counter()
+    res = asyncio.run(closed_loop(url, bodies, concurrency, duration, warmup))
+    cpu1, client1, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter() - w0
+    b_sum1, b_n1 = _batch_counters(url)
+    predictions = b_sum1 - b_sum0  # every prompt predicted in the span, warm-up included
+    res["mean_batch"] = (b_sum1 - b_sum0) / (b_n1 - b_n0) if b_n1 > b_n0 else None
+    res["cpu_s_per_prediction"] = (cpu1 - cpu0) / predictions if cpu0 is not None and predictions else None
+    res["server_cpu_utilisation"] = (cpu1 - cpu0) / wall if cpu0 is not None else None
+    res["client_cpu_s_per_request"] = (client1 - client0) / predictions if predictions else None
+    return res
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench(model: str, url: str | None, levels: list[int], duration: float, warmup: float, n_prompts: int,
+          sidecar_args: list[str], console) -> dict:
+    """Run every level against one sidecar; returns the JSON report."""
+    prompts = sharegpt_prompts(n_prompts)
+    bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
+    proc = None
+    with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
+        log_path = Path(tmp) / "sidecar.log"
+        if url is None:
+            url = f"http://127.0.0.1:{free_port()}"
+            proc = start_sidecar(model, int(url.rsplit(":", 1)[1]), log_path, sidecar_args)
+        try:
+            with console.status(f"waiting for the sidecar at {url} ..."):
+                ready = wait_ready(url, proc, log_path if proc else None, timeout=180.0 if proc else 15.0)
+            report = {"model": ready.get("model_uri", model), "model_name": ready.get("model_name"),
+                      "model_version": ready.get("model_version"), "url": url, "started_sidecar": proc is not None,
+                      "sidecar_args": sidecar_args, "duration_s": duration, "warmup_s": warmup, "prompts": len(bodies),
+                      "cpus": os.cpu_count(), "levels": {}}
+            for n in levels:
+                with console.status(f"concurrency {n}: {warmup + duration:.0f} s of closed-loop load ..."):
+                    report["levels"][str(n)] = run_level(url, bodies, n, duration, warmup, proc.pid if proc else None)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return report
+
+
+def print_table(report: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"predictor-sidecar: {report['model_name']} v{report['model_version']}, {report['cpus']} CPUs, "
+                    f"{report['duration_s']:.0f} s per level")
+    for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "mean batch",
+              "sidecar CPU ms/pred", "client CPU ms/req"):
+        t.add_column(c, justify="right")
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    for lv in report["levels"].values():
+        t.add_row(str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), fmt(lv["p50_ms"], ".1f"),
+                  fmt(lv["p99_ms"], ".1f"), fmt(lv["throughput_rps"], ".0f"), fmt(lv["mean_batch"], ".1f"),
+                  fmt(lv["cpu_s_per_prediction"] and lv["cpu_s_per_prediction"] * 1e3, ".2f"),
+                  fmt(lv["client_cpu_s_per_request"] and lv["client_cpu_s_per_request"] * 1e3, ".2f"))
+    console.print(t)
+
+
+def plot(report: dict, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    lv = list(report["levels"].values())
+    x = [v["concurrency"] for v in lv]
+    fig = Figure(figsize=(9, 3.6))
+    a, b = fig.subplots(1, 2)
+    a.plot(x, [v["p50_ms"] for v in lv], "o-", label="p50")
+    a.plot(x, [v["p99_ms"] for v in lv], "s-", label="p99")
+    a.set(xscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
+    a.legend()
+    b.plot(x, [v["throughput_rps"] for v in lv], "o-")
+    b.set(xscale="log", xlabel="concurrent clients", ylabel="predictions / s", title="throughput")
+    for ax in (a, b):
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
+                                            ("--token-budget", a.token_budget))
+             if v is not None for f in (flag, str(v))]
+    try:
+        levels = parse_levels(a.levels)
+        if not a.duration > 0 or a.warmup < 0:
+            raise BenchError("--duration must be positive and --warmup non-negative")
+        report = bench(a.model, a.url.rstrip("/") if a.url else None, levels, a.duration, a.warmup, a.prompts, extra, console)
+    except BenchError as exc:
+        print(f"lengthwise bench sidecar: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report, console)
+    out = Path(a.json) if a.json else Path("bench-results") / "sidecar" / "bench_sidecar.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    png = plot(report, out.with_suffix(".png"))
+    console.print(f"wrote {out} and {png}")
+    return 0

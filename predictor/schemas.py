@@ -1,0 +1,146 @@
+"""The sidecar's HTTP contract (pydantic models; FastAPI turns them into ``/openapi.json``).
+
+Scripts outside the project rely on ``POST /v1/predict {"prompts": [...]}`` returning
+``{"predictions": [{"bucket", "range", "probs", "expected_tokens", "quantile_tokens", "model_version", ...}]}``;
+``{"prompt": ...}`` and ``{"messages": [...]}`` return the same list with one item. Constraints live in
+the schema itself (non-blank text, list sizes, exactly one input field) so a client, the validator
+and a schema-driven fuzzer all agree on what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_PROMPTS = 64  # prompts per request; the micro-batcher splits them across forward passes
+MAX_MESSAGES = 256
+_NON_BLANK = r"\S"  # JSON Schema patterns search, so this means "contains a non-whitespace character"
+
+# No per-field length cap: the sidecar's body-size limit (413) bounds every text, and over-budget prompts are
+# truncated like in training, so a cap here would only reject what the body limit already admits.
+Text = Annotated[str, Field(min_length=1, pattern=_NON_BLANK)]
+
+
+class ContentPart(BaseModel):
+    """An OpenAI content part; only text parts count towards the prompt."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str = Field("text", max_length=64)
+    text: str | None = None
+
+
+class Message(BaseModel):
+    """An OpenAI-style chat message."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str = Field("user", min_length=1, max_length=64, description="system, user, assistant, ...")
+    content: str | list[ContentPart] | None = Field(None, description="text, or a list of content parts")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return " ".join(p.text or "" for p in self.content)
+        return self.content or ""
+
+
+class PredictRequest(BaseModel):
+    """Exactly one of ``prompt``, ``prompts`` or ``messages``."""
+
+    # strict: "5" is not a number and 2.0 is not a count here, exactly as the schema says
+    model_config = ConfigDict(strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["prompts"]}, {"required": ["messages"]}],
+        "examples": [{"prompt": "Write a haiku about autumn."}, {"prompts": ["Hi!", "Explain TCP slow start in detail."]},
+                     {"messages": [{"role": "user", "content": "Summarise the plot of Hamlet."}]}],
+    })
+    prompt: Text | None = Field(None, description="one prompt (a single user turn)")
+    prompts: list[Text] | None = Field(None, min_length=1, max_length=MAX_PROMPTS, description="several independent prompts")
+    messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES,
+                                           description="one OpenAI-style conversation; the last turn is the request")
+    quantile: float = Field(0.9, gt=0.0, lt=1.0, description="CDF level of quantile_tokens (padded KV reservation)")
+    request_id: str | None = Field(None, min_length=1, max_length=256,
+                                   description="your id for this request; becomes the prediction_id (with /<i> per prompt when several)")
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> PredictRequest:
+        given = [k for k in ("prompt", "prompts", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, prompts or messages (got {', '.join(given) or 'none'})")
+        if self.messages is not None and not any(m.text().strip() for m in self.messages):
+            raise ValueError("messages hold no text: at least one message needs non-empty content")
+        return self
+
+    def conversations(self) -> list[list[tuple[str, str]]]:
+        """Each prompt as ``[(role, text), ...]``, the form training encodes."""
+        if self.prompt is not None:
+            return [[("user", self.prompt)]]
+        if self.prompts is not None:
+            return [[("user", p)] for p in self.prompts]
+        return [[(m.role, m.text()) for m in self.messages or []]]
+
+
+class Prediction(BaseModel):
+    prediction_id: str = Field(description="send it back as request_id in /v1/feedback")
+    bucket: int = Field(description="index of the most likely length bucket")
+    range: tuple[int, int] = Field(description="[lo, hi) of that bucket in output tokens")
+    probs: list[float] = Field(description="probability of each bucket")
+    expected_tokens: float = Field(description="expected output length under probs")
+    quantile: float
+    quantile_tokens: float = Field(description="output length at the requested CDF level")
+    truncated: bool = Field(description="the prompt exceeded the model's input budget and was cut (latest turn kept)")
+    prompt_tokens: int = Field(description="predictor input tokens after truncation")
+    model_name: str
+    model_version: str
+    latency_ms: float = Field(description="server time for the whole request")
+
+
+class PredictResponse(BaseModel):
+    predictions: list[Prediction]
+    model_name: str
+    model_version: str
+    latency_ms: float
+
+
+class InlinePrediction(BaseModel):
+    """The prediction that was served, for feedback on ids the sidecar no longer remembers."""
+
+    model_config = ConfigDict(strict=True)
+
+    expected_tokens: float = Field(ge=0.0, le=1e9)
+    bucket: int | None = Field(None, ge=0, le=100_000, description="defaults to the bucket of expected_tokens")
+    quantile_tokens: float | None = Field(None, ge=0.0, le=1e9)
+    model_name: str | None = Field(None, min_length=1, max_length=256)
+    model_version: str | None = Field(None, min_length=1, max_length=64, description="defaults to the serving version")
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+    request_id: str = Field(min_length=1, max_length=256, description="a prediction_id returned by /v1/predict")
+    actual_tokens: int = Field(ge=0, le=10_000_000, description="output tokens the engine actually generated")
+    prediction: InlinePrediction | None = Field(None, description="needed only when the id is unknown (expired or another replica)")
+
+
+class FeedbackResponse(BaseModel):
+    accepted: bool
+    request_id: str
+    source: str = Field(description="'served' (remembered by this sidecar) or 'inline'")
+    model_name: str
+    model_version: str
+    predicted_bucket: int
+    actual_bucket: int
+    error_tokens: float = Field(description="expected_tokens - actual_tokens (positive = over-prediction)")
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    status: str
+    model_name: str
+    model_version: str
+    model_uri: str
+    from_cache_only: bool = Field(description="the registry was unreachable when this version was resolved")
+
+
+class ErrorResponse(BaseModel):
+    detail: str

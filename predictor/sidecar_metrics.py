@@ -1,0 +1,60 @@
+"""Prometheus metrics of the prediction sidecar (``GET /metrics``).
+
+One registry per app instance (not the process-global default), so tests and embedders can build
+several apps in one process. Names carry the ``lengthwise_sidecar_`` prefix; online-error gauges are
+labelled by model version so a hot swap starts a fresh series instead of blending two models.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+ONLINE = ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate", "quantile_overrun_rate")
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "lengthwise_sidecar_"
+        self.requests = Counter(p + "requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "HTTP request latency by endpoint", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.predictions = Counter(p + "predictions", "prompts predicted", registry=r)
+        self.truncated = Counter(p + "truncated_prompts", "prompts cut to the model's input budget", registry=r)
+        self.batch_size = Histogram(p + "batch_size", "prompts per forward pass (micro-batch)", buckets=BATCH_BUCKETS, registry=r)
+        self.batch_seconds = Histogram(p + "batch_seconds", "tokenisation + inference time per micro-batch",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "prompts waiting for a micro-batch", registry=r)
+        self.model_info = Gauge(p + "model_info", "the served model (value 1)", ["name", "version"], registry=r)
+        self.model_version = Gauge(p + "model_version", "the served registry version number (-1 if not numeric)", registry=r)
+        self.model_ready = Gauge(p + "model_ready", "1 when a model is loaded and serving", registry=r)
+        self.reloads = Counter(p + "model_reloads", "hot reload attempts by result", ["result"], registry=r)
+        self.feedback = Counter(p + "feedback", "feedback received by source", ["source"], registry=r)
+        self.online = {k: Gauge(f"lengthwise_online_{k}", f"online {k} since start, from feedback", ["model_version"], registry=r)
+                       for k in ONLINE}
+        self.online_n = Gauge("lengthwise_online_feedback_n", "feedbacks counted in the online metrics", ["model_version"], registry=r)
+        self.online_alarm = Gauge("lengthwise_online_accuracy_alarm",
+                                  "1 when the last closed window's accuracy fell below offline accuracy minus the margin",
+                                  ["model_version"], registry=r)
+        self.windows_buffered = Gauge("lengthwise_online_windows_buffered", "closed windows waiting to be logged to MLflow", registry=r)
+        self.windows_dropped = Gauge("lengthwise_online_windows_dropped", "windows dropped because the MLflow buffer was full", registry=r)
+        self._served: tuple[str, str] | None = None
+
+    def set_model(self, name: str, version: str) -> None:
+        if self._served is not None:
+            self.model_info.remove(*self._served)
+        self._served = (name, version)
+        self.model_info.labels(name, version).set(1)
+        self.model_version.set(float(version) if version.isdigit() else -1.0)
+        self.model_ready.set(1)
+
+    def set_online(self, version: str, metrics: dict[str, float]) -> None:
+        self.online_n.labels(version).set(metrics.get("n", 0.0))
+        for k, g in self.online.items():
+            if k in metrics:
+                g.labels(version).set(metrics[k])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

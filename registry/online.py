@@ -1,0 +1,311 @@
+"""Online prediction error: feedback (predicted vs actual output length) aggregated in windows and logged
+to MLflow as metrics of one monitoring run per model version.
+
+Offline accuracy is measured once on a held-out split; traffic drifts. The serving endpoint posts the
+actual output length of each answered request back to the sidecar, which folds it into the same
+metrics the offline evaluation reports (top-1 and within-one bucket accuracy, MAE, signed bias,
+under-prediction at the padding) so the two can be read side by side. A window closes after
+``window_size`` feedbacks or ``window_seconds``, whichever comes first; each closed window becomes one
+step of the run's metric history. When a window's accuracy falls more than ``alarm_margin`` below the
+version's offline accuracy (its ``accuracy`` tag), the window carries ``online_accuracy_alarm = 1`` and
+a warning is logged.
+
+Logging never blocks serving: closed windows go to a bounded buffer that a background thread writes
+to MLflow, retrying with backoff while the tracking server is down (oldest windows are dropped, and
+counted, when the buffer is full).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+MONITORING_EXPERIMENT = "lengthwise-monitoring"
+TAG_KIND = "lengthwise.kind"
+TAG_NAME = "lengthwise.model_name"
+TAG_VERSION = "lengthwise.model_version"
+KIND = "online-monitoring"
+# The metric names of a window, in report order; every one is logged with the prefix "online_".
+WINDOW_METRICS = ("n", "accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate",
+                  "quantile_overrun_rate", "accuracy_alarm")
+
+
+@dataclass
+class Feedback:
+    """One answered request: what was predicted and how many tokens the engine actually generated."""
+
+    model_name: str
+    model_version: str
+    bucket: int
+    true_bucket: int
+    expected_tokens: float
+    quantile_tokens: float | None
+    actual_tokens: int
+
+
+@dataclass
+class WindowStats:
+    """Sums over a window; metrics are derived, so windows merge exactly (for reports and totals)."""
+
+    model_name: str
+    model_version: str
+    n: int = 0
+    correct: int = 0
+    within_1: int = 0
+    abs_err: float = 0.0
+    err: float = 0.0
+    under: int = 0
+    quantile_n: int = 0
+    quantile_over: int = 0
+    opened: float = field(default_factory=time.time)
+    offline_accuracy: float | None = None
+    alarm_margin: float = 0.1
+    min_alarm_n: int = 20
+
+    def add(self, fb: Feedback, padding: float) -> None:
+        self.n += 1
+        self.correct += int(fb.bucket == fb.true_bucket)
+        self.within_1 += int(abs(fb.bucket - fb.true_bucket) <= 1)
+        e = fb.expected_tokens - fb.actual_tokens
+        self.abs_err += abs(e)
+        self.err += e
+        self.under += int(fb.actual_tokens > fb.expected_tokens * (1.0 + padding))
+        if fb.quantile_tokens is not None:
+            self.quantile_n += 1
+            self.quantile_over += int(fb.actual_tokens > fb.quantile_tokens)
+
+    @property
+    def alarm(self) -> bool:
+        """Online accuracy more than the margin below offline, on enough feedback to mean something."""
+        return (self.offline_accuracy is not None and self.n >= self.min_alarm_n
+                and self.correct / self.n < self.offline_accuracy - self.alarm_margin)
+
+    def metrics(self) -> dict[str, float]:
+        if not self.n:
+            return {"n": 0.0}
+        out = {
+            "n": float(self.n),
+            "accuracy": self.correct / self.n,
+            "accuracy_within_1": self.within_1 / self.n,
+            "mae_tokens": self.abs_err / self.n,
+            "bias_tokens": self.err / self.n,
+            "under_prediction_rate": self.under / self.n,
+            "accuracy_alarm": float(self.alarm),
+        }
+        if self.quantile_n:
+            out["quantile_overrun_rate"] = self.quantile_over / self.quantile_n
+        if self.offline_accuracy is not None:
+            out["offline_accuracy"] = self.offline_accuracy
+        return out
+
+
+class WindowAggregator:
+    """Per model version, the open window and the running total; returns windows as they close."""
+
+    def __init__(self, window_size: int = 100, window_seconds: float = 60.0, padding: float = 0.15,
+                 alarm_margin: float = 0.1, min_alarm_n: int = 20):
+        if window_size < 1 or window_seconds <= 0:
+            raise ValueError("window_size must be >= 1 and window_seconds > 0")
+        self.window_size, self.window_seconds, self.padding = window_size, window_seconds, padding
+        self.alarm_margin, self.min_alarm_n = alarm_margin, min_alarm_n
+        self._open: dict[tuple[str, str], WindowStats] = {}
+        self.totals: dict[tuple[str, str], WindowStats] = {}
+        self.offline: dict[tuple[str, str], float | None] = {}
+        self._lock = threading.Lock()
+
+    def set_offline_accuracy(self, name: str, version: str, accuracy: float | None) -> None:
+        with self._lock:
+            self.offline[(name, version)] = accuracy
+
+    def _new(self, key: tuple[str, str]) -> WindowStats:
+        return WindowStats(key[0], key[1], offline_accuracy=self.offline.get(key), alarm_margin=self.alarm_margin,
+                           min_alarm_n=self.min_alarm_n)
+
+    def add(self, fb: Feedback) -> list[WindowStats]:
+        """Fold one feedback in; returns the windows that closed (by count, or by age of any open window)."""
+        key = (fb.model_name, fb.model_version)
+        with self._lock:
+            w = self._open.get(key)
+            if w is None:
+                w = self._open[key] = self._new(key)
+            w.add(fb, self.padding)
+            total = self.totals.get(key)
+            if total is None:
+                total = self.totals[key] = self._new(key)
+            total.add(fb, self.padding)
+            closed = self._close_locked(lambda k, win: win.n >= self.window_size or
+                                        time.time() - win.opened >= self.window_seconds)
+        return closed
+
+    def flush_due(self, force: bool = False) -> list[WindowStats]:
+        """Close windows older than ``window_seconds`` (all non-empty ones with ``force``)."""
+        with self._lock:
+            return self._close_locked(lambda k, win: force or time.time() - win.opened >= self.window_seconds)
+
+    def _close_locked(self, due: Callable[[tuple[str, str], WindowStats], bool]) -> list[WindowStats]:
+        closed = []
+        for key, win in list(self._open.items()):
+            if win.n and due(key, win):
+                closed.append(win)
+                del self._open[key]
+        for win in closed:
+            if win.alarm:
+                log.warning("online accuracy alarm: %s version %s: %.3f on the last %d feedbacks, offline %.3f (margin %.2f)",
+                            win.model_name, win.model_version, win.correct / win.n, win.n, win.offline_accuracy,
+                            win.alarm_margin)
+        return closed
+
+
+def find_monitoring_run(client, experiment_id: str, name: str, version: str):
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{TAG_KIND}` = '{KIND}' and tags.`{TAG_NAME}` = '{name}' and tags.`{TAG_VERSION}` = '{version}'",
+        max_results=1, order_by=["attributes.start_time ASC"],
+    )
+    return runs[0] if runs else None
+
+
+class MlflowWindowLogger:
+    """Writes closed windows to MLflow from a background thread; a bounded buffer rides out outages."""
+
+    def __init__(self, max_buffered: int = 1000, retry_min_s: float = 1.0, retry_max_s: float = 30.0,
+                 on_change: Callable[[int, int], None] | None = None):
+        self._buf: deque[WindowStats] = deque()
+        self.max_buffered = max_buffered
+        self.dropped = 0
+        self.logged = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
+        self._on_change = on_change or (lambda buffered, dropped: None)
+        self._cv = threading.Condition()
+        self._stop = False
+        self._runs: dict[tuple[str, str], tuple[str, int]] = {}  # (name, version) -> (run_id, next step)
+        self._thread = threading.Thread(target=self._loop, name="mlflow-window-logger", daemon=True)
+        self._thread.start()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def submit(self, windows: list[WindowStats]) -> None:
+        """Queue windows for logging; never blocks on MLflow."""
+        if not windows:
+            return
+        with self._cv:
+            for w in windows:
+                if len(self._buf) >= self.max_buffered:
+                    self._buf.popleft()
+                    self.dropped += 1
+                self._buf.append(w)
+            self._cv.notify()
+        self._on_change(len(self._buf), self.dropped)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Try to write what is buffered (bounded by ``timeout``), then stop the thread."""
+        deadline = time.time() + timeout
+        with self._cv:
+            self._cv.notify()
+        while self._buf and time.time() < deadline and self.failures == 0:
+            time.sleep(0.05)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=max(0.1, deadline - time.time()))
+
+    def _loop(self) -> None:
+        delay = self.retry_min_s
+        while True:
+            with self._cv:
+                while not self._buf and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                win = self._buf[0]
+            try:
+                self._log(win)
+            except Exception as exc:  # noqa: BLE001 - tracking server down, DB locked: keep the window, back off, retry
+                self.failures += 1
+                self.last_error = " ".join(str(exc).split())[:300]
+                log.warning("could not log an online-monitoring window to MLflow (%d buffered, retry in %.1f s): %s",
+                            len(self._buf), delay, self.last_error)
+                with self._cv:
+                    self._cv.wait(timeout=delay)
+                delay = min(delay * 2, self.retry_max_s)
+                continue
+            delay = self.retry_min_s
+            self.failures = 0
+            with self._cv:
+                if self._buf and self._buf[0] is win:
+                    self._buf.popleft()
+            self.logged += 1
+            self._on_change(len(self._buf), self.dropped)
+
+    def _run_for(self, client, name: str, version: str) -> tuple[str, int]:
+        key = (name, version)
+        if key not in self._runs:
+            from registry.store import ensure_experiment
+
+            exp = ensure_experiment(MONITORING_EXPERIMENT)
+            run = find_monitoring_run(client, exp, name, version)
+            if run is None:
+                run = client.create_run(exp, run_name=f"online-{name}-v{version}",
+                                        tags={TAG_KIND: KIND, TAG_NAME: name, TAG_VERSION: version})
+                step = 0
+            else:
+                hist = client.get_metric_history(run.info.run_id, "online_n")
+                step = max((m.step for m in hist), default=-1) + 1
+            self._runs[key] = (run.info.run_id, step)
+        return self._runs[key]
+
+    def _log(self, win: WindowStats) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        from registry.store import configure
+
+        configure()
+        client = MlflowClient()
+        run_id, step = self._run_for(client, win.model_name, win.model_version)
+        ts = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(f"online_{k}", float(v), ts, step) for k, v in win.metrics().items()])
+        self._runs[(win.model_name, win.model_version)] = (run_id, step + 1)
+
+
+def window_history(name: str, version: str) -> tuple[str | None, list[dict]]:
+    """(run id, one dict of metrics per logged window in step order) for the report."""
+    from mlflow import MlflowClient
+
+    from registry.store import configure, ensure_experiment
+
+    configure()
+    client = MlflowClient()
+    run = find_monitoring_run(client, ensure_experiment(MONITORING_EXPERIMENT), name, version)
+    if run is None:
+        return None, []
+    steps: dict[int, dict] = {}
+    for key in [k for k in run.data.metrics if k.startswith("online_")]:
+        for m in client.get_metric_history(run.info.run_id, key):
+            steps.setdefault(m.step, {"step": m.step, "timestamp": m.timestamp})[key.removeprefix("online_")] = m.value
+    return run.info.run_id, [steps[s] for s in sorted(steps)]
+
+
+def merge_windows(rows: list[dict]) -> dict[str, float]:
+    """Feedback-weighted totals over logged windows (what all the windows together say)."""
+    n = sum(r.get("n", 0) for r in rows)
+    if not n:
+        return {"n": 0.0}
+    out = {"n": float(n)}
+    for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate", "quantile_overrun_rate"):
+        have = [r for r in rows if k in r]
+        w = sum(r["n"] for r in have)
+        if w:
+            out[k] = sum(r[k] * r["n"] for r in have) / w
+    out["alarm_windows"] = float(sum(r.get("accuracy_alarm", 0.0) for r in rows))
+    return out

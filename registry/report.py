@@ -1,0 +1,67 @@
+"""``lengthwise registry report``: a version's online prediction error, read back from MLflow.
+
+Shows the windows the sidecar logged (newest last) and their feedback-weighted total next to the
+offline test metrics the version was registered with, so drift reads as one comparison.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from rich.console import Console
+from rich.table import Table
+
+from registry import online, store
+
+_COLUMNS = (("n", "feedback", "{:.0f}"), ("accuracy", "top-1", "{:.3f}"), ("accuracy_within_1", "within-1", "{:.3f}"),
+            ("mae_tokens", "MAE tok", "{:.1f}"), ("bias_tokens", "bias tok", "{:+.1f}"),
+            ("under_prediction_rate", "under-pred", "{:.3f}"), ("quantile_overrun_rate", "> quantile", "{:.3f}"))
+
+
+def _fmt(row: dict, key: str, f: str) -> str:
+    return f.format(row[key]) if key in row else "-"
+
+
+def print_report(name: str, version: str | None, alias: str | None, last: int = 20, console: Console | None = None) -> dict:
+    """Print the report; returns ``{"version", "run_id", "windows", "total", "offline"}`` for callers and tests."""
+    from mlflow import MlflowClient
+
+    console = console or Console(width=max(Console().width, 120))
+    store.configure()
+    client = MlflowClient()
+    if version is None:
+        version = str(client.get_model_version_by_alias(name, alias or store.CHAMPION).version)
+    mv = client.get_model_version(name, str(version))  # raises for an unknown version: a clear CLI error
+    offline = {k: float(mv.tags[k]) for k in store.COMPARED_METRICS if k in mv.tags}
+    run_id, rows = online.window_history(name, str(version))
+    total = online.merge_windows(rows)
+    title = f"online error: {name} version {version}" + (f" (@{alias})" if alias and version == _alias_version(name, alias) else "")
+    if not rows:
+        console.print(f"{title}: no online feedback logged yet (monitoring experiment '{online.MONITORING_EXPERIMENT}' "
+                      f"at {store.tracking_uri()})")
+        return {"version": str(version), "run_id": run_id, "windows": [], "total": total, "offline": offline}
+    t = Table(title=title, caption=f"monitoring run {run_id}; alarm = window top-1 below offline minus the sidecar's margin")
+    t.add_column("window", justify="right")
+    t.add_column("closed (UTC)")
+    for _, header, _ in _COLUMNS:
+        t.add_column(header, justify="right")
+    t.add_column("alarm", justify="center")
+    for r in rows[-last:]:
+        when = dt.datetime.fromtimestamp(r["timestamp"] / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        t.add_row(str(r["step"]), when, *(_fmt(r, k, f) for k, _, f in _COLUMNS),
+                  "[red]ALARM[/red]" if r.get("accuracy_alarm") else "")
+    t.add_section()
+    t.add_row("all", f"{len(rows)} windows", *(_fmt(total, k, f) for k, _, f in _COLUMNS),
+              f"{total.get('alarm_windows', 0):.0f}" if total.get("alarm_windows") else "")
+    off = {"accuracy": offline.get("accuracy"), "mae_tokens": offline.get("mae_tokens")}
+    t.add_row("offline", "test split", "", *(_fmt({k: v for k, v in off.items() if v is not None}, k, f)
+                                            for k, _, f in _COLUMNS[1:]), "")
+    console.print(t)
+    if "accuracy" in total and "accuracy" in offline:
+        console.print(f"online top-1 {total['accuracy']:.3f} vs offline {offline['accuracy']:.3f} "
+                      f"({total['accuracy'] - offline['accuracy']:+.3f}) over {total['n']:.0f} feedbacks")
+    return {"version": str(version), "run_id": run_id, "windows": rows, "total": total, "offline": offline}
+
+
+def _alias_version(name: str, alias: str) -> str | None:
+    return store.alias_version(name, alias)

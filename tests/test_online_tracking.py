@@ -1,0 +1,126 @@
+"""Online prediction error: window arithmetic (the same metrics as the offline evaluation), the alarm,
+buffering through an MLflow outage, and the whole path sidecar feedback -> MLflow run -> `registry report`."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import numpy as np
+import pytest
+from mlflow import MlflowClient
+
+from predictor.buckets import BucketScheme
+from registry import online, store
+from tests.conftest import free_port
+from tests.sidecar_proc import start_sidecar, wait_for
+from training.evaluate import Predictions, compute_metrics
+
+SCHEME = BucketScheme.equal_width(200, 2048)
+
+
+def _feedbacks(n: int, seed: int = 0, version: str = "1", name: str = "lp-unit") -> tuple[list[online.Feedback], np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    actual = rng.integers(0, 2000, n)
+    expected = np.clip(actual + rng.normal(0, 250, n), 0, 2047)
+    fbs = [online.Feedback(name, version, int(SCHEME.assign(e)[0]), int(SCHEME.assign(a)[0]), float(e), float(e) * 1.3, int(a))
+           for e, a in zip(expected, actual)]
+    return fbs, expected, actual
+
+
+def test_window_metrics_match_offline_definitions():
+    fbs, expected, actual = _feedbacks(100)
+    agg = online.WindowAggregator(window_size=100, window_seconds=3600, padding=0.15)
+    closed = [w for fb in fbs for w in agg.add(fb)]
+    assert len(closed) == 1 and closed[0].n == 100
+    got = closed[0].metrics()
+    probs = np.eye(SCHEME.n)[SCHEME.assign(expected)]
+    ref = compute_metrics(Predictions(probs=probs, point=expected), actual, SCHEME, padding=0.15)
+    for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate"):
+        assert got[k] == pytest.approx(ref[k]), k
+    assert got["quantile_overrun_rate"] == pytest.approx(float((actual > expected * 1.3).mean()))
+
+
+def test_windows_close_by_count_and_by_time():
+    fbs, _, _ = _feedbacks(25)
+    agg = online.WindowAggregator(window_size=10, window_seconds=3600)
+    closed = [w for fb in fbs for w in agg.add(fb)]
+    assert [w.n for w in closed] == [10, 10] and agg.totals[("lp-unit", "1")].n == 25
+    assert agg.flush_due() == []  # the open 5 are young
+    agg.window_seconds = 1e-9
+    assert [w.n for w in agg.flush_due()] == [5]
+    assert online.merge_windows([w.metrics() for w in closed])["n"] == 20
+
+
+def test_alarm_when_online_accuracy_drops_below_offline(caplog):
+    agg = online.WindowAggregator(window_size=20, window_seconds=3600, alarm_margin=0.1)
+    agg.set_offline_accuracy("lp-unit", "1", 0.9)
+    wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None, actual_tokens=1000)
+    with caplog.at_level(logging.WARNING, logger="registry.online"):
+        closed = [w for _ in range(20) for w in agg.add(wrong)]
+    assert closed[0].alarm and closed[0].metrics()["accuracy_alarm"] == 1.0
+    assert "online accuracy alarm" in caplog.text
+    right = online.Feedback("lp-unit", "1", bucket=5, true_bucket=5, expected_tokens=1000.0, quantile_tokens=None, actual_tokens=1000)
+    closed = [w for _ in range(20) for w in agg.add(right)]
+    assert len(closed) == 1 and not closed[0].alarm
+
+
+def test_windows_buffered_while_mlflow_is_down_then_logged(home, monkeypatch):
+    """A real outage: the tracking URI points at a closed port; windows wait in the buffer and are written once it is back."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    name = f"lp-outage-{uuid.uuid4().hex[:8]}"
+    logger = online.MlflowWindowLogger(max_buffered=3, retry_min_s=0.2, retry_max_s=0.4)
+    try:
+        agg = online.WindowAggregator(window_size=5, window_seconds=3600)
+        fbs, _, _ = _feedbacks(20, version="7", name=name)
+        for fb in fbs:
+            logger.submit(agg.add(fb))  # never blocks, even though every write fails
+        wait_for(lambda: logger.failures >= 1, what="a failed write")
+        assert logger.buffered == 3 and logger.dropped == 1 and logger.logged == 0
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the store is back (the embedded one)
+        wait_for(lambda: logger.buffered == 0, timeout=30, what="the buffer to drain")
+    finally:
+        logger.close()
+    run_id, rows = online.window_history(name, "7")
+    assert run_id and [r["n"] for r in rows] == [5, 5, 5] and [r["step"] for r in rows] == [0, 1, 2]
+    tags = MlflowClient().get_run(run_id).data.tags
+    assert tags[online.TAG_NAME] == name and tags[online.TAG_VERSION] == "7"
+
+
+def test_sidecar_feedback_reaches_mlflow_and_the_report(trained, tmp_path, capsys):
+    name, version = trained["registered_name"], trained["registered_version"]
+    store.configure()
+    client = MlflowClient()
+    exp = store.ensure_experiment(online.MONITORING_EXPERIMENT)
+    before = online.find_monitoring_run(client, exp, name, version)  # other tests may have fed this version back
+    n_before = len(client.get_metric_history(before.info.run_id, "online_n")) if before else 0
+    sc = start_sidecar(tmp_path, "--model", f"models:/{name}/{version}", "--window-size", "5", "--window-seconds", "3600",
+                       "--alarm-margin", "0.0")
+    try:
+        prompts = [f"Question {i}: explain topic number {i} in a few sentences." for i in range(12)]
+        preds = sc.post("/v1/predict", json={"prompts": prompts}).json()["predictions"]
+        for p, actual in zip(preds, [50, 150, 250, 350, 450, 550, 650, 750, 850, 950, 1050, 1150]):
+            assert sc.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": actual}).status_code == 200
+        run = wait_for(lambda: online.find_monitoring_run(client, exp, name, version), what="the monitoring run")
+        wait_for(lambda: len(client.get_metric_history(run.info.run_id, "online_accuracy")) >= n_before + 2, what="two windows")
+        metrics = client.get_run(run.info.run_id).data.metrics
+        for k in ("online_n", "online_accuracy", "online_accuracy_within_1", "online_mae_tokens", "online_bias_tokens",
+                  "online_under_prediction_rate", "online_accuracy_alarm", "online_offline_accuracy"):
+            assert k in metrics, k
+        assert metrics["online_offline_accuracy"] == pytest.approx(trained["accuracy"], abs=1e-5)
+        assert sc.metric("lengthwise_online_feedback_n", model_version=version) == 12
+    finally:
+        sc.stop()  # shutdown flushes the open window (the last 2 feedbacks)
+    history = sorted(client.get_metric_history(run.info.run_id, "online_n"), key=lambda m: m.step)
+    assert [m.value for m in history[n_before:]] == [5.0, 5.0, 2.0]
+    assert [m.step for m in history] == list(range(len(history)))  # a restart continues the step count
+
+    from serving.cli import main
+
+    capsys.readouterr()
+    assert main(["registry", "report", "--name", name, "--version", version]) == 0
+    out = capsys.readouterr().out
+    assert f"version {version}" in out and "top-1" in out and "offline" in out and "feedbacks" in out
+    assert main(["registry", "report", "--name", name, "--version", "999"]) == 2
+    assert "error" in capsys.readouterr().err

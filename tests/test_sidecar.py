@@ -1,0 +1,310 @@
+"""The prediction sidecar as a real process over real HTTP, serving the real registered model: the contract,
+micro-batching, bad input, hot reload, offline restart, CLI errors and a schema-driven fuzz run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from predictor.runtime import OnnxLengthPredictor
+from registry import store
+from tests.conftest import free_port
+from tests.sidecar_proc import SIDECAR, start_sidecar, wait_for
+
+NAME = "length-predictor"
+ALIAS = "sidecar-test"  # our own alias, so moving it never disturbs @champion for other tests
+
+
+@pytest.fixture(scope="module")
+def package(trained) -> Path:
+    return Path(trained["work_dir"]) / "package"
+
+
+@pytest.fixture(scope="module")
+def sidecar(trained, tmp_path_factory):
+    store.configure()
+    store.set_alias(NAME, ALIAS, trained["registered_version"])
+    sc = start_sidecar(tmp_path_factory.mktemp("sidecar"), "--model", f"models:/{NAME}@{ALIAS}", "--reload-interval", "0.5",
+                       "--max-batch", "16", "--window-size", "1000")
+    yield sc
+    sc.stop()
+
+
+def _predict(sc, body: dict) -> dict:
+    r = sc.post("/v1/predict", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_predict_contract(sidecar, trained, package):
+    edges = trained["buckets"]["edges"]
+    prompts = ["Write a haiku about autumn.", "Explain, step by step and in detail, how TCP congestion control works."]
+    out = _predict(sidecar, {"prompts": prompts})
+    assert len(out["predictions"]) == 2 and out["model_version"] == trained["registered_version"]
+    local = OnnxLengthPredictor(package).predict(prompts)
+    for i, p in enumerate(out["predictions"]):
+        assert isinstance(p["bucket"], int) and p["range"] == [edges[p["bucket"]], (edges + [trained["buckets"]["max_tokens"]])[p["bucket"] + 1]]
+        assert len(p["probs"]) == len(edges) and sum(p["probs"]) == pytest.approx(1.0, abs=1e-6)
+        assert p["model_version"] == trained["registered_version"] and p["prediction_id"] and p["latency_ms"] > 0
+        assert p["truncated"] is False and p["quantile"] == 0.9
+        np.testing.assert_allclose(p["probs"], local.probs[i], atol=1e-5)  # same encoding and model as training's export
+        assert p["expected_tokens"] == pytest.approx(local.expected[i], rel=1e-5)
+        assert p["quantile_tokens"] == pytest.approx(local.quantile[i], rel=1e-5)
+    one = _predict(sidecar, {"prompt": prompts[0], "quantile": 0.5, "request_id": "req-1"})["predictions"]
+    assert len(one) == 1 and one[0]["prediction_id"] == "req-1" and one[0]["probs"] == pytest.approx(out["predictions"][0]["probs"])
+    assert one[0]["quantile_tokens"] <= out["predictions"][0]["quantile_tokens"]
+    many = _predict(sidecar, {"prompts": prompts, "request_id": "req-2"})["predictions"]
+    assert [p["prediction_id"] for p in many] == ["req-2/0", "req-2/1"]
+
+
+def test_messages_and_truncation_match_training(sidecar, package):
+    """A conversation is encoded exactly as in training (latest turn kept); an overlong prompt says truncated."""
+    turns = [("user", "Tell me about Rome. " * 40), ("assistant", "Rome is old. " * 80), ("user", "Now list ten facts about Paris.")]
+    msgs = [{"role": r, "content": t} for r, t in turns]
+    msgs[-1] = {"role": "user", "content": [{"type": "text", "text": turns[-1][1]}]}  # content parts are accepted too
+    p = _predict(sidecar, {"messages": msgs})["predictions"]
+    local = OnnxLengthPredictor(package)
+    ref = local.predict([turns])
+    assert len(p) == 1 and p[0]["truncated"] is True and bool(ref.truncated[0])
+    np.testing.assert_allclose(p[0]["probs"], ref.probs[0], atol=1e-5)
+    assert p[0]["prompt_tokens"] == local.input_format.max_tokens
+    long = _predict(sidecar, {"prompt": "word " * 5000})["predictions"][0]
+    assert long["truncated"] is True and long["prompt_tokens"] == local.input_format.max_tokens
+
+
+def test_health_ready_openapi_metrics(sidecar, trained):
+    assert sidecar.get("/health").json() == {"status": "ok"}
+    ready = sidecar.get("/ready").json()
+    assert ready["model_version"] == trained["registered_version"] and ready["from_cache_only"] is False
+    doc = sidecar.get("/openapi.json").json()
+    assert {"/v1/predict", "/v1/feedback", "/health", "/ready", "/metrics"} <= set(doc["paths"])
+    _predict(sidecar, {"prompt": "hello"})
+    assert sidecar.metric("lengthwise_sidecar_requests_total", endpoint="/v1/predict", status="200") >= 1
+    assert sidecar.metric("lengthwise_sidecar_request_latency_seconds_count", endpoint="/v1/predict") >= 1
+    assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=trained["registered_version"]) == 1
+    assert sidecar.metric("lengthwise_sidecar_model_version") == float(trained["registered_version"])
+    assert sidecar.metric("lengthwise_sidecar_batch_size_count") >= 1
+
+
+def test_concurrent_requests_share_batches(sidecar, data):
+    from training.data import load_examples
+
+    prompts = [e.latest for e in load_examples(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz",
+                                               "sharegpt", first_turn_only=True)[:96]]
+    s0, n0 = sidecar.metric("lengthwise_sidecar_batch_size_sum"), sidecar.metric("lengthwise_sidecar_batch_size_count")
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda p: sidecar.post("/v1/predict", json={"prompt": p}), prompts))
+    assert all(r.status_code == 200 for r in outs)
+    s1, n1 = sidecar.metric("lengthwise_sidecar_batch_size_sum"), sidecar.metric("lengthwise_sidecar_batch_size_count")
+    assert s1 - s0 == len(prompts)
+    assert (s1 - s0) / (n1 - n0) > 1.5, "concurrent requests were not micro-batched"
+    assert sidecar.metric("lengthwise_sidecar_batch_size_bucket", le="16.0") == n1  # never above --max-batch
+
+
+BAD = {
+    "empty prompt": (b'{"prompt": ""}', 422, "prompt"),
+    "blank prompt": (b'{"prompt": "   "}', 422, "prompt"),
+    "wrong type": (b'{"prompt": 5}', 422, "prompt"),
+    "empty list": (b'{"prompts": []}', 422, "prompts"),
+    "empty item": (b'{"prompts": ["ok", ""]}', 422, "prompts.1"),
+    "too many prompts": (('{"prompts": [' + ",".join(['"x"'] * 65) + "]}").encode(), 422, "at most 64"),
+    "two inputs": (b'{"prompt": "a", "prompts": ["b"]}', 422, "exactly one"),
+    "no input": (b'{"quantile": 0.5}', 422, "exactly one"),
+    "bad quantile": (b'{"prompt": "a", "quantile": 1.5}', 422, "quantile"),
+    "not an object": (b'["a"]', 422, "body"),
+    "no text in messages": (b'{"messages": [{"role": "user", "content": ""}]}', 422, "no text"),
+    "invalid JSON": (b'{"prompt": "a"', 400, "invalid JSON"),
+    "not UTF-8": ('{"prompt": "caf\u00e9"}'.encode("latin-1"), 400, "UTF-8"),
+    "oversized": (b'{"prompt": "' + b"a" * (2 << 20) + b'"}', 413, "exceeds"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_4xx_with_a_reason(sidecar, case):
+    body, status, words = BAD[case]
+    r = sidecar.post("/v1/predict", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert words in r.json()["detail"]
+
+
+def test_lone_surrogate_is_rejected_not_crashed(sidecar):
+    """A JSON escape of half a UTF-16 pair is valid JSON but no text: a 422 that says so, never a tokenizer crash."""
+    r = sidecar.post("/v1/predict", content=b'{"prompt": "bad \\ud800 text"}', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "unicode" in r.json()["detail"]
+    assert sidecar.post("/v1/predict", json={"prompt": "fine \u00e9 \U0001f600"}).status_code == 200
+
+
+def test_feedback(sidecar, trained):
+    p = _predict(sidecar, {"prompt": "Write a long essay about the history of Europe."})["predictions"][0]
+    r = sidecar.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": 512})
+    assert r.status_code == 200, r.text
+    fb = r.json()
+    assert fb["accepted"] and fb["source"] == "served" and fb["predicted_bucket"] == p["bucket"]
+    assert fb["actual_bucket"] == int(np.searchsorted(trained["buckets"]["edges"], 512, side="right") - 1)
+    assert fb["error_tokens"] == pytest.approx(p["expected_tokens"] - 512)
+    assert sidecar.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": 512}).json()["accepted"] is False
+    unknown = sidecar.post("/v1/feedback", json={"request_id": "never-served", "actual_tokens": 10})
+    assert unknown.status_code == 404 and "inline" in unknown.json()["detail"]
+    inline = sidecar.post("/v1/feedback", json={"request_id": "never-served", "actual_tokens": 10,
+                                                "prediction": {"expected_tokens": 300.0}})
+    assert inline.status_code == 200 and inline.json()["source"] == "inline" and inline.json()["predicted_bucket"] == 1
+    bad = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1, "bucket": 999}})
+    assert bad.status_code == 422 and "out of range" in bad.json()["detail"]
+    assert sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": -1}).status_code == 422
+    assert sidecar.metric("lengthwise_online_feedback_n", model_version=trained["registered_version"]) >= 2
+    assert sidecar.metric("lengthwise_online_mae_tokens", model_version=trained["registered_version"]) is not None
+
+
+def _register_copy(package: Path, trained, tmp: Path, break_it: bool = False) -> str:
+    if break_it:
+        broken = tmp / "broken"
+        shutil.copytree(package, broken)
+        (broken / "model.onnx").write_bytes(b"this is not an onnx graph")
+        package = broken
+    with mlflow.start_run(experiment_id=store.ensure_experiment("tests")):
+        return store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"]).version
+
+
+def test_hot_reload(sidecar, trained, package, tmp_path):
+    """Alias -> broken version: the load fails and the old model keeps serving. Alias -> good version: swapped in while
+    requests keep flowing, none failing."""
+    old = trained["registered_version"]
+    broken = _register_copy(package, trained, tmp_path, break_it=True)
+    store.set_alias(NAME, ALIAS, broken)
+    wait_for(lambda: (sidecar.metric("lengthwise_sidecar_model_reloads_total", result="failed") or 0) >= 1, what="a failed reload")
+    assert _predict(sidecar, {"prompt": "hi"})["model_version"] == old
+
+    new = _register_copy(package, trained, tmp_path)
+    seen, errors, stop = [], [], threading.Event()
+
+    def load():
+        while not stop.is_set():
+            r = sidecar.post("/v1/predict", json={"prompts": ["a question", "another question"]})
+            if r.status_code != 200:
+                errors.append(r.text)
+            else:
+                seen.append(r.json()["model_version"])
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        store.set_alias(NAME, ALIAS, new)
+        wait_for(lambda: _predict(sidecar, {"prompt": "hi"})["model_version"] == new, what=f"version {new} to be served")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors and set(seen) <= {old, new}
+    assert sidecar.get("/ready").json()["model_version"] == new
+    assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=new) == 1
+    assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=old) is None
+    from predictor.cache import cache_root
+
+    assert (cache_root() / NAME / new / "model.onnx").is_file()
+    store.set_alias(NAME, ALIAS, old)
+    wait_for(lambda: _predict(sidecar, {"prompt": "hi"})["model_version"] == old, what="the swap back")
+
+
+def test_offline_restart_serves_the_cached_model(sidecar, trained, tmp_path):
+    """Registry down (MLFLOW_TRACKING_URI at a closed port) but the alias was resolved before: start from the cache."""
+    assert sidecar.get("/ready").status_code == 200  # the module's sidecar has cached the package and the alias
+    dead = f"http://127.0.0.1:{free_port()}"
+    sc = start_sidecar(tmp_path, "--model", f"models:/{NAME}@{ALIAS}", "--reload-interval", "0.5",
+                       env={"MLFLOW_TRACKING_URI": dead})
+    try:
+        ready = sc.get("/ready").json()
+        assert ready["from_cache_only"] is True and ready["model_version"] == trained["registered_version"]
+        out = _predict(sc, {"prompt": "Offline and still predicting?"})
+        assert out["model_version"] == trained["registered_version"]
+        assert sc.get("/health").status_code == 200
+    finally:
+        log = sc.stop()
+    assert "unreachable" in log
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([SIDECAR, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+                          check=False)
+
+
+@pytest.mark.parametrize("case", ["unknown model", "not a uri", "bad port", "negative batch", "registry down, nothing cached"])
+def test_cli_bad_args_exit_2_with_one_line(trained, case):
+    args, env = {
+        "unknown model": (["--model", "models:/no-such-model@champion", "--port", str(free_port())], None),
+        "not a uri": (["--model", "/no/such/dir", "--port", str(free_port())], None),
+        "bad port": (["--port", "70000"], None),
+        "negative batch": (["--max-batch", "0"], None),
+        "registry down, nothing cached": (["--model", "models:/never-cached@champion", "--port", str(free_port())],
+                                          {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}),
+    }[case]
+    r = _cli(*args, env=env)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("predictor-sidecar: error:"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use_exits_2(sidecar):
+    port = sidecar.url.rsplit(":", 1)[1]
+    r = _cli("--port", port)
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_teaches():
+    r = _cli("--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "--reload-interval" in r.stdout
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzz_openapi(sidecar, mode):
+    """Schema-driven fuzzing of every operation from /openapi.json (valid and invalid inputs): no 5xx, and every
+    response matches its documented status code, content type and schema."""
+    # 413 (body over the size limit) is a rejection too
+    config = schemathesis.Config.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": [400, 404, 413, 422]}}})
+    schema = schemathesis.openapi.from_url(f"{sidecar.url}/openapi.json", config=config)
+
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    @given(case=schema.as_strategy(schemathesis.GenerationMode(mode)))
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        # all checks but one: a schema-valid conversation whose messages hold no text is refused (422, with the
+        # reason) on purpose; "at least one message has text" is not expressible in the schema
+        case.call_and_validate(excluded_checks=[positive_data_acceptance])
+
+    fuzz()
+
+
+def test_bench_sidecar_json_contract(trained, tmp_path):
+    """A short real run (separate sidecar and client processes): the JSON has p50/p99/throughput per level."""
+    import json
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([str(Path(sys.executable).parent / "lengthwise"), "bench", "sidecar", "--model",
+                        f"models:/{NAME}/{trained['registered_version']}", "--levels", "1,8", "--duration", "1.5",
+                        "--warmup", "0.3", "--prompts", "200", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["levels"]) == {"1", "8"} and report["model_version"] == trained["registered_version"]
+    for level in report["levels"].values():
+        assert level["requests"] > 0 and level["errors"] == 0
+        assert 0 < level["p50_ms"] <= level["p99_ms"] and level["throughput_rps"] > 0
+        assert level["cpu_s_per_prediction"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0 and "p99 ms" in r.stdout
+    bad = subprocess.run([str(Path(sys.executable).parent / "lengthwise"), "bench", "sidecar", "--levels", "1,x"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("lengthwise bench sidecar: error:")

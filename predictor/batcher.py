@@ -3,7 +3,9 @@
 Each HTTP request puts its prompts on a queue and awaits their results. One collector task takes
 what is queued, waits at most ``max_wait_s`` after the oldest item arrived for more to join (so a lone
 request is delayed by no more than that), cuts at ``max_batch`` items, and runs the batch in a worker
-thread so the event loop keeps accepting requests meanwhile. Under load the queue refills while a
+thread so the event loop keeps accepting requests meanwhile. It waits only when there is evidence of
+concurrency (more than one item queued, or the previous batch held more than one): a request arriving
+at an idle sidecar runs at once instead of paying the wait for company that is not coming. Under load the queue refills while a
 batch runs, the next batch forms without waiting, and throughput grows with concurrency; with one
 worker thread there is never more than one forward pass competing for the cores.
 """
@@ -43,6 +45,7 @@ class MicroBatcher(Generic[T, R]):
         self._pending: deque[tuple[T, asyncio.Future, float]] = deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._last_size = 0
 
     def start(self) -> None:
         """Start the collector on the running event loop."""
@@ -86,7 +89,8 @@ class MicroBatcher(Generic[T, R]):
                 await self._wakeup.wait()
                 continue
             deadline = self._pending[0][2] + self.max_wait_s
-            while len(self._pending) < self.max_batch:
+            busy = len(self._pending) > 1 or self._last_size > 1
+            while busy and len(self._pending) < self.max_batch:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -99,6 +103,7 @@ class MicroBatcher(Generic[T, R]):
             batch = [b for b in batch if not b[1].done()]  # the client went away: skip its work
             if not batch:
                 continue
+            self._last_size = len(batch)
             t0 = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.run_batch, [b[0] for b in batch])

@@ -74,10 +74,14 @@ def length_batches(lengths: Sequence[int], batch_size: int, token_budget: int) -
     return groups
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, spin: bool | None = None) -> ort.SessionOptions:
+    """``spin=False`` stops idle intra-op threads from busy-waiting: on a machine shared with other work (a sidecar
+    beside engines) spinning threads burn CPU others need; ``None`` keeps onnxruntime's default."""
     opts = ort.SessionOptions()
     n = threads or int(os.environ.get("LENGTHWISE_ORT_THREADS", "0")) or min(4, os.cpu_count() or 1)
     opts.intra_op_num_threads = n
+    if spin is not None:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return opts
@@ -87,7 +91,7 @@ class OnnxLengthPredictor:
     """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime."""
 
     def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32,
-                 token_budget: int = 2048):
+                 token_budget: int = 2048, spin: bool | None = None):
         d = Path(package_dir)
         self.package_dir = d
         self.meta = json.loads((d / META_FILE).read_text())
@@ -96,7 +100,7 @@ class OnnxLengthPredictor:
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self.session = ort.InferenceSession(str(d / MODEL_FILE), session_options(threads), providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(d / MODEL_FILE), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
         self.token_budget = token_budget
 

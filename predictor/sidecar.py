@@ -62,6 +62,7 @@ class SidecarSettings:
     reload_interval: float = 30.0  # seconds between alias polls; 0 disables hot reload
     threads: int | None = None  # onnxruntime intra-op threads (default: LENGTHWISE_ORT_THREADS or min(4, cores))
     token_budget: int = 256  # padded tokens per onnxruntime run: small runs stay in cache (measured: 2048 costs ~1.5x CPU)
+    ort_spin: bool = False  # busy-waiting onnxruntime threads: lower latency on an idle machine, wasted CPU on a shared one
     max_body_bytes: int = 1 << 20
     lru_size: int = 100_000  # served predictions remembered for feedback by id
     window_size: int = 100  # feedbacks per online-error window
@@ -88,7 +89,7 @@ class ServedModel:
 def load_served(resolved: ResolvedModel, settings: SidecarSettings) -> ServedModel:
     """Open the ONNX session and run one warm-up prediction, so the first request does not pay for it."""
     pred = OnnxLengthPredictor(resolved.path, threads=settings.threads, batch_size=settings.max_batch,
-                               token_budget=settings.token_budget)
+                               token_budget=settings.token_budget, spin=settings.ort_spin)
     pred.predict(["warm-up"])
     return ServedModel(pred, resolved)
 
@@ -149,6 +150,7 @@ class SidecarState:
                                            settings.alarm_margin)
         self.window_logger = MlflowWindowLogger(on_change=self._observe_buffer)
         self._registry_down = False
+        self._failed: dict[str, float] = {}  # version -> when its load last failed
 
     # --- model ---------------------------------------------------------------------------------
     def _run_batch(self, items: list[_Item]) -> list[tuple[dict, ServedModel]]:
@@ -181,7 +183,8 @@ class SidecarState:
                 version = await asyncio.to_thread(registry_version, self.ref)
             except Exception as exc:  # noqa: BLE001 - registry down: keep serving what we have
                 if not self._registry_down:
-                    log.warning("registry unreachable while polling %s: %s", self.ref.uri, " ".join(str(exc).split())[:200])
+                    log.warning("cannot resolve %s (registry unreachable or alias gone); keep serving: %s", self.ref.uri,
+                                " ".join(str(exc).split())[:200])
                 self._registry_down = True
                 continue
             if self._registry_down:
@@ -189,11 +192,15 @@ class SidecarState:
             self._registry_down = False
             if self.model is not None and version == self.model.version:
                 continue
+            retry_after = max(5 * self.settings.reload_interval, 60.0)  # a broken version is not reloaded every poll
+            if time.monotonic() - self._failed.get(version, -retry_after) < retry_after:
+                continue
             try:
                 resolved = await asyncio.to_thread(download_version, self.ref.name, version)
                 served = await asyncio.to_thread(load_served, resolved, self.settings)
             except Exception as exc:  # noqa: BLE001
                 self.metrics.reloads.labels("failed").inc()
+                self._failed[version] = time.monotonic()
                 log.error("hot reload of %s version %s failed; still serving version %s: %s", self.ref.name, version,
                           self.model.version if self.model else "none", " ".join(str(exc).split())[:300])
                 continue
@@ -476,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-budget", type=int, default=d.token_budget,
                    help="padded tokens per onnxruntime run; a micro-batch is split by prompt length into runs this size "
                         "(default: %(default)s)")
+    g.add_argument("--ort-spin", action="store_true",
+                   help="let idle onnxruntime threads busy-wait (a little lower latency when the machine is otherwise idle)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413 (default: %(default)s)")
     g.add_argument("--lru-size", type=int, default=d.lru_size, help="served predictions remembered for feedback (default: %(default)s)")
     r = p.add_argument_group("registry and online monitoring")

@@ -219,13 +219,18 @@ def test_offline_restart_serves_the_cached_model(sidecar, trained, tmp_path):
     """Registry down (MLFLOW_TRACKING_URI at a closed port) but the alias was resolved before: start from the cache."""
     assert sidecar.get("/ready").status_code == 200  # the module's sidecar has cached the package and the alias
     dead = f"http://127.0.0.1:{free_port()}"
-    sc = start_sidecar(tmp_path, "--model", f"models:/{NAME}@{ALIAS}", "--reload-interval", "0.5",
+    sc = start_sidecar(tmp_path, "--model", f"models:/{NAME}@{ALIAS}", "--reload-interval", "0.5", "--window-size", "1",
                        env={"MLFLOW_TRACKING_URI": dead})
     try:
         ready = sc.get("/ready").json()
         assert ready["from_cache_only"] is True and ready["model_version"] == trained["registered_version"]
         out = _predict(sc, {"prompt": "Offline and still predicting?"})
         assert out["model_version"] == trained["registered_version"]
+        # feedback while MLflow is down: the closed window waits in the buffer, serving goes on
+        fb = sc.post("/v1/feedback", json={"request_id": out["predictions"][0]["prediction_id"], "actual_tokens": 100})
+        assert fb.status_code == 200 and fb.json()["accepted"]
+        wait_for(lambda: sc.metric("lengthwise_online_windows_buffered") == 1, what="a buffered window")
+        assert _predict(sc, {"prompt": "Still serving?"})["model_version"] == trained["registered_version"]
         assert sc.get("/health").status_code == 200
     finally:
         log = sc.stop()

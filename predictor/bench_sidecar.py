@@ -229,8 +229,6 @@ def free_port() -> int:
 def bench(model: str, url: str | None, levels: list[int], duration: float, warmup: float, n_prompts: int,
           sidecar_args: list[str], console) -> dict:
     """Run every level against one sidecar; returns the JSON report."""
-    prompts = sharegpt_prompts(n_prompts)
-    bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
     proc = None
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
         log_path = Path(tmp) / "sidecar.log"
@@ -238,6 +236,9 @@ def bench(model: str, url: str | None, levels: list[int], duration: float, warmu
             url = f"http://127.0.0.1:{free_port()}"
             proc = start_sidecar(model, int(url.rsplit(":", 1)[1]), log_path, sidecar_args)
         try:
+            with console.status("loading ShareGPT prompts ..."):  # while the sidecar starts
+                prompts = sharegpt_prompts(n_prompts)
+            bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
             with console.status(f"waiting for the sidecar at {url} ..."):
                 ready = wait_ready(url, proc, log_path if proc else None, timeout=180.0 if proc else 15.0)
             report = {"model": ready.get("model_uri", model), "model_name": ready.get("model_name"),

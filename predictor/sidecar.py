@@ -413,6 +413,9 @@ def create_app(settings: SidecarSettings, ref: ModelRef, resolved: ResolvedModel
             bucket = int(scheme.assign(p.expected_tokens)[0]) if p.bucket is None else p.bucket
             if bucket >= scheme.n:
                 raise HTTPException(422, f"prediction.bucket: {bucket} is out of range for {scheme.n} buckets")
+            for field, v in (("expected_tokens", p.expected_tokens), ("quantile_tokens", p.quantile_tokens)):
+                if v is not None and v > scheme.max_tokens:  # no prediction of this model can say that
+                    raise HTTPException(422, f"prediction.{field}: {v:g} exceeds the model's largest length {scheme.max_tokens}")
             source, expected, qtok = "inline", p.expected_tokens, p.quantile_tokens
         else:
             raise HTTPException(404, f"unknown request_id {req.request_id!r} (never served here, or evicted): "

@@ -42,7 +42,7 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
         return {"version": str(version), "run_id": run_id, "windows": [], "total": total, "offline": offline}
     t = Table(title=title, caption=f"monitoring run {run_id}; alarm = window top-1 below offline minus the sidecar's margin")
     t.add_column("window", justify="right")
-    t.add_column("closed (UTC)")
+    t.add_column("closed (UTC)", no_wrap=True)
     for _, header, _ in _COLUMNS:
         t.add_column(header, justify="right")
     t.add_column("alarm", justify="center")

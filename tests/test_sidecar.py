@@ -159,6 +159,8 @@ def test_feedback(sidecar, trained):
     assert inline.status_code == 200 and inline.json()["source"] == "inline" and inline.json()["predicted_bucket"] == 1
     bad = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1, "bucket": 999}})
     assert bad.status_code == 422 and "out of range" in bad.json()["detail"]
+    huge = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1e8}})
+    assert huge.status_code == 422 and "exceeds" in huge.json()["detail"]
     assert sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": -1}).status_code == 422
     assert sidecar.metric("lengthwise_online_feedback_n", model_version=trained["registered_version"]) >= 2
     assert sidecar.metric("lengthwise_online_mae_tokens", model_version=trained["registered_version"]) is not None

@@ -153,7 +153,9 @@ def download_version(name: str, version: str) -> ResolvedModel:
     mv = MlflowClient().get_model_version(name, str(version))
     tags = dict(mv.tags or {})
     hit = cached_version(name, version)
-    if hit is not None:
+    # the same name and version from another registry (a different tracking URI) is another model
+    stale = hit is not None and _read_json(hit.path / REGISTRY_FILE).get("run_id") not in (None, mv.run_id)
+    if hit is not None and not stale:
         return ResolvedModel(hit.path, name, str(version), hit.uri, tags)
     root = cache_root() / name
     root.mkdir(parents=True, exist_ok=True)
@@ -164,6 +166,8 @@ def download_version(name: str, version: str) -> ResolvedModel:
         _write_json_atomic(staged / REGISTRY_FILE, {"name": name, "version": str(version), "run_id": mv.run_id,
                                                     "source": mv.source, "tags": tags})
         target = root / str(version)
+        if stale:  # move the old copy aside; a process still reading it keeps its open files
+            os.replace(target, Path(tmp) / "stale")
         try:
             os.replace(staged, target)  # atomic: a reader sees no package or a whole one
         except OSError:

@@ -315,3 +315,23 @@ def test_bench_sidecar_json_contract(trained, tmp_path):
     bad = subprocess.run([str(Path(sys.executable).parent / "lengthwise"), "bench", "sidecar", "--levels", "1,x"],
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("lengthwise bench sidecar: error:")
+
+
+def test_cache_follows_the_registry_it_was_resolved_from(trained, package, mlflow_server, monkeypatch):
+    """Version N of a name on a real MLflow server is another model than version N in the embedded store: the
+    cache notices (by run id) and downloads the server's copy instead of serving the stale one."""
+    import json
+
+    from predictor.cache import REGISTRY_FILE, resolve
+
+    local = resolve(f"models:/{NAME}/1")  # the embedded store's version 1
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    store.configure()
+    with mlflow.start_run(experiment_id=store.ensure_experiment("server-cache")):
+        reg = store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"])
+    assert reg.version == "1"
+    remote = resolve(f"models:/{NAME}/1")
+    assert remote.path == local.path and not remote.from_cache_only
+    assert json.loads((remote.path / REGISTRY_FILE).read_text())["run_id"] == mlflow.MlflowClient().get_model_version(NAME, "1").run_id
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    store.configure()

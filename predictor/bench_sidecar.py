@@ -116,6 +116,13 @@ def _batch_counters(url: str) -> tuple[float, float]:
     return float(vals.get("sum", 0.0)), float(vals.get("count", 0.0))
 
 
+def _machine_busy_seconds() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
 def _cpu_seconds(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -206,15 +213,20 @@ async def closed_loop(url: str, requests: list[bytes], concurrency: int, duratio
 def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float, pid: int | None) -> dict:
     # CPU and batch counters cover warm-up too; scale them by requests completed over the same span
     b_sum0, b_n0 = _batch_counters(url)
+    busy0 = _machine_busy_seconds()
     cpu0, client0, w0 = _cpu_seconds(pid), time.process_time(), time.perf_counter()
     res = asyncio.run(closed_loop(url, encode_requests(url, bodies), concurrency, duration, warmup))
     cpu1, client1, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter() - w0
+    busy1 = _machine_busy_seconds()
     b_sum1, b_n1 = _batch_counters(url)
     predictions = b_sum1 - b_sum0  # every prompt predicted in the span, warm-up included
     res["mean_batch"] = (b_sum1 - b_sum0) / (b_n1 - b_n0) if b_n1 > b_n0 else None
     res["cpu_s_per_prediction"] = (cpu1 - cpu0) / predictions if cpu0 is not None and predictions else None
     res["server_cpu_utilisation"] = (cpu1 - cpu0) / wall if cpu0 is not None else None
     res["client_cpu_s_per_request"] = (client1 - client0) / predictions if predictions else None
+    # other work on the machine competes for the same cores: how many cores it kept busy meanwhile
+    ours = (cpu1 - cpu0 if cpu0 is not None else 0.0) + (client1 - client0)
+    res["other_cpu_cores"] = max(0.0, (busy1 - busy0 - ours) / wall) if cpu0 is not None else None
     return res
 
 
@@ -263,15 +275,18 @@ def print_table(report: dict, console) -> None:
 
     t = Table(title=f"predictor-sidecar: {report['model_name']} v{report['model_version']}, {report['cpus']} CPUs, "
                     f"{report['duration_s']:.0f} s per level")
+    t.caption = ("sidecar CPU: its process CPU time per prediction; other cores: CPU used by other processes on the "
+                 "machine during the level (competition for the same cores)")
     for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "mean batch",
-              "sidecar CPU ms/pred", "client CPU ms/req"):
+              "sidecar CPU ms/pred", "client CPU ms/req", "other cores"):
         t.add_column(c, justify="right")
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for lv in report["levels"].values():
         t.add_row(str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), fmt(lv["p50_ms"], ".1f"),
                   fmt(lv["p99_ms"], ".1f"), fmt(lv["throughput_rps"], ".0f"), fmt(lv["mean_batch"], ".1f"),
                   fmt(lv["cpu_s_per_prediction"] and lv["cpu_s_per_prediction"] * 1e3, ".2f"),
-                  fmt(lv["client_cpu_s_per_request"] and lv["client_cpu_s_per_request"] * 1e3, ".2f"))
+                  fmt(lv["client_cpu_s_per_request"] and lv["client_cpu_s_per_request"] * 1e3, ".2f"),
+                  fmt(lv.get("other_cpu_cores"), ".2f"))
     console.print(t)
 
 

@@ -48,14 +48,19 @@ class Run:
     lost: dict[int, int] = field(default_factory=dict)       # rid -> computed tokens thrown away by recompute preemption
     trace: list[Step] = field(default_factory=list)
     max_batch: int = 0
+    aborted: set[int] = field(default_factory=set)           # rids the host aborted while they were live
 
 
 class Stuck(AssertionError):
     pass
 
 
-def drive(policy, requests_with_truth, arrivals=None, max_steps=100_000, on_plan=None) -> Run:
-    """Run requests (``(Request, true output length)``) to completion; ``arrivals`` are steps (default: each arrival)."""
+def drive(policy, requests_with_truth, arrivals=None, max_steps=100_000, on_plan=None, aborts=None) -> Run:
+    """Run requests (``(Request, true output length)``) to completion; ``arrivals`` are steps (default: each arrival).
+
+    ``aborts`` maps request ids to the step at which the host aborts them (client gone).
+    """
+    aborts = dict(aborts or {})
     truth = {r.rid: t for r, t in requests_with_truth}
     steps_in = arrivals if arrivals is not None else [int(r.arrival) for r, _ in requests_with_truth]
     order = sorted(zip(steps_in, range(len(requests_with_truth))))
@@ -68,6 +73,13 @@ def drive(policy, requests_with_truth, arrivals=None, max_steps=100_000, on_plan
         while nxt < len(pending) and pending[nxt][0] <= now:
             policy.add(pending[nxt][1], float(now))
             nxt += 1
+        for rid in [rid for rid, t in aborts.items() if t <= now and any(rid == r.rid for _, r in pending[:nxt])]:
+            del aborts[rid]
+            if policy.abort(rid, float(now)):
+                run.aborted.add(rid)
+                assert rid not in policy.requests and policy.kv.of(rid) == 0
+        if not policy.has_work and nxt == len(pending):
+            break
         before = {rid: r.computed for rid, r in policy.requests.items()}
         plan: StepPlan = policy.schedule(float(now))
         if not plan.tokens:
@@ -581,3 +593,33 @@ def test_random_workloads_reach_every_kv_pressure_path():
             for k in totals:
                 totals[k] += pol.stats[k]
     assert all(v > 0 for v in totals.values()), totals
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=15, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(w=workloads(), seed=st.integers(0, 2**32 - 1))
+def test_abort_frees_everything_and_the_rest_complete(name, w, seed):
+    """A host may abort any request at any time: its KV returns, nothing else is lost or duplicated."""
+    c, blocks, specs = w
+    rng = random.Random(seed)
+    aborts = {rid: t + rng.randint(0, 40) for rid, t, *_ in specs if rng.random() < 0.3}
+    pol = make_policy(name, c, blocks)
+    reqs = _materialize(specs)
+    run = drive(pol, reqs, aborts=aborts, max_steps=sum(p + o for _, _, p, _, _, _, o in specs) * 4 + 1000)
+    truth = {r.rid: t for r, t in reqs}
+    assert run.aborted <= set(aborts)
+    assert set(run.done) | run.aborted == set(truth) and not (set(run.done) & run.aborted)
+    assert all(run.emitted[rid] == truth[rid] for rid in run.done)
+    assert not pol.requests and pol.kv.used == 0
+    assert pol.abort(next(iter(truth)), 0.0) is False  # unknown or finished ids are ignored
+
+
+@pytest.mark.parametrize("name", ["vllm", "sjf", "orca", "ecoserve", "lengthwise"])
+def test_abort_running_and_waiting(name):
+    """With room for one request at a time, abort the running one and a queued one: the third still runs."""
+    pol = make_policy(name, cfg(max_num_seqs=1, orca_batch_size=1), kv_blocks=200)
+    reqs = [(req(rid, 8, 6), 6) for rid in range(3)]
+    run = drive(pol, reqs, arrivals=[0, 0, 0], aborts={0: 2, 1: 1})
+    assert run.aborted == {0, 1} and set(run.done) == {2} and run.emitted[2] == 6
+    assert run.first[0] == 0 and 1 not in run.first and pol.kv.used == 0

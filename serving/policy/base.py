@@ -101,6 +101,19 @@ class Policy(ABC):
         self._after_step(plan, done, now)
         self.stats["sched_s"] += time.perf_counter() - t0
 
+    def abort(self, rid: int, now: float) -> bool:
+        """Drop a request wherever it is (client gone, engine abort); its blocks are freed, nobody else moves.
+
+        Returns False for an unknown or already finished id, so a host may call it unconditionally.
+        """
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        self._on_abort(req, now)
+        req.phase = Phase.FINISHED
+        self.kv.release(rid)
+        return True
+
     def max_seq_len(self, req: Request) -> int:
         """The longest ``req`` can grow: the context limit, or prompt + max_tokens when set."""
         limit = self.cfg.max_model_len
@@ -128,6 +141,10 @@ class Policy(ABC):
 
     def _on_finish(self, req: Request, now: float) -> None:
         """Remove ``req`` from the policy's own structures (its blocks are released after)."""
+
+    def _on_abort(self, req: Request, now: float) -> None:
+        """Remove an aborted ``req`` from every queue it may be in (running or not)."""
+        self._on_finish(req, now)
 
     def _after_step(self, plan: StepPlan, finished: set[int], now: float) -> None:
         """Per-step bookkeeping after tokens were applied."""

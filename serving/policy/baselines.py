@@ -127,6 +127,12 @@ class VLLMPolicy(Policy):
     def _on_finish(self, req: Request, now: float) -> None:
         self.running.remove(req)
 
+    def _on_abort(self, req: Request, now: float) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+
 
 @register("vllm")
 def _vllm(cfg, kv_blocks, repredict=None):
@@ -274,6 +280,12 @@ class MaxAllocPolicy(Policy):
 
     def _on_finish(self, req: Request, now: float) -> None:
         self.running.remove(req)
+
+    def _on_abort(self, req: Request, now: float) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
 
 
 @register("fcfs-max-alloc")

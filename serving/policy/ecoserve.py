@@ -374,6 +374,13 @@ class EcoServe(Policy):
             else:
                 self._start_gt(r, self._own_cap(r))
 
+    def _on_abort(self, r: Request, now: float) -> None:
+        if r in self.pt_queue:
+            self.pt_queue.remove(r)
+        elif r in self.gt_queue:
+            self._unqueue_gt(r)
+        self._on_finish(r, now)
+
     def _on_finish(self, r: Request, now: float) -> None:
         if r in self.prefilling:
             self.prefilling.remove(r)

@@ -1,0 +1,207 @@
+"""The lengthwise scheduler inside vLLM V1: the policy core decides, vLLM's own scheduler executes.
+
+Load it with ``--scheduler-cls serving.engine.scheduler.LengthwiseScheduler`` (or
+``scheduler_cls=...`` in ``vllm.LLM``/``EngineArgs``), configured through
+``--additional-config '{"lengthwise": {"policy": "ecoserve", "knobs": {"padding": 0.15}}}'``
+(see :mod:`serving.engine.settings`). Written against vLLM 0.32, whose scheduler interface is not
+public: the levers below are pinned by tests that drive the real scheduler.
+
+Each step:
+
+1. **Mirror**: every request vLLM holds has a policy-core twin whose computed and generated token
+   counts are copied from vLLM (so prefix-cache hits, vLLM's own preemptions and async placeholders
+   are seen as they are, never assumed).
+2. **Decide**: ``policy.schedule(now)`` returns the step plan: tokens per request in batch order,
+   recompute preemptions, pauses.
+3. **Apply through vLLM's levers**: the policy's preemptions go through ``_preempt_request``;
+   running requests the plan leaves out (paused GTs, decoupled GTs waiting for their slot, held PTs)
+   are skipped this step with ``next_decode_eligible_step``, keeping their KV; ``running`` is ordered
+   as the plan orders the batch (who gets budget first, who is vLLM's preemption victim); ``waiting``
+   is presented holding only the requests the plan admits, in its order; the step's token budget is
+   the plan's total.
+4. **Execute**: ``AsyncScheduler.schedule()`` allocates blocks, handles chunking, prefix caching and
+   async placeholders exactly as stock vLLM does; the waiting queue is merged back (nobody lost).
+5. **Read back**: what vLLM actually scheduled updates the policy; finished and aborted requests
+   leave the policy through ``_free_request``, the one place vLLM frees every request.
+
+The policy's block ledger is sized to vLLM's pool, so its exact allocation and KVC pipelining are
+reservations over vLLM's blocks: vLLM still allocates physical blocks on demand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request as VllmRequest
+from vllm.v1.request import RequestStatus
+
+from serving.engine.inputs import parse_inputs
+from serving.engine.settings import SchedulerSettings
+from serving.policy.base import Policy, StepPlan, make_policy
+from serving.policy.config import PolicyConfig
+from serving.policy.request import Request
+
+logger = init_logger(__name__)
+
+_NEVER = 1 << 62
+
+
+class LengthwiseScheduler(AsyncScheduler):
+    """vLLM's AsyncScheduler, steered step by step by a lengthwise policy (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
+        budget = self.max_num_scheduled_tokens
+        cfg = PolicyConfig(**{
+            "block_size": self.block_size, "max_num_seqs": self.max_num_running_reqs,
+            "max_num_batched_tokens": budget, "max_model_len": self.max_model_len,
+            "tfs": self.lw_settings.tfs or budget, **self.lw_settings.knobs})
+        self.lw_kv_blocks = self.kv_cache_config.num_blocks - 1  # vLLM's block pool keeps one null block
+        self.policy: Policy = make_policy(self.lw_settings.policy, cfg, self.lw_kv_blocks)
+        self._rid_of: dict[str, int] = {}
+        self._vreq_of: dict[int, VllmRequest] = {}
+        self._ids = itertools.count()
+        self.lw_stats: dict[str, float] = dict.fromkeys((
+            "requests", "fallback_predictions", "invalid_inputs", "rejected", "finished", "aborted", "steps",
+            "held_request_steps", "policy_preemptions", "vllm_preemptions", "plan_mismatch_steps", "adapter_s"), 0)
+        self._last_log = time.monotonic()
+        logger.info("lengthwise scheduler: policy %s over %d KV blocks of %d tokens, budget %d, TFS %d",
+                    self.policy.name, self.lw_kv_blocks, self.block_size, budget, cfg.tfs)
+
+    # -- requests in and out ---------------------------------------------------------------------
+    def add_request(self, request: VllmRequest) -> None:
+        super().add_request(request)
+        if request.request_id in self._rid_of or request.is_finished():
+            return  # a streaming-input continuation of a request the policy already holds
+        sp = request.sampling_params
+        inputs = parse_inputs(sp.extra_args if sp is not None else None, arrival=request.arrival_time,
+                              max_tokens=request.max_tokens, default_pred_len=self.lw_settings.default_pred_len)
+        self.lw_stats["requests"] += 1
+        self.lw_stats["fallback_predictions"] += inputs.fallback_prediction
+        if inputs.invalid:
+            self.lw_stats["invalid_inputs"] += 1
+            logger.warning("lengthwise: request %s: ignored malformed extra_args (%s); using the default prediction",
+                           request.request_id, inputs.invalid)
+        rid = next(self._ids)
+        twin = Request(rid, request.arrival_time, request.num_prompt_tokens, inputs.prediction,
+                       deadline=inputs.deadline, max_tokens=request.max_tokens)
+        try:
+            self.policy.add(twin, time.time())
+        except ValueError as exc:  # cannot ever fit the KV pool: fail it now rather than hold it forever
+            self.lw_stats["rejected"] += 1
+            logger.error("lengthwise: request %s rejected: %s", request.request_id, exc)
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            return
+        self._rid_of[request.request_id] = rid
+        self._vreq_of[rid] = request
+
+    def _free_request(self, request: VllmRequest, delay_free_blocks: bool = False):
+        rid = self._rid_of.pop(request.request_id, None)
+        if rid is not None:
+            del self._vreq_of[rid]
+            self.policy.abort(rid, time.time())  # finished or aborted: either way it leaves every queue
+            self.lw_stats["aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"] += 1
+        return super()._free_request(request, delay_free_blocks)
+
+    # -- the step --------------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        now = time.time()
+        self._mirror()
+        plan = self.policy.schedule(now)
+        saved_budget, saved_waiting, held, admitted = self._apply(plan)
+        t1 = time.perf_counter()
+        try:
+            out = super().schedule(throttle_prefills)
+        finally:
+            t2 = time.perf_counter()
+            self.max_num_scheduled_tokens = saved_budget
+            for v, old in held:
+                v.next_decode_eligible_step = old
+            rest = [v for v in saved_waiting if v not in admitted]
+            merged = type(saved_waiting)()
+            for v in [*self.waiting, *rest]:  # vLLM prepends what it preempts or skips to the queue it saw
+                merged.add_request(v)
+            self.waiting = merged
+        actual = StepPlan(tokens={self._rid_of[k]: n for k, n in out.num_scheduled_tokens.items() if k in self._rid_of})
+        if actual.tokens != plan.tokens:
+            self.lw_stats["plan_mismatch_steps"] += 1
+        self.lw_stats["vllm_preemptions"] += max(0, len(out.preempted_req_ids or ()) - len(plan.preempted))
+        self.policy.update(actual, (), now)
+        self.lw_stats["steps"] += 1
+        self.lw_stats["adapter_s"] += (t1 - t0) + (time.perf_counter() - t2)
+        if time.monotonic() - self._last_log >= self.lw_settings.log_every_s:
+            self._log_stats()
+        return out
+
+    def _mirror(self) -> None:
+        """Copy vLLM's truth into the policy's twins: computed tokens, and outputs including in-flight ones."""
+        for rid, v in self._vreq_of.items():
+            twin = self.policy.requests.get(rid)
+            if twin is not None:
+                twin.computed = v.num_computed_tokens
+                twin.generated = v.num_output_tokens + v.num_output_placeholders
+
+    def _apply(self, plan: StepPlan):
+        now = time.time()
+        for rid in plan.preempted:
+            v = self._vreq_of.get(rid)
+            if v is not None and v.status == RequestStatus.RUNNING:
+                self.running.remove(v)
+                self._preempt_request(v, now)
+                self.lw_stats["policy_preemptions"] += 1
+        planned = plan.tokens
+        this_step = self.current_step + 1  # schedule() increments current_step before it looks
+        held = []
+        for v in self.running:
+            if self._rid_of.get(v.request_id) not in planned:
+                held.append((v, v.next_decode_eligible_step))
+                v.next_decode_eligible_step = this_step + 1
+        self.lw_stats["held_request_steps"] += len(held)
+        pos = {rid: i for i, rid in enumerate(planned)}
+        self.running.sort(key=lambda v: pos.get(self._rid_of.get(v.request_id), _NEVER))
+        admitted = []
+        for rid in planned:
+            v = self._vreq_of[rid]
+            if v.status != RequestStatus.RUNNING:
+                admitted.append(v)
+        saved_waiting = self.waiting
+        chosen = type(saved_waiting)()
+        for v in admitted:
+            chosen.add_request(v)
+        self.waiting = chosen
+        saved_budget = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = min(saved_budget, sum(planned.values()))
+        return saved_budget, saved_waiting, held, set(admitted)
+
+    # -- stats -----------------------------------------------------------------------------------
+    def lengthwise_stats(self) -> dict[str, float]:
+        """Counters for the engine log and the gateway's /metrics: the policy's and the adapter's own."""
+        steps = max(1, self.lw_stats["steps"])
+        p = self.policy.stats
+        return {
+            **self.lw_stats, "policy": self.policy.name, "ledger_blocks_used": self.policy.kv.used,
+            "ledger_blocks_total": self.policy.kv.total, "pauses": p["pauses"], "hosted": p["hosted"],
+            "policy_sched_us_per_step": p["sched_s"] / steps * 1e6,
+            "adapter_us_per_step": self.lw_stats["adapter_s"] / steps * 1e6,
+            "live": len(self._vreq_of),
+        }
+
+    def _log_stats(self) -> None:
+        self._last_log = time.monotonic()
+        s = self.lengthwise_stats()
+        logger.info(
+            "lengthwise[%s]: live %d, ledger %d/%d blocks, preemptions policy %d vllm %d, pauses %d, hosted %d, "
+            "fallback predictions %d/%d, plan mismatches %d/%d steps, scheduling %.0f+%.0f us/step",
+            s["policy"], s["live"], s["ledger_blocks_used"], s["ledger_blocks_total"], s["policy_preemptions"],
+            s["vllm_preemptions"], s["pauses"], s["hosted"], s["fallback_predictions"], s["requests"],
+            s["plan_mismatch_steps"], s["steps"], s["policy_sched_us_per_step"], s["adapter_us_per_step"])
+
+
+__all__ = ["LengthwiseScheduler"]

@@ -51,7 +51,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=2000, help="distinct ShareGPT prompts cycled through (default: %(default)s)")
     p.add_argument("--max-batch", type=int, help="passed to the started sidecar")
     p.add_argument("--max-wait-ms", type=float, help="passed to the started sidecar")
-    p.add_argument("--threads", type=int, help="onnxruntime threads of the started sidecar")
+    p.add_argument("--threads", type=int, help="onnxruntime threads per worker of the started sidecar")
+    p.add_argument("--workers", type=int, help="inference workers of the started sidecar")
     p.add_argument("--token-budget", type=int, help="padded tokens per onnxruntime run of the started sidecar")
     p.add_argument("--ort-spin", action="store_true", help="passed to the started sidecar")
     p.add_argument("--json", help="write results here (default: bench-results/sidecar/bench_sidecar.json; PNG beside it)")
@@ -315,7 +316,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(width=max(Console().width, 140))
-    extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
+    extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads), ("--workers", a.workers),
                                             ("--token-budget", a.token_budget))
              if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else [])
     try:

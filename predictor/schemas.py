@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MAX_PROMPTS = 64  # prompts per request; the micro-batcher splits them across forward passes
 MAX_MESSAGES = 256
@@ -52,13 +53,24 @@ class PredictRequest(BaseModel):
         "examples": [{"prompt": "Write a haiku about autumn."}, {"prompts": ["Hi!", "Explain TCP slow start in detail."]},
                      {"messages": [{"role": "user", "content": "Summarise the plot of Hamlet."}]}],
     })
-    prompt: Text | None = Field(None, description="one prompt (a single user turn)")
-    prompts: list[Text] | None = Field(None, min_length=1, max_length=MAX_PROMPTS, description="several independent prompts")
-    messages: list[Message] | None = Field(None, min_length=1, max_length=MAX_MESSAGES,
-                                           description="one OpenAI-style conversation; the last turn is the request")
+    # optional keys, but never null: the schema says so (SkipJsonSchema drops "null") and _no_nulls enforces it
+    prompt: Text | SkipJsonSchema[None] = Field(None, description="one prompt (a single user turn)")
+    prompts: list[Text] | SkipJsonSchema[None] = Field(None, min_length=1, max_length=MAX_PROMPTS,
+                                                       description="several independent prompts")
+    messages: list[Message] | SkipJsonSchema[None] = Field(None, min_length=1, max_length=MAX_MESSAGES,
+                                                           description="one OpenAI-style conversation; the last turn is the request")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="CDF level of quantile_tokens (padded KV reservation)")
     request_id: str | None = Field(None, min_length=1, max_length=256,
                                    description="your id for this request; becomes the prediction_id (with /<i> per prompt when several)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nulls(cls, data):
+        if isinstance(data, dict):
+            for key in ("prompt", "prompts", "messages"):
+                if key in data and data[key] is None:
+                    raise ValueError(f"{key} must not be null: leave it out, or give text")
+        return data
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> PredictRequest:

@@ -93,3 +93,20 @@ def test_bounds_are_checked():
         MicroBatcher(lambda xs: xs, max_batch=0)
     with pytest.raises(ValueError):
         MicroBatcher(lambda xs: xs, max_wait_s=-1)
+
+
+def test_workers_run_batches_side_by_side():
+    both = threading.Barrier(2, timeout=5)  # passes only if two batches are inside run_batch at the same time
+
+    def meet(items):
+        both.wait()
+        return items
+
+    async def main():
+        b = MicroBatcher(meet, max_batch=1, max_wait_s=0, workers=2)
+        b.start()
+        out = await asyncio.gather(b.submit(["a"]), b.submit(["b"]))
+        await b.stop()
+        return out
+
+    assert run(main()) == [["a"], ["b"]]

@@ -285,7 +285,7 @@ def test_fuzz_openapi(sidecar, mode):
     from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     @given(case=schema.as_strategy(schemathesis.GenerationMode(mode)))
-    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     def fuzz(case):
         # all checks but one: a schema-valid conversation whose messages hold no text is refused (422, with the
         # reason) on purpose; "at least one message has text" is not expressible in the schema

@@ -191,6 +191,7 @@ class LengthwiseScheduler(AsyncScheduler):
             "policy_sched_us_per_step": p["sched_s"] / steps * 1e6,
             "adapter_us_per_step": self.lw_stats["adapter_s"] / steps * 1e6,
             "live": len(self._vreq_of),
+            **{f"policy_{k}": v for k, v in p.items() if k not in ("sched_s", "pauses", "hosted", "preemptions")},
         }
 
     def _log_stats(self) -> None:

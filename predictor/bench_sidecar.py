@@ -300,7 +300,7 @@ def plot(report: dict, path: Path) -> Path:
     a, b = fig.subplots(1, 2)
     a.plot(x, [v["p50_ms"] for v in lv], "o-", label="p50")
     a.plot(x, [v["p99_ms"] for v in lv], "s-", label="p99")
-    a.set(xscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
+    a.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
     a.legend()
     b.plot(x, [v["throughput_rps"] for v in lv], "o-")
     b.set(xscale="log", xlabel="concurrent clients", ylabel="predictions / s", title="throughput")

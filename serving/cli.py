@@ -1,4 +1,4 @@
-"""``lengthwise``: the operator's command line: simulation, benchmarks, registry tools."""
+"""``lengthwise``: the operator's command line: the serving endpoint, simulation, benchmarks, registry tools."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _registry(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lengthwise", description="Response-length-aware LLM serving: benchmarks and registry tools.")
+    p = argparse.ArgumentParser(prog="lengthwise", description="Response-length-aware LLM serving: the serving endpoint, simulation, benchmarks and registry tools.")
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("gguf")
     cv.add_argument("out")
     cv.set_defaults(func=lambda a: __import__("predictor.convert", fromlist=["main"]).main([a.gguf, a.out]))
+
+    from serving.gateway.cli import add_parser as add_serve
+
+    add_serve(sub)
 
     from registry.cli import add_parser as add_registry
 

@@ -1,0 +1,19 @@
+"""The serving endpoint (``lengthwise serve``): an OpenAI-compatible gateway in front of vLLM engines.
+
+One request's path (SPEC §2), one module per step:
+
+========================= ===========================================================================
+``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)
+``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
+``slo.py``                the deadline: ``x-slo-ttft-ms``/``x-slo-tpot-ms`` or EcoServe's JCT SLO
+``hints.py``              put the prediction and the deadline into ``vllm_xargs`` for the plug-in
+``placement.py``          choose an engine (least outstanding, round robin; pluggable by name)
+``forward.py``            send it, retry on another engine while nothing reached the client, stream SSE
+``feedback.py``           post the actual output length to the sidecar ``/v1/feedback`` in the background
+``pool.py``               the engines: health checks, outstanding requests, models they serve
+``launcher.py``           start and stop ``vllm`` engine processes with the scheduler plug-in
+``metrics.py``            Prometheus metrics; ``app.py`` the FastAPI app; ``cli.py`` the command line
+========================= ===========================================================================
+
+Nothing here imports vLLM or torch: the gateway is a small process beside the engines.
+"""

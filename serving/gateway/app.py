@@ -1,0 +1,172 @@
+"""The gateway's FastAPI app: OpenAI's completions and chat endpoints in front of the engine pool.
+
+Per request (SPEC §2): validate → predict (sidecar or fallback) → deadline → hints into ``vllm_xargs`` →
+place on an engine → forward (streaming or not, retried while nothing was sent) → feedback in the
+background. The response carries the engine's body unchanged plus headers saying what the gateway
+decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
+``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar`` or ``fallback:<reason>``) and
+``x-lengthwise-deadline`` (Unix seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.gateway.errors import ApiError, error_body
+from serving.gateway.feedback import FeedbackPoster
+from serving.gateway.forward import Forwarder, Outcome
+from serving.gateway.hints import engine_body
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.placement import Placed
+from serving.gateway.pool import EnginePool
+from serving.gateway.prediction import Predictor
+from serving.gateway.requests import PATHS, Kind, parse_json, validate
+from serving.gateway.settings import GatewaySettings
+from serving.gateway.slo import client_slo, deadline, default_slo
+
+log = logging.getLogger("serving.gateway")
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than ``limit`` bytes (declared or streamed) with a 413."""
+    declared = request.headers.get("content-length")
+    too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None) -> FastAPI:
+    """The app over ``engine_urls`` (default: ``settings.engine_urls``); engines must already be starting or up."""
+    metrics = GatewayMetrics()
+    pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
+    predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
+    feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
+    forwarder = Forwarder(pool, settings, metrics)
+    slo = default_slo(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()  # the CLI waited for the engines' /health before starting us
+        if settings.model and pool.models and settings.model not in pool.models:
+            log.warning("--model %s is not among the models the engines serve (%s)", settings.model, ", ".join(sorted(pool.models)))
+        log.info("gateway ready: %d engine(s), predictor %s, placement %s", len(pool.engines),
+                 settings.predictor_url or "none (fallback only)", settings.placement)
+        yield
+        await feedback.aclose()
+        await pool.aclose()
+        await forwarder.aclose()
+        await predictor.aclose()
+
+    app = FastAPI(title="lengthwise gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible endpoint in front of vLLM engines running the lengthwise scheduler.")
+    app.state.pool, app.state.metrics = pool, metrics
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint if endpoint in ENDPOINTS else "other", str(status)).inc()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        count(request.url.path, exc.status_code)
+        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        count(request.url.path, 500)
+        return JSONResponse(error_body(f"internal gateway error ({type(exc).__name__}); see the gateway log", "server_error"),
+                            status_code=500)
+
+    async def generate(request: Request, kind: Kind) -> Response:
+        t0 = time.perf_counter()
+        arrival = time.time()
+        endpoint = PATHS[kind]
+        rid = "lw-" + uuid.uuid4().hex
+        try:
+            req = validate(kind, parse_json(await read_body(request, settings.max_body_bytes)), pool.models)
+            client_terms = client_slo(request.headers)
+            pred = await predictor.predict(req, rid)
+            metrics.predictions.labels(pred.source).inc()
+            dl = deadline(arrival, pred.tokens, client_terms, slo)
+            body, dropped = engine_body(req, pred, dl)
+            if dropped:
+                metrics.client_hints_dropped.inc(len(dropped))
+                log.debug("request %s: client vllm_xargs %s replaced by the gateway's", rid, dropped)
+            headers = {"X-Request-Id": rid}
+            if "authorization" in request.headers:
+                headers["Authorization"] = request.headers["authorization"]
+
+            def on_done(out: Outcome) -> None:
+                count(endpoint, out.status)
+                metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+                if out.first_token_at is not None:
+                    metrics.ttft.labels(endpoint).observe(out.first_token_at - t0)
+                if out.status == 200 and out.completion_tokens is not None:
+                    metrics.output_tokens.inc(out.completion_tokens)
+                    feedback.submit(pred, out.completion_tokens, req.outputs)
+
+            resp = await forwarder.forward(req, body, headers, Placed(pred.tokens, dl), on_done)
+        except ApiError as exc:
+            count(endpoint, exc.status)
+            resp = exc.response()
+            resp.headers["x-lengthwise-request-id"] = rid
+            return resp
+        resp.headers.update({
+            "x-lengthwise-request-id": rid, "x-lengthwise-pred-len": str(pred.tokens),
+            "x-lengthwise-prediction": pred.source if pred.reason is None else f"fallback:{pred.reason}",
+            "x-lengthwise-deadline": f"{dl:.3f}"})
+        return resp
+
+    @app.post("/v1/completions", summary="OpenAI completions (streaming or not), scheduled by predicted length")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions", summary="OpenAI chat completions (streaming or not), scheduled by predicted length")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.get("/v1/models", summary="the models the engines serve")
+    async def models() -> Response:
+        for e in pool.engines:
+            if e.healthy:
+                try:
+                    r = await pool.client.get(e.url + "/v1/models")
+                except Exception:  # noqa: BLE001 - try the next engine
+                    pool.suspect(e)
+                    continue
+                count("/v1/models", r.status_code)
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        count("/v1/models", 503)
+        return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
+
+    @app.get("/health", summary="the gateway is up; engine health in the body")
+    async def health() -> Response:
+        up = sum(e.healthy for e in pool.engines)
+        count("/health", 200)
+        return JSONResponse({"status": "ok" if up else "degraded", "healthy_engines": up, "engines": pool.status(),
+                             "predictor_url": settings.predictor_url, "placement": settings.placement})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,217 @@
+"""``lengthwise serve``: start (or attach to) vLLM engines with the lengthwise scheduler and serve the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettings
+
+log = logging.getLogger("serving.gateway")
+
+EPILOG = """\
+examples:
+  # two engines on this machine, predictions from a running sidecar
+  lengthwise serve --model ./SmolLM2-135M-Instruct --engines 2 --predictor-url http://127.0.0.1:8100
+  # attach to engines started elsewhere (with --scheduler-cls serving.engine.scheduler.LengthwiseScheduler)
+  lengthwise serve --engine-url http://10.0.0.5:8001 --engine-url http://10.0.0.6:8001 --port 8000
+  # engine arguments: one string each (use = when it starts with --)
+  lengthwise serve --model M --policy ecoserve --engine-arg="--max-model-len 4096" --engine-arg=--enforce-eager \\
+      --scheduler-config '{"knobs": {"padding": 0.2}}'
+
+clients use any OpenAI SDK against http://HOST:PORT/v1:
+  curl -s localhost:8000/v1/chat/completions -H 'x-slo-ttft-ms: 500' -H 'x-slo-tpot-ms: 50' \\
+      -d '{"model": "M", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
+
+deadline per request: now + x-slo-ttft-ms + x-slo-tpot-ms x predicted length when the headers are given,
+else slo_scale x (t_p + t_g x predicted length) (EcoServe's JCT SLO). Without --predictor-url, or when the
+sidecar does not answer within --predictor-timeout-ms, the request runs on --fallback-tokens (counted in
+lengthwise_gateway_prediction_fallbacks_total on /metrics).
+
+endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible gateway over vLLM engines that schedule by predicted response length",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Start N vLLM engines with the lengthwise scheduler plug-in (or attach to running ones) and serve an "
+                    "OpenAI-compatible API in front of them. Each request gets a predicted length from the sidecar and an "
+                    "SLO deadline, both passed to the engine's scheduler in vllm_xargs; engines are chosen by load; a "
+                    "request an engine dropped before answering is retried on another.")
+    e = p.add_argument_group("engines")
+    e.add_argument("--model", metavar="PATH_OR_NAME", help="model the engines serve (required unless --engine-url)")
+    e.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
+    e.add_argument("--engines", type=int, default=1, metavar="N", help="engines to start (default: %(default)s)")
+    e.add_argument("--policy", default="lengthwise",
+                   help="scheduling policy of the engines started here: lengthwise, ecoserve, sjf, vllm, ... "
+                        "(default: %(default)s)")
+    e.add_argument("--scheduler-config", default="{}", metavar="JSON",
+                   help="more plug-in settings for the engines started here, e.g. '{\"knobs\": {\"padding\": 0.2}, "
+                        "\"default_pred_len\": 128}'")
+    e.add_argument("--engine-arg", action="append", default=[], metavar="ARGS",
+                   help="extra vLLM arguments for each engine started here, repeatable, e.g. --engine-arg=--enforce-eager "
+                        "--engine-arg=\"--max-num-seqs 64\"")
+    e.add_argument("--engine-log-dir", type=Path, metavar="DIR", help="engine logs (default: a new temporary directory)")
+    e.add_argument("--engine-start-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds engines may take to become healthy (default: %(default)s)")
+    e.add_argument("--placement", default="least-outstanding", help="least-outstanding (default) or round-robin")
+    pr = p.add_argument_group("prediction and SLO")
+    pr.add_argument("--predictor-url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
+    pr.add_argument("--predictor-timeout-ms", type=float, default=50.0, help="fall back when slower (default: %(default)s)")
+    pr.add_argument("--fallback-tokens", type=int, default=256,
+                    help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
+    pr.add_argument("--no-feedback", action="store_true", help="do not post actual lengths to the sidecar's /v1/feedback")
+    pr.add_argument("--slo-scale", type=float, default=None, help="JCT SLO multiplier (default: the policy config's, 2.0)")
+    pr.add_argument("--t-p", type=float, default=DEFAULT_T_P_S, metavar="S",
+                    help="prefill time of a lone request, seconds (default: %(default)s)")
+    pr.add_argument("--t-g", type=float, default=DEFAULT_T_G_S, metavar="S",
+                    help="decode time per token of a lone request, seconds (default: %(default)s)")
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
+    g.add_argument("--max-attempts", type=int, default=3, help="engines one request may try (default: %(default)s)")
+    g.add_argument("--engine-timeout", type=float, default=600.0, metavar="S",
+                   help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
+    g.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="engine probe interval (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+    return p
+
+
+class UsageError(ValueError):
+    pass
+
+
+class _Stop(BaseException):
+    """SIGTERM or SIGINT: stop serving, stop the engines, exit 0."""
+
+
+def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
+    """Build and validate the settings; a bad value becomes one readable line."""
+    from pydantic import ValidationError
+
+    try:
+        sched = json.loads(a.scheduler_config)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--scheduler-config is not valid JSON ({exc.msg}), e.g. '{{\"knobs\": {{\"padding\": 0.2}}}}'") from None
+    if not isinstance(sched, dict):
+        raise UsageError("--scheduler-config must be a JSON object")
+    fields = {
+        "model": a.model, "engine_urls": a.engine_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
+        "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
+        "placement": a.placement, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
+        "fallback_tokens": a.fallback_tokens, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
+        "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "engine_timeout_s": a.engine_timeout,
+        "health_interval_s": a.health_interval, "log_level": a.log_level}
+    if a.slo_scale is not None:
+        fields["slo_scale"] = a.slo_scale
+    try:
+        return GatewaySettings(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise UsageError(f"--{where.replace('_', '-')}: {msg}" if where else msg) from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _check_engine(settings: GatewaySettings) -> None:
+    """What would otherwise fail only after minutes of engine start-up: the policy, its settings, vLLM, the model."""
+    if not settings.starts_engines:
+        return
+    from pydantic import ValidationError
+
+    from serving.engine.settings import SchedulerSettings
+    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.config import PolicyConfig
+
+    try:
+        sched = SchedulerSettings.model_validate({"policy": settings.policy, **settings.scheduler_config})
+        make_policy(sched.policy, PolicyConfig(**sched.knobs), 64)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UsageError(f"--scheduler-config {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    except (PolicyError, ValueError) as exc:
+        raise UsageError(f"--policy: {exc}") from None
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError("vLLM is not installed here, so no engine can be started; install the cpu or gpu extra, "
+                             "or attach to running engines with --engine-url")
+    except (ImportError, ValueError):
+        raise UsageError("vLLM is not importable here; attach to running engines with --engine-url") from None
+    model = Path(settings.model)
+    if (settings.model.startswith((".", "/", "~")) or model.exists()) and not (model.expanduser() / "config.json").exists():
+        raise UsageError(f"--model {settings.model}: no config.json there (a Hugging Face model directory is needed)")
+
+
+def run(a: argparse.Namespace) -> int:
+    """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us."""
+    from serving.gateway.launcher import EngineStartError, start_engines, stop_engines, wait_healthy
+
+    try:
+        settings = settings_from_args(a)
+        _check_engine(settings)
+    except UsageError as exc:
+        print(f"lengthwise serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        sock = _listen(settings.host, settings.port)  # before minutes of engine start-up: a busy port fails now
+    except (OSError, OverflowError) as exc:
+        print(f"lengthwise serve: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
+
+    def _stop(signum, frame):  # while engines start, or re-raised by uvicorn after its graceful shutdown
+        raise _Stop(signum)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    procs = []
+    try:
+        if settings.starts_engines:
+            log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
+            procs = start_engines(settings, log_dir)
+            urls = [p.url for p in procs]
+            log.info("starting %d engine(s) with policy %s; logs in %s", len(procs), settings.policy, log_dir)
+            wait_healthy(urls, settings.engine_start_timeout_s, procs)
+        else:
+            urls = settings.engine_urls
+            wait_healthy(urls, settings.engine_start_timeout_s, require_all=False)
+        import uvicorn
+
+        from serving.gateway.app import create_app
+
+        app = create_app(settings, urls)
+        config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
+        log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
+        uvicorn.Server(config).run(sockets=[sock])
+        return 0
+    except EngineStartError as exc:
+        print(f"lengthwise serve: error: {exc}", file=sys.stderr)
+        return 1
+    except (_Stop, KeyboardInterrupt):
+        return 0  # a requested stop: the engines are stopped below, so this is a clean exit
+    finally:
+        if procs:
+            log.info("stopping %d engine(s)", len(procs))
+            stop_engines(procs)

@@ -1,0 +1,67 @@
+"""Post each answered request's actual output length to the sidecar (``POST /v1/feedback``), off the request path.
+
+Why in the background and bounded: feedback feeds the sidecar's online error metrics, never the answer,
+so it must neither delay nor fail a response. Posts run as tasks after the response is done; when the
+sidecar is slow and ``max_pending`` posts are already waiting, further ones are dropped and counted.
+The served prediction travels inline too, so a sidecar that forgot the id (restarted, another replica)
+still counts it. Only requests with one output sequence are reported: usage sums all of a request's
+sequences, which would not be the length of any one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.prediction import LengthPrediction
+
+log = logging.getLogger("serving.gateway")
+
+
+class FeedbackPoster:
+    def __init__(self, url: str | None, metrics: GatewayMetrics, timeout_s: float = 5.0, max_pending: int = 1000):
+        self.url, self.metrics, self.max_pending = url, metrics, max_pending
+        self.client = httpx.AsyncClient(timeout=timeout_s) if url else None
+        self.pending: set[asyncio.Task] = set()
+
+    def submit(self, pred: LengthPrediction, actual_tokens: int | None, outputs: int) -> None:
+        """Schedule the post; returns at once. Nothing to report without a sidecar prediction id and a count."""
+        if self.client is None or pred.prediction_id is None or actual_tokens is None or outputs != 1:
+            return
+        if len(self.pending) >= self.max_pending:
+            self.metrics.feedback.labels("dropped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._post(pred, actual_tokens))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _post(self, pred: LengthPrediction, actual: int) -> None:
+        inline = {"expected_tokens": pred.expected_tokens, "bucket": pred.bucket}
+        if pred.quantile_tokens is not None:
+            inline["quantile_tokens"] = pred.quantile_tokens
+        if pred.model_name:
+            inline["model_name"] = pred.model_name
+        if pred.model_version:
+            inline["model_version"] = pred.model_version
+        body = {"request_id": pred.prediction_id, "actual_tokens": actual, "prediction": inline}
+        try:
+            r = await self.client.post(self.url + "/v1/feedback", json=body)
+            outcome = "sent" if r.status_code == 200 else "rejected"
+            if r.status_code != 200:
+                log.debug("sidecar refused feedback for %s: %d %s", pred.prediction_id, r.status_code, r.text[:200])
+        except httpx.HTTPError as exc:
+            outcome = "failed"
+            log.debug("feedback for %s not delivered: %s", pred.prediction_id, exc)
+        self.metrics.feedback.labels(outcome).inc()
+
+    async def aclose(self, wait_s: float = 2.0) -> None:
+        """Give posts in flight a moment to finish, then drop the rest."""
+        if self.pending:
+            await asyncio.wait(set(self.pending), timeout=wait_s)
+        for t in list(self.pending):
+            t.cancel()
+        if self.client is not None:
+            await self.client.aclose()

@@ -1,0 +1,254 @@
+"""Send a request to an engine and bring the answer back; retry elsewhere while the client has seen nothing.
+
+The rule that keeps accepted requests from being lost: until the first byte of an answer has gone to
+the client, a failed engine (refused or broken connection, a 503, a 5xx from an engine that then fails
+its health probe, or an engine taken out by the health checks while the request waited in its queue)
+costs only a retry on another engine, each engine at most once. When none is left the client gets a
+503 in OpenAI's error format, never a hang. A stream that already sent tokens cannot be replayed (the
+client holds half an answer), so it ends with an error event and ``[DONE]``.
+
+Engine answers other than these pass through unchanged: a 4xx from vLLM is the client's error, told in
+vLLM's words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
+
+from serving.gateway.errors import ApiError, sse_error
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.placement import Placed
+from serving.gateway.pool import Engine, EnginePool
+from serving.gateway.requests import ClientRequest
+from serving.gateway.settings import GatewaySettings
+from serving.gateway.sse import StreamRelay, sse_data
+
+log = logging.getLogger("serving.gateway")
+
+
+class _Retry(Exception):
+    """This engine failed before the client saw anything: try another."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Outcome:
+    """What the app needs after the answer is complete: for metrics and feedback."""
+
+    status: int
+    engine: str | None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None  # time.perf_counter() when the first generated token passed (streams)
+
+
+class Forwarder:
+    def __init__(self, pool: EnginePool, settings: GatewaySettings, metrics: GatewayMetrics):
+        self.pool, self.settings, self.metrics = pool, settings, metrics
+        s = settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def forward(self, req: ClientRequest, body: dict, headers: dict[str, str], placed: Placed,
+                      on_done: Callable[[Outcome], None]) -> Response:
+        """The client's response; ``on_done`` runs once when it is complete (streams: after the last event)."""
+        tried: list[str] = []
+        failure: tuple[Engine, _Retry] | None = None
+        for _ in range(self.settings.max_attempts):
+            engine = self.pool.choose(placed, frozenset(tried))
+            if engine is None:
+                break
+            if failure is not None:
+                self.metrics.engine_retries.labels(failure[0].name, failure[1].reason).inc()
+                log.info("request %s: retrying on %s after %s failed (%s)", headers.get("X-Request-Id"), engine.name,
+                         failure[0].name, failure[1])
+            tried.append(engine.name)
+            try:
+                if req.stream:
+                    return await self._stream(engine, req, body, headers, placed, on_done)
+                return await self._unary(engine, req, body, headers, placed, on_done)
+            except _Retry as exc:
+                failure = (engine, exc)
+        if failure is None:
+            msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
+        else:
+            msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "
+                   f"{failure[0].name}: {failure[1]}")
+        raise ApiError(503, msg + "; retry later", code="engine_unavailable", headers={"Retry-After": "1"})
+
+    # --- one attempt ---------------------------------------------------------------------------
+    def _url(self, engine: Engine, req: ClientRequest) -> str:
+        return engine.url + req.path
+
+    async def _guarded(self, engine: Engine, coro) -> object:
+        """Run ``coro`` as a call the pool cancels if the engine is taken out; translate failures into _Retry."""
+        task = asyncio.get_running_loop().create_task(coro)
+        engine.calls.add(task)
+        task.add_done_callback(engine.calls.discard)
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:  # our own caller is gone: the call goes too
+            task.cancel()
+            raise
+        if task.cancelled():
+            raise _Retry("engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})")
+        exc = task.exception()
+        if exc is None:
+            return task.result()
+        raise self._classify(engine, exc) from exc
+
+    def _classify(self, engine: Engine, exc: BaseException) -> BaseException:
+        if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout)):
+            return ApiError(504, f"{engine.name} did not answer within {self.settings.engine_timeout_s:g} s",
+                            code="engine_timeout")
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            self.pool.suspect(engine)
+            return _Retry("connect", f"cannot connect to {engine.name}: {type(exc).__name__}")
+        if isinstance(exc, httpx.TransportError):
+            self.pool.suspect(engine)
+            return _Retry("broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())
+        return exc
+
+    async def _retry_status(self, engine: Engine, status: int) -> bool:
+        """A 503 is retried; another 5xx only if the engine then fails a probe (it crashed under the request)."""
+        if status == 503:
+            return True
+        if status >= 500:
+            return not await self.pool.check(engine, immediate=True)
+        return False
+
+    def _headers(self, engine: Engine) -> dict[str, str]:
+        return {"x-lengthwise-engine": engine.name}
+
+    async def _unary(self, engine, req, body, headers, placed, on_done) -> Response:
+        self.pool.acquire(engine, placed.pred_tokens)
+        try:
+            r: httpx.Response = await self._guarded(engine, self.client.post(self._url(engine, req), json=body, headers=headers))
+        finally:
+            self.pool.release(engine, placed.pred_tokens)
+        if r.status_code != 200 and await self._retry_status(engine, r.status_code):
+            raise _Retry(f"status_{r.status_code}", f"{engine.name} answered {r.status_code}: {r.text[:200]}")
+        out = Outcome(r.status_code, engine.name)
+        if r.status_code == 200:
+            try:
+                out.completion_tokens = int(r.json()["usage"]["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        on_done(out)
+        return Response(r.content, status_code=r.status_code, headers=self._headers(engine),
+                        media_type=r.headers.get("content-type", "application/json"))
+
+    async def _stream(self, engine, req, body, headers, placed, on_done) -> Response:
+        q: asyncio.Queue = asyncio.Queue()
+        url = self._url(engine, req)
+
+        async def pump() -> None:
+            """Read the engine's stream into ``q``: ("status", code, body) | ("data", str) | ("end",) | ("error", why)."""
+            try:
+                async with self.client.stream("POST", url, json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        q.put_nowait(("status", r.status_code, await r.aread()))
+                        return
+                    async for data in sse_data(r.aiter_lines()):
+                        q.put_nowait(("data", data))
+                q.put_nowait(("end",))
+            except asyncio.CancelledError:
+                q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
+                raise
+            except httpx.TimeoutException:
+                q.put_nowait(("error", "timeout", f"{engine.name} sent nothing for {self.settings.engine_timeout_s:g} s"))
+            except httpx.TransportError as exc:
+                self.pool.suspect(engine)
+                q.put_nowait(("error", "broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip()))
+
+        self.pool.acquire(engine, placed.pred_tokens)
+        task = asyncio.get_running_loop().create_task(pump())
+        engine.calls.add(task)
+        task.add_done_callback(engine.calls.discard)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                task.cancel()
+                self.pool.release(engine, placed.pred_tokens)
+
+        try:
+            first = await q.get()
+        except BaseException:
+            release()
+            raise
+        if first[0] != "data":
+            release()
+            if first[0] == "status":
+                code, content = first[1], first[2]
+                if await self._retry_status(engine, code):
+                    raise _Retry(f"status_{code}", f"{engine.name} answered {code}: {content[:200].decode(errors='replace')}")
+                on_done(Outcome(code, engine.name))
+                return Response(content, status_code=code, headers=self._headers(engine), media_type="application/json")
+            if first[0] == "end":
+                raise _Retry("empty", f"{engine.name} closed the stream without an event")
+            if first[1] == "timeout":
+                raise ApiError(504, first[2], code="engine_timeout")
+            raise _Retry(first[1], first[2])
+        if _is_error_event(first[1]) and not await self.pool.check(engine, immediate=True):
+            release()
+            raise _Retry("error_event", f"{engine.name} failed the request and its health probe: {first[1][:200]}")
+        relay = StreamRelay(req.wants_usage)
+        out = Outcome(200, engine.name)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                chunk = relay.relay(first[1])
+                if chunk:
+                    yield chunk
+                while True:
+                    item = await q.get()
+                    if item[0] == "data":
+                        chunk = relay.relay(item[1])
+                        if chunk:
+                            yield chunk
+                    elif item[0] == "end":
+                        if not relay.done:  # an engine that closed without [DONE] still ends the client's stream properly
+                            yield b"data: [DONE]\n\n"
+                        break
+                    else:
+                        if relay.done:
+                            break
+                        self.metrics.stream_errors.labels(engine.name).inc()
+                        log.warning("stream %s cut after %d events: %s", headers.get("X-Request-Id"), relay.events, item[-1])
+                        yield sse_error(f"the engine failed after part of the answer was sent: {item[-1]}")
+                        break
+            finally:
+                release()
+                out.completion_tokens = relay.completion_tokens
+                out.first_token_at = relay.first_token_at
+                on_done(out)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**self._headers(engine), "Cache-Control": "no-cache"},
+                                 background=BackgroundTask(release))
+
+
+def _is_error_event(data: str) -> bool:
+    if not data.startswith("{") or '"error"' not in data:
+        return False
+    try:
+        return isinstance(json.loads(data).get("error"), dict)
+    except ValueError:
+        return False

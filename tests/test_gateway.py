@@ -1,0 +1,427 @@
+"""``lengthwise serve`` end to end with real parts: two real vLLM-CPU engines (dummy-weight Llama, GPT-2 tokenizer)
+running the lengthwise scheduler plug-in, started by the gateway itself; a real prediction sidecar serving a model
+trained here on real ShareGPT prompts; the official ``openai`` client and ``vllm bench serve`` as clients.
+
+Engines start once per module (the slow part); further gateways attach to them with ``--engine-url``. The last
+test kills an engine with SIGKILL under load and then stops the gateway that owns the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import lzma
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from serving.gateway.placement import LeastOutstanding, Placed, RoundRobin
+from serving.gateway.settings import GatewaySettings
+from serving.gateway.slo import deadline, default_slo
+from serving.gateway.sse import StreamRelay
+from tests.conftest import SHAREGPT
+from tests.gateway_proc import Gateway, dummy_llama, engine_extra_args, plugin_stats, start_gateway
+from tests.sidecar_proc import start_sidecar, wait_for
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(900)  # the first engine test also waits for the engines to start
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
+
+
+# --- fixtures ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(data, tmp_path_factory) -> Path:
+    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gateway-logs")
+
+
+@pytest.fixture(scope="module")
+def fleet_proc(model_dir, logs):
+    """``lengthwise serve --engines 2``: started first; tests wait for it through ``fleet``."""
+    gw = start_gateway(
+        logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
+        "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5",
+        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
+        f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
+        env=ENGINE_ENV, wait=None)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_proc) -> Gateway:
+    health = fleet_proc.wait_ready(timeout=540)
+    fleet_proc.engines = [e["url"] for e in health["engines"]]
+    fleet_proc.engine_logs = [fleet_proc.log.parent / "engines" / f"engine-{i}.log" for i in range(len(health["engines"]))]
+    fleet_proc.model = health["engines"][0]["models"][0]
+    return fleet_proc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_boot_first(fleet_proc):
+    """Engines take a minute or two to start: let them boot while the other fixtures (training) run."""
+
+
+@pytest.fixture(scope="module")
+def predictor_package(home, data, tmp_path_factory) -> Path:
+    """A real length predictor, trained here on 300 ShareGPT first turns for one epoch (about 45 s on 2 cores).
+
+    Not the session's ``trained`` model: that one costs 6-15 minutes here, more than this whole module may take.
+    ``--no-register`` keeps it out of the shared registry, so other tests' versions and aliases are untouched.
+    """
+    from training.cli import main
+
+    work = tmp_path_factory.mktemp("gateway-predictor")
+    rc = main(["--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
+               "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "300", "--epochs", "1",
+               "--max-prompt-tokens", "32", "--batch-size", "32", "--lr", "3e-3", "--no-baselines", "--no-register",
+               "--experiment", "gateway-tests", "--work-dir", str(work)])
+    assert rc == 0
+    return work / "package"
+
+
+@pytest.fixture(scope="module")
+def sidecar(predictor_package, logs):
+    sc = start_sidecar(logs, "--model", str(predictor_package), "--reload-interval", "0")
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_sidecar(fleet, sidecar, logs):
+    """A second gateway on the same engines, predicting with the real sidecar (a generous timeout: shared CPU)."""
+    gw = start_gateway(logs, *_attach(fleet), "--predictor-url", sidecar.url, "--predictor-timeout-ms", "3000")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def silent_sidecar():
+    """A port that accepts connections and never answers: a hung sidecar."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def gw_hung(fleet, silent_sidecar, logs):
+    gw = start_gateway(logs, *_attach(fleet), "--predictor-url", silent_sidecar, "--predictor-timeout-ms", "50")
+    yield gw
+    gw.stop()
+
+
+def _attach(fleet: Gateway) -> list[str]:
+    return [arg for url in fleet.engines for arg in ("--engine-url", url)] + ["--health-interval", "0.5"]
+
+
+def _client(gw: Gateway, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+# --- units: no engines needed ---------------------------------------------------------------------------------
+def test_deadline_is_ecoserve_jct_slo_and_headers_replace_its_terms():
+    s = GatewaySettings(engine_urls=["http://127.0.0.1:1"], slo_scale=3.0, t_p_s=0.1, t_g_s=0.01)
+    slo = default_slo(s)
+    assert deadline(100.0, 50, (None, None), slo) == pytest.approx(100.0 + slo.jct_limit(50)) == pytest.approx(100 + 3 * (0.1 + 0.5))
+    assert deadline(100.0, 50, (0.4, 0.02), slo) == pytest.approx(100.0 + 0.4 + 0.02 * 50)
+    assert deadline(100.0, 50, (0.4, None), slo) == pytest.approx(100.0 + 0.4 + 3 * 0.01 * 50)  # a missing header keeps its term
+
+
+def test_placement_least_outstanding_and_round_robin():
+    class E:
+        def __init__(self, name, healthy, outstanding, tokens):
+            self.name, self.healthy, self.outstanding, self.outstanding_tokens = name, healthy, outstanding, tokens
+
+    engines = [E("a", True, 3, 10), E("b", True, 1, 900), E("c", False, 0, 0), E("d", True, 1, 100)]
+    lo = LeastOutstanding()
+    assert lo.choose(engines, Placed(10, 0.0)) == 3  # fewest outstanding, then fewest predicted tokens; c is unhealthy
+    assert lo.choose(engines, Placed(10, 0.0), frozenset({"d"})) == 1
+    assert lo.choose(engines, Placed(10, 0.0), frozenset({"a", "b", "d"})) is None
+    rr = RoundRobin()
+    assert [rr.choose(engines, Placed(1, 0.0)) for _ in range(4)] == [0, 1, 3, 0]
+
+
+def test_stream_relay_strips_only_the_usage_it_asked_for():
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 7}})
+    tok = json.dumps({"choices": [{"index": 0, "text": "hi"}], "usage": None})
+    for wants in (False, True):
+        r = StreamRelay(wants)
+        out = [r.relay(tok), r.relay(usage), r.relay("[DONE]")]
+        assert r.completion_tokens == 7 and r.first_token_at is not None and r.done
+        assert (out[1] is not None) == wants
+        assert ('"usage"' in out[0].decode()) == wants
+        assert out[2] == b"data: [DONE]\n\n"
+
+
+# --- the real sidecar (first: its training overlaps the engines' start-up) -------------------------------------
+def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, sidecar, gw_sidecar):
+    prompt = "Write a detailed, step by step tutorial on training a neural network in PyTorch."
+    want = sidecar.post("/v1/predict", json={"prompt": prompt}).json()["predictions"][0]
+    client = _client(gw_sidecar)
+    # max_tokens above the predicted length, so the prediction is not clamped; the stream is closed after its headers
+    with client.completions.with_streaming_response.create(model=fleet.model, prompt=prompt, max_tokens=1900,
+                                                           stream=True) as raw:
+        dl = float(raw.headers["x-lengthwise-deadline"])
+        rid, pred = raw.headers["x-lengthwise-request-id"], int(raw.headers["x-lengthwise-pred-len"])
+        assert raw.headers["x-lengthwise-prediction"] == "sidecar"
+    assert pred == round(want["expected_tokens"])
+    xargs = wait_for(lambda: engine_extra_args(fleet.engine_logs, rid), timeout=10, what="the engine's request log")
+    assert xargs["pred_len"] == pred and xargs["pred_hi"] == want["range"][1] and xargs["pred_bucket"] == want["bucket"]
+    assert xargs["deadline"] == pytest.approx(dl, abs=1e-3)
+    # feedback: the actual length of a completed request reaches the sidecar's online metrics
+    n0 = sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0
+    r = client.chat.completions.create(model=fleet.model, messages=[{"role": "user", "content": prompt}], max_tokens=6,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+    wait_for(lambda: (sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0) == n0 + 1, timeout=10,
+             what="feedback at the sidecar")
+    assert gw_sidecar.metric("lengthwise_gateway_feedback_total", outcome="sent") == 1
+    assert gw_sidecar.metric("lengthwise_gateway_predictions_total", source="sidecar") == 2
+    assert gw_sidecar.metric("lengthwise_gateway_prediction_fallbacks_total") == 0
+    assert gw_sidecar.metric("lengthwise_gateway_predictor_latency_seconds_count") == 2
+
+
+def test_sidecar_crash_falls_back_and_keeps_serving(fleet, sidecar, gw_sidecar):
+    sidecar.proc.send_signal(signal.SIGKILL)
+    sidecar.proc.wait(timeout=10)
+    client = _client(gw_sidecar)
+    for i, n in enumerate((5, 300)):
+        raw = client.completions.with_raw_response.create(model=fleet.model, prompt=f"still there? {i}", max_tokens=n,
+                                                          extra_body={"ignore_eos": True})
+        assert raw.parse().usage.completion_tokens == n
+        assert raw.headers["x-lengthwise-prediction"] == "fallback:unreachable"
+        assert int(raw.headers["x-lengthwise-pred-len"]) == min(256, n)  # the fallback length, clamped to max_tokens
+    assert gw_sidecar.metric("lengthwise_gateway_prediction_fallbacks_total", reason="unreachable") == 2
+    assert gw_sidecar.get("/health").json()["status"] == "ok"
+
+
+def test_hung_sidecar_costs_at_most_the_timeout(fleet, gw_hung):
+    client = _client(gw_hung)
+    t0 = time.perf_counter()
+    raw = client.completions.with_raw_response.create(model=fleet.model, prompt="hello", max_tokens=3)
+    assert raw.parse().usage.completion_tokens >= 1 and time.perf_counter() - t0 < 30
+    assert raw.headers["x-lengthwise-prediction"] == "fallback:timeout"
+    assert gw_hung.metric("lengthwise_gateway_prediction_fallbacks_total", reason="timeout") == 1
+    # the recorded round trip of the failed prediction is the timeout (50 ms), not the sidecar's silence
+    assert gw_hung.metric("lengthwise_gateway_predictor_latency_seconds_bucket", le="0.25") == 1
+
+
+# --- the OpenAI API through the gateway ------------------------------------------------------------------------
+def test_models_health_and_metrics(fleet):
+    client = _client(fleet)
+    assert [m.id for m in client.models.list()] == [fleet.model]
+    h = fleet.get("/health").json()
+    assert h["status"] == "ok" and h["healthy_engines"] == 2 and len(h["engines"]) == 2
+    text = fleet.get("/metrics").text
+    for family in ("lengthwise_gateway_requests_total", "lengthwise_gateway_request_latency_seconds",
+                   "lengthwise_gateway_engine_outstanding", "lengthwise_gateway_engine_healthy"):
+        assert family in text
+
+
+@pytest.mark.parametrize("kind,stream,usage,n", [("completions", False, False, 7), ("completions", True, False, 11),
+                                                 ("completions", True, True, 13), ("chat", False, False, 9),
+                                                 ("chat", True, False, 12), ("chat", True, True, 17)])
+def test_exact_lengths(fleet, kind, stream, usage, n):
+    client = _client(fleet)
+    kw = {"model": fleet.model, "max_tokens": n, "extra_body": {"ignore_eos": True}}
+    if stream:
+        kw.update(stream=True, stream_options={"include_usage": True} if usage else None)
+    create = client.completions.create if kind == "completions" else client.chat.completions.create
+    if kind == "completions":
+        out = create(prompt="Count to ten:", **kw)
+    else:
+        out = create(messages=[{"role": "user", "content": "Count to ten."}], **kw)
+    if not stream:
+        assert out.usage.completion_tokens == n and out.choices[0].finish_reason == "length"
+        return
+    chunks = list(out)
+    text_chunks = [c for c in chunks if c.choices and (c.choices[0].text if kind == "completions" else c.choices[0].delta.content)]
+    assert chunks[-1 if not usage else -2].choices[0].finish_reason == "length"
+    assert 1 <= len(text_chunks) <= n
+    if usage:  # the usage chunk the client asked for, with the exact count
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    else:  # the gateway asked the engine for usage on its own behalf; the client sees none of it
+        assert all(c.choices and c.usage is None for c in chunks)
+    wait_for(lambda: fleet.metric("lengthwise_gateway_ttft_seconds_count") >= 1, timeout=5, what="a TTFT observation")
+
+
+def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
+    client = _client(fleet)
+    t0 = time.time()
+    raw = client.completions.with_raw_response.create(
+        model=fleet.model, prompt="Summarise the plot of Hamlet.", max_tokens=12,
+        extra_headers={"x-slo-ttft-ms": "400", "x-slo-tpot-ms": "20"},
+        extra_body={"ignore_eos": True, "vllm_xargs": {"pred_len": 1, "deadline": 0, "note": "kept"}})
+    t1 = time.time()
+    assert raw.parse().usage.completion_tokens == 12
+    rid, pred, dl = raw.headers["x-lengthwise-request-id"], int(raw.headers["x-lengthwise-pred-len"]), float(raw.headers["x-lengthwise-deadline"])
+    assert raw.parse().id.endswith(rid)  # the engine's request id is ours
+    assert pred == 12  # no sidecar: the fallback (256) clamped to max_tokens
+    assert t0 + 0.4 + 0.02 * 12 - 1e-3 <= dl <= t1 + 0.4 + 0.02 * 12 + 1e-3
+    xargs = wait_for(lambda: engine_extra_args(fleet.engine_logs, rid), timeout=10, what="the engine's request log")
+    assert xargs == {"note": "kept", "pred_len": 12, "deadline": pytest.approx(dl, abs=1e-3)}
+    assert fleet.metric("lengthwise_gateway_client_hints_dropped_total") == 2
+    # inside the engine, the plug-in read every gateway request's prediction; a request sent to the engine directly,
+    # without the gateway, is the only one it had to run on its default
+    before = [plugin_stats(p) for p in fleet.engine_logs]
+    time.sleep(0.3)  # the plug-in logs its counters at most every log_every_s (0.2 s)
+    r = httpx.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200
+    after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] >= 1 and s, timeout=10,
+                     what="the plug-in's stats line")
+    assert after["policy"] == "lengthwise" and after["fallback"] == 1  # only the direct request, of all requests so far
+    assert after["requests"] >= 2 and (before[0] is None or after["requests"] > before[0]["requests"])
+
+
+MALFORMED = {
+    "invalid JSON": ("completions", b'{"model": "M", "prompt": "a"', 400, None, "invalid_json"),
+    "not an object": ("completions", b'["a"]', 400, None, "invalid_json"),
+    "empty body": ("completions", b"", 400, None, "invalid_json"),
+    "missing model": ("completions", {"prompt": "a"}, 400, "model", "missing_required_parameter"),
+    "model not a string": ("completions", {"model": 5, "prompt": "a"}, 400, "model", "invalid_type"),
+    "unknown model": ("completions", {"model": "gpt-17", "prompt": "a"}, 404, "model", "model_not_found"),
+    "missing prompt": ("completions", {"model": "M"}, 400, "prompt", "missing_required_parameter"),
+    "prompt wrong type": ("completions", {"model": "M", "prompt": 5}, 400, "prompt", "invalid_type"),
+    "negative max_tokens": ("completions", {"model": "M", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    "max_tokens not an int": ("completions", {"model": "M", "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    "max_tokens float": ("completions", {"model": "M", "prompt": "a", "max_tokens": 1.5}, 400, "max_tokens", "invalid_type"),
+    "stream not a bool": ("completions", {"model": "M", "prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
+    "n zero": ("completions", {"model": "M", "prompt": "a", "n": 0}, 400, "n", "invalid_value"),
+    "vllm_xargs not an object": ("completions", {"model": "M", "prompt": "a", "vllm_xargs": [1]}, 400, "vllm_xargs", "invalid_type"),
+    "missing messages": ("chat", {"model": "M"}, 400, "messages", "missing_required_parameter"),
+    "messages not a list": ("chat", {"model": "M", "messages": "hi"}, 400, "messages", "invalid_type"),
+    "message without role": ("chat", {"model": "M", "messages": [{"content": "hi"}]}, 400, "messages[0].role", "invalid_type"),
+    "content wrong type": ("chat", {"model": "M", "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "invalid_type"),
+    "bad SLO header": ("chat", {"model": "M", "messages": [{"role": "user", "content": "hi"}]}, 400, "x-slo-ttft-ms", "invalid_header"),
+    # checked by the engine, passed through: still a 4xx with an OpenAI-style body
+    "temperature not a number": ("completions", {"model": "M", "prompt": "a", "temperature": "hot"}, 400, None, None),
+    "max_tokens beyond the context": ("completions", {"model": "M", "prompt": "a", "max_tokens": 5000}, 400, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_requests_get_openai_style_4xx(fleet, case):
+    kind, body, status, param, code = MALFORMED[case]
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    if isinstance(body, dict):
+        body = json.dumps({k: (fleet.model if v == "M" and k == "model" else v) for k, v in body.items()}).encode()
+    headers = {"content-type": "application/json", **({"x-slo-ttft-ms": "-5"} if case == "bad SLO header" else {})}
+    r = fleet.post(path, content=body, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in r.text
+    if code is not None:
+        assert err["param"] == param and err["code"] == code and err["type"] == "invalid_request_error"
+
+
+def test_unknown_routes_and_methods_and_the_openai_client_error(fleet):
+    assert fleet.get("/v1/nothing-here").status_code == 404 and fleet.get("/v1/nothing-here").json()["error"]["message"]
+    r = fleet.get("/v1/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(fleet).chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    assert fleet.metric("lengthwise_gateway_requests_total", status="500") == 0
+
+
+def test_vllm_bench_serve_against_the_gateway(fleet, data, tmp_path):
+    """vLLM's own load generator, pointed at the gateway, with real ShareGPT conversations."""
+    with lzma.open(data / SHAREGPT, "rt") as f:
+        convs = json.load(f)[:200]
+    sharegpt = tmp_path / "sharegpt-200.json"
+    sharegpt.write_text(json.dumps(convs))
+    before = fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200")
+    r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", fleet.url,
+                        "--endpoint", "/v1/completions", "--model", fleet.model, "--tokenizer", fleet.model,
+                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "6",
+                        "--sharegpt-output-len", "24", "--ignore-eos", "--request-rate", "inf", "--seed", "0",
+                        "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "bench.json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["completed"] == 6 and res.get("failed", 0) == 0, res
+    assert res["total_output_tokens"] == 6 * 24
+    assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200") >= before + 6
+
+
+# --- faults: an engine dies under load; the gateway that started the engines stops them ---------------------------
+async def _burst(url: str, model: str, n: int, tokens: int) -> list:
+    async def one(c: httpx.AsyncClient, i: int):
+        body = {"model": model, "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True}
+        t = time.perf_counter()
+        r = await c.post(url + "/v1/completions", json=body)
+        return r.status_code, r.json(), time.perf_counter() - t
+
+    async with httpx.AsyncClient(timeout=180) as c:
+        return await asyncio.gather(*(one(c, i) for i in range(n)))
+
+
+def test_engine_killed_under_load_loses_no_request(fleet, gw_hung):
+    client = _client(fleet)
+    model = fleet.model
+    # a stream that is already producing tokens, and a burst that fills both engines and queues inside them
+    stream = client.completions.create(model=model, prompt="a long answer", max_tokens=1500, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = [next(stream) for _ in range(3)]
+    assert all(c.choices for c in first)
+    victim_url = next(e["url"] for e in fleet.get("/health").json()["engines"] if e["outstanding"] >= 1)
+    n, tokens = 4 * MAX_NUM_SEQS, 400
+    loop = asyncio.new_event_loop()
+    burst = loop.create_task(_burst(fleet.url, model, n, tokens))
+    loop.run_until_complete(asyncio.sleep(1.5))
+    port = victim_url.rsplit(":", 1)[1]
+    engines = [p for p in psutil.Process(fleet.proc.pid).children() if port in p.cmdline()]
+    assert len(engines) == 1
+    victim_pid = engines[0].pid
+    on_victim = next(e["outstanding"] for e in fleet.get("/health").json()["engines"] if e["url"] == victim_url)
+    assert on_victim > MAX_NUM_SEQS  # more than the engine runs at once: some wait in its queue
+    t_kill = time.perf_counter()
+    os.killpg(victim_pid, signal.SIGKILL)  # the API server, its engine core and worker: the whole engine
+    results = loop.run_until_complete(asyncio.wait_for(burst, 240))
+    loop.close()
+    # every request of the burst got its whole answer, in bounded time: those on the dead engine (all but the stream,
+    # which cannot be replayed) were retried on the other one
+    assert [s for s, _, _ in results] == [200] * n
+    assert all(body["usage"]["completion_tokens"] == tokens for _, body, _ in results)
+    assert fleet.metric("lengthwise_gateway_engine_retries_total") == on_victim - 1
+    # the stream that had sent tokens cannot be replayed: it ends with an error event, not a hang
+    with pytest.raises(openai.APIError, match="failed after part of the answer"):
+        for _ in stream:
+            pass
+    assert time.perf_counter() - t_kill < 240
+    assert fleet.metric("lengthwise_gateway_stream_errors_total") == 1
+    h = fleet.get("/health").json()
+    assert h["status"] == "ok" and h["healthy_engines"] == 1
+    assert client.completions.create(model=model, prompt="after", max_tokens=5).usage.completion_tokens == 5
+
+    # stopping the gateway stops the engine it started; a gateway attached to dead engines answers 503, fast
+    survivor = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True) if p.pid != victim_pid]
+    assert len(survivor) >= 2  # the API server and its engine core (and worker) of the other engine
+    assert fleet.stop(timeout=90) == 0
+    _, alive = psutil.wait_procs(survivor, timeout=30)
+    assert not alive, f"engine processes left behind: {[p.pid for p in alive]}"
+    wait_for(lambda: gw_hung.get("/health").json()["healthy_engines"] == 0, timeout=30, what="the engines to be seen down")
+    t0 = time.perf_counter()
+    r = gw_hung.post("/v1/completions", json={"model": model, "prompt": "anyone?", "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable" and time.perf_counter() - t0 < 5
+    assert gw_hung.get("/health").json()["status"] == "degraded"

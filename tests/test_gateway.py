@@ -56,7 +56,7 @@ def fleet_proc(model_dir, logs):
     """``lengthwise serve --engines 2``: started first; tests wait for it through ``fleet``."""
     gw = start_gateway(
         logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
-        "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5",
+        "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
         "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
         f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
         env=ENGINE_ENV, wait=None)
@@ -171,6 +171,50 @@ def test_stream_relay_strips_only_the_usage_it_asked_for():
         assert out[2] == b"data: [DONE]\n\n"
 
 
+# --- the command line: mistakes fail in seconds with one line, not after minutes of engine start-up -----------------
+def _serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serving.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False, env={**os.environ, **ENGINE_ENV})
+
+
+CLI_ERRORS = {
+    "nothing to serve": ([], "give --model to start engines, or --engine-url"),
+    "unknown policy": (["--model", "MODEL", "--policy", "fifo-ish"], "unknown policy 'fifo-ish'"),
+    "scheduler config not JSON": (["--model", "MODEL", "--scheduler-config", "{nope"], "not valid JSON"),
+    "unknown scheduler setting": (["--model", "MODEL", "--scheduler-config", '{"oops": 1}'], "oops"),
+    "engine URL without scheme": (["--engine-url", "localhost:8001"], "not an http(s) URL"),
+    "model directory without config": (["--model", "/nonexistent/model"], "no config.json"),
+    "unknown placement": (["--model", "MODEL", "--placement", "random"], "unknown placement"),
+    "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_ERRORS))
+def test_cli_mistakes_exit_2_with_one_line(case, model_dir):
+    args, words = CLI_ERRORS[case]
+    r = _serve(*[str(model_dir) if a == "MODEL" else a for a in args], timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lengthwise serve: error:"), r.stderr
+    assert words in lines[0] and "Traceback" not in r.stderr
+
+
+def test_cli_busy_port_and_help():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        r = _serve("--engine-url", "http://127.0.0.1:9", "--port", str(s.getsockname()[1]), timeout=60)
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
+    h = _serve("--help", timeout=60)
+    assert h.returncode == 0 and "examples:" in h.stdout and "--engine-url" in h.stdout and "x-slo-ttft-ms" in h.stdout
+
+
+def test_engine_that_fails_to_start_is_reported_with_its_log(model_dir):
+    r = _serve("--model", str(model_dir), "--engine-arg=--no-such-flag", "--engine-start-timeout", "150", timeout=240)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "engine-0 exited with status" in r.stderr and "--no-such-flag" in r.stderr  # vLLM's own complaint, from its log
+    assert "Traceback" not in r.stderr.split("lengthwise serve: error:")[-1]
+
+
 # --- the real sidecar (first: its training overlaps the engines' start-up) -------------------------------------
 def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, sidecar, gw_sidecar):
     prompt = "Write a detailed, step by step tutorial on training a neural network in PyTorch."
@@ -253,13 +297,13 @@ def test_exact_lengths(fleet, kind, stream, usage, n):
         assert out.usage.completion_tokens == n and out.choices[0].finish_reason == "length"
         return
     chunks = list(out)
-    text_chunks = [c for c in chunks if c.choices and (c.choices[0].text if kind == "completions" else c.choices[0].delta.content)]
-    assert chunks[-1 if not usage else -2].choices[0].finish_reason == "length"
-    assert 1 <= len(text_chunks) <= n
     if usage:  # the usage chunk the client asked for, with the exact count
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
-    else:  # the gateway asked the engine for usage on its own behalf; the client sees none of it
-        assert all(c.choices and c.usage is None for c in chunks)
+        chunks = chunks[:-1]
+    # without it: the gateway asked the engine for usage on its own behalf; the client sees none of it
+    assert all(c.choices and c.usage is None for c in chunks)
+    text_chunks = [c for c in chunks if (c.choices[0].text if kind == "completions" else c.choices[0].delta.content)]
+    assert chunks[-1].choices[0].finish_reason == "length" and 1 <= len(text_chunks) <= n
     wait_for(lambda: fleet.metric("lengthwise_gateway_ttft_seconds_count") >= 1, timeout=5, what="a TTFT observation")
 
 
@@ -364,18 +408,51 @@ def test_vllm_bench_serve_against_the_gateway(fleet, data, tmp_path):
     assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200") >= before + 6
 
 
-# --- faults: an engine dies under load; the gateway that started the engines stops them ---------------------------
+# --- faults: a hung engine is skipped until it recovers; an engine dies under load; the gateway stops its engines ----
 async def _burst(url: str, model: str, n: int, tokens: int) -> list:
+    """n concurrent completions of exactly ``tokens`` tokens: (status, body, seconds, engine) each."""
     async def one(c: httpx.AsyncClient, i: int):
         body = {"model": model, "prompt": f"request {i}", "max_tokens": tokens, "ignore_eos": True}
         t = time.perf_counter()
         r = await c.post(url + "/v1/completions", json=body)
-        return r.status_code, r.json(), time.perf_counter() - t
+        return r.status_code, r.json(), time.perf_counter() - t, r.headers.get("x-lengthwise-engine")
 
     async with httpx.AsyncClient(timeout=180) as c:
         return await asyncio.gather(*(one(c, i) for i in range(n)))
 
 
+def _engine_group(fleet: Gateway, url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    (proc,) = [p for p in psutil.Process(fleet.proc.pid).children() if port in p.cmdline()]
+    return proc.pid  # started with its own session: its pid is its process group
+
+
+def test_hung_engine_is_taken_out_and_comes_back(fleet):
+    """SIGSTOP: the engine's sockets stay open but nothing answers; its requests must not wait for it."""
+    hung = fleet.engines[1]
+    pgid = _engine_group(fleet, hung)
+    retries0 = fleet.metric("lengthwise_gateway_engine_retries_total", reason="engine_down")
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        loop = asyncio.new_event_loop()
+        results = loop.run_until_complete(asyncio.wait_for(_burst(fleet.url, fleet.model, 6, 20), 120))
+        loop.close()
+        assert [r[0] for r in results] == [200] * 6 and all(r[1]["usage"]["completion_tokens"] == 20 for r in results)
+        assert time.perf_counter() - t0 < 60
+        assert fleet.metric("lengthwise_gateway_engine_retries_total", reason="engine_down") >= retries0 + 1
+        h = fleet.get("/health").json()
+        assert [e["healthy"] for e in h["engines"]] == [True, False] and h["status"] == "ok"
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    wait_for(lambda: fleet.get("/health").json()["healthy_engines"] == 2, timeout=30, what="the engine to be healthy again")
+    loop = asyncio.new_event_loop()
+    results = loop.run_until_complete(asyncio.wait_for(_burst(fleet.url, fleet.model, 4, 5), 120))
+    loop.close()
+    assert [r[0] for r in results] == [200] * 4 and {r[3] for r in results} == {"engine-0", "engine-1"}  # back in use
+
+
+# --- an engine dies under load; the gateway that started the engines stops them --------------------------------------
 def test_engine_killed_under_load_loses_no_request(fleet, gw_hung):
     client = _client(fleet)
     model = fleet.model
@@ -389,21 +466,19 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung):
     loop = asyncio.new_event_loop()
     burst = loop.create_task(_burst(fleet.url, model, n, tokens))
     loop.run_until_complete(asyncio.sleep(1.5))
-    port = victim_url.rsplit(":", 1)[1]
-    engines = [p for p in psutil.Process(fleet.proc.pid).children() if port in p.cmdline()]
-    assert len(engines) == 1
-    victim_pid = engines[0].pid
+    victim_pid = _engine_group(fleet, victim_url)
     on_victim = next(e["outstanding"] for e in fleet.get("/health").json()["engines"] if e["url"] == victim_url)
     assert on_victim > MAX_NUM_SEQS  # more than the engine runs at once: some wait in its queue
+    retries0 = fleet.metric("lengthwise_gateway_engine_retries_total")
     t_kill = time.perf_counter()
     os.killpg(victim_pid, signal.SIGKILL)  # the API server, its engine core and worker: the whole engine
     results = loop.run_until_complete(asyncio.wait_for(burst, 240))
     loop.close()
     # every request of the burst got its whole answer, in bounded time: those on the dead engine (all but the stream,
     # which cannot be replayed) were retried on the other one
-    assert [s for s, _, _ in results] == [200] * n
-    assert all(body["usage"]["completion_tokens"] == tokens for _, body, _ in results)
-    assert fleet.metric("lengthwise_gateway_engine_retries_total") == on_victim - 1
+    assert [r[0] for r in results] == [200] * n
+    assert all(r[1]["usage"]["completion_tokens"] == tokens for r in results)
+    assert fleet.metric("lengthwise_gateway_engine_retries_total") - retries0 == on_victim - 1
     # the stream that had sent tokens cannot be replayed: it ends with an error event, not a hang
     with pytest.raises(openai.APIError, match="failed after part of the answer"):
         for _ in stream:

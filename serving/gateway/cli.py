@@ -82,6 +82,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--engine-timeout", type=float, default=600.0, metavar="S",
                    help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
     g.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="engine probe interval (default: %(default)s)")
+    g.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
+                   help="a probe slower than this fails; two failures in a row take an engine out (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
@@ -93,6 +95,11 @@ class UsageError(ValueError):
 
 class _Stop(BaseException):
     """SIGTERM or SIGINT: stop serving, stop the engines, exit 0."""
+
+
+_FLAGS = {"engine_urls": "--engine-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
+          "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout",
+          "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout"}
 
 
 def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
@@ -111,16 +118,16 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         "placement": a.placement, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
         "fallback_tokens": a.fallback_tokens, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
         "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "engine_timeout_s": a.engine_timeout,
-        "health_interval_s": a.health_interval, "log_level": a.log_level}
+        "health_interval_s": a.health_interval, "health_timeout_s": a.health_timeout, "log_level": a.log_level}
     if a.slo_scale is not None:
         fields["slo_scale"] = a.slo_scale
     try:
         return GatewaySettings(**fields)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
+        field = str(err["loc"][0]) if err["loc"] else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
-        raise UsageError(f"--{where.replace('_', '-')}: {msg}" if where else msg) from None
+        raise UsageError(f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {msg}" if field else msg) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:

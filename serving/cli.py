@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     from predictor.bench_sidecar import add_parser as add_bench_sidecar
 
     add_bench_sidecar(bsub)
+    from serving.enginebench.cli import add_parser as add_bench_engine
+
+    add_bench_engine(bsub)
 
     sm = sub.add_parser(
         "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",

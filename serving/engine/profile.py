@@ -1,0 +1,98 @@
+"""Step profiling inside a vLLM engine: what each step computed and how long it took.
+
+The simulator's fitted latency model (``fitted:PATH.csv``, :class:`serving.sim.latency.FittedLatency`)
+is calibrated from exactly these rows, and the engine benchmark counts preemptions with it for stock
+vLLM, whose scheduler does not count them itself. Recording only observes: no decision changes.
+
+Load ``serving.engine.profile.ProfiledScheduler`` (stock vLLM V1 scheduling, recorded) or
+``serving.engine.profile.ProfiledLengthwiseScheduler`` (the plug-in, recorded) as ``scheduler_cls``.
+Rows are kept in memory (``step_rows()``); ``$LENGTHWISE_PROFILE_CSV`` also writes them out at exit.
+
+A row's ``step_s`` runs from ``schedule()`` to the end of ``update_from_output()``: the scheduler, the
+forward pass and sampling. ``start_s`` lets a caller add the engine loop's own gap between steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from serving.engine.scheduler import LengthwiseScheduler
+
+ENV_CSV = "LENGTHWISE_PROFILE_CSV"
+COLUMNS = ("start_s", "step_s", "prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_seqs",
+           "sched_s")
+
+
+class StepRecorder:
+    """Mixin for a vLLM scheduler class: one row per executed step, and a preemption count."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.profile_rows: list[dict[str, float]] = []
+        self.profile_preemptions = 0
+        self._pending: dict[str, float] | None = None
+        path = os.environ.get(ENV_CSV)
+        if path:
+            atexit.register(self.write_profile, path)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = super().schedule(*args, **kwargs)
+        t1 = time.perf_counter()
+        prefill = decode = kv = seqs = pseqs = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            before = req.num_computed_tokens - n  # schedule() has already advanced it by n
+            seqs += 1
+            if n == 1 and before >= req.num_prompt_tokens:
+                decode += 1
+                kv += before
+            else:
+                prefill += n
+                kv += before + n
+                pseqs += 1
+        self._pending = {"start_s": t0, "prefill_tokens": prefill, "decode_tokens": decode, "kv_read_tokens": kv,
+                         "num_seqs": seqs, "prefill_seqs": pseqs, "sched_s": t1 - t0} if seqs else None
+        return out
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        res = super().update_from_output(*args, **kwargs)
+        if self._pending is not None:
+            row = self._pending
+            row["step_s"] = time.perf_counter() - row["start_s"]
+            self.profile_rows.append(row)
+            self._pending = None
+        return res
+
+    def _preempt_request(self, *args: Any, **kwargs: Any) -> None:
+        self.profile_preemptions += 1
+        return super()._preempt_request(*args, **kwargs)
+
+    def step_rows(self) -> list[dict[str, float]]:
+        return list(self.profile_rows)
+
+    def write_profile(self, path: str) -> None:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(self.profile_rows)
+
+
+class ProfiledScheduler(StepRecorder, Scheduler):
+    """Stock vLLM V1 scheduling, step by step recorded."""
+
+
+class ProfiledLengthwiseScheduler(StepRecorder, LengthwiseScheduler):
+    """The lengthwise plug-in, step by step recorded."""
+
+
+__all__ = ["COLUMNS", "ProfiledLengthwiseScheduler", "ProfiledScheduler", "StepRecorder"]

@@ -1,0 +1,1 @@
+"""The real-engine benchmark: one trace through stock vLLM scheduling and through ours, on this machine."""

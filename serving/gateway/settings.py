@@ -75,6 +75,8 @@ class GatewaySettings(BaseModel):
     def _engines_or_model(self) -> GatewaySettings:
         if not self.engine_urls and not self.model:
             raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
+        if self.engine_urls and self.engines > 1:
+            raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:
             raise ValueError("set the policy with --policy, not inside --scheduler-config")
         return self

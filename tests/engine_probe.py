@@ -30,7 +30,9 @@ def pressure(policy: str, blocks: int) -> dict:
     LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=256, intermediate_size=512,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
                 bos_token_id=1, eos_token_id=2).save_pretrained(model_dir)
-    os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": policy, "default_pred_len": 24})
+    port = os.environ.get("PROBE_METRICS_PORT")
+    os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": policy, "default_pred_len": 24,
+                                                            **({"metrics_port": int(port)} if port else {})})
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -45,7 +47,12 @@ def pressure(policy: str, blocks: int) -> dict:
               for i, w in enumerate(wants)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    return {"scheduler": type(sched).__name__, "wants": wants, "got": [len(o.outputs[0].token_ids) for o in outs],
+    metrics = None
+    if port:
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {"scheduler": type(sched).__name__, "wants": wants, "metrics": metrics, "got": [len(o.outputs[0].token_ids) for o in outs],
             "ids": [o.request_id for o in outs], "stats": sched.lengthwise_stats()}
 
 

@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct, requests submitted one at a time at temperature 0 get the
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +18,9 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _probe(*args: str) -> dict:
+def _probe(*args: str, env: dict | None = None) -> dict:
     r = subprocess.run([sys.executable, "-m", "tests.engine_probe", *args], check=False, cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=600, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -40,7 +42,10 @@ def test_one_at_a_time_equals_stock_vllm_token_for_token(smollm2):
 
 @pytest.mark.parametrize("policy", ["ecoserve", "lengthwise"])
 def test_real_engine_exact_lengths_under_kv_pressure(policy):
-    res = _probe("pressure", policy, "10")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    res = _probe("pressure", policy, "10", env={"PROBE_METRICS_PORT": str(port)})
     assert res["scheduler"] == "LengthwiseScheduler"
     assert res["got"] == res["wants"] and len(set(res["ids"])) == len(res["ids"])
     s = res["stats"]
@@ -51,3 +56,8 @@ def test_real_engine_exact_lengths_under_kv_pressure(policy):
         assert s["held_request_steps"] > 0  # decoupled GTs wait in vLLM's running list with their KV
     else:
         assert s["policy_peak_refusals"] > 0  # projected-peak admission refused to start requests
+    # the same counters as Prometheus metrics from inside the engine process (what the gateway scrapes)
+    m = res["metrics"]
+    assert f'lengthwise_scheduler_finished_total{{policy="{policy}"}} 16.0' in m
+    assert f'lengthwise_scheduler_fallback_predictions_total{{policy="{policy}"}} 8.0' in m
+    assert f'lengthwise_scheduler_ledger_blocks_total{{policy="{policy}"}} 9.0' in m

@@ -71,6 +71,16 @@ class LengthwiseScheduler(AsyncScheduler):
             "requests", "fallback_predictions", "invalid_inputs", "rejected", "finished", "aborted", "steps",
             "held_request_steps", "policy_preemptions", "vllm_preemptions", "plan_mismatch_steps", "adapter_s"), 0)
         self._last_log = time.monotonic()
+        self.metrics_server = None
+        if self.lw_settings.metrics_port:
+            from serving.engine.metrics import serve_metrics
+
+            try:
+                self.metrics_server = serve_metrics(self.lengthwise_stats, self.lw_settings.metrics_port,
+                                                    self.lw_settings.metrics_host)
+            except OSError as exc:  # a busy port must not keep the engine from serving
+                logger.error("lengthwise: metrics port %s:%d unavailable (%s); counters stay in the log only",
+                             self.lw_settings.metrics_host, self.lw_settings.metrics_port, exc)
         logger.info("lengthwise scheduler: policy %s over %d KV blocks of %d tokens, budget %d, TFS %d",
                     self.policy.name, self.lw_kv_blocks, self.block_size, budget, cfg.tfs)
 
@@ -179,6 +189,13 @@ class LengthwiseScheduler(AsyncScheduler):
         saved_budget = self.max_num_scheduled_tokens
         self.max_num_scheduled_tokens = min(saved_budget, sum(planned.values()))
         return saved_budget, saved_waiting, held, set(admitted)
+
+    def shutdown(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+        super().shutdown()
 
     # -- stats -----------------------------------------------------------------------------------
     def lengthwise_stats(self) -> dict[str, float]:

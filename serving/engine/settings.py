@@ -27,6 +27,9 @@ class SchedulerSettings(BaseModel):
     tfs: int | None = Field(None, gt=0, description="target forward size; default: vLLM's max_num_batched_tokens")
     knobs: dict[str, Any] = Field(default_factory=dict, description="PolicyConfig fields: padding, reserve, buffer, aging_s, ...")
     log_every_s: float = Field(10.0, gt=0, description="interval of the plug-in's stats line in the engine log")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve the plug-in's counters as Prometheus "
+                                                                          "metrics on this port (the gateway scrapes it)")
+    metrics_host: str = Field("127.0.0.1", description="address of the metrics endpoint")
 
     @classmethod
     def from_vllm(cls, additional_config: Any) -> SchedulerSettings:

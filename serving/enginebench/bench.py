@@ -55,6 +55,8 @@ class EngineBenchConfig(BaseModel):
     max_model_len: int = Field(2048, ge=128)
     max_num_batched_tokens: int = Field(2048, ge=64)
     max_num_seqs: int = Field(256, ge=1)
+    threads: int = Field(1, ge=1, description="torch threads of the engine; more than the idle cores makes every step "
+                                               "wait for a descheduled thread")
     rates: list[float] | None = Field(None, description="req/s; default: 1.0x and 1.5x the rate stock vLLM sustains at "
                                                         "90% SLO, as the calibrated simulator predicts")
     slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
@@ -93,7 +95,7 @@ def _scenario(cfg: EngineBenchConfig) -> Scenario:
 def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
     return {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "kv_blocks": cfg.kv_blocks}
+            "kv_blocks": cfg.kv_blocks, "threads": cfg.threads}
 
 
 def run_engine(job: dict[str, Any], work: Path, console: Console) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def run_engine(job: dict[str, Any], work: Path, console: Console) -> dict[str, A
     tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
     jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
     jp.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])}
     with lp.open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "serving.enginebench.replay", str(jp), str(op)], stdout=log,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
@@ -219,13 +221,15 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     from serving.sim.scenarios import Setup
 
     setup = Setup(sc, wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed)
-    sim_cap = {}
-    with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
-        for name in ("vllm", cfg.policy):
-            sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
+    sim_cap: dict[str, float] = {}
+    if cfg.rates is None:
+        with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
+            for name in ("vllm", cfg.policy):
+                sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
+        console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
+                      f"{sim_cap[cfg.policy]:.2f} req/s")
     rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in (1.0, 1.5)]
-    console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
-                  f"{sim_cap[cfg.policy]:.2f} req/s; replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
+    console.print(f"replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
 
     points = []
     for rate in rates:

@@ -33,7 +33,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=256, help="KV pool in blocks of 32 tokens (default: %(default)s)")
     p.add_argument("--shape", choices=["tiny", "smollm2"], default="tiny",
                    help="dummy-weight model: tiny (4 layers, hidden 256) or SmolLM2-135M's shape (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="context limit; trace requests longer than this are skipped (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the engine (default: %(default)s; more only on cores nothing else uses)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--calibration-requests", type=int, default=96,
                    help="requests in the calibration burst that fits the step model (default: %(default)s)")
@@ -65,10 +69,13 @@ def run_cli(a: argparse.Namespace) -> int:
         kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale)) if v is not None}
         cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=rates,
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
-                                max_num_seqs=a.max_num_seqs, seed=a.seed,
+                                max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
                                 calibration_requests=a.calibration_requests, **kw)
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")
-        run_bench(cfg, json_path, json_path.with_suffix(".png"), Console())
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=170)  # the table has 14 columns; logs and pipes get them unsquashed
+        run_bench(cfg, json_path, json_path.with_suffix(".png"), console)
     except ValidationError as exc:
         e = exc.errors()[0]
         print(f"lengthwise: error: --{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}", file=sys.stderr)

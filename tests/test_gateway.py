@@ -278,6 +278,21 @@ def test_models_health_and_metrics(fleet):
     for family in ("lengthwise_gateway_requests_total", "lengthwise_gateway_request_latency_seconds",
                    "lengthwise_gateway_engine_outstanding", "lengthwise_gateway_engine_healthy"):
         assert family in text
+    # the scheduler plug-ins' own counters, scraped from each engine process and labelled by engine
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def plugin(name: str) -> dict[str, float]:
+        fams = {f.name: f for f in text_string_to_metric_families(fleet.get("/metrics").text)}
+        return {s.labels["engine"]: s.value for s in fams[name].samples}
+
+    before = plugin("lengthwise_scheduler_finished")
+    assert set(before) == {"engine-0", "engine-1"}
+    assert set(plugin("lengthwise_scheduler_ledger_blocks_total")) == {"engine-0", "engine-1"}
+    client.completions.create(model=fleet.model, prompt="one more", max_tokens=2)
+    deadline = time.monotonic() + 10
+    while sum(plugin("lengthwise_scheduler_finished").values()) < sum(before.values()) + 1:
+        assert time.monotonic() < deadline, "the plug-in's finished counter did not move"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("kind,stream,usage,n", [("completions", False, False, 7), ("completions", True, False, 11),

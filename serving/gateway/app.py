@@ -50,13 +50,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None) -> FastAPI:
-    """The app over ``engine_urls`` (default: ``settings.engine_urls``); engines must already be starting or up."""
+def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
+               plugin_metrics: dict[str, str] | None = None) -> FastAPI:
+    """The app over ``engine_urls`` (default: ``settings.engine_urls``); engines must already be starting or up.
+
+    ``plugin_metrics`` maps an engine URL to its scheduler plug-in's metrics URL, re-exported on ``/metrics``.
+    """
     metrics = GatewayMetrics()
     pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
     predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
     feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
     forwarder = Forwarder(pool, settings, metrics)
+    names = {e.url: e.name for e in pool.engines}
+    plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
     slo = default_slo(settings)
 
     @asynccontextmanager
@@ -167,6 +173,14 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None) 
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render()
+        if plugin_targets:
+            from serving.gateway.plugin_metrics import scrape
+
+            extra, failed = await scrape(pool.client, plugin_targets)
+            for name in failed:
+                metrics.plugin_scrape_errors.labels(name).inc()
+            body = metrics.render() + extra if failed else body + extra
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -50,6 +50,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--model", metavar="PATH_OR_NAME", help="model the engines serve (required unless --engine-url)")
     e.add_argument("--engine-url", action="append", default=[], metavar="URL",
                    help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
+    e.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
+                   help="the scheduler plug-in's metrics endpoint of each --engine-url, in the same order (engines run "
+                        "with '{\"lengthwise\": {\"metrics_port\": PORT}}' in --additional-config); re-exported on "
+                        "/metrics with an engine label. Engines started here get one automatically")
     e.add_argument("--engines", type=int, default=1, metavar="N", help="engines to start (default: %(default)s)")
     e.add_argument("--policy", default="lengthwise",
                    help="scheduling policy of the engines started here: lengthwise, ecoserve, sjf, vllm, ... "
@@ -97,7 +101,7 @@ class _Stop(BaseException):
     """SIGTERM or SIGINT: stop serving, stop the engines, exit 0."""
 
 
-_FLAGS = {"engine_urls": "--engine-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
+_FLAGS = {"engine_urls": "--engine-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
           "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout",
           "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout"}
 
@@ -113,7 +117,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     if not isinstance(sched, dict):
         raise UsageError("--scheduler-config must be a JSON object")
     fields = {
-        "model": a.model, "engine_urls": a.engine_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
+        "model": a.model, "engine_urls": a.engine_url, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
         "placement": a.placement, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
         "fallback_tokens": a.fallback_tokens, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
@@ -199,16 +203,18 @@ def run(a: argparse.Namespace) -> int:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)
             urls = [p.url for p in procs]
+            plugin_metrics = {p.url: p.metrics_url for p in procs if p.metrics_url}
             log.info("starting %d engine(s) with policy %s; logs in %s", len(procs), settings.policy, log_dir)
             wait_healthy(urls, settings.engine_start_timeout_s, procs)
         else:
             urls = settings.engine_urls
+            plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))
             wait_healthy(urls, settings.engine_start_timeout_s, require_all=False)
         import uvicorn
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls)
+        app = create_app(settings, urls, plugin_metrics)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])

@@ -53,6 +53,7 @@ class EngineProcess:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    metrics_url: str | None = None
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -84,9 +85,10 @@ def engine_args(settings: GatewaySettings) -> list[str]:
     return [part for a in settings.engine_args for part in shlex.split(a)]
 
 
-def engine_command(settings: GatewaySettings, port: int, cpu: bool) -> list[str]:
+def engine_command(settings: GatewaySettings, port: int, cpu: bool, metrics_port: int | None = None) -> list[str]:
     extra = engine_args(settings)
-    cfg = {"lengthwise": {"policy": settings.policy, **settings.scheduler_config}}
+    cfg = {"lengthwise": {"policy": settings.policy, **({"metrics_port": metrics_port} if metrics_port else {}),
+                          **settings.scheduler_config}}
     cmd = [sys.executable, "-m", VLLM_SERVER, "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
            "--scheduler-cls", PLUGIN, "--additional-config", json.dumps(cfg)]
     if cpu:
@@ -144,7 +146,8 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
     out = []
     for i in range(settings.engines):
         port = free_port()
-        cmd = engine_command(settings, port, cpu)
+        metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
+        cmd = engine_command(settings, port, cpu, metrics_port)
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
         if binds[i] is not None:
@@ -157,7 +160,7 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True,  # started before the gateway starts any thread:
                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
-        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path))
+        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics"))
         log.info("engine-%d: pid %d on port %d%s, log %s", i, proc.pid, port,
                  f", cores {binds[i]}" if binds[i] else "", path)
     return out

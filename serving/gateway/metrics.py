@@ -35,6 +35,8 @@ class GatewayMetrics:
         self.engine_outstanding = Gauge(p + "engine_outstanding", "requests in flight per engine", ["engine"], registry=r)
         self.engine_healthy = Gauge(p + "engine_healthy", "1 when the engine passes its health checks", ["engine"], registry=r)
         self.output_tokens = Counter(p + "output_tokens", "generated tokens reported by the engines", registry=r)
+        self.plugin_scrape_errors = Counter(p + "plugin_scrape_errors", "engines whose scheduler metrics did not answer a scrape",
+                                            ["engine"], registry=r)
         self.feedback = Counter(p + "feedback", "actual-length reports to the sidecar, by outcome", ["outcome"], registry=r)
 
     def render(self) -> bytes:

@@ -25,6 +25,9 @@ class GatewaySettings(BaseModel):
     model: str | None = Field(None, description="model path or name the engines serve (required to start engines)")
     engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM OpenAI servers")
     engines: int = Field(1, ge=1, le=64, description="engines to start when no engine_urls are given")
+    engine_metrics_urls: list[str] = Field(default_factory=list,
+                                           description="the plug-in metrics URL of each attached engine, in engine_urls "
+                                                       "order (its metrics_port); engines started here get one")
     policy: str = Field("lengthwise", min_length=1, description="scheduling policy of the plug-in in engines we start")
     scheduler_config: dict[str, Any] = Field(default_factory=dict,
                                              description="more plug-in settings (knobs, default_pred_len, tfs, log_every_s)")
@@ -54,7 +57,7 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get 413")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
-    @field_validator("engine_urls", "predictor_url")
+    @field_validator("engine_urls", "engine_metrics_urls", "predictor_url")
     @classmethod
     def _http_urls(cls, v):
         for url in [v] if isinstance(v, str) else v or []:
@@ -79,6 +82,9 @@ class GatewaySettings(BaseModel):
             raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:
             raise ValueError("set the policy with --policy, not inside --scheduler-config")
+        if self.engine_metrics_urls and len(self.engine_metrics_urls) != len(self.engine_urls):
+            raise ValueError(f"give one --engine-metrics-url per --engine-url, in the same order "
+                             f"({len(self.engine_metrics_urls)} for {len(self.engine_urls)} engines)")
         return self
 
     @property

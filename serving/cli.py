@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.gateway.cli import add_parser as add_serve
 
     add_serve(sub)
+    from serving.replay import add_parser as add_replay
+
+    add_replay(sub)
+    from serving.demo import add_parser as add_demo
+
+    add_demo(sub)
 
     from registry.cli import add_parser as add_registry
 

@@ -1,0 +1,417 @@
+"""``lengthwise demo``: the serving half of the main job, end to end on embedded defaults.
+
+1. convert the SmolLM2-135M-Instruct GGUF in ``$LENGTHWISE_DATA/models`` into a HF directory vLLM serves (cached in
+   the work dir: a second run skips it);
+2. start ``predictor-sidecar`` with the registered predictor (``models:/length-predictor@champion``) on a free port
+   and wait for ``/ready``;
+3. start ``lengthwise serve`` with one vLLM-CPU engine over the converted model (float32, a small KV cache,
+   ``--max-model-len 2048``) predicting with that sidecar, and wait for ``/health``;
+4. calibrate the SLO: a few requests alone measure the time to the first token (t_p) and per output token (t_g);
+   every replayed request then carries ``x-slo-ttft-ms = scale x t_p`` and ``x-slo-tpot-ms = scale x t_g``, so the
+   gateway's deadline is EcoServe's JCT SLO ``scale x (t_p + t_g x predicted length)`` on this machine;
+5. replay a short real trace (ShareGPT first turns, Poisson arrivals, answers capped) through the endpoint with
+   ``lengthwise replay`` and print its report;
+6. stop everything.
+
+Every child runs in its own session with a parent-death signal and is stopped at the end, on an error, on Ctrl-C
+and on SIGTERM (the gateway stops its engine itself). Logs, the converted model and the JSON reports stay in the
+work dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+EPILOG = """\
+examples:
+  lengthwise demo                                   # everything on the defaults above (a few minutes)
+  lengthwise demo --requests 48 --rate 0.5          # a longer trace
+  lengthwise demo --predictor models:/length-predictor@challenger --work-dir /tmp/demo
+
+needs: a registered predictor (make demo trains one; lengthwise registry list shows it), the SmolLM2 GGUF and ShareGPT
+prompts in $LENGTHWISE_DATA, and vLLM (the cpu or gpu extra). Logs: WORK_DIR/logs/; reports: WORK_DIR/replay.json and
+WORK_DIR/demo.json.
+"""
+
+
+class DemoError(RuntimeError):
+    """A step failed; the message says which and where its log is."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: stop the children and exit."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the demo process dies (Linux), so nothing outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    grace_s: float
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").rstrip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Children:
+    """The demo's child processes. Each gets its own session (its process group id is its pid), so Ctrl-C in the
+    terminal reaches only the demo, which then stops them in reverse start order: SIGTERM to the group, SIGKILL
+    after ``grace_s``. Use as a context manager: the exit stops them whatever happened, and SIGTERM becomes
+    :class:`Interrupted` inside it."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self._old_term = None
+
+    def __enter__(self) -> Children:  # noqa: PYI034
+        def _term(signum, frame):
+            raise Interrupted()
+
+        if threading_main():
+            self._old_term = signal.signal(signal.SIGTERM, _term)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop_all()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+
+    def start(self, name: str, cmd: list[str], log: Path, env: dict | None = None, grace_s: float = 20.0) -> Child:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as f:
+            f.write(f"$ {shlex.join(cmd)}\n".encode())
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **(env or {})}, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
+        child = Child(name, proc, log, grace_s)
+        self.children.append(child)
+        return child
+
+    def stop(self, child: Child) -> int | None:
+        if child.proc.poll() is None:
+            _killpg(child.proc.pid, signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=child.grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _killpg(child.proc.pid, signal.SIGKILL)  # what is left of its group (it may have exited, its group not)
+        try:
+            child.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if child in self.children:
+            self.children.remove(child)
+        return child.proc.returncode
+
+    def stop_all(self) -> None:
+        for child in reversed(list(self.children)):
+            self.stop(child)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(child: Child, url: str, timeout_s: float, what: str) -> float:
+    """Poll ``url`` until it answers 200; :class:`DemoError` with the log's tail if the child exits or time runs out."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=3.0) as client:
+        while True:
+            if child.proc.poll() is not None:
+                raise DemoError(f"{child.name} exited with status {child.proc.returncode} before {what}; "
+                                f"last lines of {child.log}:\n{child.tail()}")
+            try:
+                if client.get(url).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise DemoError(f"{child.name} not {what} after {timeout_s:g} s; last lines of {child.log}:\n{child.tail()}")
+            time.sleep(0.5)
+
+
+def engine_cores(spec: str) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the engine: ``all`` or the first N cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if spec == "all":
+        return ",".join(map(str, cores))
+    try:
+        n = int(spec)
+    except ValueError:
+        raise DemoError(f"--engine-cores must be 'all' or a number of cores, got {spec!r}") from None
+    if not 1 <= n <= len(cores):
+        raise DemoError(f"--engine-cores must be between 1 and {len(cores)} here, got {n}")
+    return ",".join(map(str, cores[:n]))
+
+
+def calibrate(url: str, model: str, jobs, n: int, tokens: int) -> tuple[float, float, list]:
+    """Median TTFT and time per output token of ``n`` requests sent one at a time (real prompts, exactly ``tokens``
+    output tokens each): the lone-request t_p and t_g of EcoServe's SLO on this machine. Warms the engine up too."""
+    import asyncio
+    from dataclasses import replace
+
+    from serving.replay import Settings, send_one
+
+    s = Settings(url, model, ignore_eos=True, timeout_s=300)
+
+    async def one_by_one():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return [await send_one(client, replace(j, max_tokens=tokens), s, time.perf_counter()) for j in jobs[:n]]
+
+    results = asyncio.run(one_by_one())
+    bad = [r for r in results if not r.ok or r.ttft is None or not r.output_tokens or r.output_tokens < 2]
+    if bad:
+        raise DemoError(f"calibration request failed: {bad[0].error or 'no tokens streamed'}")
+    t_p = statistics.median(r.ttft for r in results)
+    t_g = statistics.median((r.jct - r.ttft) / (r.output_tokens - 1) for r in results)
+    return t_p, t_g, results
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "demo", help="end to end: SmolLM2 engine + predictor sidecar + lengthwise serve, replay a real trace, report",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Convert the SmolLM2-135M-Instruct GGUF (cached), start predictor-sidecar with the registered predictor "
+                    "and lengthwise serve with one vLLM-CPU engine over SmolLM2, calibrate the SLO with lone requests, "
+                    "replay a short real ShareGPT trace through the endpoint, print the report and stop every process.")
+    p.add_argument("--work-dir", type=Path, default=Path("demo-results/serving"),
+                   help="converted model, logs and reports (default: %(default)s)")
+    p.add_argument("--gguf", type=Path, help="the GGUF to serve (default: $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    p.add_argument("--predictor", default="models:/length-predictor@champion", metavar="URI",
+                   help="what the sidecar serves (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=0.25, metavar="R", help="Poisson arrivals, requests/s (default: %(default)s)")
+    p.add_argument("--max-tokens-cap", type=int, default=128, metavar="N",
+                   help="max_tokens = min(the trace's real output length, N) (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals (default: %(default)s)")
+    p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
+    p.add_argument("--engine-cores", default="all", metavar="N|all",
+                   help="cores the engine's threads use (default: %(default)s; measured best here, see README)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="the engine's context (default: %(default)s)")
+    p.add_argument("--predictor-timeout-ms", type=float, default=500.0,
+                   help="the gateway's wait for a prediction before it falls back (default: %(default)s)")
+    p.add_argument("--sidecar-threads", type=int, default=1, help="onnxruntime threads of the sidecar (default: %(default)s)")
+    p.add_argument("--slo-scale", type=float, default=2.0, help="SLO = scale x lone-request times (default: %(default)s)")
+    p.add_argument("--start-timeout", type=float, default=900.0, metavar="S",
+                   help="longest wait for the sidecar or the engine to be ready (default: %(default)s)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _check(a: argparse.Namespace) -> tuple[Path, Path]:
+    from training.pipeline import data_dir, default_sharegpt
+
+    gguf = a.gguf or data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        raise DemoError(f"--gguf {gguf}: no such file (set LENGTHWISE_DATA or give --gguf)")
+    sharegpt = default_sharegpt()
+    if not sharegpt.exists():
+        raise DemoError(f"ShareGPT prompts not found at {sharegpt}; set LENGTHWISE_DATA")
+    for name in ("requests", "max_tokens_cap", "max_model_len", "sidecar_threads"):
+        if getattr(a, name) < 1:
+            raise DemoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    for name in ("rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
+        if not getattr(a, name) > 0:
+            raise DemoError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name):g}")
+    engine_cores(a.engine_cores)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise DemoError("vLLM is not installed here; install the cpu or gpu extra (make setup)")
+    return gguf, sharegpt
+
+
+def _registered(uri: str) -> str:
+    """Fail in seconds, not after a sidecar that never gets ready, when no model answers to the URI: resolve it
+    as the sidecar will (registry, else the local cache); returns what it resolved to."""
+    from predictor.cache import ModelResolveError, resolve
+
+    try:
+        m = resolve(uri)
+    except ModelResolveError as exc:
+        raise DemoError(f"--predictor {uri}: {' '.join(str(exc).split())} (make demo trains and registers one)") from None
+    return f"{m.name} v{m.version}"
+
+
+def run(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    con = Console(stderr=True)
+    try:
+        gguf, sharegpt = _check(a)
+        _registered(a.predictor)
+    except DemoError as exc:
+        print(f"lengthwise demo: error: {exc}", file=sys.stderr)
+        return 2
+    work = a.work_dir.expanduser().resolve()
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t_all = time.monotonic()
+    try:
+        with Children() as children:
+            report = _run(a, gguf, sharegpt, work, logs, children, timings, con)
+            t = time.monotonic()
+            children.stop_all()
+            timings["stop_s"] = time.monotonic() - t
+    except DemoError as exc:
+        print(f"lengthwise demo: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lengthwise demo: interrupted; every process stopped (logs in {logs})", file=sys.stderr)
+        return 130
+    timings["total_s"] = time.monotonic() - t_all
+    report["timings"] = timings
+    (work / "demo.json").write_text(json.dumps(report, indent=1))
+    _print_timings(timings, work)
+    return 0 if report["replay"]["summary"]["requests"]["completed"] else 1
+
+
+def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Children, timings: dict, con) -> dict:
+    from rich.console import Console
+
+    from serving.replay import Settings, build_report, plan_jobs, poisson_arrivals, report_table, run_with_progress
+
+    bin_dir = Path(sys.executable).parent
+    # 1. the model
+    model_dir = work / gguf.name.split(".")[0]
+    cached = (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+    t = time.monotonic()
+    if not cached:  # (a cached model costs nothing: no torch import)
+        from predictor.convert import convert_gguf
+
+        with con.status(f"converting {gguf.name} to {model_dir} ..."):
+            convert_gguf(gguf, model_dir)
+    timings["convert_s"] = time.monotonic() - t
+    how = "cached" if cached else f"converted in {timings['convert_s']:.0f} s"
+    con.print(f"[1/5] model: {model_dir} ({how})")
+
+    # 2. the sidecar
+    sc_port = free_port()
+    sidecar = children.start("predictor-sidecar", [
+        str(bin_dir / "predictor-sidecar"), "--model", a.predictor, "--host", "127.0.0.1", "--port", str(sc_port),
+        "--threads", str(a.sidecar_threads), "--reload-interval", "0"], logs / "sidecar.log")
+    sc_url = f"http://127.0.0.1:{sc_port}"
+    t = time.monotonic()
+    with con.status(f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
+        wait_http(sidecar, sc_url + "/ready", a.start_timeout, "ready")
+    timings["sidecar_ready_s"] = time.monotonic() - t
+    ready = httpx.get(sc_url + "/ready", timeout=10).json()
+    con.print(f"[2/5] predictor-sidecar: {ready.get('model_name')} v{ready.get('model_version')} on {sc_url}, "
+              f"ready in {timings['sidecar_ready_s']:.0f} s (log {sidecar.log})")
+
+    # 3. the gateway and its engine
+    gw_port = free_port()
+    bind = engine_cores(a.engine_cores)
+    gateway = children.start("lengthwise serve", [
+        str(bin_dir / "lengthwise"), "serve", "--model", str(model_dir), "--engines", "1", "--policy", a.policy,
+        "--predictor-url", sc_url, "--predictor-timeout-ms", f"{a.predictor_timeout_ms:g}", "--port", str(gw_port),
+        "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", f"{a.start_timeout:g}",
+        "--engine-arg=--dtype float32", f"--engine-arg=--max-model-len {a.max_model_len}"],
+        logs / "gateway.log", grace_s=60.0,
+        env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
+             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    gw_url = f"http://127.0.0.1:{gw_port}"
+    t = time.monotonic()
+    with con.status(f"starting lengthwise serve with one vLLM engine on cores {bind} (about a minute) ..."):
+        wait_http(gateway, gw_url + "/health", a.start_timeout + 60, "serving")
+    timings["engine_ready_s"] = time.monotonic() - t
+    con.print(f"[3/5] lengthwise serve on {gw_url}: one engine ({a.policy}, cores {bind}, KV {a.kv_cache_gib:g} GiB), "
+              f"ready in {timings['engine_ready_s']:.0f} s (logs {gateway.log}, {logs / 'engines'})")
+
+    # 4. the workload and the SLO calibration
+    t = time.monotonic()
+    with con.status("loading the ShareGPT trace ..."):
+        plan = plan_jobs(sharegpt, max_requests=a.requests + 3, max_tokens_cap=a.max_tokens_cap, rate=None,
+                         seed=a.seed, tokenizer=model_dir, max_model_len=a.max_model_len)
+    calib_jobs, plan.jobs = plan.jobs[a.requests:], plan.jobs[:a.requests]  # prompts outside the trace calibrate
+    for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), a.rate, a.seed)):
+        j.arrival = arrival
+    model = str(model_dir)
+    with con.status("calibrating: three requests alone ..."):
+        t_p, t_g, _ = calibrate(gw_url, model, calib_jobs, len(calib_jobs), 32)
+    timings["calibrate_s"] = time.monotonic() - t
+    slo_ttft_ms, slo_tpot_ms = a.slo_scale * t_p * 1000, a.slo_scale * t_g * 1000
+    con.print(f"[4/5] lone request here: t_p {t_p * 1000:.0f} ms to the first token, t_g {t_g * 1000:.1f} ms per token; "
+              f"SLO headers x-slo-ttft-ms {slo_ttft_ms:.0f}, x-slo-tpot-ms {slo_tpot_ms:.1f} (scale {a.slo_scale:g})")
+
+    # 5. the replay
+    s = Settings(gw_url, model, slo_ttft_ms=round(slo_ttft_ms, 1), slo_tpot_ms=round(slo_tpot_ms, 2), timeout_s=600)
+    con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {a.rate:g} req/s (Poisson, seed {a.seed}), "
+              f"max_tokens = min(real answer length, {a.max_tokens_cap})")
+    t = time.monotonic()
+    results, duration = run_with_progress(plan.jobs, s, con)
+    timings["replay_s"] = time.monotonic() - t
+    report = build_report(plan, s, a.rate, a.seed, a.max_tokens_cap, results, duration)
+    (work / "replay.json").write_text(json.dumps(report, indent=1))
+    Console().print(report_table(report["summary"], "lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve"))
+    try:  # what the gateway counted, beside what the client saw
+        metrics = httpx.get(gw_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        metrics = ""
+    return {"model": str(model_dir), "predictor": a.predictor, "predictor_model": ready, "policy": a.policy,
+            "engine_cores": bind, "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
+            "calibration": {"t_p_s": t_p, "t_g_s": t_g, "slo_scale": a.slo_scale},
+            "replay": report, "gateway_metrics": [ln for ln in metrics.splitlines() if ln.startswith("lengthwise_gateway_")
+                                                  and not ln.startswith("lengthwise_gateway_request_latency_seconds_bucket")]}
+
+
+def _print_timings(timings: dict, work: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="lengthwise demo: where the time went", title_justify="left")
+    t.add_column("step")
+    t.add_column("seconds", justify="right")
+    names = {"convert_s": "convert the GGUF (cached after the first run)", "sidecar_ready_s": "predictor-sidecar ready",
+             "engine_ready_s": "lengthwise serve + vLLM engine ready", "calibrate_s": "load the trace, calibrate the SLO",
+             "replay_s": "replay", "stop_s": "stop every process", "total_s": "total"}
+    for k, label in names.items():
+        if k in timings:
+            t.add_row(label, f"{timings[k]:.1f}")
+    Console().print(t)
+    Console(stderr=True).print(f"reports: {work / 'replay.json'}, {work / 'demo.json'}; logs: {work / 'logs'}")

@@ -55,6 +55,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="inference workers of the started sidecar")
     p.add_argument("--token-budget", type=int, help="padded tokens per onnxruntime run of the started sidecar")
     p.add_argument("--ort-spin", action="store_true", help="passed to the started sidecar")
+    p.add_argument("--precision", choices=["fp32", "int8"], help="passed to the started sidecar")
     p.add_argument("--json", help="write results here (default: bench-results/sidecar/bench_sidecar.json; PNG beside it)")
     p.set_defaults(func=run_cli)
     return p
@@ -317,7 +318,7 @@ def run_cli(a: argparse.Namespace) -> int:
 
     console = Console(width=max(Console().width, 140))
     extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads), ("--workers", a.workers),
-                                            ("--token-budget", a.token_budget))
+                                            ("--token-budget", a.token_budget), ("--precision", a.precision))
              if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else [])
     try:
         levels = parse_levels(a.levels)

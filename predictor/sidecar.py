@@ -64,6 +64,7 @@ class SidecarSettings:
     threads: int | None = None  # onnxruntime intra-op threads (default: LENGTHWISE_ORT_THREADS or min(4, cores))
     workers: int = 1  # batches run side by side, each on its own session with `threads` threads
     token_budget: int = 256  # padded tokens per onnxruntime run: small runs stay in cache (measured: 2048 costs ~1.5x CPU)
+    precision: str = "fp32"  # int8: dynamically quantized weights (~1.7x predictions/s on this CPU)
     ort_spin: bool = False  # busy-waiting onnxruntime threads: lower latency on an idle machine, wasted CPU on a shared one
     max_body_bytes: int = 1 << 20
     lru_size: int = 100_000  # served predictions remembered for feedback by id
@@ -96,7 +97,8 @@ def load_served(resolved: ResolvedModel, settings: SidecarSettings) -> ServedMod
     """Open one ONNX session per worker and run a warm-up prediction on each, so no request pays for it."""
     sessions: queue.SimpleQueue = queue.SimpleQueue()
     preds = [OnnxLengthPredictor(resolved.path, threads=settings.threads, batch_size=settings.max_batch,
-                                 token_budget=settings.token_budget, spin=settings.ort_spin) for _ in range(settings.workers)]
+                                 token_budget=settings.token_budget, spin=settings.ort_spin, precision=settings.precision)
+             for _ in range(settings.workers)]
     for pred in preds:
         pred.predict(["warm-up"])
         sessions.put(pred)
@@ -507,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-budget", type=int, default=d.token_budget,
                    help="padded tokens per onnxruntime run; a micro-batch is split by prompt length into runs this size "
                         "(default: %(default)s)")
+    g.add_argument("--precision", choices=["fp32", "int8"], default=d.precision,
+                   help="int8 quantizes the model's weights once at load (kept beside it): about 1.7x predictions/s "
+                        "on a CPU at equal measured accuracy (default: %(default)s)")
     g.add_argument("--ort-spin", action="store_true",
                    help="let idle onnxruntime threads busy-wait (a little lower latency when the machine is otherwise idle)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413 (default: %(default)s)")

@@ -50,7 +50,7 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
 def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
     out = tmp_path / "engine.json"
     code = main(["bench", "engine", "--max-requests", "12", "--rates", "4", "--calibration-requests", "12",
-                 "--kv-blocks", "72", "--json", str(out)])
+                 "--kv-blocks", "24", "--max-model-len", "512", "--json", str(out)])
     assert code == 0
     d = json.loads(out.read_text())
     for lab in ("stock", "lengthwise"):
@@ -63,6 +63,7 @@ def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
         assert m["steps"] > 0 and math.isfinite(m["extra"]["sim_error"]["jct_mean_s"])
     assert d["lengthwise"]["extra"]["plugin"]["requests"] == 12
     assert d["lengthwise"]["extra"]["plugin"]["fallback_predictions"] == 0  # predictions reached the plug-in
-    assert d["goodput_ratio"] == pytest.approx(d["lengthwise"]["goodput_rps"] / d["stock"]["goodput_rps"])
+    stock, ours = d["stock"]["goodput_rps"], d["lengthwise"]["goodput_rps"]
+    assert d["goodput_ratio"] == (pytest.approx(ours / stock) if stock > 0 else None)
     assert d["calibration"]["latency_model"]["n_rows"] > 4
     assert out.with_suffix(".png").stat().st_size > 0

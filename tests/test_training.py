@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from predictor.runtime import OnnxLengthPredictor
 
@@ -45,3 +46,25 @@ def test_runtime_predict_shapes_and_consistency(trained):
     # batch composition must not change a prompt's prediction (padding is masked)
     alone = p.predict([prompts[1]]).probs[0]
     np.testing.assert_allclose(alone, probs[1], atol=1e-5)
+
+
+def test_int8_precision_quantizes_once_and_agrees_with_fp32(trained, data, tmp_path):
+    import shutil
+
+    from predictor.runtime import INT8_FILE
+
+    pkg = tmp_path / "package"
+    shutil.copytree(Path(trained["work_dir"]) / "package", pkg)
+    fp32 = OnnxLengthPredictor(pkg)
+    q = OnnxLengthPredictor(pkg, precision="int8")
+    made = (pkg / INT8_FILE).stat()
+    assert made.st_size < (pkg / "model.onnx").stat().st_size / 2  # int8 weights: a quarter of the bytes, roughly
+    OnnxLengthPredictor(pkg, precision="int8")
+    assert (pkg / INT8_FILE).stat().st_mtime_ns == made.st_mtime_ns  # quantized once, then reused
+    prompts = ["Write a detailed 2000 word essay on the history of Rome.", "Say yes or no.", "List three colours.",
+               "Explain quantum computing to a child in one paragraph.", "Translate 'good morning' into Spanish."] * 4
+    a, b = fp32.predict(prompts), q.predict(prompts)
+    np.testing.assert_allclose(b.probs.sum(1), 1.0, rtol=1e-6)
+    assert np.abs(a.probs - b.probs).max() < 0.25 and (a.buckets == b.buckets).mean() >= 0.6
+    with pytest.raises(ValueError, match="precision"):
+        OnnxLengthPredictor(pkg, precision="int4")

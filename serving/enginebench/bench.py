@@ -7,7 +7,8 @@ Steps, each in its own engine process:
    fit gives the SLO its per-token times (EcoServe's t_p, t_g of a request running alone) and lets the
    simulator predict where stock vLLM saturates, which picks the default rates.
 2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
-   predictions, dummy weights and ``ignore_eos`` so every request produces exactly its real length).
+   predictions, dummy weights and ``ignore_eos`` so every request produces exactly its real length),
+   both engines at once, each on its own core, so background load on a shared machine hits both alike.
 3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model;
    the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
 
@@ -98,24 +99,57 @@ def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
             "kv_blocks": cfg.kv_blocks, "threads": cfg.threads}
 
 
-def run_engine(job: dict[str, Any], work: Path, console: Console) -> dict[str, Any]:
-    """One engine process over one job; its progress lines are shown, its log kept for errors."""
-    tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
-    jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
-    jp.write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])}
-    with lp.open("w") as log:
+def _core_sets(n: int, threads: int) -> list[str | None]:
+    """Disjoint cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) when the machine has enough, else None."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n * threads:
+        return [None] * n
+    return [",".join(str(c) for c in cores[i * threads:(i + 1) * threads]) for i in range(n)]
+
+
+def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> list[dict[str, Any]]:
+    """Run the jobs' engines side by side, each on its own cores; their progress lines are shown.
+
+    Side by side rather than one after the other: whatever else the machine runs meanwhile slows both
+    schedulers alike, so their ratio survives a shared machine.
+    """
+    import threading
+
+    binds = _core_sets(len(jobs), jobs[0]["engine"]["threads"])
+    procs = []
+    for job, bind in zip(jobs, binds):
+        tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
+        jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
+        jp.write_text(json.dumps(job))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])}
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        log = lp.open("w")
         proc = subprocess.Popen([sys.executable, "-m", "serving.enginebench.replay", str(jp), str(op)], stdout=log,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
-        for line in proc.stderr:
-            log.write(line)
-            if line.startswith("  ["):
-                console.print(line.rstrip(), highlight=False)
+
+        def pump(proc=proc, log=log) -> None:
+            for line in proc.stderr:
+                log.write(line)
+                if line.startswith("  ["):
+                    console.print(line.rstrip(), highlight=False)
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        procs.append((tag, proc, t, log, op, lp))
+    outs = []
+    for tag, proc, t, log, op, lp in procs:
         proc.wait()
-    if proc.returncode != 0 or not op.exists():
-        tail = "".join(lp.read_text().splitlines(True)[-15:])
-        raise EngineBenchError(f"engine run {tag} failed (exit {proc.returncode}); log {lp}:\n{tail}")
-    return json.loads(op.read_text())
+        t.join()
+        log.close()
+        if proc.returncode != 0 or not op.exists():
+            for _, other, *_ in procs:
+                if other.poll() is None:
+                    other.kill()
+            tail = "".join(lp.read_text().splitlines(True)[-15:])
+            raise EngineBenchError(f"engine run {tag} failed (exit {proc.returncode}); log {lp}:\n{tail}")
+        outs.append(json.loads(op.read_text()))
+    return outs
 
 
 def profile_to_csv(rows: list[dict[str, float]], path: Path) -> Path:
@@ -202,9 +236,9 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     k = min(cfg.calibration_requests, len(reqs))
     burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
     console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
-    cal = run_engine({"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg),
-                      "requests": [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens,
-                                    "output_tokens": r.output_tokens} for r in burst]}, work, console)
+    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg),
+                         "requests": [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens,
+                                       "output_tokens": r.output_tokens} for r in burst]}], work, console)
     csv_path = profile_to_csv(cal["profile"], work / "step_profile.csv")
     lat = FittedLatency.from_csv(csv_path)
     pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
@@ -235,9 +269,10 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     for rate in rates:
         at = setup.at_rate(rate)
         point: dict[str, Any] = {"rate": rate}
-        for label, sched, sim_policy in (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy)):
-            console.print(f"[bold]{label}[/] at {rate:g} req/s ({len(at)} requests)")
-            out = run_engine(_job(sched, cfg, at, preds, slo, f"r{rate:g}", tfs), work, console)
+        runs = (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy))
+        console.print(f"[bold]stock and {cfg.policy}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
+        outs = run_engines([_job(sched, cfg, at, preds, slo, f"r{rate:g}", tfs) for _, sched, _ in runs], work, console)
+        for (label, _sched, sim_policy), out in zip(runs, outs):
             m = summarize_run(out, at, slo, label)
             s = simulate(at, preds, sim_policy, pc, cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
             m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
@@ -269,8 +304,9 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     return result
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else (float("inf") if a > 0 else float("nan"))
+def _ratio(a: float, b: float) -> float | None:
+    """ours / stock; None when stock met no SLO at all (no finite ratio; the JSON says null)."""
+    return a / b if b > 0 else None
 
 
 def _table(points: list[dict], console: Console) -> None:
@@ -286,7 +322,8 @@ def _table(points: list[dict], console: Console) -> None:
                       f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}", f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}",
                       f"{m['tbt_p50_s'] * 1e3:.1f}", str(m["preemptions"]), f"{m['sched_us_per_step']:.0f}",
                       str(m["extra"]["wrong_or_lost"]), f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
-        t.add_row("", "ratio", f"{p['goodput_ratio']:.2f}x", "", "", "", "", "", "", "", "", "", "", "")
+        ratio = "n/a" if p["goodput_ratio"] is None else f"{p['goodput_ratio']:.2f}x"
+        t.add_row("", "ratio", ratio, "", "", "", "", "", "", "", "", "", "", "")
     console.print(t)
 
 

@@ -48,6 +48,10 @@ WORK_DIR/demo.json.
 """
 
 
+CALIBRATION_REQUESTS = 3  # lone requests that measure t_p and t_g (prompts that are not part of the trace)
+CALIBRATION_TOKENS = 32  # output tokens of each (ignore_eos)
+
+
 class DemoError(RuntimeError):
     """A step failed; the message says which and where its log is."""
 
@@ -228,11 +232,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="max_tokens = min(the trace's real output length, N) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals (default: %(default)s)")
     p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
-    p.add_argument("--engine-cores", default="all", metavar="N|all",
-                   help="cores the engine's threads use (default: %(default)s; measured best here, see README)")
+    p.add_argument("--engine-cores", default="1", metavar="N|all",
+                   help="cores the engine's threads use (default: %(default)s: measured best on this 2-core machine "
+                        "next to the sidecar, the gateway and the client, see README)")
+    p.add_argument("--engine-compile", action="store_true",
+                   help="let vLLM compile the model (torch.compile); the default --enforce-eager starts about 100 s "
+                        "sooner here and decodes SmolLM2 as fast")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARGS",
+                   help="more vLLM arguments for the engine, repeatable, e.g. --engine-arg=--enforce-eager")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048, help="the engine's context (default: %(default)s)")
-    p.add_argument("--predictor-timeout-ms", type=float, default=500.0,
+    p.add_argument("--predictor-timeout-ms", type=float, default=1000.0,
                    help="the gateway's wait for a prediction before it falls back (default: %(default)s)")
     p.add_argument("--sidecar-threads", type=int, default=1, help="onnxruntime threads of the sidecar (default: %(default)s)")
     p.add_argument("--slo-scale", type=float, default=2.0, help="SLO = scale x lone-request times (default: %(default)s)")
@@ -269,8 +279,13 @@ def _registered(uri: str) -> str:
     """Fail in seconds, not after a sidecar that never gets ready, when no model answers to the URI: resolve it
     as the sidecar will (registry, else the local cache); returns what it resolved to."""
     from predictor.cache import ModelResolveError, resolve
+    from training.cli import quiet_libraries, silence_loggers
 
+    quiet_libraries(False)  # MLflow logs its database set-up at INFO
     try:
+        import mlflow  # noqa: F401 - imported here so that its loggers can be silenced before it logs
+
+        silence_loggers()
         m = resolve(uri)
     except ModelResolveError as exc:
         raise DemoError(f"--predictor {uri}: {' '.join(str(exc).split())} (make demo trains and registers one)") from None
@@ -314,7 +329,15 @@ def run(a: argparse.Namespace) -> int:
 def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Children, timings: dict, con) -> dict:
     from rich.console import Console
 
-    from serving.replay import Settings, build_report, plan_jobs, poisson_arrivals, report_table, run_with_progress
+    from serving.replay import (
+        ReplayError,
+        Settings,
+        build_report,
+        plan_jobs,
+        poisson_arrivals,
+        report_table,
+        run_with_progress,
+    )
 
     bin_dir = Path(sys.executable).parent
     # 1. the model
@@ -351,29 +374,40 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
         str(bin_dir / "lengthwise"), "serve", "--model", str(model_dir), "--engines", "1", "--policy", a.policy,
         "--predictor-url", sc_url, "--predictor-timeout-ms", f"{a.predictor_timeout_ms:g}", "--port", str(gw_port),
         "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", f"{a.start_timeout:g}",
-        "--engine-arg=--dtype float32", f"--engine-arg=--max-model-len {a.max_model_len}"],
+        "--engine-arg=--dtype float32", f"--engine-arg=--max-model-len {a.max_model_len}",
+        *([] if a.engine_compile else ["--engine-arg=--enforce-eager"]),
+        *[f"--engine-arg={x}" for x in a.engine_arg]],
         logs / "gateway.log", grace_s=60.0,
         env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     gw_url = f"http://127.0.0.1:{gw_port}"
-    t = time.monotonic()
-    with con.status(f"starting lengthwise serve with one vLLM engine on cores {bind} (about a minute) ..."):
-        wait_http(gateway, gw_url + "/health", a.start_timeout + 60, "serving")
-    timings["engine_ready_s"] = time.monotonic() - t
-    con.print(f"[3/5] lengthwise serve on {gw_url}: one engine ({a.policy}, cores {bind}, KV {a.kv_cache_gib:g} GiB), "
-              f"ready in {timings['engine_ready_s']:.0f} s (logs {gateway.log}, {logs / 'engines'})")
+    t_gw = time.monotonic()
 
-    # 4. the workload and the SLO calibration
-    t = time.monotonic()
-    with con.status("loading the ShareGPT trace ..."):
-        plan = plan_jobs(sharegpt, max_requests=a.requests + 3, max_tokens_cap=a.max_tokens_cap, rate=None,
-                         seed=a.seed, tokenizer=model_dir, max_model_len=a.max_model_len)
+    # ... and the trace, loaded while the engine starts
+    with con.status("loading the ShareGPT trace while the engine starts ..."):
+        try:
+            plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=a.max_tokens_cap,
+                             rate=None, seed=a.seed, tokenizer=model_dir, max_model_len=a.max_model_len)
+        except ReplayError as exc:
+            raise DemoError(str(exc)) from None
     calib_jobs, plan.jobs = plan.jobs[a.requests:], plan.jobs[:a.requests]  # prompts outside the trace calibrate
+    if not calib_jobs:
+        raise DemoError(f"the ShareGPT file holds fewer than {a.requests + CALIBRATION_REQUESTS} usable prompts")
     for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), a.rate, a.seed)):
         j.arrival = arrival
+    timings["load_trace_s"] = time.monotonic() - t_gw
+    with con.status(f"starting lengthwise serve with one vLLM engine on cores {bind} (about a minute) ..."):
+        wait_http(gateway, gw_url + "/health", a.start_timeout + 60, "serving")
+    timings["engine_ready_s"] = time.monotonic() - t_gw
+    con.print(f"[3/5] lengthwise serve on {gw_url}: one engine ({a.policy}, cores {bind}, KV {a.kv_cache_gib:g} GiB), "
+              f"ready in {timings['engine_ready_s']:.0f} s (logs {gateway.log}, {logs / 'engines'}); "
+              f"{len(plan.jobs)} prompts loaded meanwhile in {timings['load_trace_s']:.0f} s")
+
+    # 4. the SLO, from lone requests
+    t = time.monotonic()
     model = str(model_dir)
-    with con.status("calibrating: three requests alone ..."):
-        t_p, t_g, _ = calibrate(gw_url, model, calib_jobs, len(calib_jobs), 32)
+    with con.status(f"calibrating: {len(calib_jobs)} requests alone ..."):
+        t_p, t_g, calib = calibrate(gw_url, model, calib_jobs, len(calib_jobs), CALIBRATION_TOKENS)
     timings["calibrate_s"] = time.monotonic() - t
     slo_ttft_ms, slo_tpot_ms = a.slo_scale * t_p * 1000, a.slo_scale * t_g * 1000
     con.print(f"[4/5] lone request here: t_p {t_p * 1000:.0f} ms to the first token, t_g {t_g * 1000:.1f} ms per token; "
@@ -395,7 +429,9 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
         metrics = ""
     return {"model": str(model_dir), "predictor": a.predictor, "predictor_model": ready, "policy": a.policy,
             "engine_cores": bind, "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
-            "calibration": {"t_p_s": t_p, "t_g_s": t_g, "slo_scale": a.slo_scale},
+            "calibration": {"t_p_s": t_p, "t_g_s": t_g, "slo_scale": a.slo_scale,
+                            "requests": [{k: getattr(r, k) for k in ("prompt_tokens", "output_tokens", "ttft", "jct")}
+                                         for r in calib]},
             "replay": report, "gateway_metrics": [ln for ln in metrics.splitlines() if ln.startswith("lengthwise_gateway_")
                                                   and not ln.startswith("lengthwise_gateway_request_latency_seconds_bucket")]}
 
@@ -408,7 +444,8 @@ def _print_timings(timings: dict, work: Path) -> None:
     t.add_column("step")
     t.add_column("seconds", justify="right")
     names = {"convert_s": "convert the GGUF (cached after the first run)", "sidecar_ready_s": "predictor-sidecar ready",
-             "engine_ready_s": "lengthwise serve + vLLM engine ready", "calibrate_s": "load the trace, calibrate the SLO",
+             "engine_ready_s": "lengthwise serve + vLLM engine ready", "load_trace_s": "load the trace (tokens counted with SmolLM2's tokenizer)",
+             "calibrate_s": "calibrate the SLO (requests alone)",
              "replay_s": "replay", "stop_s": "stop every process", "total_s": "total"}
     for k, label in names.items():
         if k in timings:

@@ -383,6 +383,7 @@ def summarize(results: list[Result], duration_s: float) -> dict[str, Any]:
             "mae_tokens": _mean([abs(e) for e in err]), "bias_tokens": _mean([float(e) for e in err]),
             "under_predicted_share": (sum(1 for e in err if e < 0) / len(err)) if err else None,
             "sidecar_mae_tokens": _mean([abs(r.pred_len - r.output_tokens) for r in sidecar]),
+            "clamped_to_max_tokens": sum(1 for r in predicted if r.pred_len == r.max_tokens),
         },
         "errors": dict(errors),
     }
@@ -434,6 +435,8 @@ def report_table(summary: dict[str, Any], title: str):
         t.add_row("predicted vs actual output tokens",
                   f"MAE {pr['mae_tokens']:.1f}, bias {pr['bias_tokens']:+.1f}, under-predicted {pr['under_predicted_share']:.0%}"
                   + (f" (n={pr['n']})"))
+        if pr["clamped_to_max_tokens"]:
+            t.add_row("  predictions clamped to max_tokens", f"{pr['clamped_to_max_tokens']} of {pr['n']}")
         if pr["sidecar_mae_tokens"] is not None and pr["sources"].get("sidecar", 0) != pr["n"]:
             t.add_row("  MAE of sidecar predictions only", f"{pr['sidecar_mae_tokens']:.1f}")
     else:
@@ -524,8 +527,8 @@ def check_args(a: argparse.Namespace) -> None:
     positive("--timeout", a.timeout)
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         v = getattr(a, name)
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise ReplayError(f"--{name.replace('_', '-')} must be a non-negative number of milliseconds, got {v:g}")
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ReplayError(f"--{name.replace('_', '-')} must be a positive number of milliseconds, got {v:g}")
     if not a.url.startswith(("http://", "https://")):
         raise ReplayError(f"--url {a.url}: not an http(s) URL, e.g. http://127.0.0.1:8000")
     a.url = a.url.rstrip("/").removesuffix("/v1")

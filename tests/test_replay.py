@@ -31,7 +31,7 @@ REPORT_FIELDS = {"requests", "duration_s", "throughput", "ttft_s", "jct_s", "tpo
 
 
 @pytest.fixture(scope="module")
-def gateway(data, tmp_path_factory) -> Gateway:
+def gateway_proc(data, tmp_path_factory) -> Gateway:
     """``lengthwise serve`` starting one dummy-weight engine; no sidecar, so every prediction is the fallback."""
     model = dummy_llama(tmp_path_factory.mktemp("replay-llama"), data / "tokenizers/gpt2/tokenizer.json")
     logs = tmp_path_factory.mktemp("replay-logs")
@@ -39,13 +39,21 @@ def gateway(data, tmp_path_factory) -> Gateway:
                        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
                        "--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 8",
                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
-    try:
-        health = gw.wait_ready(timeout=400)
-        gw.engines = [e["url"] for e in health["engines"]]
-        gw.model = str(model)
-        yield gw
-    finally:
-        gw.stop()
+    gw.model = str(model)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_boots_first(gateway_proc):
+    """The engine takes about a minute to start: the tests that do not need it run meanwhile (they come first)."""
+
+
+@pytest.fixture(scope="module")
+def gateway(gateway_proc) -> Gateway:
+    health = gateway_proc.wait_ready(timeout=400)
+    gateway_proc.engines = [e["url"] for e in health["engines"]]
+    return gateway_proc
 
 
 def replay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -60,79 +68,7 @@ def _sharegpt(path: Path, prompts: list[str]) -> Path:
     return path
 
 
-# --- against the gateway ---------------------------------------------------------------------------------------------
-def test_replay_through_the_gateway_every_request_completes(gateway, tmp_path):
-    out = tmp_path / "replay.json"
-    chat0 = gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200")
-    t0 = time.time()
-    r = replay("--url", gateway.url, "--max-requests", "10", "--rate", "4", "--max-tokens-cap", "32", "--ignore-eos",
-               "--slo-ttft-ms", "120000", "--slo-tpot-ms", "1000", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    s, reqs = rep["summary"], rep["requests"]
-    assert set(s) >= REPORT_FIELDS
-    assert s["requests"] == {"sent": 10, "completed": 10, "failed": 0} and len(reqs) == 10
-    # the server counted the same 10 chat completions
-    assert gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == chat0 + 10
-    # max_tokens = min(the real ShareGPT answer length, the cap); ignore_eos: each answer has exactly that many tokens
-    assert all(q["max_tokens"] == min(q["trace_output_tokens"], 32) for q in reqs)
-    assert [q["output_tokens"] for q in reqs] == [q["max_tokens"] for q in reqs]
-    assert s["output_tokens"]["total"] == sum(q["max_tokens"] for q in reqs) == s["output_tokens"]["asked_max_tokens"]
-    assert len({q["max_tokens"] for q in reqs}) > 1  # real, different lengths from the trace
-    # sent at their Poisson arrival times (not all at once), each streamed: TTFT before the end
-    assert all(q["sent"] >= q["arrival"] - 0.01 and q["sent"] - q["arrival"] < 5 for q in reqs)
-    assert max(q["arrival"] for q in reqs) > 0.5
-    assert all(0 < q["ttft"] <= q["jct"] for q in reqs) and s["ttft_s"]["n"] == s["jct_s"]["n"] == 10
-    assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and 0 < s["jct_s"]["p50"] <= s["jct_s"]["p99"] and s["tpot_s"]["p50"] > 0
-    assert s["duration_s"] >= max(q["arrival"] for q in reqs) and s["throughput"]["requests_per_s"] > 0
-    # what the gateway decided, from its headers: no sidecar here, so the fallback (256) clamped to max_tokens
-    assert s["prediction"]["sources"] == {"fallback:disabled": 10}
-    assert all(q["pred_len"] == q["max_tokens"] for q in reqs)
-    assert s["prediction"]["mae_tokens"] == 0 and s["prediction"]["under_predicted_share"] == 0
-    # deadlines: arrival + 120 s + 1 s per predicted token, in Unix seconds; all met
-    assert all(t0 + 120 + q["pred_len"] < q["deadline"] < time.time() + 120 + q["pred_len"] for q in reqs)
-    assert s["slo"]["with_deadline"] == 10 and s["slo"]["met"] == 10 and s["slo"]["attainment"] == 1.0
-    assert rep["config"]["tokenizer"] == gateway.model  # the served model's own tokenizer (a local directory)
-    # the table on stdout
-    assert "requests sent / completed / failed" in r.stdout and "10 / 10 / 0" in r.stdout
-    assert "100% (10 of 10)" in r.stdout and "fallback:disabled 10" in r.stdout
-
-
-def test_missed_deadlines_and_failed_requests_are_counted(gateway, tmp_path):
-    """A 1 ms SLO is missed by every request; a prompt longer than the context fails at the engine and is counted."""
-    long_prompt = " ".join(["word"] * 2500)  # over 2048 tokens: vLLM refuses it
-    wl = _sharegpt(tmp_path / "wl.json", ["Say hello.", long_prompt, "Name three colours."])
-    out = tmp_path / "r.json"
-    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--max-model-len", "100000",
-               "--slo-ttft-ms", "1", "--slo-tpot-ms", "0.01", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads(out.read_text())["summary"]
-    assert s["requests"] == {"sent": 3, "completed": 2, "failed": 1}
-    (msg,) = s["errors"]
-    assert msg.startswith("HTTP 400") and s["errors"][msg] == 1
-    assert s["slo"]["met"] == 0 and s["slo"]["attainment"] == 0.0
-    assert "failed x1" in r.stdout
-    # with the context the endpoint reports (2048 in /v1/models), the long prompt is not sent at all
-    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    assert rep["summary"]["requests"] == {"sent": 2, "completed": 2, "failed": 0} and rep["config"]["skipped_context"] == 1
-
-
-def test_plain_completions_straight_to_the_engine_without_gateway_headers(gateway, tmp_path):
-    out = tmp_path / "engine.json"
-    r = replay("--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
-               "--ignore-eos", "--json", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    s = rep["summary"]
-    assert s["requests"] == {"sent": 4, "completed": 4, "failed": 0}
-    assert [q["output_tokens"] for q in rep["requests"]] == [q["max_tokens"] for q in rep["requests"]]
-    assert s["ttft_s"]["n"] == 0 and s["jct_s"]["n"] == 4  # not streamed: no TTFT
-    assert s["slo"]["with_deadline"] == 0 and s["slo"]["attainment"] is None and s["prediction"]["n"] == 0
-    assert "no x-lengthwise-deadline header" in r.stdout and "not streamed" in r.stdout
-
-
+# --- bad input and the demo's process handling: no engine needed (these run while it starts) ------------------
 BAD = {
     "unreachable url": (["--url", "http://127.0.0.1:PORT"], "cannot reach"),
     "not a url": (["--url", "localhost:8000"], "not an http(s) URL"),
@@ -143,18 +79,21 @@ BAD = {
     "zero requests": (["--url", "GW", "--max-requests", "0"], "--max-requests must be a positive integer"),
     "json dir missing": (["--url", "GW", "--json", "/nonexistent/dir/r.json"], "does not exist"),
     "zero slo": (["--url", "GW", "--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number"),
-    "workload without text": (["--url", "GW", "--workload", "DATA/traces/AzureLLMInferenceTrace_code_2023.csv"], "no prompt text"),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_exits_2_with_one_line(gateway, data, case):
-    args, words = BAD[case]
-    args = [a.replace("GW", gateway.url).replace("PORT", str(free_port())).replace("DATA", str(data)) for a in args]
-    r = replay(*args, timeout=120)
+def _one_line_error(r: subprocess.CompletedProcess, words: str) -> None:
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lengthwise replay: error:"), r.stderr[-2000:]
     assert words in lines[0] and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_with_one_line(gateway_proc, case):
+    """Checked before anything is sent (the engine may still be starting)."""
+    args, words = BAD[case]
+    _one_line_error(replay(*[a.replace("GW", gateway_proc.url).replace("PORT", str(free_port())) for a in args], timeout=120),
+                    words)
 
 
 def test_help_has_examples():
@@ -162,7 +101,7 @@ def test_help_has_examples():
     assert r.returncode == 0 and "examples:" in r.stdout and "--max-tokens-cap" in r.stdout
 
 
-# --- the demo: cheap checks only (the real demo starts SmolLM2 and takes minutes) ----------------------------------------
+# the demo: cheap checks only (the real demo starts SmolLM2 and takes minutes)
 def _group_alive(pgid: int) -> bool:
     """Whether any live (not zombie) process is in process group ``pgid``."""
     for p in psutil.process_iter():
@@ -212,11 +151,11 @@ def test_demo_children_are_stopped_on_ctrl_c_and_sigterm(tmp_path, sig):
     assert not _group_alive(child)
 
 
-def test_demo_bad_input_exits_2_with_one_line(home, tmp_path):
+def test_demo_bad_input_exits_2_with_one_line(tmp_path):
     cases = [(["--gguf", "/nonexistent/model.gguf"], "no such file"),
              (["--requests", "0"], "--requests must be at least 1"),
              (["--engine-cores", "99"], "--engine-cores must be between 1 and"),
-             (["--predictor", "models:/no-such-model@champion"], "--predictor models:/no-such-model@champion")]
+             (["--predictor", str(tmp_path / "no-such-package")], "neither models:/")]  # (a models:/ URI: the same path)
     for args, words in cases:
         r = subprocess.run([LENGTHWISE, "demo", "--work-dir", str(tmp_path), *args], capture_output=True, text=True,
                            timeout=120, check=False, cwd=ROOT)
@@ -225,3 +164,82 @@ def test_demo_bad_input_exits_2_with_one_line(home, tmp_path):
         assert words in lines[0], lines[0]
     h = subprocess.run([LENGTHWISE, "demo", "--help"], capture_output=True, text=True, timeout=60, check=False)
     assert h.returncode == 0 and "examples:" in h.stdout
+
+
+# --- against the gateway ---------------------------------------------------------------------------------------------
+def test_replay_through_the_gateway_every_request_completes(gateway, tmp_path):
+    out = tmp_path / "replay.json"
+    chat0 = gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200")
+    t0 = time.time()
+    r = replay("--url", gateway.url, "--max-requests", "10", "--rate", "4", "--max-tokens-cap", "32", "--ignore-eos",
+               "--slo-ttft-ms", "120000", "--slo-tpot-ms", "1000", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    s, reqs = rep["summary"], rep["requests"]
+    assert set(s) >= REPORT_FIELDS
+    assert s["requests"] == {"sent": 10, "completed": 10, "failed": 0} and len(reqs) == 10
+    # the server counted the same 10 chat completions
+    assert gateway.metric("lengthwise_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == chat0 + 10
+    # max_tokens = min(the real ShareGPT answer length, the cap); ignore_eos: each answer has exactly that many tokens
+    assert all(q["max_tokens"] == min(q["trace_output_tokens"], 32) for q in reqs)
+    assert [q["output_tokens"] for q in reqs] == [q["max_tokens"] for q in reqs]
+    assert s["output_tokens"]["total"] == sum(q["max_tokens"] for q in reqs) == s["output_tokens"]["asked_max_tokens"]
+    assert len({q["max_tokens"] for q in reqs}) > 1  # real, different lengths from the trace
+    # sent at their Poisson arrival times (not all at once), each streamed: TTFT before the end
+    assert all(q["sent"] >= q["arrival"] - 0.01 and q["sent"] - q["arrival"] < 5 for q in reqs)
+    assert max(q["arrival"] for q in reqs) > 0.5
+    assert all(0 < q["ttft"] <= q["jct"] for q in reqs) and s["ttft_s"]["n"] == s["jct_s"]["n"] == 10
+    assert 0 < s["ttft_s"]["p50"] <= s["ttft_s"]["p99"] and 0 < s["jct_s"]["p50"] <= s["jct_s"]["p99"] and s["tpot_s"]["p50"] > 0
+    assert s["duration_s"] >= max(q["arrival"] for q in reqs) and s["throughput"]["requests_per_s"] > 0
+    # what the gateway decided, from its headers: no sidecar here, so the fallback (256) clamped to max_tokens
+    assert s["prediction"]["sources"] == {"fallback:disabled": 10}
+    assert all(q["pred_len"] == q["max_tokens"] for q in reqs)
+    assert s["prediction"]["mae_tokens"] == 0 and s["prediction"]["under_predicted_share"] == 0
+    # deadlines: arrival + 120 s + 1 s per predicted token, in Unix seconds; all met
+    assert all(t0 + 120 + q["pred_len"] < q["deadline"] < time.time() + 120 + q["pred_len"] for q in reqs)
+    assert s["slo"]["with_deadline"] == 10 and s["slo"]["met"] == 10 and s["slo"]["attainment"] == 1.0
+    assert rep["config"]["tokenizer"] == gateway.model  # the served model's own tokenizer (a local directory)
+    # the table on stdout
+    assert "requests sent / completed / failed" in r.stdout and "10 / 10 / 0" in r.stdout
+    assert "100% (10 of 10)" in r.stdout and "fallback:disabled 10" in r.stdout
+
+
+def test_missed_deadlines_and_failed_requests_are_counted(gateway, data, tmp_path):
+    """A 1 ms SLO is missed by every request; a prompt longer than the context fails at the engine and is counted."""
+    long_prompt = " ".join(["word"] * 2500)  # over 2048 tokens: vLLM refuses it
+    wl = _sharegpt(tmp_path / "wl.json", ["Say hello.", long_prompt, "Name three colours."])
+    out = tmp_path / "r.json"
+    gpt2 = str(data / "tokenizers/gpt2/tokenizer.json")  # the model's own tokenizer, without importing transformers
+    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--max-model-len", "100000", "--tokenizer", gpt2,
+               "--slo-ttft-ms", "1", "--slo-tpot-ms", "0.01", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(out.read_text())["summary"]
+    assert s["requests"] == {"sent": 3, "completed": 2, "failed": 1}
+    (msg,) = s["errors"]
+    assert msg.startswith("HTTP 400") and s["errors"][msg] == 1
+    assert s["slo"]["met"] == 0 and s["slo"]["attainment"] == 0.0
+    assert "failed x1" in r.stdout
+    # with the context the endpoint reports (2048 in /v1/models), the long prompt is not sent at all
+    r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--tokenizer", gpt2, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["summary"]["requests"] == {"sent": 2, "completed": 2, "failed": 0} and rep["config"]["skipped_context"] == 1
+
+
+def test_plain_completions_straight_to_the_engine_without_gateway_headers(gateway, data, tmp_path):
+    out = tmp_path / "engine.json"
+    r = replay("--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
+               "--ignore-eos", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    s = rep["summary"]
+    assert s["requests"] == {"sent": 4, "completed": 4, "failed": 0}
+    assert [q["output_tokens"] for q in rep["requests"]] == [q["max_tokens"] for q in rep["requests"]]
+    assert s["ttft_s"]["n"] == 0 and s["jct_s"]["n"] == 4  # not streamed: no TTFT
+    assert s["slo"]["with_deadline"] == 0 and s["slo"]["attainment"] is None and s["prediction"]["n"] == 0
+    assert "no x-lengthwise-deadline header" in r.stdout and "not streamed" in r.stdout
+
+
+def test_workload_without_prompt_text_exits_2(gateway, data):
+    _one_line_error(replay("--url", gateway.url, "--workload", str(data / "traces/AzureLLMInferenceTrace_code_2023.csv"),
+                           timeout=120), "no prompt text")

@@ -55,6 +55,19 @@ def trained(home, data, tmp_path_factory) -> dict:
     return report
 
 
+def metric_values(text: str, metric: str, labels: dict[str, str]):
+    """Values of the samples of ``metric`` in a Prometheus exposition whose labels include ``labels``."""
+    import re
+
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m[1] != metric:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            yield float(m[3])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port
+from tests.conftest import free_port, metric_values
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -58,15 +58,7 @@ class Gateway:
 
     def metric(self, metric: str, /, **labels: str) -> float:
         """Sum of the samples of ``metric`` whose labels include ``labels`` (0 when there is none)."""
-        total = 0.0
-        for line in self.get("/metrics").text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-            if not m or m[1] != metric:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m[3])
-        return total
+        return sum(metric_values(self.get("/metrics").text, metric, labels))
 
     def wait_ready(self, timeout: float) -> dict:
         deadline = time.time() + timeout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port
+from tests.conftest import free_port, metric_values
 
 SIDECAR = str(Path(sys.executable).parent / "predictor-sidecar")
 
@@ -30,15 +29,8 @@ class Sidecar:
         return httpx.post(self.url + path, timeout=30, **kw)
 
     def metric(self, metric: str, /, **labels: str) -> float | None:
-        """Value of one sample on /metrics (labels must match exactly those given, in any order)."""
-        for line in self.get("/metrics").text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-            if not m or m[1] != metric:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m[2] or ""))
-            if all(got.get(k) == v for k, v in labels.items()):
-                return float(m[3])
-        return None
+        """Value of the first sample on /metrics whose labels include those given (None when there is none)."""
+        return next(metric_values(self.get("/metrics").text, metric, labels), None)
 
     def stop(self) -> str:
         if self.proc.poll() is None:

@@ -24,6 +24,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from serving.engine.scheduler import LengthwiseScheduler
+from serving.sim.latency import StepShape
 
 ENV_CSV = "LENGTHWISE_PROFILE_CSV"
 COLUMNS = ("start_s", "step_s", "prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_seqs",
@@ -46,22 +47,20 @@ class StepRecorder:
         t0 = time.perf_counter()
         out = super().schedule(*args, **kwargs)
         t1 = time.perf_counter()
-        prefill = decode = kv = seqs = pseqs = 0
+        chunks, decodes = [], []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:
                 continue
             before = req.num_computed_tokens - n  # schedule() has already advanced it by n
-            seqs += 1
             if n == 1 and before >= req.num_prompt_tokens:
-                decode += 1
-                kv += before
+                decodes.append(before)
             else:
-                prefill += n
-                kv += before + n
-                pseqs += 1
-        self._pending = {"start_s": t0, "prefill_tokens": prefill, "decode_tokens": decode, "kv_read_tokens": kv,
-                         "num_seqs": seqs, "prefill_seqs": pseqs, "sched_s": t1 - t0} if seqs else None
+                chunks.append((before, n))
+        shape = StepShape.of(chunks, decodes)  # the simulator's own definition of what a step computes
+        self._pending = {"start_s": t0, "prefill_tokens": shape.prefill_tokens, "decode_tokens": shape.decode_tokens,
+                         "kv_read_tokens": shape.kv_read_tokens, "num_seqs": shape.num_seqs,
+                         "prefill_seqs": len(chunks), "sched_s": t1 - t0} if shape.num_seqs else None
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any):

@@ -11,27 +11,34 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 PREFIX = "lengthwise_scheduler_"
 
 
-def _labels(labels: dict[str, str]) -> str:
-    esc = {k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in labels.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
-
-
-def relabel(text: str, engine: str) -> dict[str, tuple[str, str, list[str]]]:
-    """Parse one engine's exposition; returns name -> (type, help, sample lines with ``engine`` added)."""
-    out: dict[str, tuple[str, str, list[str]]] = {}
+def relabel(text: str, engine: str) -> list[Metric]:
+    """Parse one engine's exposition into its plug-in metric families, each sample with ``engine`` added."""
+    out = []
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith(PREFIX):
             continue
-        lines = [f"{s.name}{_labels({**s.labels, 'engine': engine})} {s.value!r}" for s in fam.samples
-                 if not s.name.endswith("_created")]
-        # as generate_latest writes them: a counter's HELP/TYPE name carries _total, like its sample
-        out[fam.name + "_total" if fam.type == "counter" else fam.name] = (fam.type, fam.documentation, lines)
+        m = Metric(fam.name, fam.documentation, fam.type)
+        for s in fam.samples:
+            if not s.name.endswith("_created"):
+                m.add_sample(s.name, {**s.labels, "engine": engine}, s.value)
+        out.append(m)
     return out
+
+
+class _Snapshot(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
 
 
 async def scrape(client: httpx.AsyncClient, targets: dict[str, str], timeout_s: float = 1.0) -> tuple[bytes, list[str]]:
@@ -45,15 +52,16 @@ async def scrape(client: httpx.AsyncClient, targets: dict[str, str], timeout_s: 
             return engine, None
 
     results = await asyncio.gather(*(one(e, u) for e, u in targets.items()))
-    merged: dict[str, tuple[str, str, list[str]]] = {}
+    merged: dict[str, Metric] = {}
     failed = []
     for engine, fams in results:
         if fams is None:
             failed.append(engine)
             continue
-        for name, (typ, doc, lines) in fams.items():
-            merged.setdefault(name, (typ, doc, []))[2].extend(lines)
-    text = []
-    for name, (typ, doc, lines) in sorted(merged.items()):
-        text += [f"# HELP {name} {doc}", f"# TYPE {name} {typ}", *lines]
-    return ("\n".join(text) + "\n").encode() if text else b"", failed
+        for fam in fams:
+            merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type)).samples.extend(fam.samples)
+    if not merged:
+        return b"", failed
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(list(merged.values())))
+    return generate_latest(registry), failed

@@ -36,7 +36,7 @@ from serving.sim.engine import derive_slo, simulate
 from serving.sim.latency import FittedLatency
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 from serving.sim.predictions import make_predictor
-from serving.sim.scenarios import SHAREGPT, Scenario, data_path, saturating_forward_size
+from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
 from serving.sim.sweep import sweep_policy
 from serving.sim.workload import TraceRequest, load_workload
 
@@ -251,8 +251,6 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
                   f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
                   f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
                   f"scale {scale}; TFS {tfs}")
-
-    from serving.sim.scenarios import Setup
 
     setup = Setup(sc, wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed)
     sim_cap: dict[str, float] = {}

@@ -1,0 +1,163 @@
+"""Placement policies behind one interface, chosen by name (SPEC §7).
+
+``choose(instances, job, now, exclude)`` returns the index of the instance to use, or None when no
+healthy instance outside ``exclude`` is left. A policy reads only :class:`Instance` views; its
+``stats`` count what the comparison needs (Aladdin's "would open a new instance" events, the
+constraint that rejected each candidate).
+
+* ``round-robin``: each healthy instance in turn.
+* ``jsq`` (alias ``least-outstanding``): fewest outstanding requests, then fewest predicted tokens owed.
+* ``p2c``: TetriInfer's dispatcher: two instances drawn at random from those with room for the job's
+  predicted KV, the one whose heavy:light decode mix stays lowest.
+* ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
+  constraint; otherwise the least loaded, counted as ``would_open``.
+* ``lengthwise``: Aladdin's constraints with the opposite choice: the least loaded feasible instance
+  (worst fit). With a fixed fleet nothing is gained by packing, and spreading the predicted work keeps
+  every batch small; which one serves more within the SLO is what ``lengthwise bench placement`` measures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+
+from serving.placement.limits import Limits
+from serving.placement.state import Instance, Job
+
+
+class PlacementError(ValueError):
+    """Unknown placement name, or one that needs instance limits it was not given."""
+
+
+class Placement(ABC):
+    name: str = "base"
+    needs_limits: bool = False
+    rebalances: bool = False
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+        if self.needs_limits and limits is None:
+            raise PlacementError(f"placement {self.name!r} needs the instances' limits (KV capacity, latency model)")
+        self.limits = limits
+        self.stats: Counter[str] = Counter()
+
+    @staticmethod
+    def candidates(instances: Sequence[Instance], exclude: frozenset[str]) -> list[int]:
+        return [i for i, e in enumerate(instances) if e.healthy and e.name not in exclude]
+
+    def choose(self, instances: Sequence[Instance], job: Job, now: float = 0.0,
+               exclude: frozenset[str] = frozenset()) -> int | None:
+        ok = self.candidates(instances, exclude)
+        if not ok:
+            self.stats["no_instance"] += 1
+            return None
+        self.stats["placed"] += 1
+        return self._choose(instances, ok, job, now)
+
+    @abstractmethod
+    def _choose(self, instances: Sequence[Instance], ok: list[int], job: Job, now: float) -> int: ...
+
+
+class RoundRobin(Placement):
+    name = "round-robin"
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+        super().__init__(limits, seed)
+        self._next = 0
+
+    def _choose(self, instances, ok, job, now):
+        n = len(instances)
+        i = min(ok, key=lambda k: (k - self._next) % n)
+        self._next = i + 1
+        return i
+
+
+class LeastOutstanding(Placement):
+    """Join the shortest queue; ties rotate, so an idle fleet fills evenly rather than from the first instance."""
+
+    name = "jsq"
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+        super().__init__(limits, seed)
+        self._turn = itertools.count()
+
+    def _choose(self, instances, ok, job, now):
+        n = len(instances)
+        start = next(self._turn) % n
+        return min(ok, key=lambda i: (instances[i].outstanding, instances[i].outstanding_tokens, (i - start) % n))
+
+
+class PowerOfTwo(Placement):
+    """TetriInfer §3.3's decode dispatcher: random pair among instances with room, least heavy-decode interference.
+
+    A job is *heavy* when its predicted output reaches ``heavy_tokens`` (TetriInfer splits decodes by
+    predicted length bucket). With limits, "room" is the projected KV peak; without, every healthy
+    instance qualifies.
+    """
+
+    name = "p2c"
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0, heavy_tokens: int = 256) -> None:
+        super().__init__(limits, seed)
+        self.rng = random.Random(seed)
+        self.heavy_tokens = heavy_tokens
+
+    def _ratio(self, inst: Instance, job: Job) -> tuple[float, int]:
+        heavy = sum(j.planned_len >= self.heavy_tokens for j in inst.jobs.values()) + (job.planned_len >= self.heavy_tokens)
+        n = inst.outstanding + 1
+        return heavy / n, n
+
+    def _choose(self, instances, ok, job, now):
+        room = ok
+        if self.limits is not None:
+            lim = self.limits
+            room = [i for i in ok if lim.kv_peak_blocks(instances[i].jobs.values(), job) <= lim.kv_margin * lim.kv_blocks]
+            if not room:
+                self.stats["no_room"] += 1
+                room = ok
+        pair = self.rng.sample(room, 2) if len(room) >= 2 else room
+        return min(pair, key=lambda i: self._ratio(instances[i], job))
+
+
+class Aladdin(Placement):
+    """Alg. 1: best fit on capacity_norm under constraints (b)–(e); ties broken by index for determinism."""
+
+    name = "aladdin"
+    needs_limits = True
+    rebalances = True
+    most_loaded_first = True
+
+    def _choose(self, instances, ok, job, now):
+        lim = self.limits
+        assert lim is not None
+        load = {i: lim.capacity_norm(instances[i]) for i in ok}
+        order = sorted(ok, key=lambda i: (-load[i], i) if self.most_loaded_first else (load[i], i))
+        for i in order:
+            why = lim.violation(instances[i], job, now)
+            if why is None:
+                return i
+            self.stats[f"rejected_{why}"] += 1
+        self.stats["would_open"] += 1  # Aladdin opens a new worker here; a fixed fleet takes the least loaded
+        return min(ok, key=lambda i: (load[i], i))
+
+
+class Spread(Aladdin):
+    name = "lengthwise"
+    most_loaded_first = False
+
+
+_ALIASES = {"least-outstanding": "jsq", "power-of-two": "p2c", "rr": "round-robin"}
+PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, Aladdin, Spread)}
+
+
+def placement_names() -> list[str]:
+    return list(PLACEMENTS)
+
+
+def make_placement(name: str, limits: Limits | None = None, seed: int = 0) -> Placement:
+    key = _ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key not in PLACEMENTS:
+        raise PlacementError(f"unknown placement {name!r}; choose one of: {', '.join(PLACEMENTS)}")
+    return PLACEMENTS[key](limits, seed)

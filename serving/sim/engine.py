@@ -19,7 +19,8 @@ import numpy as np
 from serving.policy.base import make_policy
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction, Request
-from serving.sim.latency import LatencyModel, StepShape, isolated_latency
+from serving.sim.instance import SimInstance, new_request
+from serving.sim.latency import LatencyModel, isolated_latency
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 
 
@@ -63,91 +64,57 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
     """Run ``requests`` (objects with rid, arrival, prompt_tokens, output_tokens) through one policy."""
     by_rid = {r.rid: r for r in requests}
     preds = {r.rid: p for r, p in zip(requests, predictions)}
-    hook = None
-    if repredict is not None:
-        def hook(req: Request) -> float:
-            return repredict(by_rid[req.rid], req.generated, preds[req.rid])
-    policy = make_policy(policy_name, config, kv_blocks, hook)
+    policy = make_policy(policy_name, config, kv_blocks, repredict_hook(repredict, by_rid, preds))
     order = sorted(requests, key=lambda r: (r.arrival, r.rid))
     records: dict[int, RequestRecord] = {}
-    truth = {r.rid: r.output_tokens for r in requests}
+    inst = SimInstance("instance-0", policy, latency, {r.rid: r.output_tokens for r in requests}, records, check)
     now = 0.0
     nxt = 0
-    steps = 0
-    busy = 0.0
-    kv_used_blocks = kv_used_tokens = fwd_tokens = batch = 0.0
-    samples = 0
-    capacity_tokens = kv_blocks * config.block_size
     t_wall = time.perf_counter()
-    while nxt < len(order) or policy.has_work:
+    while nxt < len(order) or inst.has_work:
         while nxt < len(order) and order[nxt].arrival <= now:
             tr = order[nxt]
-            p = preds[tr.rid]
-            req = Request(tr.rid, tr.arrival, tr.prompt_tokens, p,
-                          deadline=tr.arrival + slo.jct_limit(max(1.0, p.length)))
-            policy.add(req, now)
+            inst.inbox.append(new_request(tr, preds[tr.rid], slo.jct_limit))
             records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens,
                                             slo.jct_limit(tr.output_tokens))
             nxt += 1
-        plan = policy.schedule(now)
-        if not plan.tokens:
+        if not inst.start(now):
             if nxt < len(order):
                 now = max(now, order[nxt].arrival)
                 continue
             raise SimulationError(f"policy {policy_name} scheduled nothing with {len(policy.requests)} requests left "
                                   f"and no arrivals pending (KV {policy.kv.used}/{policy.kv.total} blocks)")
-        # the step's shape (StepShape.of, inlined: this loop is the simulator's hot path)
-        prefill = decode = kv_read = 0
-        attn2 = 0.0
-        finished = []
-        first = []
-        reqs = policy.requests
-        for rid, n in plan.tokens.items():
-            r = reqs[rid]
-            c = r.computed
-            seq = r.prompt_len + r.generated
-            if n == 1 and c == seq - 1 and r.generated > 0:
-                decode += 1
-                kv_read += c
-            else:
-                prefill += n
-                kv_read += c + n
-                attn2 += n * (c + n / 2)
-            if c + n == seq:
-                if r.generated == 0:
-                    first.append(rid)
-                if r.generated + 1 >= truth[rid]:
-                    finished.append(rid)
-        dt = latency.step_time(StepShape(prefill, decode, kv_read, len(plan.tokens), attn2))
-        now += dt
-        busy += dt
-        steps += 1
-        kv_used_blocks += policy.kv.used
-        if check or steps % 8 == 0:  # written KV is an O(requests) sum: sampled every 8th step
-            kv_used_tokens += policy.used_tokens()
-            samples += 1
-        fwd_tokens += prefill + decode
-        batch += len(plan.tokens)
-        for rid in first:
-            records[rid].first_token = now
-        policy.update(plan, finished, now)
-        for rid in finished:
-            records[rid].finish(now)
-        for rid in plan.preempted:
-            records[rid].preemptions += 1
-        if check:
-            checker = getattr(policy, "check", None)
-            (checker or policy.kv.check)()
-        if steps >= max_steps:
+        now = inst.end().now
+        if inst.steps >= max_steps:
             raise SimulationError(f"policy {policy_name}: step cap {max_steps} reached at t={now:.1f}s")
-    wall = time.perf_counter() - t_wall
+    return summarize_instances(policy_name, [inst], records, slo, config, kv_blocks, now, time.perf_counter() - t_wall)
+
+
+def repredict_hook(repredict: Callable[[object, int, Prediction], float] | None, by_rid: dict, preds: dict):
+    """The policy's re-prediction callback, answered by the host's length oracle (None: the policy's own rule)."""
+    if repredict is None:
+        return None
+
+    def hook(req: Request) -> float:
+        return repredict(by_rid[req.rid], req.generated, preds[req.rid])
+    return hook
+
+
+def summarize_instances(name: str, instances: Sequence[SimInstance], records: dict[int, RequestRecord], slo: SLO,
+                        config: PolicyConfig, kv_blocks: int, makespan: float, wall_s: float) -> RunMetrics:
+    """One summary over one or more instances: KV and batch figures are per-step averages over all of them."""
+    steps = sum(i.steps for i in instances)
+    samples = sum(i.kv_samples for i in instances)
+    stat = lambda k: sum(i.policy.stats[k] for i in instances)  # noqa: E731
     return summarize(
-        policy=policy_name, records=list(records.values()), slo=slo, makespan=now, steps=steps,
-        kv_utilization=kv_used_tokens / max(samples, 1) / capacity_tokens,
-        kv_allocated=kv_used_blocks / max(steps, 1) / kv_blocks,
-        forward_size=fwd_tokens / max(steps, 1), batch_size=batch / max(steps, 1),
-        preemptions=policy.stats["preemptions"], pauses=policy.stats["pauses"], hosted=policy.stats["hosted"],
-        sched_us_per_step=policy.stats["sched_s"] / max(steps, 1) * 1e6, wall_s=wall, busy_s=busy,
+        policy=name, records=list(records.values()), slo=slo, makespan=makespan, steps=steps,
+        kv_utilization=sum(i.kv_used_tokens for i in instances) / max(samples, 1) / (kv_blocks * config.block_size),
+        kv_allocated=sum(i.kv_used_blocks for i in instances) / max(steps, 1) / kv_blocks,
+        forward_size=sum(i.fwd_tokens for i in instances) / max(steps, 1),
+        batch_size=sum(i.batch for i in instances) / max(steps, 1),
+        preemptions=stat("preemptions"), pauses=stat("pauses"), hosted=stat("hosted"),
+        sched_us_per_step=stat("sched_s") / max(steps, 1) * 1e6, wall_s=wall_s,
+        busy_s=sum(i.busy_s for i in instances),
     )
 
 

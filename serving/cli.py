@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.enginebench.cli import add_parser as add_bench_engine
 
     add_bench_engine(bsub)
+    from serving.placementbench.cli import add_parser as add_bench_placement
+    from serving.placementbench.cli import add_scale_parser
+
+    add_bench_placement(bsub)
 
     sm = sub.add_parser(
         "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",
@@ -196,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_options(sm, workload_required=True)
     sm.set_defaults(func=_simulate)
 
+    add_scale_parser(sub)
     cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
     cv.add_argument("gguf")
     cv.add_argument("out")

@@ -7,7 +7,8 @@
 * **ATGT** (b): decode speed falls with batch size b and total context; ``context_limit(b)`` is Eq. 4's
   l_d(b), the largest total context whose decode step stays within the ATGT target, read off the
   latency model (any of the simulator's, including one fitted to a real engine).
-* **TTFT** (c): the prefill of everything not started, plus the new prompt, within the TTFT target.
+* **TTFT** (c): the prefill of everything not started, plus the new prompt, within θ × the TTFT
+  target, priced as vLLM V1 runs it: chunks beside the running decodes (``prefill_s``).
 * **Slack** (d): that prefill stalls the running decodes, so it may only spend the slack they banked
   (ATGT target × tokens generated − time spent decoding).
 
@@ -109,14 +110,21 @@ class Limits:
         self._ld[batch] = val
         return val
 
-    def prefill_s(self, tokens: int) -> float:
-        """Time to prefill ``tokens`` prompt tokens alone, chunk by chunk."""
+    def prefill_s(self, tokens: int, decodes: int = 0, decode_context: int = 0) -> float:
+        """Time to prefill ``tokens`` prompt tokens, chunk by chunk, beside ``decodes`` running requests.
+
+        Aladdin prices a prefill alone (Eq. 2), as its engine preempted decodes for it; vLLM V1 with
+        chunked prefill runs the running decodes in every step and gives the prefill what is left of the
+        token budget, so each chunk here is ``chunk_tokens − decodes`` long and its step also pays for
+        the decodes and their KV reads.
+        """
         if self.latency is None or tokens <= 0:
             return 0.0
+        room = max(1, self.chunk_tokens - decodes) if decodes < self.chunk_tokens else 1
         total, done = 0.0, 0
         while done < tokens:
-            n = min(self.chunk_tokens, tokens - done)
-            total += self.latency.step_time(StepShape.of([(done, n)]))
+            n = min(room, tokens - done)
+            total += self.latency.step_time(StepShape(n, decodes, decode_context + done + n, decodes + 1, n * (done + n / 2)))
             done += n
         return total
 
@@ -131,9 +139,16 @@ class Limits:
             return "atgt"
         if self.latency is None:
             return None
-        waiting = job.prompt_len + sum(j.prompt_len for j in jobs if not j.started)
-        t_pre = self.prefill_s(waiting)
-        if self.ttft_s is not None and t_pre > self.ttft_s:
+        waiting = job.prompt_len
+        decodes = ctx = 0
+        for j in jobs:
+            if j.first_token_at is not None:
+                decodes += 1
+                ctx += j.context
+            else:  # not started, or still in its (chunked) prefill
+                waiting += j.prompt_len
+        t_pre = self.prefill_s(waiting, min(decodes, self.max_num_seqs - 1), ctx)
+        if self.ttft_s is not None and t_pre > self.theta * self.ttft_s:
             return "ttft"
         if self.atgt_s is not None:
             slack = min((self.atgt_s * j.generated - (now - j.first_token_at) for j in jobs

@@ -30,22 +30,34 @@ def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> Ru
 def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: float = 1.25, max_points: int = 14,
                  refine: int = 3, on_point: Callable[[str, float, RunMetrics], None] | None = None) -> dict:
     """Max rate at ``target`` attainment for one policy, with every point it ran."""
+    return max_rate(lambda rate: run_point(setup, policy, rate), setup.scenario.start_rate, target=target, factor=factor,
+                    max_points=max_points, refine=refine,
+                    on_point=(lambda rate, m: on_point(policy, rate, m)) if on_point else None)
+
+
+def max_rate(run: Callable[[float], RunMetrics], start_rate: float, *, target: float = 0.9, key: str = "slo_attainment",
+             factor: float = 1.25, max_points: int = 14, refine: int = 3,
+             on_point: Callable[[float, RunMetrics], None] | None = None) -> dict:
+    """The highest rate whose ``key`` attainment is at least ``target``: a geometric walk from ``start_rate``, then bisection."""
     points: dict[float, RunMetrics] = {}
 
     def at(rate: float) -> RunMetrics:
         if rate not in points:
-            points[rate] = run_point(setup, policy, rate)
+            points[rate] = run(rate)
             if on_point:
-                on_point(policy, rate, points[rate])
+                on_point(rate, points[rate])
         return points[rate]
 
-    rate = setup.scenario.start_rate
+    def ok(rate: float) -> bool:
+        return getattr(at(rate), key) >= target
+
+    rate = start_rate
     lo = hi = None
-    if at(rate).slo_attainment >= target:
+    if ok(rate):
         lo = rate
         for _ in range(max_points):
             rate = round(rate * factor, 4)
-            if at(rate).slo_attainment < target:
+            if not ok(rate):
                 hi = rate
                 at(round(rate * factor, 4))  # one more point past the knee for the curve
                 break
@@ -54,14 +66,14 @@ def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: floa
         hi = rate
         for _ in range(max_points):
             rate = round(rate / factor, 4)
-            if at(rate).slo_attainment >= target:
+            if ok(rate):
                 lo = rate
                 break
             hi = rate
     if lo is not None and hi is not None:
         for _ in range(refine):
             mid = round(math.sqrt(lo * hi), 4)
-            if at(mid).slo_attainment >= target:
+            if ok(mid):
                 lo = mid
             else:
                 hi = mid

@@ -1,0 +1,173 @@
+"""``lengthwise bench placement`` and ``lengthwise scale``: argument parsing and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    from serving.placementbench.scenarios import PLACEMENT_SCENARIOS
+
+    p = bench_sub.add_parser(
+        "placement", help="placement policies on a simulated fleet: instances needed, and the rate N instances sustain",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Simulate a fleet of engine instances, each running a local scheduling policy, behind a placement "
+                    "policy (round-robin, JSQ, TetriInfer's power-of-two, Aladdin's best fit, ours). For each scenario: "
+                    "(a) the fewest instances that keep >= 99%% attainment at one fleet-wide rate (Aladdin's metric), "
+                    "(b) the highest rate N instances sustain at >= 90%%, the same with several gateway replicas sharing "
+                    "the fleet, and Aladdin's Eq. 7 scaling fit. Prints a table, writes JSON and a PNG per scenario.",
+        epilog="scenarios:\n" + "\n".join(f"  {k}: {v.description}" for k, v in PLACEMENT_SCENARIOS.items()) +
+               "\n\nexamples:\n  lengthwise bench placement\n"
+               "  lengthwise bench placement --scenario all --gateways 1,2,4\n"
+               "  lengthwise bench placement --scenario azure-code --instances 8 --placements jsq,aladdin --slo jct\n\n"
+               "JSON: policies -> NAME -> instances_needed, instances_used, max_rate_at_90_slo, gateways, curve; "
+               "scaling -> NAME -> k5, c5 (with several scenarios: scenarios -> SCENARIO -> the same).")
+    p.add_argument("--scenario", default="sharegpt", choices=[*PLACEMENT_SCENARIOS, "all"], help="(default: %(default)s)")
+    p.add_argument("--placements", type=_csv(str), default=None, metavar="P,P,...",
+                   help="placements to compare (default: round-robin,jsq,p2c,aladdin,lengthwise)")
+    p.add_argument("--instances", type=int, default=4, help="fleet size for (b), and (a)'s rate is this many single-instance "
+                                                            "capacities (default: %(default)s)")
+    p.add_argument("--rate", type=float, help="fleet-wide req/s for (a) (default: --instances x one instance's capacity)")
+    p.add_argument("--local-policy", default="vllm", help="each instance's scheduling policy (default: %(default)s)")
+    p.add_argument("--slo", choices=["ttft-atgt", "jct"], default="ttft-atgt",
+                   help="attainment: TTFT and average token time both within target (Aladdin), or EcoServe's JCT SLO "
+                        "(default: %(default)s)")
+    p.add_argument("--gateways", type=_csv(int), default=[1], metavar="G,G,...",
+                   help="gateway replicas sharing the fleet, each with its own view (default: 1)")
+    p.add_argument("--refresh-s", type=float, default=1.0, help="how often a gateway reads the engines' metrics (default: %(default)s)")
+    p.add_argument("--predictor", default=None, metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle | models:/NAME@ALIAS "
+                                                                     "(default: the scenario's, noise:0.55)")
+    p.add_argument("--max-requests", type=int, help="requests per run (default: the scenario's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench-results/placement", help="(default: %(default)s)")
+    p.add_argument("--json", help="write results here (default: OUT_DIR/bench_placement.json; PNGs beside it)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from tqdm import tqdm
+
+    from serving.placement import PlacementError, make_placement
+    from serving.placement.limits import Limits
+    from serving.placementbench.bench import PLACEMENTS, PlacementBenchConfig, bench_scenario, plot_scenario, print_scenario, write_json
+    from serving.placementbench.scenarios import PLACEMENT_SCENARIOS, build_placement_setup
+    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.config import PolicyConfig
+    from serving.sim.predictions import PredictorSpecError
+    from serving.sim.workload import WorkloadError
+
+    console = Console()
+    try:
+        placements = a.placements or list(PLACEMENTS)
+        lim = Limits(kv_tokens=1024)
+        for name in placements:  # unknown names fail now, not after loading a workload
+            make_placement(name, lim)
+        make_policy(a.local_policy, PolicyConfig(), 64)
+        if a.max_requests is not None and a.max_requests < 2:
+            raise ValueError(f"--max-requests must be at least 2, got {a.max_requests}")
+        if not a.refresh_s > 0:
+            raise ValueError(f"--refresh-s must be positive, got {a.refresh_s}")
+        cfg = PlacementBenchConfig(placements=placements, instances=a.instances, rate=a.rate, local_policy=a.local_policy,
+                                   slo=a.slo, gateways=sorted(set(a.gateways)), refresh_s=a.refresh_s, seed=a.seed)
+        names = list(PLACEMENT_SCENARIOS) if a.scenario == "all" else [a.scenario]
+        json_path = Path(a.json) if a.json else Path(a.out_dir) / "bench_placement.json"
+        results = {}
+        for name in names:
+            with Console(stderr=True).status(f"loading {name}..."):
+                setup = build_placement_setup(name, max_requests=a.max_requests, predictor=a.predictor, seed=a.seed)
+            bar = tqdm(desc=name, unit="run", leave=False, disable=None)
+
+            def tick(what: str, att: float) -> None:
+                bar.update(1)
+                bar.set_postfix_str(f"{what}: {att:.3f}")
+
+            res = bench_scenario(setup, cfg, console, tick)
+            bar.close()
+            print_scenario(name, res, console)
+            png = json_path.with_name(f"{json_path.stem}_{name}.png")
+            plot_scenario(name, res, png)
+            res["_meta"]["png"] = str(png)
+            results[name] = res
+        out = {"scenarios": results, **(results[names[0]] if len(names) == 1 else {})}
+        write_json(json_path, out)
+        console.print(f"JSON: {json_path}")
+        return 0
+    except (PlacementError, PolicyError, PredictorSpecError, WorkloadError, ValueError, FileNotFoundError) as exc:
+        print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+def add_scale_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "scale", help="how many instances a request rate needs (Aladdin Eq. 7, fitted by bench placement)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Recommend a fleet size N = ceil(k5 x rate + c5) from the fit `lengthwise bench placement` wrote, or "
+                    "fit one from your own (rate, instances) history with --points.",
+        epilog="examples:\n  lengthwise scale --from bench-results/placement/bench_placement.json --rate 12\n"
+               "  lengthwise scale --points 4:3,8:5,12:7 --rate 10")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="source", metavar="JSON", help="a bench placement result")
+    src.add_argument("--points", metavar="RATE:N,...", help="observed history: rate and the instances it needed")
+    p.add_argument("--rate", type=float, required=True, help="arrival rate to provision for, req/s")
+    p.add_argument("--placement", default="aladdin", help="whose fit to use from --from (default: %(default)s)")
+    p.add_argument("--scenario", help="which scenario's fit, when --from holds several")
+    p.add_argument("--min-rate", type=float, default=0.0, help="Eq. 7's R: fit only points above it (default: 0)")
+    p.set_defaults(func=run_scale)
+    return p
+
+
+def run_scale(a: argparse.Namespace) -> int:
+    from serving.placement.scaling import ScalingFit, fit_scaling
+
+    try:
+        if a.points:
+            pts = []
+            for item in a.points.split(","):
+                r, sep, n = item.partition(":")
+                if not sep:
+                    raise ValueError(f"--points expects RATE:INSTANCES pairs, e.g. 4:3,8:5, got {item!r}")
+                pts.append((float(r), int(n)))
+            fit = fit_scaling(pts, a.min_rate)
+        else:
+            path = Path(a.source)
+            if not path.is_file():
+                raise ValueError(f"{path} not found: run `lengthwise bench placement` first, or give --points")
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} is not JSON ({exc.msg})") from None
+            scen = data.get("scenarios") or {}
+            if a.scenario:
+                if a.scenario not in scen:
+                    raise ValueError(f"{path} has no scenario {a.scenario!r}; it has: {', '.join(scen) or 'none'}")
+                block = scen[a.scenario]
+            elif len(scen) > 1:
+                raise ValueError(f"{path} holds several scenarios ({', '.join(scen)}): pick one with --scenario")
+            else:
+                block = data
+            s = (block.get("scaling") or {}).get(a.placement)
+            if not s or "k5" not in s:
+                why = s.get("error") if s else "no fit for it"
+                raise ValueError(f"{path}: placement {a.placement!r} has no Eq. 7 fit ({why})")
+            fit = ScalingFit(s["k5"], s["c5"], s.get("min_rate", 0.0), tuple((p["rate"], p["instances"]) for p in s["points"]), s.get("r2"))
+        n = fit.recommend(a.rate)
+    except ValueError as exc:
+        print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(f"{n} instances for {a.rate:g} req/s (Eq. 7: ceil({fit.k5:.4g} x rate + {fit.c5:.4g}), "
+          f"from {len(fit.points)} points{'' if fit.r2 is None else f', R^2 {fit.r2:.3f}'})")
+    return 0

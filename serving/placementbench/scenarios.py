@@ -1,0 +1,52 @@
+"""The fleets and traces the placement benchmark runs: each a single-instance scenario plus fleet settings.
+
+* ``sharegpt``: Aladdin's own setting (§6): a Llama-2-13B-shaped model (OPT-13B has the same 40 layers,
+  hidden 5120 and full multi-head KV) on A100-80GB, KV = 90% of 80 GB minus 26 GB of weights, ShareGPT
+  first turns with Poisson arrivals, roofline step latency.
+* ``azure-code``: the Azure 2023 code trace (real arrival gaps, rescaled to the rate) on Llama-3.1-8B /
+  A100 with BLIS coefficients: long prompts, short answers.
+* ``mooncake``: the Mooncake conversation trace on Llama-3.1-8B / H100: very long prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.sim.scenarios import SCENARIOS, Scenario, Setup, build_setup
+
+
+@dataclass(frozen=True)
+class PlacementScenario:
+    name: str
+    description: str
+    base: str                 # the single-instance scenario it starts from
+    hardware: dict            # Scenario fields replaced
+    max_requests: int
+
+
+PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
+    s.name: s for s in (
+        PlacementScenario("sharegpt", "Llama-2-13B-shaped model on A100-80GB (46 GB KV), ShareGPT first turns, Poisson "
+                                      "arrivals (Aladdin's setting)", "ecoserve-paper",
+                          {"kv_bytes": 0.9 * 80e9 - 26e9, "block_size": 16, "max_model_len": 4096}, 3000),
+        PlacementScenario("azure-code", "Azure 2023 code trace (real gaps, rescaled) on Llama-3.1-8B / A100, BLIS step model",
+                          "llama8b-a100", {"workload": "traces/AzureLLMInferenceTrace_code_2023.csv", "arrival": "trace"}, 3000),
+        PlacementScenario("mooncake", "Mooncake conversation trace (real gaps, rescaled) on Llama-3.1-8B / H100: 13.7k-token "
+                                      "prompts on average", "long-context", {}, 1000),
+    )
+}
+
+
+def build_placement_setup(name: str, *, max_requests: int | None = None, predictor: str | None = None, seed: int = 0) -> Setup:
+    if name not in PLACEMENT_SCENARIOS:
+        raise ValueError(f"unknown placement scenario {name!r}; choose one of: {', '.join(PLACEMENT_SCENARIOS)}")
+    ps = PLACEMENT_SCENARIOS[name]
+    hw = dict(ps.hardware)
+    workload = hw.pop("workload", None)
+    arrival = hw.pop("arrival", None)
+    base: Scenario = SCENARIOS[ps.base]
+    from serving.sim.scenarios import data_path
+
+    setup = build_setup(base, workload=str(data_path(workload)) if workload else None, arrival=arrival, predictor=predictor,
+                        max_requests=max_requests or ps.max_requests, seed=seed, **hw)
+    return setup

@@ -1,0 +1,217 @@
+"""Placement core (Aladdin Alg. 1/2, Eq. 7, baselines), the cluster simulator, `lengthwise bench placement` and `scale`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.placement import Instance, Job, LengthHistory, Limits, PlacementError, make_placement, placement_names, rebalance
+from serving.placement.scaling import fit_scaling
+from serving.sim.cluster import ClusterConfig, simulate_cluster
+from serving.sim.engine import simulate
+from serving.sim.latency import make_latency_model
+from serving.sim.scenarios import SCENARIOS, build_setup
+
+LAT = make_latency_model("blis", "llama-3.1-8b", "a100-80gb")
+
+
+def lengthwise(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def brute_peak(jobs: list[Job], bs: int) -> float:
+    """KV blocks at every future step, summed over jobs, by walking the steps one by one."""
+    horizon = max((math.ceil(j.remaining) for j in jobs), default=0)
+    return max((sum((j.context + s) / bs + 1 for j in jobs if s < math.ceil(j.remaining)) for s in range(horizon)), default=0.0)
+
+
+jobs_st = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200), st.integers(0, 250)), min_size=0, max_size=12)
+
+
+def make_jobs(rows) -> list[Job]:
+    return [Job(i, p, float(pred), generated=g, started=g > 0, first_token_at=0.0 if g else None) for i, (p, pred, g) in enumerate(rows)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs_st, st.sampled_from([1, 16, 32]))
+def test_projected_kv_peak_is_exact_at_the_breakpoints(rows, bs):
+    jobs = make_jobs(rows)
+    lim = Limits(kv_tokens=10_000, block_size=bs)
+    assert lim.kv_peak_blocks(jobs) == pytest.approx(brute_peak(jobs, bs))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(jobs_st, min_size=1, max_size=4), st.tuples(st.integers(1, 300), st.integers(1, 200)),
+       st.sampled_from(["aladdin", "lengthwise"]))
+def test_aladdin_keeps_projected_kv_within_capacity_whenever_some_instance_could(states, new, name):
+    lim = Limits(kv_tokens=600, block_size=16, latency=LAT, ttft_s=2.0, atgt_s=0.05)
+    insts = [Instance(f"i{k}", jobs={j.rid: j for j in make_jobs(rows)}) for k, rows in enumerate(states)]
+    job = Job(10_000, new[0], float(new[1]))
+    p = make_placement(name, lim)
+    i = p.choose(insts, job, now=1.0)
+    feasible = [k for k, inst in enumerate(insts) if lim.violation(inst, job, 1.0) is None]
+    if feasible:
+        assert i in feasible and p.stats["would_open"] == 0
+        assert lim.kv_peak_blocks(insts[i].jobs.values(), job) <= lim.kv_blocks
+        loads = [lim.capacity_norm(insts[k]) for k in feasible]
+        want = max(loads) if name == "aladdin" else min(loads)
+        assert lim.capacity_norm(insts[i]) == want  # best fit (most loaded) / worst fit (least loaded)
+    else:
+        assert p.stats["would_open"] == 1
+        assert lim.capacity_norm(insts[i]) == min(lim.capacity_norm(x) for x in insts)
+
+
+def test_aladdin_pairs_long_prompts_with_long_outputs_where_jsq_may_not():
+    """Aladdin Fig. 3: capacity 9, two long-prompt and two long-output requests: packing by KV over time fits all."""
+    lim = Limits(kv_tokens=9, block_size=1)
+    lp = [Job(0, 4, 1.0), Job(1, 4, 1.0)]   # peak 5 blocks at their first step
+    lo = [Job(2, 1, 4.0), Job(3, 1, 4.0)]   # peak 5 blocks at their last step
+    insts = [Instance("a"), Instance("b")]
+    p = make_placement("aladdin", lim)
+    for j in lp + lo:
+        insts[p.choose(insts, j)].add(j)
+    for inst in insts:
+        assert sorted(j.prompt_len for j in inst.jobs.values()) == [1, 4]
+        assert lim.kv_peak_blocks(inst.jobs.values()) <= 9
+    assert p.stats["would_open"] == 0 and p.stats["rejected_kv"] >= 1
+
+
+def test_baselines_round_robin_jsq_p2c_and_health():
+    insts = [Instance(f"i{k}") for k in range(3)]
+    rr = make_placement("round-robin")
+    assert [rr.choose(insts, Job(k, 10, 10.0)) for k in range(4)] == [0, 1, 2, 0]
+    insts[1].healthy = False
+    assert [rr.choose(insts, Job(k, 10, 10.0)) for k in range(3)] == [2, 0, 2]
+    jsq = make_placement("least-outstanding")  # the old name still works
+    assert jsq.name == "jsq"
+    insts[0].add(Job(100, 10, 10.0))
+    assert jsq.choose(insts, Job(5, 10, 10.0)) == 2
+    assert jsq.choose(insts, Job(6, 10, 10.0), exclude=frozenset({"i2"})) == 0
+    insts[0].healthy = insts[2].healthy = False
+    assert jsq.choose(insts, Job(7, 10, 10.0)) is None and jsq.stats["no_instance"] == 1
+    # p2c spreads heavy decodes: with one instance full of heavy jobs, a heavy job goes to the other of the pair
+    two = [Instance("x", jobs={i: Job(i, 10, 900.0) for i in range(4)}), Instance("y", jobs={9: Job(9, 10, 5.0)})]
+    p2c = make_placement("p2c", seed=3)
+    assert all(p2c.choose(two, Job(50 + k, 10, 800.0)) == 1 for k in range(5))
+    with pytest.raises(PlacementError, match="choose one of"):
+        make_placement("random-ish")
+    with pytest.raises(PlacementError, match="limits"):
+        make_placement("aladdin")
+    assert set(placement_names()) == {"round-robin", "jsq", "p2c", "aladdin", "lengthwise"}
+
+
+def test_rebalance_moves_only_unstarted_jobs_from_an_overrun_instance():
+    lim = Limits(kv_tokens=100_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
+    over = Instance("over", jobs={
+        1: Job(1, 100, 50.0, generated=120, started=True, first_token_at=0.0, repredicted=400.0),  # outlived its prediction
+        2: Job(2, 100, 300.0, started=False),
+        3: Job(3, 100, 30.0, started=False),
+    })
+    under = Instance("under")
+    under.add(Job(4, 100, 500.0, generated=10, started=True, first_token_at=0.0))
+    under.finish(4)  # finished at 10 of a predicted 500: overestimated
+    moves = rebalance([over, under], lim, now=1.0)
+    assert moves and all(m.src == 0 and m.dst == 1 for m in moves)
+    assert {m.rid for m in moves} <= {2, 3} and 1 in over.jobs
+    assert all(m.rid in under.jobs and m.rid not in over.jobs for m in moves)
+    assert rebalance([over, under], lim, now=2.0) == []  # each error is acted on once
+    assert over.jobs[1].started and 1 not in under.jobs
+
+
+def test_length_history_conditional_mean_and_window():
+    h = LengthHistory(window=5)
+    for x in (10, 20, 30, 40, 50, 60):
+        h.add(x)
+    assert len(h) == 5  # 10 fell out of the window
+    assert h.mean_beyond(25) == pytest.approx(np.mean([30, 40, 50, 60]))
+    assert h.mean_beyond(60) is None
+    assert h.repredict(predicted=35, generated=45) == pytest.approx(55.0)
+    assert h.repredict(predicted=100, generated=70) == 140.0  # nothing longer seen: doubling
+
+
+def test_scaling_fit_recovers_a_linear_history_and_refuses_one_rate():
+    fit = fit_scaling([(2, 2), (4, 3), (6, 4), (8, 5)])
+    assert fit.k5 == pytest.approx(0.5) and fit.c5 == pytest.approx(1.0) and fit.r2 == pytest.approx(1.0)
+    assert fit.recommend(7) == 5 and fit.recommend(0) == 1
+    with pytest.raises(ValueError, match="two or more distinct rates"):
+        fit_scaling([(4, 3), (4, 3)])
+
+
+@pytest.fixture(scope="module")
+def setup(data):
+    return build_setup(SCENARIOS["ecoserve-paper"], max_requests=300)
+
+
+def test_cluster_of_one_is_the_single_instance_simulator(setup):
+    reqs = setup.at_rate(1.3)
+    one = simulate(reqs, setup.predictions, "vllm", setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                   repredict=setup.predictor.repredict)
+    for name in ("jsq", "aladdin"):
+        m = simulate_cluster(reqs, setup.predictions, ClusterConfig(1, name), setup.config, setup.kv_blocks, setup.latency,
+                             setup.slo, repredict=setup.predictor.repredict)
+        for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p99_s", "makespan_s", "preemptions", "steps"):
+            assert getattr(m, k) == getattr(one, k), k
+
+
+@pytest.mark.parametrize("name,gateways,local", [("aladdin", 1, "vllm"), ("lengthwise", 1, "lengthwise"), ("p2c", 1, "vllm"),
+                                                  ("aladdin", 3, "vllm"), ("jsq", 2, "sjf")])
+def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gateways, local):
+    reqs = setup.at_rate(5.0)
+    cc = ClusterConfig(3, name, local, gateways=gateways, refresh_s=0.5, rebalance_s=0.25)
+    runs = [simulate_cluster(reqs, setup.predictions, cc, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                             repredict=setup.predictor.repredict, check=True) for _ in range(2)]
+    m = runs[0]
+    assert m.requests_completed == m.requests_total == len(reqs)
+    assert sum(m.extra["per_instance_requests"]) == len(reqs)
+    assert m.extra["placement_stats"]["placed"] == len(reqs)
+    a, b = (r.to_dict() for r in runs)
+    for d in (a, b):
+        d.pop("wall_s"), d.pop("sim_requests_per_s"), d.pop("sched_us_per_step")
+    assert a == b
+
+
+def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_path):
+    out = tmp_path / "p.json"
+    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--max-requests", "150", "--instances", "2",
+                   "--placements", "jsq,aladdin", "--gateways", "1,2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    for name in ("jsq", "aladdin"):
+        p = d["policies"][name]
+        assert p["instances_needed"] is None or p["instances_needed"] >= 1
+        assert p["max_rate_at_90_slo"] > 0 and set(p["gateways"]) == {"1", "2"}
+    assert d["scenarios"]["sharegpt"]["_meta"]["rate_a"] > 0
+    assert (tmp_path / "p_sharegpt.png").stat().st_size > 10_000
+    assert "(a) instances" in r.stdout
+    fitted = [k for k, v in d["scaling"].items() if "k5" in v]
+    if fitted:
+        s = lengthwise("scale", "--from", str(out), "--placement", fitted[0], "--rate", "3")
+        assert s.returncode == 0 and "instances for 3 req/s" in s.stdout, s.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "placement", "--placements", "jsq,nope"], "unknown placement"),
+    (["bench", "placement", "--instances", "0"], "--instances"),
+    (["bench", "placement", "--gateways", "0"], "gateway replicas"),
+    (["bench", "placement", "--local-policy", "fifo-magic"], "unknown policy"),
+    (["bench", "placement", "--rate", "-1"], "--rate"),
+    (["scale", "--points", "4:3", "--rate", "5"], "two or more distinct rates"),
+    (["scale", "--points", "4-3,5-4", "--rate", "5"], "RATE:INSTANCES"),
+    (["scale", "--from", "/nonexistent.json", "--rate", "5"], "not found"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    r = lengthwise(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_scale_from_points():
+    r = lengthwise("scale", "--points", "2:2,4:3,6:4,8:5", "--rate", "7")
+    assert r.returncode == 0 and r.stdout.startswith("5 instances for 7 req/s"), r.stdout + r.stderr

@@ -72,7 +72,7 @@ def _bool_field(body: dict, name: str) -> bool:
     return v
 
 
-def _text_of(content: Any) -> str:
+def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -98,7 +98,7 @@ def _check_messages(messages: Any) -> dict[str, Any] | None:
         if content is not None and not isinstance(content, (str, list)):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts",
                            param=f"messages[{i}].content", code="invalid_type")
-        text = _text_of(content)
+        text = text_of(content)
         if text.strip():
             turns.append({"role": role[:64], "content": text})
     return {"messages": turns[-256:]} if turns else None

@@ -7,13 +7,17 @@ One request's path (SPEC §2), one module per step:
 ``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
 ``slo.py``                the deadline: ``x-slo-ttft-ms``/``x-slo-tpot-ms`` or EcoServe's JCT SLO
 ``hints.py``              put the prediction and the deadline into ``vllm_xargs`` for the plug-in
-``placement.py``          choose an engine (least outstanding, round robin; pluggable by name)
+``tokens.py``             count the prompt's tokens (the local model's tokenizer, else characters / 4)
+``placement.py``          choose an engine: the placement core (``serving.placement``: round-robin, jsq, p2c,
+                          aladdin, lengthwise) over one view per engine, JSQ when the engines' reports are stale
 ``forward.py``            send it, retry on another engine while nothing reached the client, stream SSE
 ``feedback.py``           post the actual output length to the sidecar ``/v1/feedback`` in the background
-``pool.py``               the engines: health checks, outstanding requests, models they serve
+``pool.py``               the engines: health checks, each engine's view, models they serve
+``engine_load.py``        read an engine's vLLM ``/metrics``: running, waiting, KV use and KV capacity
 ``launcher.py``           start and stop ``vllm`` engine processes with the scheduler plug-in
 ``metrics.py``            Prometheus metrics; ``app.py`` the FastAPI app; ``cli.py`` the command line
 ========================= ===========================================================================
 
-Nothing here imports vLLM or torch: the gateway is a small process beside the engines.
+Nothing here imports vLLM or torch: the gateway is a small process beside the engines (transformers' fast
+tokenizer is loaded when ``--model`` is a local directory, for exact prompt lengths).
 """

@@ -1,15 +1,18 @@
 """The gateway's FastAPI app: OpenAI's completions and chat endpoints in front of the engine pool.
 
 Per request (SPEC §2): validate → predict (sidecar or fallback) → deadline → hints into ``vllm_xargs`` →
-place on an engine → forward (streaming or not, retried while nothing was sent) → feedback in the
+count the prompt's tokens → place on an engine (the placement core over each engine's view) → forward (streaming or not, retried while nothing was sent) → feedback in the
 background. The response carries the engine's body unchanged plus headers saying what the gateway
 decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
-``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar`` or ``fallback:<reason>``) and
-``x-lengthwise-deadline`` (Unix seconds).
+``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar`` or ``fallback:<reason>``),
+``x-lengthwise-deadline`` (Unix seconds) and ``x-lengthwise-prompt-tokens`` (``<count>:<method>``, what
+placement used).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -24,12 +27,13 @@ from serving.gateway.feedback import FeedbackPoster
 from serving.gateway.forward import Forwarder, Outcome
 from serving.gateway.hints import engine_body
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.placement import Placed
 from serving.gateway.pool import EnginePool
 from serving.gateway.prediction import Predictor
 from serving.gateway.requests import PATHS, Kind, parse_json, validate
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import client_slo, deadline, default_slo
+from serving.gateway.tokens import PromptCounter
+from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
@@ -64,15 +68,19 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     names = {e.url: e.name for e in pool.engines}
     plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
     slo = default_slo(settings)
+    prompts = PromptCounter()
+    rids = itertools.count()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        tokenizer = asyncio.get_running_loop().create_task(prompts.load(settings.model))
         await pool.start()  # the CLI waited for the engines' /health before starting us
         if settings.model and pool.models and settings.model not in pool.models:
             log.warning("--model %s is not among the models the engines serve (%s)", settings.model, ", ".join(sorted(pool.models)))
-        log.info("gateway ready: %d engine(s), predictor %s, placement %s", len(pool.engines),
-                 settings.predictor_url or "none (fallback only)", settings.placement)
+        log.info("gateway ready: %d engine(s), predictor %s, placement %s, prompt tokens: %s", len(pool.engines),
+                 settings.predictor_url or "none (fallback only)", settings.placement, prompts.method)
         yield
+        tokenizer.cancel()
         await feedback.aclose()
         await pool.aclose()
         await forwarder.aclose()
@@ -128,7 +136,10 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                     metrics.output_tokens.inc(out.completion_tokens)
                     feedback.submit(pred, out.completion_tokens, req.outputs)
 
-            resp = await forwarder.forward(req, body, headers, Placed(pred.tokens, dl), on_done)
+            prompt_tokens, method = prompts.count(req)
+            metrics.prompt_token_counts.labels(method).inc()
+            job = Job(next(rids), prompt_tokens, float(pred.tokens * req.outputs), arrival=time.monotonic())
+            resp = await forwarder.forward(req, body, headers, job, on_done)
         except ApiError as exc:
             count(endpoint, exc.status)
             resp = exc.response()
@@ -137,7 +148,7 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         resp.headers.update({
             "x-lengthwise-request-id": rid, "x-lengthwise-pred-len": str(pred.tokens),
             "x-lengthwise-prediction": pred.source if pred.reason is None else f"fallback:{pred.reason}",
-            "x-lengthwise-deadline": f"{dl:.3f}"})
+            "x-lengthwise-deadline": f"{dl:.3f}", "x-lengthwise-prompt-tokens": f"{prompt_tokens}:{method}"})
         return resp
 
     @app.post("/v1/completions", summary="OpenAI completions (streaming or not), scheduled by predicted length")
@@ -167,7 +178,8 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         up = sum(e.healthy for e in pool.engines)
         count("/health", 200)
         return JSONResponse({"status": "ok" if up else "degraded", "healthy_engines": up, "engines": pool.status(),
-                             "predictor_url": settings.predictor_url, "placement": settings.placement})
+                             "predictor_url": settings.predictor_url, "placement": settings.placement,
+                             "placement_state": pool.placer.state(), "prompt_tokens": prompts.method})
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus() -> Response:

@@ -34,6 +34,16 @@ else slo_scale x (t_p + t_g x predicted length) (EcoServe's JCT SLO). Without --
 sidecar does not answer within --predictor-timeout-ms, the request runs on --fallback-tokens (counted in
 lengthwise_gateway_prediction_fallbacks_total on /metrics).
 
+placement: each engine has a view of its requests (prompt tokens, predicted and generated tokens), plus
+the requests other gateways sent, read with its KV capacity from the engine's vLLM /metrics every
+--load-interval s. jsq: fewest outstanding requests; round-robin; p2c: TetriInfer's power of two with KV
+room; aladdin: Aladdin's best fit (the fullest engine that still meets the KV, batch and, with
+--latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first. Without a fresh
+report (or before any engine reported its KV capacity) aladdin/lengthwise/p2c decide by JSQ, counted in
+lengthwise_gateway_placement_fallbacks_total{reason}; the core's counters are
+lengthwise_gateway_placement_events_total{placement,event}. Prompt tokens are counted with the tokenizer
+of a local --model directory, else estimated as characters / 4.
+
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 """
 
@@ -47,7 +57,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "SLO deadline, both passed to the engine's scheduler in vllm_xargs; engines are chosen by load; a "
                     "request an engine dropped before answering is retried on another.")
     e = p.add_argument_group("engines")
-    e.add_argument("--model", metavar="PATH_OR_NAME", help="model the engines serve (required unless --engine-url)")
+    e.add_argument("--model", metavar="PATH_OR_NAME",
+                   help="model the engines serve (required unless --engine-url); a local directory also gives the gateway "
+                        "the tokenizer it counts prompt tokens with")
     e.add_argument("--engine-url", action="append", default=[], metavar="URL",
                    help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
     e.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
@@ -67,7 +79,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--engine-log-dir", type=Path, metavar="DIR", help="engine logs (default: a new temporary directory)")
     e.add_argument("--engine-start-timeout", type=float, default=900.0, metavar="S",
                    help="seconds engines may take to become healthy (default: %(default)s)")
-    e.add_argument("--placement", default="least-outstanding", help="least-outstanding (default) or round-robin")
+    pl = p.add_argument_group("placement (which engine gets a request; see 'placement' below)")
+    pl.add_argument("--placement", default="jsq", metavar="NAME",
+                    help="round-robin, jsq (alias least-outstanding), p2c, aladdin or lengthwise (default: %(default)s)")
+    pl.add_argument("--engine-max-num-seqs", type=int, metavar="N",
+                    help="the engines' --max-num-seqs: placement's batch limit (default: the --engine-arg value for "
+                         "engines started here, else 256)")
+    pl.add_argument("--latency-profile", type=Path, metavar="CSV",
+                    help="a step profile (step_profile.csv of 'lengthwise bench engine') fitted into the latency model of "
+                         "aladdin/lengthwise: adds the TTFT and ATGT limits (default: none, only KV and batch limits)")
+    pl.add_argument("--slo-ttft-ms", type=float, metavar="MS",
+                    help="placement's TTFT target with --latency-profile (default: slo-scale x t-p)")
+    pl.add_argument("--slo-tpot-ms", type=float, metavar="MS",
+                    help="placement's ATGT (time per output token) target with --latency-profile (default: slo-scale x t-g)")
+    pl.add_argument("--load-interval", type=float, default=2.0, metavar="S",
+                    help="seconds between reads of each engine's vLLM /metrics (running, waiting, KV); a read older than "
+                         "3 intervals makes aladdin/lengthwise/p2c decide by JSQ (default: %(default)s)")
     pr = p.add_argument_group("prediction and SLO")
     pr.add_argument("--predictor-url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     pr.add_argument("--predictor-timeout-ms", type=float, default=50.0, help="fall back when slower (default: %(default)s)")
@@ -103,7 +130,7 @@ class _Stop(BaseException):
 
 _FLAGS = {"engine_urls": "--engine-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
           "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout",
-          "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout"}
+          "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout", "load_interval_s": "--load-interval"}
 
 
 def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
@@ -119,19 +146,34 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     fields = {
         "model": a.model, "engine_urls": a.engine_url, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
-        "placement": a.placement, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
+        "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
+        "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
         "fallback_tokens": a.fallback_tokens, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
         "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "engine_timeout_s": a.engine_timeout,
         "health_interval_s": a.health_interval, "health_timeout_s": a.health_timeout, "log_level": a.log_level}
     if a.slo_scale is not None:
         fields["slo_scale"] = a.slo_scale
     try:
-        return GatewaySettings(**fields)
+        settings = GatewaySettings(**fields)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
         raise UsageError(f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {msg}" if field else msg) from None
+    _check_placement(settings)
+    return settings
+
+
+def _check_placement(settings: GatewaySettings) -> None:
+    """The latency profile fits and the engine arguments placement reads are numbers: now, not at the first request."""
+    from serving.sim.latency import LatencyError
+
+    try:
+        settings.placement_config()
+    except LatencyError as exc:
+        raise UsageError(f"--latency-profile: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--engine-arg: --max-num-seqs and --max-num-batched-tokens must be integers ({exc})") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -172,6 +214,18 @@ def _check_engine(settings: GatewaySettings) -> None:
         raise UsageError(f"--model {settings.model}: no config.json there (a Hugging Face model directory is needed)")
 
 
+def _resolve(urls: list[str]) -> None:
+    """A host name that does not resolve is a typo, not an engine still starting: fail now rather than after the timeout."""
+    from urllib.parse import urlsplit
+
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+        except (OSError, UnicodeError, ValueError) as exc:
+            raise UsageError(f"--engine-url {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
+
+
 def run(a: argparse.Namespace) -> int:
     """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us."""
     from serving.gateway.launcher import EngineStartError, start_engines, stop_engines, wait_healthy
@@ -209,7 +263,12 @@ def run(a: argparse.Namespace) -> int:
         else:
             urls = settings.engine_urls
             plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))
-            wait_healthy(urls, settings.engine_start_timeout_s, require_all=False)
+            _resolve(urls)
+            try:
+                wait_healthy(urls, settings.engine_start_timeout_s, require_all=False)
+            except EngineStartError:
+                raise UsageError(f"--engine-url: no engine answered /health within {settings.engine_start_timeout_s:g} s "
+                                 f"({', '.join(urls)}); start them first or raise --engine-start-timeout") from None
         import uvicorn
 
         from serving.gateway.app import create_app
@@ -222,6 +281,9 @@ def run(a: argparse.Namespace) -> int:
     except EngineStartError as exc:
         print(f"lengthwise serve: error: {exc}", file=sys.stderr)
         return 1
+    except UsageError as exc:  # attached engines that cannot be reached: a configuration mistake
+        print(f"lengthwise serve: error: {exc}", file=sys.stderr)
+        return 2
     except (_Stop, KeyboardInterrupt):
         return 0  # a requested stop: the engines are stopped below, so this is a clean exit
     finally:

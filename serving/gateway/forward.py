@@ -25,11 +25,11 @@ from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.placement import Placed
 from serving.gateway.pool import Engine, EnginePool
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
+from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
 
@@ -63,13 +63,17 @@ class Forwarder:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def forward(self, req: ClientRequest, body: dict, headers: dict[str, str], placed: Placed,
+    async def forward(self, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
                       on_done: Callable[[Outcome], None]) -> Response:
-        """The client's response; ``on_done`` runs once when it is complete (streams: after the last event)."""
+        """The client's response; ``on_done`` runs once when it is complete (streams: after the last event).
+
+        ``job`` is the request as placement sees it: placed on an engine's view for each attempt, it leaves
+        that view when the attempt fails (and is placed afresh for the next) or when the answer is complete.
+        """
         tried: list[str] = []
         failure: tuple[Engine, _Retry] | None = None
         for _ in range(self.settings.max_attempts):
-            engine = self.pool.choose(placed, frozenset(tried))
+            engine = self.pool.place(job, frozenset(tried))
             if engine is None:
                 break
             if failure is not None:
@@ -79,8 +83,8 @@ class Forwarder:
             tried.append(engine.name)
             try:
                 if req.stream:
-                    return await self._stream(engine, req, body, headers, placed, on_done)
-                return await self._unary(engine, req, body, headers, placed, on_done)
+                    return await self._stream(engine, req, body, headers, job, on_done)
+                return await self._unary(engine, req, body, headers, job, on_done)
             except _Retry as exc:
                 failure = (engine, exc)
         if failure is None:
@@ -134,25 +138,29 @@ class Forwarder:
     def _headers(self, engine: Engine) -> dict[str, str]:
         return {"x-lengthwise-engine": engine.name}
 
-    async def _unary(self, engine, req, body, headers, placed, on_done) -> Response:
-        self.pool.acquire(engine, placed.pred_tokens)
+    async def _unary(self, engine, req, body, headers, job, on_done) -> Response:
+        self.pool.placer.sent(job)  # the engine may start it at once; nothing comes back until the answer is whole
         try:
             r: httpx.Response = await self._guarded(engine, self.client.post(self._url(engine, req), json=body, headers=headers))
-        finally:
-            self.pool.release(engine, placed.pred_tokens)
-        if r.status_code != 200 and await self._retry_status(engine, r.status_code):
-            raise _Retry(f"status_{r.status_code}", f"{engine.name} answered {r.status_code}: {r.text[:200]}")
+        except BaseException:
+            self.pool.drop(engine, job)
+            raise
+        if r.status_code != 200:
+            self.pool.drop(engine, job)
+            if await self._retry_status(engine, r.status_code):
+                raise _Retry(f"status_{r.status_code}", f"{engine.name} answered {r.status_code}: {r.text[:200]}")
         out = Outcome(r.status_code, engine.name)
         if r.status_code == 200:
             try:
                 out.completion_tokens = int(r.json()["usage"]["completion_tokens"])
             except (ValueError, KeyError, TypeError):
                 pass
+            self.pool.finish(engine, job, out.completion_tokens)
         on_done(out)
         return Response(r.content, status_code=r.status_code, headers=self._headers(engine),
                         media_type=r.headers.get("content-type", "application/json"))
 
-    async def _stream(self, engine, req, body, headers, placed, on_done) -> Response:
+    async def _stream(self, engine, req, body, headers, job, on_done) -> Response:
         q: asyncio.Queue = asyncio.Queue()
         url = self._url(engine, req)
 
@@ -175,18 +183,21 @@ class Forwarder:
                 self.pool.suspect(engine)
                 q.put_nowait(("error", "broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip()))
 
-        self.pool.acquire(engine, placed.pred_tokens)
         task = asyncio.get_running_loop().create_task(pump())
         engine.calls.add(task)
         task.add_done_callback(engine.calls.discard)
         released = False
 
-        def release() -> None:
+        def release(generated: int | None = None, complete: bool = False) -> None:
+            """End the call once: a complete answer leaves the engine's view as finished, anything else as dropped."""
             nonlocal released
             if not released:
                 released = True
                 task.cancel()
-                self.pool.release(engine, placed.pred_tokens)
+                if complete:
+                    self.pool.finish(engine, job, generated)
+                else:
+                    self.pool.drop(engine, job)
 
         try:
             first = await q.get()
@@ -211,31 +222,42 @@ class Forwarder:
             raise _Retry("error_event", f"{engine.name} failed the request and its health probe: {first[1][:200]}")
         relay = StreamRelay(req.wants_usage)
         out = Outcome(200, engine.name)
+        complete = False
+
+        def passed(data: str) -> bytes | None:
+            """Relay one event and count the tokens it carried on the job (its first one starts the job)."""
+            before = relay.token_events
+            chunk = relay.relay(data)
+            self.pool.tokens(job, relay.token_events - before)
+            return chunk
 
         async def events() -> AsyncIterator[bytes]:
+            nonlocal complete
             try:
-                chunk = relay.relay(first[1])
+                chunk = passed(first[1])
                 if chunk:
                     yield chunk
                 while True:
                     item = await q.get()
                     if item[0] == "data":
-                        chunk = relay.relay(item[1])
+                        chunk = passed(item[1])
                         if chunk:
                             yield chunk
                     elif item[0] == "end":
+                        complete = True
                         if not relay.done:  # an engine that closed without [DONE] still ends the client's stream properly
                             yield b"data: [DONE]\n\n"
                         break
                     else:
                         if relay.done:
+                            complete = True
                             break
                         self.metrics.stream_errors.labels(engine.name).inc()
                         log.warning("stream %s cut after %d events: %s", headers.get("X-Request-Id"), relay.events, item[-1])
                         yield sse_error(f"the engine failed after part of the answer was sent: {item[-1]}")
                         break
             finally:
-                release()
+                release(relay.completion_tokens, complete)
                 out.completion_tokens = relay.completion_tokens
                 out.first_token_at = relay.first_token_at
                 on_done(out)

@@ -6,7 +6,12 @@ in one process (tests, embedders).
 
 from __future__ import annotations
 
+from collections import Counter as CounterType
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 PREDICT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 1.0)
@@ -38,6 +43,33 @@ class GatewayMetrics:
         self.plugin_scrape_errors = Counter(p + "plugin_scrape_errors", "engines whose scheduler metrics did not answer a scrape",
                                             ["engine"], registry=r)
         self.feedback = Counter(p + "feedback", "actual-length reports to the sidecar, by outcome", ["outcome"], registry=r)
+        self.placement_fallbacks = Counter(p + "placement_fallbacks", "placement decisions made by JSQ instead of the "
+                                           "configured placement, by reason (no_capacity, no_report, stale)", ["reason"], registry=r)
+        self.prompt_token_counts = Counter(p + "prompt_token_counts", "requests whose prompt tokens were counted, by method "
+                                           "(tokenizer, estimate, token_ids)", ["method"], registry=r)
+        self.load_scrape_errors = Counter(p + "engine_load_scrape_errors", "failed reads of an engine's vLLM /metrics "
+                                          "(its load report)", ["engine"], registry=r)
+        self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "
+                                   "(its last load report)", ["engine"], registry=r)
+
+    def watch_placement(self, stats: Callable[[], dict[str, CounterType[str]]]) -> None:
+        """Export the placement core's counters (placed, would_open, rejected_*, ...) as
+        ``lengthwise_gateway_placement_events_total{placement, event}``, read at each scrape."""
+        self.registry.register(_PlacementStats(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PlacementStats(Collector):
+    def __init__(self, stats: Callable[[], dict[str, CounterType[str]]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("lengthwise_gateway_placement_events", "placement decisions and what the placement "
+                                  "saw (placed, would_open, rejected_<constraint>, no_room, no_instance), by placement "
+                                  "(the configured one, and jsq when it stood in)", labels=["placement", "event"])
+        for name, counts in self.stats().items():
+            for event, n in sorted(counts.items()):
+                fam.add_metric([name, event], n)
+        yield fam

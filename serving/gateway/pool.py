@@ -7,20 +7,28 @@ at once, so a crashed engine is skipped within milliseconds rather than a probe 
 is taken out, its calls in flight are cancelled: requests that had not sent anything to their client
 are then retried elsewhere instead of waiting on an engine that may never answer (a hung process keeps
 its sockets open).
+
+Load comes from the gateway's own bookkeeping (each engine's :class:`EngineView`, see
+:mod:`serving.gateway.placement`) and from each engine's vLLM ``/metrics``, read every
+``load_interval_s`` (:mod:`serving.gateway.engine_load`). An engine taken out loses its view; when it
+passes a probe again its load is read at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from serving.gateway.engine_load import fetch_report
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.placement import Placed, make_placement
+from serving.gateway.placement import EngineView, GatewayPlacement
 from serving.gateway.settings import GatewaySettings
+from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
 
@@ -29,27 +37,37 @@ log = logging.getLogger("serving.gateway")
 class Engine:
     name: str
     url: str
+    view: EngineView  # placement's view: the requests sent here, and those others sent (from its load report)
     healthy: bool = False
-    outstanding: int = 0
-    outstanding_tokens: int = 0
     failures: int = 0  # consecutive failed probes
     models: set[str] = field(default_factory=set)
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
 
+    @property
+    def outstanding(self) -> int:
+        """Requests this gateway sent here and not yet answered in full."""
+        return self.view.own
+
 
 class EnginePool:
-    def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics):
+    def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
+                 placer: GatewayPlacement | None = None):
         self.settings, self.metrics = settings, metrics
-        self.engines = [Engine(f"engine-{i}", u) for i, u in enumerate(urls)]
-        self.placement = make_placement(settings.placement)
+        names = [f"engine-{i}" for i in range(len(urls))]
+        self.placer = placer or GatewayPlacement(names, settings.placement_config(),
+                                                 lambda reason: metrics.placement_fallbacks.labels(reason).inc())
+        self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
         self.client = httpx.AsyncClient(timeout=settings.health_timeout_s)
-        self._loop_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._probing: dict[str, asyncio.Task] = {}
+        self._loading: set[asyncio.Task] = set()
+        metrics.watch_placement(self.placer.stats)
         for e in self.engines:
             metrics.engine_healthy.labels(e.name).set(0)
             metrics.engine_outstanding.labels(e.name).set(0)
+            metrics.engine_others.labels(e.name).set(0)
 
     # --- health --------------------------------------------------------------------------------
     async def _probe(self, e: Engine) -> tuple[bool, bool]:
@@ -82,8 +100,10 @@ class EnginePool:
             if not e.healthy:
                 await self._refresh_models(e)
                 e.healthy = True
+                self.placer.rejoin(e.view)
                 log.info("%s (%s) is healthy; serves %s", e.name, e.url, ", ".join(sorted(e.models)) or "?")
                 self.metrics.engine_healthy.labels(e.name).set(1)
+                self._spawn_load([e])  # its view is empty: read its load now rather than at the next interval
         else:
             e.failures += 1
             if e.healthy and ((immediate and hard) or e.failures >= self.settings.unhealthy_after):
@@ -92,6 +112,8 @@ class EnginePool:
 
     def take_out(self, e: Engine) -> None:
         e.healthy = False
+        self.placer.take_out(e.view)  # its requests are re-placed (retried) or fail; none stays on its view
+        self._gauges(e)
         self.metrics.engine_healthy.labels(e.name).set(0)
         log.warning("%s (%s) is unhealthy (%s); skipping it, %d call(s) in flight cancelled", e.name, e.url,
                     e.last_error, len(e.calls))
@@ -112,16 +134,51 @@ class EnginePool:
                 if isinstance(res, Exception):  # a probe must never end the loop that keeps the pool honest
                     log.error("health check of %s failed unexpectedly: %r", e.name, res)
 
+    # --- load reports --------------------------------------------------------------------------
+    async def refresh_load(self, engines: Sequence[Engine] | None = None) -> None:
+        """Read the vLLM metrics of ``engines`` (default: every healthy one) into their views."""
+        targets = [e for e in (self.engines if engines is None else engines) if e.healthy]
+        timeout = self.settings.health_timeout_s
+        results = await asyncio.gather(*(fetch_report(self.client, e.url + "/metrics", timeout) for e in targets),
+                                       return_exceptions=True)
+        for e, r in zip(targets, results):
+            if isinstance(r, BaseException):
+                self.metrics.load_scrape_errors.labels(e.name).inc()
+                log.debug("%s: no load report from %s/metrics: %r", e.name, e.url, r)
+            elif e.healthy:  # not taken out while we read
+                self.placer.report(e.view, r)
+                self.metrics.engine_others.labels(e.name).set(e.view.others)
+
+    def _spawn_load(self, engines: Sequence[Engine]) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(self.refresh_load(engines))
+        except RuntimeError:  # no loop (a check outside the app): the next interval reads it
+            return
+        self._loading.add(task)
+        task.add_done_callback(self._loading.discard)
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.load_interval_s)
+            try:
+                await self.refresh_load()
+            except Exception as exc:  # noqa: BLE001 - like the health loop, this loop must outlive any one failure
+                log.error("reading the engines' load failed unexpectedly: %r", exc)
+
     async def start(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines))
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        await asyncio.gather(*self._loading, return_exceptions=True)  # first load reports before the first request
+        if self.placer.load_aware and self.placer.limits is None:
+            log.warning("placement %s: no engine reported its KV capacity (vllm:cache_config_info on /metrics); "
+                        "requests are placed by JSQ until one does (lengthwise_gateway_placement_fallbacks_total"
+                        "{reason=\"no_capacity\"})", self.placer.name)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._loop()), loop.create_task(self._load_loop())]
 
     async def aclose(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        for t in list(self._probing.values()):
+        for t in [*self._tasks, *self._probing.values(), *self._loading]:
             t.cancel()
+        await asyncio.gather(*self._tasks, *self._loading, return_exceptions=True)
         await self.client.aclose()
 
     # --- placement and load ---------------------------------------------------------------------
@@ -129,21 +186,34 @@ class EnginePool:
     def models(self) -> set[str]:
         return self.known_models
 
-    def choose(self, placed: Placed, exclude: frozenset[str]) -> Engine | None:
-        i = self.placement.choose(self.engines, placed, exclude)
-        return None if i is None else self.engines[i]
+    def place(self, job: Job, exclude: frozenset[str]) -> Engine | None:
+        """The engine for ``job`` (now on its view), or None when no healthy engine outside ``exclude`` is left."""
+        i = self.placer.choose(job, exclude, time.monotonic())
+        if i is None:
+            return None
+        e = self.engines[i]
+        self._gauges(e)
+        return e
 
-    def acquire(self, e: Engine, tokens: int) -> None:
-        e.outstanding += 1
-        e.outstanding_tokens += tokens
-        self.metrics.engine_outstanding.labels(e.name).set(e.outstanding)
+    def tokens(self, job: Job, n: int) -> None:
+        self.placer.tokens(job, n, time.monotonic())
 
-    def release(self, e: Engine, tokens: int) -> None:
-        e.outstanding -= 1
-        e.outstanding_tokens -= tokens
+    def finish(self, e: Engine, job: Job, generated: int | None) -> None:
+        self.placer.finish(e.view, job, generated)
+        self._gauges(e)
+
+    def drop(self, e: Engine, job: Job) -> None:
+        self.placer.drop(e.view, job)
+        self._gauges(e)
+
+    def _gauges(self, e: Engine) -> None:
         self.metrics.engine_outstanding.labels(e.name).set(e.outstanding)
+        self.metrics.engine_others.labels(e.name).set(e.view.others)
 
     def status(self) -> list[dict]:
+        now = time.monotonic()
         return [{"name": e.name, "url": e.url, "healthy": e.healthy, "outstanding": e.outstanding,
+                 "other_requests": e.view.others, "kv_tokens": e.view.capacity,
+                 "load_report_age_s": None if e.view.report is None else round(now - e.view.report.at, 3),
                  "models": sorted(e.models), **({"last_error": e.last_error} if not e.healthy and e.last_error else {})}
                 for e in self.engines]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serving.policy.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from serving.gateway.placement import PlacementConfig
 
 # EcoServe's JCT SLO (§4) as the simulator uses it: slo_scale x (t_p + t_g x RL). The defaults for t_p and t_g are
 # the simulator's isolated prefill and decode times of its llama8b-a100 scenario (Llama-3.1-8B on an A100, BLIS
@@ -34,7 +37,15 @@ class GatewaySettings(BaseModel):
     engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
     engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
-    placement: str = Field("least-outstanding", description="engine choice: least-outstanding or round-robin")
+    placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), p2c, aladdin, lengthwise")
+    engine_max_num_seqs: int | None = Field(None, ge=1, description="the engines' --max-num-seqs, for placement's batch "
+                                            "limit (default: the --engine-arg value for engines started here, else 256)")
+    latency_profile: Path | None = Field(None, description="step profile CSV (lengthwise bench engine) fitted into the "
+                                         "latency model of aladdin/lengthwise placement's TTFT and ATGT limits")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="placement's TTFT target (default: slo_scale x t_p)")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="placement's ATGT target (default: slo_scale x t_g)")
+    load_interval_s: float = Field(2.0, gt=0, description="seconds between reads of each engine's vLLM /metrics")
+    load_stale_after: int = Field(3, ge=1, description="a load report older than this many intervals is stale")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
     health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")
@@ -68,14 +79,21 @@ class GatewaySettings(BaseModel):
     @field_validator("placement")
     @classmethod
     def _known_placement(cls, v: str) -> str:
-        from serving.gateway.placement import PLACEMENTS
+        from serving.gateway.placement import canonical_placement
+        from serving.placement import PlacementError
 
-        if v not in PLACEMENTS:
-            raise ValueError(f"unknown placement {v!r}; choose one of: {', '.join(PLACEMENTS)}")
-        return v
+        try:
+            return canonical_placement(v)
+        except PlacementError as exc:
+            raise ValueError(f"{exc} (or least-outstanding, an alias of jsq)") from None
 
     @model_validator(mode="after")
     def _engines_or_model(self) -> GatewaySettings:
+        dup = sorted({u for u in self.engine_urls if self.engine_urls.count(u) > 1})
+        if dup:
+            raise ValueError(f"--engine-url {dup[0]} is given twice; name each engine once")
+        if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise"):
+            raise ValueError(f"--latency-profile is used by --placement aladdin or lengthwise only, not {self.placement}")
         if not self.engine_urls and not self.model:
             raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
         if self.engine_urls and self.engines > 1:
@@ -90,3 +108,32 @@ class GatewaySettings(BaseModel):
     @property
     def starts_engines(self) -> bool:
         return not self.engine_urls
+
+    def engine_arg(self, flag: str) -> str | None:
+        """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
+        import shlex
+
+        parts = [p for a in self.engine_args for p in shlex.split(a)]
+        for i, p in enumerate(parts):
+            if p == flag and i + 1 < len(parts):
+                return parts[i + 1]
+            if p.startswith(flag + "="):
+                return p.split("=", 1)[1]
+        return None
+
+    def placement_config(self) -> PlacementConfig:
+        """The placement's settings; loads and fits ``latency_profile`` (LatencyError when it is unusable)."""
+        from serving.gateway.placement import PlacementConfig
+
+        latency = None
+        if self.latency_profile is not None:
+            from serving.sim.latency import FittedLatency
+
+            latency = FittedLatency.from_csv(self.latency_profile)
+        seqs = self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or 256)
+        chunk = int(self.engine_arg("--max-num-batched-tokens") or 2048)
+        ttft = self.slo_ttft_ms / 1000 if self.slo_ttft_ms else self.slo_scale * self.t_p_s
+        tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s
+        return PlacementConfig(self.placement, max_num_seqs=seqs, chunk_tokens=chunk, latency=latency, ttft_s=ttft,
+                               atgt_s=tpot, others_pred_len=self.fallback_tokens,
+                               stale_after_s=self.load_stale_after * self.load_interval_s)

@@ -27,24 +27,27 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(buf)
 
 
-def _has_text(choices: list) -> bool:
+def _texts(choices: list) -> int:
+    """Choices of one event that carry generated output: vLLM streams one token per choice and event by default."""
+    n = 0
     for c in choices:
         if not isinstance(c, dict):
             continue
         delta = c.get("delta")
         if c.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
                                                           or delta.get("tool_calls"))):
-            return True
-    return False
+            n += 1
+    return n
 
 
 class StreamRelay:
-    """Turns engine events into client bytes; remembers usage and when the first token passed."""
+    """Turns engine events into client bytes; remembers usage, when the first token passed and how many passed."""
 
     def __init__(self, wants_usage: bool):
         self.wants_usage = wants_usage
         self.completion_tokens: int | None = None
         self.first_token_at: float | None = None
+        self.token_events = 0  # choices with output seen so far: the tokens generated, as the stream tells them
         self.events = 0
         self.done = False
 
@@ -63,8 +66,11 @@ class StreamRelay:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.completion_tokens = usage["completion_tokens"]
         choices = obj.get("choices")
-        if self.first_token_at is None and isinstance(choices, list) and _has_text(choices):
-            self.first_token_at = time.perf_counter()
+        texts = _texts(choices) if isinstance(choices, list) else 0
+        if texts:
+            self.token_events += texts
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
         if not self.wants_usage and "usage" in obj:
             if not choices:
                 return None  # the usage-only chunk we requested for ourselves

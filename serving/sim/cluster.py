@@ -61,8 +61,13 @@ class _Gateway:
         self.views = [Instance(f"instance-{i}") for i in range(cc.instances)]
         self.synthetic = 0  # jobs standing for other gateways' load, from the last metrics read
 
-    def refresh(self, truth: Sequence[dict[int, Job]], owner: dict[int, int], me: int, history: LengthHistory) -> None:
-        """Replace the stand-ins for other gateways' jobs with what the engines report now: count and KV."""
+    def refresh(self, truth: Sequence[dict[int, Job]], owner: dict[int, int], me: int, history: LengthHistory, now: float) -> None:
+        """Replace the stand-ins for other gateways' jobs with what the engines report now.
+
+        An engine's metrics give its running and waiting counts and its KV in use, not predictions: each
+        stand-in holds an equal share of that KV and is planned at the mean finished length; running ones
+        count as decoding (a first token), waiting ones as prefill still to do, as the gateway does.
+        """
         mean = history.mean_beyond(0) or 256.0
         for i, view in enumerate(self.views):
             for rid in [r for r in view.jobs if r < 0]:
@@ -71,9 +76,10 @@ class _Gateway:
             if not others:
                 continue
             ctx = sum(j.context for j in others) / len(others)
-            for _ in others:
+            for j in others:
                 self.synthetic += 1
-                view.add(Job(-self.synthetic, max(1, round(ctx)), mean, started=True))
+                view.add(Job(-self.synthetic, max(1, round(ctx)), mean, started=True,
+                             first_token_at=now if j.first_token_at is not None else None))
 
 
 def simulate_cluster(requests: Sequence, predictions: Sequence[Prediction], cc: ClusterConfig, config: PolicyConfig,
@@ -147,7 +153,7 @@ def simulate_cluster(requests: Sequence, predictions: Sequence[Prediction], cc: 
             dirty[i] = True
         if now >= next_refresh:
             for g, gw in enumerate(gws):
-                gw.refresh(truth_jobs, owner, g, history)
+                gw.refresh(truth_jobs, owner, g, history, now)
             next_refresh = now + cc.refresh_s
         if now >= next_beat:
             for gw in gws:

@@ -177,6 +177,9 @@ class Forwarder:
             except asyncio.CancelledError:
                 q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
                 raise
+            except httpx.ConnectTimeout:  # never reached the engine: another may take the request
+                self.pool.suspect(engine)
+                q.put_nowait(("error", "connect", f"cannot connect to {engine.name} within {self.settings.connect_timeout_s:g} s"))
             except httpx.TimeoutException:
                 q.put_nowait(("error", "timeout", f"{engine.name} sent nothing for {self.settings.engine_timeout_s:g} s"))
             except httpx.TransportError as exc:

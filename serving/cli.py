@@ -176,10 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.enginebench.cli import add_parser as add_bench_engine
 
     add_bench_engine(bsub)
+    from serving.placementbench.cli import add_fleet_parser, add_scale_parser
     from serving.placementbench.cli import add_parser as add_bench_placement
-    from serving.placementbench.cli import add_scale_parser
 
     add_bench_placement(bsub)
+    add_fleet_parser(bsub)
 
     sm = sub.add_parser(
         "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",

@@ -131,7 +131,7 @@ def gw_hung(fleet, silent_sidecar, logs):
 def gw_aladdin(fleet, logs):
     """A gateway on the same engines placing by Aladdin's best fit; with --model it counts prompts with the tokenizer."""
     gw = start_gateway(logs, *_attach(fleet), "--placement", "aladdin", "--engine-max-num-seqs", str(MAX_NUM_SEQS),
-                       "--model", fleet.model, "--load-interval", "1", "--health-timeout", "2")
+                       "--model", fleet.model, "--load-interval", "1", "--health-timeout", "2", "--trust-client-predictions")
     yield gw
     gw.stop()
 
@@ -446,6 +446,22 @@ def test_aladdin_placement_on_the_engines_metrics(fleet, gw_aladdin):
               for p, e in [("aladdin", "placed"), ("aladdin", "rejected_atgt"), ("jsq", "placed")]}
     assert events == {("aladdin", "placed"): 6, ("aladdin", "rejected_atgt"): 6 - MAX_NUM_SEQS, ("jsq", "placed"): 0}
     assert gw_aladdin.metric("lengthwise_gateway_placement_fallbacks_total") == 0
+
+
+def test_a_trusted_client_prediction_replaces_the_sidecars(fleet, gw_aladdin):
+    body = {"model": fleet.model, "prompt": "count to three", "max_tokens": 12, "ignore_eos": True}
+    r = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "7"})
+    assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] == "client" and r.headers["x-lengthwise-pred-len"] == "7"
+    r = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "4000"})
+    assert r.status_code == 200 and r.headers["x-lengthwise-pred-len"] == "12"  # clamped to max_tokens
+    bad = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-lengthwise-pred-len"
+    assert "number of output tokens" in bad.json()["error"]["message"]
+    assert gw_aladdin.post("/v1/completions", json=body).headers["x-lengthwise-prediction"] == "fallback:disabled"
+    # a gateway that does not trust its clients ignores the header
+    r = fleet.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "7"})
+    assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] != "client"
+    assert gw_aladdin.metric("lengthwise_gateway_predictions_total", source="client") == 2
 
 
 # --- faults: a hung engine is skipped until it recovers; an engine dies under load; the gateway stops its engines ----

@@ -205,6 +205,9 @@ def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_pa
     (["scale", "--points", "4:3", "--rate", "5"], "two or more distinct rates"),
     (["scale", "--points", "4-3,5-4", "--rate", "5"], "RATE:INSTANCES"),
     (["scale", "--from", "/nonexistent.json", "--rate", "5"], "not found"),
+    (["bench", "fleet", "--placements", "jsq,nope"], "unknown placement"),
+    (["bench", "fleet", "--kv-blocks", "8"], "--kv-blocks"),
+    (["bench", "fleet", "--predictor", "models:/length-predictor@champion"], "not supported here"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     r = lengthwise(*args)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,27 +20,10 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
+from serving.enginebench.model import dummy_model
+
 STOCK = "serving.engine.profile.ProfiledScheduler"
 OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
-
-# Model shapes for dummy weights. ``tiny``: fast enough to replay hundreds of requests in minutes here;
-# ``smollm2``: SmolLM2-135M's shape (30 layers, hidden 576), the real model this machine serves.
-SHAPES: dict[str, dict[str, int]] = {
-    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 4},
-    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3},
-}
-
-
-def _model_dir(shape: str, max_model_len: int) -> str:
-    from transformers import LlamaConfig
-
-    d = tempfile.mkdtemp(prefix=f"lengthwise-bench-{shape}-")
-    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=4096, max_position_embeddings=max_model_len,
-                bos_token_id=1, eos_token_id=2, **SHAPES[shape]).save_pretrained(d)
-    return d
-
 
 def _engine(job: dict[str, Any]):
     from vllm import LLM
@@ -49,7 +31,7 @@ def _engine(job: dict[str, Any]):
     e = job["engine"]
     if job["scheduler"] != "stock":
         os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
-    llm = LLM(model=_model_dir(e["shape"], e["max_model_len"]), load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(model=dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")), load_format="dummy", skip_tokenizer_init=True,
               dtype="float32", enforce_eager=True, seed=0, gpu_memory_utilization=0.2, block_size=e["block_size"],
               max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
               max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],

@@ -116,7 +116,8 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         try:
             req = validate(kind, parse_json(await read_body(request, settings.max_body_bytes)), pool.models)
             client_terms = client_slo(request.headers)
-            pred = await predictor.predict(req, rid)
+            hint = request.headers.get("x-lengthwise-pred-len") if settings.trust_client_predictions else None
+            pred = predictor.from_client(req, hint) if hint is not None else await predictor.predict(req, rid)
             metrics.predictions.labels(pred.source).inc()
             dl = deadline(arrival, pred.tokens, client_terms, slo)
             body, dropped = engine_body(req, pred, dl)

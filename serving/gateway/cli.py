@@ -101,6 +101,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--fallback-tokens", type=int, default=256,
                     help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
     pr.add_argument("--no-feedback", action="store_true", help="do not post actual lengths to the sidecar's /v1/feedback")
+    pr.add_argument("--trust-client-predictions", action="store_true",
+                    help="a request's x-lengthwise-pred-len header (output tokens) replaces the sidecar's prediction: for a "
+                         "router in front that already predicted, and for benchmarks that control prediction quality. "
+                         "Only behind a trusted client: a low number moves a request up every length-ordered queue")
     pr.add_argument("--slo-scale", type=float, default=None, help="JCT SLO multiplier (default: the policy config's, 2.0)")
     pr.add_argument("--t-p", type=float, default=DEFAULT_T_P_S, metavar="S",
                     help="prefill time of a lone request, seconds (default: %(default)s)")
@@ -148,7 +152,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
         "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
         "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
-        "fallback_tokens": a.fallback_tokens, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
+        "fallback_tokens": a.fallback_tokens, "trust_client_predictions": a.trust_client_predictions, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
         "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "engine_timeout_s": a.engine_timeout,
         "health_interval_s": a.health_interval, "health_timeout_s": a.health_timeout, "log_level": a.log_level}
     if a.slo_scale is not None:

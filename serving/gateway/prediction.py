@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from serving.gateway.errors import ApiError
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.requests import ClientRequest
 
@@ -27,7 +28,7 @@ class LengthPrediction:
     """What the scheduler plug-in receives (``tokens``, ``hi``, ``bucket``) and what feedback needs."""
 
     tokens: int  # predicted output tokens, clamped to [1, max_tokens]
-    source: str  # "sidecar" or "fallback"
+    source: str  # "sidecar", "fallback" or "client" (--trust-client-predictions)
     reason: str | None = None  # why the fallback was used
     hi: int | None = None  # upper edge of the predicted bucket
     bucket: int | None = None
@@ -57,6 +58,17 @@ class Predictor:
     def fallback(self, req: ClientRequest, reason: str) -> LengthPrediction:
         self.metrics.prediction_fallbacks.labels(reason).inc()
         return LengthPrediction(clamp(self.fallback_tokens, req.max_tokens), "fallback", reason)
+
+    def from_client(self, req: ClientRequest, header: str) -> LengthPrediction:
+        """A trusted client's own prediction (``x-lengthwise-pred-len``); a malformed one is the client's error."""
+        try:
+            tokens = float(header)
+        except ValueError:
+            tokens = math.nan
+        if not math.isfinite(tokens) or tokens < 1:
+            raise ApiError(400, f"x-lengthwise-pred-len must be a number of output tokens >= 1, got {header[:40]!r}",
+                           param="x-lengthwise-pred-len")
+        return LengthPrediction(clamp(tokens, req.max_tokens), "client", expected_tokens=tokens)
 
     async def predict(self, req: ClientRequest, request_id: str) -> LengthPrediction:
         if self.url is None:

@@ -57,6 +57,8 @@ class GatewaySettings(BaseModel):
     predictor_url: str | None = Field(None, description="prediction sidecar base URL; none: every request uses the fallback")
     predictor_timeout_ms: float = Field(50.0, gt=0, description="a prediction slower than this falls back")
     fallback_tokens: int = Field(256, ge=1, description="fallback predicted length (clamped to max_tokens)")
+    trust_client_predictions: bool = Field(False, description="take a client's x-lengthwise-pred-len header as the prediction "
+                                                              "(an upstream router that already predicted; benchmarks)")
     feedback: bool = Field(True, description="post actual output lengths to the sidecar's /v1/feedback")
     # SLO
     slo_scale: float = Field(PolicyConfig().slo_scale, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x predicted length)")

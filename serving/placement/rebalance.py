@@ -79,9 +79,8 @@ def rebalance(instances: Sequence[Instance], limits: Limits, now: float, max_mov
                     if y == x:
                         continue
                     gain = abs(err[x]) + abs(err[y]) - abs(err[x] - w) - abs(err[y] + w)
-                    if gain > 1e-12 and (best is None or gain > best[0]):
-                        if limits.violation(instances[y], j, now) is None:
-                            best = (gain, j, x, y, w)
+                    if gain > 1e-12 and (best is None or gain > best[0]) and limits.violation(instances[y], j, now) is None:
+                        best = (gain, j, x, y, w)
         if best is None:
             break
         _, j, x, y, w = best

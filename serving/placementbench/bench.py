@@ -134,14 +134,14 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
     start = max(1, math.floor(rate_a / r1))
     policies: dict[str, dict] = {}
     for p in cfg.placements:
-        a = instances_needed(lambda n: fleet(p, n, rate_a), key, cfg.target_a, start, limit)
-        b = max_rate(lambda r: fleet(p, cfg.instances, r), cfg.instances * r1, target=cfg.target_b, key=key)
+        a = instances_needed(lambda n, p=p: fleet(p, n, rate_a), key, cfg.target_a, start, limit)
+        b = max_rate(lambda r, p=p: fleet(p, cfg.instances, r), cfg.instances * r1, target=cfg.target_b, key=key)
         gw = {}
         for g in cfg.gateways:
             if g == 1:
                 gw["1"] = a["instances_needed"]
                 continue
-            gw[str(g)] = instances_needed(lambda n: fleet(p, n, rate_a, g), key, cfg.target_a,
+            gw[str(g)] = instances_needed(lambda n, p=p, g=g: fleet(p, n, rate_a, g), key, cfg.target_a,
                                           a["instances_needed"] or start, limit)["instances_needed"]
         policies[p] = {**a, "max_rate_at_90_slo": b["max_rate_at_90_slo"], "curve": b["curve"], "gateways": gw}
     base = policies.get("jsq", {}).get("instances_needed")
@@ -158,7 +158,7 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
         for mult in cfg.scaling_rates:
             rr = round(rate_a * mult, 4)
             n = policies[p]["instances_needed"] if mult == 1.0 else instances_needed(
-                lambda k: fleet(p, k, rr), key, cfg.target_a, max(1, math.floor(rr / r1)), limit)["instances_needed"]
+                lambda k, p=p, rr=rr: fleet(p, k, rr), key, cfg.target_a, max(1, math.floor(rr / r1)), limit)["instances_needed"]
             if n:
                 pts.append((rr, n))
         try:

@@ -63,7 +63,14 @@ def run_cli(a: argparse.Namespace) -> int:
 
     from serving.placement import PlacementError, make_placement
     from serving.placement.limits import Limits
-    from serving.placementbench.bench import PLACEMENTS, PlacementBenchConfig, bench_scenario, plot_scenario, print_scenario, write_json
+    from serving.placementbench.bench import (
+        PLACEMENTS,
+        PlacementBenchConfig,
+        bench_scenario,
+        plot_scenario,
+        print_scenario,
+        write_json,
+    )
     from serving.placementbench.scenarios import PLACEMENT_SCENARIOS, build_placement_setup
     from serving.policy.base import PolicyError, make_policy
     from serving.policy.config import PolicyConfig
@@ -91,7 +98,7 @@ def run_cli(a: argparse.Namespace) -> int:
                 setup = build_placement_setup(name, max_requests=a.max_requests, predictor=a.predictor, seed=a.seed)
             bar = tqdm(desc=name, unit="run", leave=False, disable=None)
 
-            def tick(what: str, att: float) -> None:
+            def tick(what: str, att: float, bar=bar) -> None:
                 bar.update(1)
                 bar.set_postfix_str(f"{what}: {att:.3f}")
 
@@ -109,6 +116,75 @@ def run_cli(a: argparse.Namespace) -> int:
     except (PlacementError, PolicyError, PredictorSpecError, WorkloadError, ValueError, FileNotFoundError) as exc:
         print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+
+
+def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
+    from serving.placementbench.fleet import PLACEMENTS
+
+    p = bench_sub.add_parser(
+        "fleet", help="placement policies on real vLLM engines behind the real gateway, same trace",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start two (or --engines) vLLM-CPU engines with the scheduler plug-in, one core each, dummy weights, "
+                    "ignore_eos with max_tokens = each real response length, prefix caching off. For each placement start "
+                    "a `lengthwise serve` gateway attached to them and replay the same ShareGPT trace through it, with "
+                    "the same predictions (x-lengthwise-pred-len, --trust-client-predictions). A calibration burst "
+                    "through stock vLLM first fits the step model: the SLO, Aladdin's latency profile and the default "
+                    "rate come from it, and each replay is simulated beside the measurement.",
+        epilog="examples:\n  lengthwise bench fleet\n  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
+               "Each placement replays the trace in real time (requests / rate seconds), after about a minute of engine start.")
+    p.add_argument("--placements", type=_csv(str), default=list(PLACEMENTS), metavar="P,P,...",
+                   help=f"(default: {','.join(PLACEMENTS)})")
+    p.add_argument("--engines", type=int, default=2, help="engine processes (default: %(default)s)")
+    p.add_argument("--local-policy", default="lengthwise", help="the plug-in's policy in each engine (default: %(default)s)")
+    p.add_argument("--max-requests", type=int, default=160, help="requests per replay (default: %(default)s)")
+    p.add_argument("--rate", type=float, help="req/s (default: the calibrated simulator's 90%% point for JSQ)")
+    p.add_argument("--kv-blocks", type=int, default=160, help="KV blocks of 32 tokens per engine (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--predictor", default="noise:0.55", metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle (default: %(default)s)")
+    p.add_argument("--calibration-requests", type=int, default=64,
+                   help="requests in the burst that fits the step model (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench-results/placement/bench_fleet.json", help="(default: %(default)s)")
+    p.set_defaults(func=run_fleet_cli)
+    return p
+
+
+def run_fleet_cli(a: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+    from rich.console import Console
+
+    from serving.enginebench.bench import EngineBenchError
+    from serving.gateway.launcher import EngineStartError
+    from serving.placement import PlacementError, make_placement
+    from serving.placement.limits import Limits
+    from serving.placementbench.fleet import FleetBenchConfig, run_fleet_bench
+    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.config import PolicyConfig
+    from serving.sim.predictions import PredictorSpecError, make_predictor
+
+    try:
+        for name in a.placements:
+            make_placement(name, Limits(kv_tokens=1024))
+        make_policy(a.local_policy, PolicyConfig(), 64)
+        if a.predictor.startswith("models:"):
+            raise ValueError("--predictor models:/... is not supported here: the fleet bench carries predictions in a header; "
+                             "use noise:ACC, gauss:SIGMA or oracle")
+        cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, local_policy=a.local_policy,
+                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, max_num_seqs=a.max_num_seqs,
+                               predictor=a.predictor, calibration_requests=a.calibration_requests, seed=a.seed)
+        make_predictor(a.predictor)  # a bad spec fails now, before engines start
+        run_fleet_bench(cfg, Path(a.json), Console())
+        return 0
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        print(f"lengthwise: error: --{str(e['loc'][0]).replace('_', '-')}: {e['msg']}", file=sys.stderr)
+        return 2
+    except (PlacementError, PolicyError, PredictorSpecError, ValueError) as exc:
+        print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except (EngineStartError, EngineBenchError, RuntimeError) as exc:  # the engines' own failure, with their log's tail
+        print(f"lengthwise: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def add_scale_parser(sub) -> argparse.ArgumentParser:

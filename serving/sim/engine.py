@@ -100,20 +100,23 @@ def repredict_hook(repredict: Callable[[object, int, Prediction], float] | None,
     return hook
 
 
+def _stat(instances: Sequence[SimInstance], key: str) -> float:
+    return sum(i.policy.stats[key] for i in instances)
+
+
 def summarize_instances(name: str, instances: Sequence[SimInstance], records: dict[int, RequestRecord], slo: SLO,
                         config: PolicyConfig, kv_blocks: int, makespan: float, wall_s: float) -> RunMetrics:
     """One summary over one or more instances: KV and batch figures are per-step averages over all of them."""
     steps = sum(i.steps for i in instances)
     samples = sum(i.kv_samples for i in instances)
-    stat = lambda k: sum(i.policy.stats[k] for i in instances)  # noqa: E731
     return summarize(
         policy=name, records=list(records.values()), slo=slo, makespan=makespan, steps=steps,
         kv_utilization=sum(i.kv_used_tokens for i in instances) / max(samples, 1) / (kv_blocks * config.block_size),
         kv_allocated=sum(i.kv_used_blocks for i in instances) / max(steps, 1) / kv_blocks,
         forward_size=sum(i.fwd_tokens for i in instances) / max(steps, 1),
         batch_size=sum(i.batch for i in instances) / max(steps, 1),
-        preemptions=stat("preemptions"), pauses=stat("pauses"), hosted=stat("hosted"),
-        sched_us_per_step=stat("sched_s") / max(steps, 1) * 1e6, wall_s=wall_s,
+        preemptions=_stat(instances, "preemptions"), pauses=_stat(instances, "pauses"), hosted=_stat(instances, "hosted"),
+        sched_us_per_step=_stat(instances, "sched_s") / max(steps, 1) * 1e6, wall_s=wall_s,
         busy_s=sum(i.busy_s for i in instances),
     )
 

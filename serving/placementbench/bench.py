@@ -79,7 +79,8 @@ def run_fleet(setup: Setup, cfg: PlacementBenchConfig, placement: str, n: int, r
 
 
 def instances_needed(run: Callable[[int], RunMetrics], key: str, target: float, start: int, limit: int) -> dict:
-    """Fewest fleet size whose attainment reaches ``target``, scanning from ``start`` (down while it passes, else up)."""
+    """Fewest fleet size whose attainment reaches ``target``: from ``start``, down one at a time while it passes,
+    else up geometrically (×1.5) until one passes, then bisection (attainment rises with the fleet)."""
     seen: dict[int, RunMetrics] = {}
 
     def ok(n: int) -> bool:
@@ -88,17 +89,25 @@ def instances_needed(run: Callable[[int], RunMetrics], key: str, target: float, 
         return getattr(seen[n], key) >= target
 
     n = max(1, min(start, limit))
+    best: int | None = None
     if ok(n):
         while n > 1 and ok(n - 1):
             n -= 1
-        best: int | None = n
+        best = n
     else:
-        best = None
+        lo = n
         while n < limit:
-            n += 1
+            n = min(limit, max(n + 1, math.ceil(n * 1.5)))
             if ok(n):
                 best = n
                 break
+            lo = n
+        while best is not None and best - lo > 1:
+            mid = (lo + best) // 2
+            if ok(mid):
+                best = mid
+            else:
+                lo = mid
     at = seen.get(best) if best else None
     return {"instances_needed": best,
             "instances_used": at.extra["instances_used"] if at else None,
@@ -127,15 +136,23 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
 
     one = max_rate(lambda r: fleet("jsq", 1, r), setup.scenario.start_rate, target=cfg.target_b, key=key)
     r1 = one["max_rate_at_90_slo"]
-    if not r1 > 0:
-        raise ValueError(f"one instance cannot reach {cfg.target_b:.0%} attainment at any rate tried in {setup.scenario.name}")
-    rate_a = cfg.rate or cfg.instances * r1
+    native = setup.native_rate() if setup.scenario.arrival == "trace" else float("nan")
+    if cfg.rate:
+        rate_a = cfg.rate
+    elif r1 > 0:
+        rate_a = cfg.instances * r1
+    elif native > 0:  # bursty traces: one instance never reaches the target; take the trace at its own pace
+        rate_a = native
+    else:
+        raise ValueError(f"one instance cannot reach {cfg.target_b:.0%} attainment at any rate tried in {setup.scenario.name}; "
+                         "give --rate")
     limit = cfg.max_instances or 4 * cfg.instances
-    start = max(1, math.floor(rate_a / r1))
+    start = max(1, math.floor(rate_a / r1)) if r1 > 0 else 1
+    start_b = cfg.instances * r1 if r1 > 0 else rate_a
     policies: dict[str, dict] = {}
     for p in cfg.placements:
         a = instances_needed(lambda n, p=p: fleet(p, n, rate_a), key, cfg.target_a, start, limit)
-        b = max_rate(lambda r, p=p: fleet(p, cfg.instances, r), cfg.instances * r1, target=cfg.target_b, key=key)
+        b = max_rate(lambda r, p=p: fleet(p, cfg.instances, r), start_b, target=cfg.target_b, key=key)
         gw = {}
         for g in cfg.gateways:
             if g == 1:
@@ -158,7 +175,8 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
         for mult in cfg.scaling_rates:
             rr = round(rate_a * mult, 4)
             n = policies[p]["instances_needed"] if mult == 1.0 else instances_needed(
-                lambda k, p=p, rr=rr: fleet(p, k, rr), key, cfg.target_a, max(1, math.floor(rr / r1)), limit)["instances_needed"]
+                lambda k, p=p, rr=rr: fleet(p, k, rr), key, cfg.target_a, max(1, math.floor(rr / r1)) if r1 > 0 else 1,
+                limit)["instances_needed"]
             if n:
                 pts.append((rr, n))
         try:
@@ -167,7 +185,7 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
             scaling[p] = {"error": str(exc), "points": [{"rate": r, "instances": n} for r, n in pts]}
     meta = {**describe_setup(setup), "local_policy": cfg.local_policy, "attainment": cfg.slo, "target_a": cfg.target_a,
             "target_b": cfg.target_b, "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
-            "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
+            "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
     return {"policies": policies, "scaling": scaling, "_meta": meta}
 
 
@@ -176,7 +194,8 @@ def print_scenario(name: str, res: dict, console: Console) -> None:
     gws = [g for g in meta["gateways"] if g != 1]
     t = Table(title=f"{name}: (a) fewest instances at >= {meta['target_a']:.0%} {meta['attainment']} attainment at "
                     f"{meta['rate_a']:.3g} req/s; (b) max req/s {meta['instances']} instances sustain at >= {meta['target_b']:.0%} "
-                    f"(one instance: {meta['single_instance_max_rate']:.3g} req/s; local policy {meta['local_policy']})")
+                    f"(one instance: {meta['single_instance_max_rate']:.3g} req/s; local policy {meta['local_policy']}; "
+                    f"{meta['requests']} requests)")
     cols = ["placement", "(a) instances", "used", "vs JSQ", "attain.", "p99 JCT (s)", "p99 TTFT (s)", "(b) max req/s", "b vs JSQ",
             *(f"{g} gw: inst." for g in gws), "moves", "would open"]
     for c in cols:

@@ -3,6 +3,8 @@
 * ``sharegpt``: Aladdin's own setting (§6): a Llama-2-13B-shaped model (OPT-13B has the same 40 layers,
   hidden 5120 and full multi-head KV) on A100-80GB, KV = 90% of 80 GB minus 26 GB of weights, ShareGPT
   first turns with Poisson arrivals, roofline step latency.
+* ``sharegpt-kv12``: EcoServe's own setting (§4), the same model with only 12 GB of KV cache: memory,
+  not compute, binds, so where KV-aware placement should matter most.
 * ``azure-code``: the Azure 2023 code trace (real arrival gaps, rescaled to the rate) on Llama-3.1-8B /
   A100 with BLIS coefficients: long prompts, short answers.
 * ``mooncake``: the Mooncake conversation trace on Llama-3.1-8B / H100: very long prompts.
@@ -29,6 +31,8 @@ PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
         PlacementScenario("sharegpt", "Llama-2-13B-shaped model on A100-80GB (46 GB KV), ShareGPT first turns, Poisson "
                                       "arrivals (Aladdin's setting)", "ecoserve-paper",
                           {"kv_bytes": 0.9 * 80e9 - 26e9, "block_size": 16, "max_model_len": 4096}, 3000),
+        PlacementScenario("sharegpt-kv12", "EcoServe's setting: OPT-13B on A100-80GB with 12 GB of KV cache (KV-bound), ShareGPT "
+                                           "first turns, Poisson arrivals", "ecoserve-paper", {}, 3000),
         PlacementScenario("azure-code", "Azure 2023 code trace (real gaps, rescaled) on Llama-3.1-8B / A100, BLIS step model",
                           "llama8b-a100", {"workload": "traces/AzureLLMInferenceTrace_code_2023.csv", "arrival": "trace"}, 3000),
         PlacementScenario("mooncake", "Mooncake conversation trace (real gaps, rescaled) on Llama-3.1-8B / H100: 13.7k-token "

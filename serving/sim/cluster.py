@@ -5,7 +5,8 @@ placement (serving.placement, the same objects the gateway uses) picks an instan
 Events are arrivals, step ends on any instance, and the placement heartbeat (Aladdin Alg. 2's
 re-balancing). Deterministic: ties are broken by instance index and the placements' own seeds.
 
-Several gateways: arrivals are dealt to ``gateways`` replicas in turn, and each keeps its own view,
+Several gateways: each arrival goes to a random replica (as kube-proxy's default mode picks a Service
+endpoint), and each replica keeps its own view,
 as deployed replicas do: the jobs it placed itself, tracked exactly, plus what it last read from the
 engines' metrics about the rest (their count and KV in use; not their predictions) every
 ``refresh_s``. Between reads a replica does not see the others' new requests, which is what sharing
@@ -15,6 +16,7 @@ instances costs.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -108,6 +110,7 @@ def simulate_cluster(requests: Sequence, predictions: Sequence[Prediction], cc: 
     next_beat = cc.rebalance_s if rebalancing else math.inf
     next_refresh = cc.refresh_s if shared else math.inf
     dirty = [False] * len(fleet)
+    dealer = random.Random(cc.seed)  # the load balancer in front of the gateways: a random replica per request
     now = 0.0
     nxt = 0
     t_wall = time.perf_counter()
@@ -140,7 +143,7 @@ def simulate_cluster(requests: Sequence, predictions: Sequence[Prediction], cc: 
         while nxt < len(order) and order[nxt].arrival <= now:
             tr = order[nxt]
             nxt += 1
-            g = tr.rid % cc.gateways if shared else 0
+            g = dealer.randrange(cc.gateways) if shared else 0
             pred = preds[tr.rid]
             job = Job(tr.rid, tr.prompt_tokens, max(1.0, pred.length), arrival=tr.arrival)
             i = gws[g].placement.choose(gws[g].views, job, now)

@@ -90,7 +90,8 @@ def test_lengthwise_spreads_and_p2c_checks_kv_room():
     p, _ = _placer("lengthwise")
     for v in p.views:
         p.report(v, _report(0.0))
-    assert [p.choose(_job(i), frozenset(), 1.0) for i in range(4)] == [0, 1, 0, 1]
+    picks = [p.choose(_job(i), frozenset(), 1.0) for i in range(8)]  # one of the two least loaded: both, here
+    assert set(picks) == {0, 1} and p.policy.stats["placed"] == 8
     p2, _ = _placer("p2c")
     p2.report(p2.views[0], _report(0.0, blocks=4))  # 128 tokens of KV: the smallest engine sets the fleet's limit
     p2.report(p2.views[1], _report(0.0))
@@ -164,7 +165,7 @@ def test_stale_or_missing_reports_fall_back_to_jsq_and_count_why():
 
 
 def test_a_request_on_a_view_from_placement_to_finish_drop_and_take_out():
-    p, _ = _placer("lengthwise")
+    p, _ = _placer("aladdin")  # deterministic on empty engines: the first
     for v in p.views:
         p.report(v, _report(0.0))
     v0, v1 = p.views

@@ -60,9 +60,11 @@ def test_aladdin_keeps_projected_kv_within_capacity_whenever_some_instance_could
     if feasible:
         assert i in feasible and p.stats["would_open"] == 0
         assert lim.kv_peak_blocks(insts[i].jobs.values(), job) <= lim.kv_blocks
-        loads = [lim.capacity_norm(insts[k]) for k in feasible]
-        want = max(loads) if name == "aladdin" else min(loads)
-        assert lim.capacity_norm(insts[i]) == want  # best fit (most loaded) / worst fit (least loaded)
+        loads = sorted(lim.capacity_norm(insts[k]) for k in feasible)
+        if name == "aladdin":  # best fit: the most loaded
+            assert lim.capacity_norm(insts[i]) == loads[-1]
+        else:  # ours: one of the two least loaded
+            assert lim.capacity_norm(insts[i]) in loads[:2]
     else:
         assert p.stats["would_open"] == 1
         assert lim.capacity_norm(insts[i]) == min(lim.capacity_norm(x) for x in insts)

@@ -11,9 +11,10 @@ constraint that rejected each candidate).
   predicted KV, the one whose heavy:light decode mix stays lowest.
 * ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
   constraint; otherwise the least loaded, counted as ``would_open``.
-* ``lengthwise``: Aladdin's constraints with the opposite choice: the least loaded feasible instance
-  (worst fit). With a fixed fleet nothing is gained by packing, and spreading the predicted work keeps
-  every batch small; which one serves more within the SLO is what ``lengthwise bench placement`` measures.
+* ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
+  instances. With a fixed fleet nothing is gained by packing, spreading the predicted work keeps every
+  batch small, and the random pick of two keeps gateway replicas with stale views from herding; which
+  serves more within the SLO is what ``lengthwise bench placement`` measures.
 """
 
 from __future__ import annotations
@@ -127,13 +128,12 @@ class Aladdin(Placement):
     name = "aladdin"
     needs_limits = True
     rebalances = True
-    most_loaded_first = True
 
     def _choose(self, instances, ok, job, now):
         lim = self.limits
         assert lim is not None
         load = {i: lim.capacity_norm(instances[i]) for i in ok}
-        order = sorted(ok, key=lambda i: (-load[i], i) if self.most_loaded_first else (load[i], i))
+        order = sorted(ok, key=lambda i: (-load[i], i))
         for i in order:
             why = lim.violation(instances[i], job, now)
             if why is None:
@@ -144,8 +144,37 @@ class Aladdin(Placement):
 
 
 class Spread(Aladdin):
+    """Ours: Aladdin's constraints, then a random one of the two least loaded feasible instances.
+
+    Least loaded rather than most (no instance is saved by packing a fixed fleet), and one of two rather
+    than the single least loaded: several gateway replicas see each other's requests only at their
+    metrics refresh, and all of them sending to the same least-loaded instance in between is the herding
+    that choosing among two breaks (measured in ``lengthwise bench placement --gateways``).
+    """
+
     name = "lengthwise"
-    most_loaded_first = False
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+        super().__init__(limits, seed)
+        self.rng = random.Random(seed)
+
+    def _choose(self, instances, ok, job, now):
+        lim = self.limits
+        assert lim is not None
+        load = {i: lim.capacity_norm(instances[i]) for i in ok}
+        feasible: list[int] = []
+        for i in sorted(ok, key=lambda i: (load[i], i)):
+            why = lim.violation(instances[i], job, now)
+            if why is None:
+                feasible.append(i)
+                if len(feasible) == 2:
+                    return self.rng.choice(feasible)
+            else:
+                self.stats[f"rejected_{why}"] += 1
+        if feasible:
+            return feasible[0]
+        self.stats["would_open"] += 1
+        return min(ok, key=lambda i: (load[i], i))
 
 
 _ALIASES = {"least-outstanding": "jsq", "power-of-two": "p2c", "rr": "round-robin"}

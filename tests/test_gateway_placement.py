@@ -238,3 +238,44 @@ def test_prompt_tokens_without_a_tokenizer_and_streamed_token_counts():
     relay.relay('{"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}')
     relay.relay('{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}')  # no output: not a token
     assert relay.token_events == 2
+
+
+def test_a_stream_cut_off_before_its_engine_call_started_fails_over_instead_of_hanging():
+    """take_out cancels the engine calls in flight; a call cancelled before its first step never runs its own
+    handler, so the stream's reader must learn of it from the task itself (this hung a request once)."""
+    import asyncio
+
+    from serving.gateway.errors import ApiError
+    from serving.gateway.forward import Forwarder
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.gateway.pool import EnginePool
+
+    settings = GatewaySettings(engine_urls=["http://127.0.0.1:9"])
+    metrics = GatewayMetrics()
+    pool = EnginePool(settings.engine_urls, settings, metrics)
+    engine = pool.engines[0]
+    engine.healthy = True
+    pool.placer.rejoin(engine.view)  # as a passed probe does
+    fw = Forwarder(pool, settings, metrics)
+    req = validate("completion", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 4}, {"m"})
+
+    async def main() -> ApiError:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(pool.take_out, engine)  # queued before the call's first step, which forward() queues inline
+        watchdog = loop.call_later(10, asyncio.current_task().cancel)
+        try:
+            await fw.forward(req, dict(req.body), {}, Job(1, 4, 4.0), lambda _o: None)
+        except ApiError as exc:
+            return exc
+        except asyncio.CancelledError:
+            raise AssertionError("the request hung after its engine was taken out") from None
+        finally:
+            watchdog.cancel()
+            await fw.aclose()
+            await pool.client.aclose()
+        raise AssertionError("the request should have failed over")
+
+    err = asyncio.run(main())
+    assert err.status == 503 and "taken out by its health checks" in str(err.args)
+    assert metrics.engine_retries.labels("engine-0", "engine_down")._value.get() == 0  # no engine left to retry on
+    assert not engine.view.inst.jobs

@@ -189,6 +189,13 @@ class Forwarder:
         task = asyncio.get_running_loop().create_task(pump())
         engine.calls.add(task)
         task.add_done_callback(engine.calls.discard)
+
+        def cancelled(t: asyncio.Task) -> None:
+            """A pump cancelled before it ran never reached its own handler: say so, or the reader waits forever."""
+            if t.cancelled():
+                q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
+
+        task.add_done_callback(cancelled)
         released = False
 
         def release(generated: int | None = None, complete: bool = False) -> None:

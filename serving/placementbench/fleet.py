@@ -223,7 +223,9 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                 "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
                                                    "throughput_rps")},
             }
-            _table(results, console)
+            r = results[placement]
+            console.print(f"  {placement}: TTFT+ATGT attainment {r['ttft_tpot_attainment']:.3f} (simulated "
+                          f"{r['sim']['ttft_tpot_attainment']:.3f}), throughput {r['throughput_rps']:.3g} req/s")
     finally:
         stop_engines(procs)
     for base in ("round-robin", "jsq"):
@@ -237,7 +239,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
            "work_dir": str(work)}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=1, default=float))
-    _table(results, console, final=True)
+    _table(results, console)
     past = [p for p, r in results.items() if r["throughput_rps"] < 0.9 * rate]
     if past:
         console.print(f"[yellow]warning[/]: {', '.join(past)} served under 90% of the offered {rate:.3g} req/s: the fleet ran "
@@ -277,9 +279,7 @@ def _wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
     raise RuntimeError(f"the gateway at {url} was not ready after {timeout_s:.0f} s")
 
 
-def _table(results: dict[str, Any], console: Console, final: bool = False) -> None:
-    if not final:
-        return
+def _table(results: dict[str, Any], console: Console) -> None:
     t = Table(title="placement on real engines behind the gateway (same trace; attainment: TTFT and ATGT within target)")
     for c in ("placement", "completed", "TTFT+ATGT att.", "JCT SLO att.", "goodput (req/s)", "vs RR", "vs JSQ", "p99 JCT (s)",
               "p99 TTFT (s)", "per engine", "sim att."):

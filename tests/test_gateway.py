@@ -131,7 +131,15 @@ def gw_hung(fleet, silent_sidecar, logs):
 def gw_aladdin(fleet, logs):
     """A gateway on the same engines placing by Aladdin's best fit; with --model it counts prompts with the tokenizer."""
     gw = start_gateway(logs, *_attach(fleet), "--placement", "aladdin", "--engine-max-num-seqs", str(MAX_NUM_SEQS),
-                       "--model", fleet.model, "--load-interval", "1", "--health-timeout", "2", "--trust-client-predictions")
+                       "--model", fleet.model, "--load-interval", "1", "--health-timeout", "2")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_trusting(fleet, logs):
+    """A gateway on the same engines that takes a client's x-lengthwise-pred-len."""
+    gw = start_gateway(logs, *_attach(fleet), "--trust-client-predictions")
     yield gw
     gw.stop()
 
@@ -448,20 +456,20 @@ def test_aladdin_placement_on_the_engines_metrics(fleet, gw_aladdin):
     assert gw_aladdin.metric("lengthwise_gateway_placement_fallbacks_total") == 0
 
 
-def test_a_trusted_client_prediction_replaces_the_sidecars(fleet, gw_aladdin):
+def test_a_trusted_client_prediction_replaces_the_sidecars(fleet, gw_trusting):
     body = {"model": fleet.model, "prompt": "count to three", "max_tokens": 12, "ignore_eos": True}
-    r = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "7"})
+    r = gw_trusting.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "7"})
     assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] == "client" and r.headers["x-lengthwise-pred-len"] == "7"
-    r = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "4000"})
+    r = gw_trusting.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "4000"})
     assert r.status_code == 200 and r.headers["x-lengthwise-pred-len"] == "12"  # clamped to max_tokens
-    bad = gw_aladdin.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "soon"})
+    bad = gw_trusting.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "soon"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-lengthwise-pred-len"
     assert "number of output tokens" in bad.json()["error"]["message"]
-    assert gw_aladdin.post("/v1/completions", json=body).headers["x-lengthwise-prediction"] == "fallback:disabled"
+    assert gw_trusting.post("/v1/completions", json=body).headers["x-lengthwise-prediction"] == "fallback:disabled"
     # a gateway that does not trust its clients ignores the header
     r = fleet.post("/v1/completions", json=body, headers={"x-lengthwise-pred-len": "7"})
     assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] != "client"
-    assert gw_aladdin.metric("lengthwise_gateway_predictions_total", source="client") == 2
+    assert gw_trusting.metric("lengthwise_gateway_predictions_total", source="client") == 2
 
 
 # --- faults: a hung engine is skipped until it recovers; an engine dies under load; the gateway stops its engines ----
@@ -513,6 +521,9 @@ def test_hung_engine_is_taken_out_and_comes_back(fleet, gw_aladdin):
     # and back in the aladdin gateway's placement, with a fresh load report: the second engine takes what the first cannot
     wait_for(lambda: _engine_state(gw_aladdin, "engine-1")["load_report_age_s"] is not None, timeout=30,
              what="the aladdin gateway to read the engine's load again")
+    # and until its reports no longer show the fleet's burst above (else best fit counts it against engine-0's batch)
+    wait_for(lambda: all(e["other_requests"] == 0 and e["outstanding"] == 0 for e in gw_aladdin.get("/health").json()["engines"]),
+             timeout=30, what="the aladdin gateway's views to be empty")
     results = loop.run_until_complete(asyncio.wait_for(_burst(gw_aladdin.url, fleet.model, 6, 40), 120))
     loop.close()
     assert [r[0] for r in results] == [200] * 6
@@ -547,7 +558,7 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
     # the aladdin gateway sees the fleet's stream in the victim's load report, so best fit puts its own stream there
     # too, and then its burst: two more there (up to --max-num-seqs 4), the rest on the other engine
-    wait_for(lambda: _engine_state(gw_aladdin, victim_name)["other_requests"] >= 1, timeout=10,
+    wait_for(lambda: _engine_state(gw_aladdin, victim_name)["other_requests"] >= 1, timeout=30,
              what="the fleet's stream in the aladdin gateway's view of the engine")
     a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=1500,
                                                           stream=True, extra_body={"ignore_eos": True})
@@ -612,3 +623,4 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     r = gw_hung.post("/v1/completions", json={"model": model, "prompt": "anyone?", "max_tokens": 3})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable" and time.perf_counter() - t0 < 5
     assert gw_hung.get("/health").json()["status"] == "degraded"
+

@@ -55,10 +55,10 @@ class Limits:
     # -- projections -----------------------------------------------------------------------------
     def kv_peak_blocks(self, jobs: Iterable[Job], extra: Job | None = None) -> float:
         """Peak KV blocks over every future step if each job runs exactly its planned length from now."""
-        pairs = sorted(((j.remaining, j.context) for j in jobs), key=lambda p: p[0])
+        pairs = [(j.remaining, j.context) for j in jobs]
         if extra is not None:
             pairs.append((extra.remaining, extra.context))
-            pairs.sort(key=lambda p: p[0])
+        pairs.sort(key=lambda p: p[0])
         n = len(pairs)
         if not n:
             return 0.0

@@ -41,9 +41,9 @@ def _coefficients(limits: Limits) -> tuple[float, float]:
     return alpha, beta
 
 
-def errors(instances: Sequence[Instance], limits: Limits, consume: bool = True) -> list[float]:
-    """Each instance's new prediction error as decode step time; ``consume`` marks the events as used."""
-    alpha, beta = _coefficients(limits)
+def errors(instances: Sequence[Instance], alpha: float, beta: float, consume: bool = True) -> list[float]:
+    """Each instance's new prediction error as decode step time (``alpha``, ``beta`` from :func:`_coefficients`);
+    ``consume`` marks the events as used."""
     out = []
     for inst in instances:
         l_e, b_e = inst.early_tokens, -inst.early_count
@@ -61,8 +61,8 @@ def errors(instances: Sequence[Instance], limits: Limits, consume: bool = True) 
 
 def rebalance(instances: Sequence[Instance], limits: Limits, now: float, max_moves: int = 64) -> list[Move]:
     """Plan moves of not-started jobs; the caller applies them (instance views and engines both)."""
-    err = errors(instances, limits)
     alpha, beta = _coefficients(limits)
+    err = errors(instances, alpha, beta)
     moves: list[Move] = []
     moved: set[int] = set()
     live = [i for i, e in enumerate(instances) if e.healthy]

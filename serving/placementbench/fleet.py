@@ -83,9 +83,9 @@ def _engine_args(cfg: FleetBenchConfig) -> list[str]:
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
 
 
-def _records(results, reqs, t0_offsets) -> list[RequestRecord]:
+def _records(results, reqs, jct_limits) -> list[RequestRecord]:
     out = []
-    for res, r, slo_limit in zip(results, reqs, t0_offsets):
+    for res, r, slo_limit in zip(results, reqs, jct_limits):
         rec = RequestRecord(r.rid, res.sent, r.prompt_tokens, r.output_tokens, slo_limit)
         if res.ok and res.ttft is not None and res.jct is not None:
             rec.first_token = res.sent + res.ttft

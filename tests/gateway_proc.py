@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,27 +16,15 @@ import httpx
 from tests.conftest import free_port, metric_values
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def dummy_llama(model_dir: Path, tokenizer_json: Path) -> Path:
-    """A 2-layer Llama config (weights come from ``--load-format dummy``) with the GPT-2 tokenizer and a chat template.
+    """The product's ``micro`` dummy-weight Llama (2 layers; weights from ``--load-format dummy``) with the GPT-2
+    tokenizer and a chat template: head_dim 64 and block 32 are what vLLM's CPU attention accepts
+    (tests/engine_probe.py)."""
+    from serving.enginebench.model import dummy_model
 
-    head_dim 64 and block 32: what vLLM's CPU attention accepts (tests/engine_probe.py); the vocabulary covers
-    GPT-2's 50,257 tokens.
-    """
-    from transformers import LlamaConfig
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(tokenizer_json, model_dir / "tokenizer.json")
-    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=50304, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-                bos_token_id=50256, eos_token_id=50256).save_pretrained(model_dir)
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>", "model_max_length": 2048, "chat_template": CHAT_TEMPLATE}))
-    return model_dir
+    return Path(dummy_model("micro", 2048, model_dir, tokenizer_json))
 
 
 @dataclass

@@ -31,8 +31,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--rates", metavar="R,R,...", help="arrival rates in req/s (default: 1.0x and 1.5x the rate stock vLLM "
                                                      "sustains at 90%% SLO, as the calibrated simulator predicts)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV pool in blocks of 32 tokens (default: %(default)s)")
-    p.add_argument("--shape", choices=["tiny", "smollm2"], default="tiny",
-                   help="dummy-weight model: tiny (4 layers, hidden 256) or SmolLM2-135M's shape (default: %(default)s)")
+    p.add_argument("--shape", choices=["micro", "tiny", "smollm2"], default="tiny",
+                   help="dummy-weight model: micro (2 layers, hidden 256: smoke runs), tiny (4 layers, hidden 256) or "
+                        "SmolLM2-135M's shape (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context limit; trace requests longer than this are skipped (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

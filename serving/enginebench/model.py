@@ -1,6 +1,6 @@
 """Dummy-weight Llama directories for the benchmarks: a config (weights come from ``load_format="dummy"``).
 
-``tiny`` replays hundreds of requests in minutes on this CPU; ``smollm2`` has SmolLM2-135M's shape (30
+``micro`` starts and serves fastest (smoke runs, tests); ``tiny`` replays hundreds of requests in minutes on this CPU; ``smollm2`` has SmolLM2-135M's shape (30
 layers, hidden 576), the real model this machine serves. With a tokenizer (an HTTP server needs one to
 read text prompts) the vocabulary is GPT-2's, rounded up; without, 4,096 ids for token-id prompts.
 """
@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 SHAPES: dict[str, dict[str, int]] = {
+    "micro": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4},  # the fastest to start and serve: smoke runs and the tests' engines
     "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 4},
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

@@ -108,6 +108,33 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         return JSONResponse(error_body(f"internal gateway error ({type(exc).__name__}); see the gateway log", "server_error"),
                             status_code=500)
 
+    async def _unless_client_leaves(request: Request, call) -> Response | None:
+        """Await ``call``, or cancel it and return None when the client disconnects first.
+
+        Why: a non-streamed answer is sent only when complete, so nothing else notices a client that gave up
+        (a timeout, a closed tab); its engine would go on generating an answer nobody reads. Cancelling the
+        call closes the engine connection, and vLLM aborts the request when its client disconnects.
+        """
+        answer = asyncio.ensure_future(call)
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if not answer.done():  # the client left first
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            return None
+        return answer.result()
+
     async def generate(request: Request, kind: Kind) -> Response:
         t0 = time.perf_counter()
         arrival = time.time()
@@ -140,7 +167,14 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
             prompt_tokens, method = prompts.count(req)
             metrics.prompt_token_counts.labels(method).inc()
             job = Job(next(rids), prompt_tokens, float(pred.tokens * req.outputs), arrival=time.monotonic())
-            resp = await forwarder.forward(req, body, headers, job, on_done)
+            if req.stream:  # a stream notices its client leaving itself (Starlette cancels the relay)
+                resp = await forwarder.forward(req, body, headers, job, on_done)
+            else:
+                resp = await _unless_client_leaves(request, forwarder.forward(req, body, headers, job, on_done))
+                if resp is None:
+                    count(endpoint, 499)
+                    log.info("request %s: the client went away before its answer; the engine call was cancelled", rid)
+                    return Response(status_code=499)
         except ApiError as exc:
             count(endpoint, exc.status)
             resp = exc.response()

@@ -118,7 +118,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
     g.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="engine probe interval (default: %(default)s)")
     g.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
-                   help="a probe slower than this fails; two failures in a row take an engine out (default: %(default)s)")
+                   help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
+                        "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p

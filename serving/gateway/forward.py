@@ -145,6 +145,7 @@ class Forwarder:
         except BaseException:
             self.pool.drop(engine, job)
             raise
+        engine.progressed()
         if r.status_code != 200:
             self.pool.drop(engine, job)
             if await self._retry_status(engine, r.status_code):
@@ -172,6 +173,7 @@ class Forwarder:
                         q.put_nowait(("status", r.status_code, await r.aread()))
                         return
                     async for data in sse_data(r.aiter_lines()):
+                        engine.progressed()
                         q.put_nowait(("data", data))
                 q.put_nowait(("end",))
             except asyncio.CancelledError:

@@ -38,6 +38,9 @@ class GatewayMetrics:
         self.stream_errors = Counter(p + "stream_errors", "streams cut off after tokens were sent (ended with an error event)",
                                      ["engine"], registry=r)
         self.engine_outstanding = Gauge(p + "engine_outstanding", "requests in flight per engine", ["engine"], registry=r)
+        self.engine_busy_probes = Counter(p + "engine_busy_probes", "health probes slower than --health-timeout on an "
+                                          "engine whose calls were receiving bytes (busy, not hung: not taken out)",
+                                          ["engine"], registry=r)
         self.engine_healthy = Gauge(p + "engine_healthy", "1 when the engine passes its health checks", ["engine"], registry=r)
         self.output_tokens = Counter(p + "output_tokens", "generated tokens reported by the engines", registry=r)
         self.plugin_scrape_errors = Counter(p + "plugin_scrape_errors", "engines whose scheduler metrics did not answer a scrape",

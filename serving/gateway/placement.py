@@ -108,7 +108,7 @@ class GatewayPlacement:
         """A fresh load report of ``v``: replace its synthetic jobs, and learn its KV capacity."""
         v.report = report
         if report.kv_tokens:
-            v.capacity = report.kv_tokens
+            v.capacity = v.inst.kv_tokens = report.kv_tokens  # each engine's own: a fleet may mix GPU sizes
             self._update_limits(report.block_size or 16)
         self._apply_others(v)
 
@@ -141,6 +141,7 @@ class GatewayPlacement:
         v.others = excess
 
     def _update_limits(self, block_size: int) -> None:
+        # the fleet-wide capacity stands in for an engine that has not reported yet: the smallest known, to be safe
         kv = min(v.capacity for v in self.views if v.capacity)
         if self.limits is not None and self.limits.kv_tokens == kv and self.limits.block_size == block_size:
             return

@@ -2,7 +2,12 @@
 
 Health comes from two sides. A probe loop asks every engine's ``/health`` every ``health_interval_s``;
 ``unhealthy_after`` failed probes in a row take it out of placement, one good probe brings it back (and
-refreshes its model list). And a request that cannot connect, or loses its connection, asks for a probe
+refreshes its model list). A probe that is only slow does not count against an engine that is visibly
+working: if any of its calls received bytes within the time its failing probes take
+(``unhealthy_after`` × (``health_interval_s`` + ``health_timeout_s``)), it is busy, not hung (a vLLM API
+server streaming many answers on a shared core can take seconds to answer ``/health``), and taking it out
+would cut answers that are flowing; the probe is counted as ``engine_busy_probes``. A hung engine sends
+nothing, so it is taken out at most that long after its last byte. And a request that cannot connect, or loses its connection, asks for a probe
 at once, so a crashed engine is skipped within milliseconds rather than a probe interval. When an engine
 is taken out, its calls in flight are cancelled: requests that had not sent anything to their client
 are then retried elsewhere instead of waiting on an engine that may never answer (a hung process keeps
@@ -43,6 +48,11 @@ class Engine:
     models: set[str] = field(default_factory=set)
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
+    last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
+
+    def progressed(self) -> None:
+        """A call received bytes: the engine is working, whatever its /health says."""
+        self.last_progress = time.monotonic()
 
     @property
     def outstanding(self) -> int:
@@ -63,6 +73,7 @@ class EnginePool:
         self._tasks: list[asyncio.Task] = []
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()
+        self._busy_window_s = settings.unhealthy_after * (settings.health_interval_s + settings.health_timeout_s)
         metrics.watch_placement(self.placer.stats)
         for e in self.engines:
             metrics.engine_healthy.labels(e.name).set(0)
@@ -106,7 +117,9 @@ class EnginePool:
                 self._spawn_load([e])  # its view is empty: read its load now rather than at the next interval
         else:
             e.failures += 1
-            if e.healthy and ((immediate and hard) or e.failures >= self.settings.unhealthy_after):
+            if not hard and e.healthy and time.monotonic() - e.last_progress < self._busy_window_s:
+                self.metrics.engine_busy_probes.labels(e.name).inc()  # slow, but answers are flowing: busy, not hung
+            elif e.healthy and ((immediate and hard) or e.failures >= self.settings.unhealthy_after):
                 self.take_out(e)
         return ok
 

@@ -28,7 +28,8 @@ from serving.sim.latency import LatencyModel, StepShape
 
 @dataclass
 class Limits:
-    kv_tokens: int                     # KV capacity of one instance, in tokens (blocks × block_size)
+    kv_tokens: int                     # KV capacity of an instance, in tokens (blocks × block_size); an
+                                       # Instance's own kv_tokens replaces it for that instance
     block_size: int = 16
     max_num_seqs: int = 256
     chunk_tokens: int = 2048           # prefill is priced in chunks of max_num_batched_tokens
@@ -51,6 +52,10 @@ class Limits:
     @property
     def kv_blocks(self) -> float:
         return self.kv_tokens / self.block_size
+
+    def kv_tokens_of(self, inst: Instance) -> int:
+        """The KV capacity of ``inst``: its own when known (a fleet of mixed engines), else the fleet's."""
+        return inst.kv_tokens or self.kv_tokens
 
     # -- projections -----------------------------------------------------------------------------
     def kv_peak_blocks(self, jobs: Iterable[Job], extra: Job | None = None) -> float:
@@ -132,7 +137,7 @@ class Limits:
     def violation(self, inst: Instance, job: Job, now: float) -> str | None:
         """The first constraint that placing ``job`` on ``inst`` breaks (kv, atgt, ttft, slack), or None."""
         jobs = inst.jobs.values()
-        if self.kv_peak_blocks(jobs, job) > self.kv_margin * self.kv_blocks:
+        if self.kv_peak_blocks(jobs, job) > self.kv_margin * self.kv_tokens_of(inst) / self.block_size:
             return "kv"
         b = len(inst.jobs) + 1
         if self.weighted_context(jobs) + job.prompt_len + self.gamma * job.planned_len > self.theta * self.context_limit(b):
@@ -163,4 +168,4 @@ class Limits:
         ctx = self.weighted_context(inst.jobs.values())
         if extra is not None:
             ctx += extra.prompt_len + self.gamma * extra.planned_len
-        return math.hypot(b / self.max_num_seqs, ctx / self.kv_tokens)
+        return math.hypot(b / self.max_num_seqs, ctx / self.kv_tokens_of(inst))

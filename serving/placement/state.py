@@ -53,6 +53,7 @@ class Instance:
     early_tokens: float = 0.0
     early_count: int = 0
     overruns_seen: set[int] = field(default_factory=set)  # jobs whose overrun Alg. 2 already used
+    kv_tokens: int | None = None  # this instance's KV capacity when it differs from the fleet's (mixed hardware)
 
     @property
     def outstanding(self) -> int:

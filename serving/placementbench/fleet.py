@@ -188,10 +188,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                     "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
                     "--slo-scale", str(cfg.slo_scale), "--slo-ttft-ms", f"{slo.ttft_s * 1e3:.3f}",
                     "--slo-tpot-ms", f"{slo.tpot_s * 1e3:.3f}", "--engine-max-num-seqs", str(cfg.max_num_seqs),
-                    "--load-interval", "1", "--model", model, "--log-level", "warning",
-                    # engines, gateway and client share this machine's cores: a busy engine's /health can take
-                    # seconds, which must not take it out (and cut its streams) in the middle of a replay
-                    "--health-timeout", "30"]
+                    "--load-interval", "1", "--model", model, "--log-level", "warning"]
             if placement in ("aladdin", "lengthwise"):
                 args += ["--latency-profile", str(profile)]
             for p in procs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from serving.argtypes import OneLineParser
+
 
 def _bench_predictor(a: argparse.Namespace) -> int:
     from training.bench import run_bench
@@ -130,7 +132,7 @@ def _registry(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lengthwise", description="Response-length-aware LLM serving: the serving endpoint, simulation, benchmarks and registry tools.")
+    p = OneLineParser(prog="lengthwise", description="Response-length-aware LLM serving: the serving endpoint, simulation, benchmarks and registry tools.")
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
@@ -245,7 +247,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, one line on stderr): a code, for callers of main()
+        return exc.code if isinstance(exc.code, int) else 2
     if args.command not in ("simulate", "bench") or getattr(args, "bench", "sim") != "sim":
         return int(args.func(args) or 0)
     try:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from serving.argtypes import comma_list
+
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     """Register ``bench engine`` under the ``lengthwise bench`` group."""
@@ -28,7 +30,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "(default: %(default)s, our trained predictor's top-1 accuracy)")
     p.add_argument("--workload", metavar="PATH", help="trace or prompt file (default: ShareGPT first turns in $LENGTHWISE_DATA)")
     p.add_argument("--max-requests", type=int, default=200, help="requests per replay (default: %(default)s)")
-    p.add_argument("--rates", metavar="R,R,...", help="arrival rates in req/s (default: 1.0x and 1.5x the rate stock vLLM "
+    p.add_argument("--rates", metavar="R,R,...", type=comma_list(float, "1.5,3"), help="arrival rates in req/s (default: 1.0x and 1.5x the rate stock vLLM "
                                                      "sustains at 90%% SLO, as the calibrated simulator predicts)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV pool in blocks of 32 tokens (default: %(default)s)")
     p.add_argument("--shape", choices=["micro", "tiny", "smollm2"], default="tiny",
@@ -60,11 +62,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
-    try:
-        rates = [float(r) for r in a.rates.split(",")] if a.rates else None
-    except ValueError:
-        print(f"lengthwise: error: --rates expects numbers like 1.5,3 (got {a.rates!r})", file=sys.stderr)
-        return 2
+    rates = a.rates
     try:
         make_policy(a.policy, PolicyConfig(), 64)
         kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale)) if v is not None}

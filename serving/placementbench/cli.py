@@ -7,14 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
+from serving.argtypes import comma_list
 
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
@@ -35,7 +28,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "JSON: policies -> NAME -> instances_needed, instances_used, max_rate_at_90_slo, gateways, curve; "
                "scaling -> NAME -> k5, c5 (with several scenarios: scenarios -> SCENARIO -> the same).")
     p.add_argument("--scenario", default="sharegpt", choices=[*PLACEMENT_SCENARIOS, "all"], help="(default: %(default)s)")
-    p.add_argument("--placements", type=_csv(str), default=None, metavar="P,P,...",
+    p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=None, metavar="P,P,...",
                    help="placements to compare (default: round-robin,jsq,p2c,aladdin,lengthwise)")
     p.add_argument("--instances", type=int, default=4, help="fleet size for (b), and (a)'s rate is this many single-instance "
                                                             "capacities (default: %(default)s)")
@@ -44,7 +37,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--slo", choices=["ttft-atgt", "jct"], default="ttft-atgt",
                    help="attainment: TTFT and average token time both within target (Aladdin), or EcoServe's JCT SLO "
                         "(default: %(default)s)")
-    p.add_argument("--gateways", type=_csv(int), default=[1], metavar="G,G,...",
+    p.add_argument("--gateways", type=comma_list(int, "1,2,4"), default=[1], metavar="G,G,...",
                    help="gateway replicas sharing the fleet, each with its own view (default: 1)")
     p.add_argument("--refresh-s", type=float, default=1.0, help="how often a gateway reads the engines' metrics (default: %(default)s)")
     p.add_argument("--predictor", default=None, metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle | models:/NAME@ALIAS "
@@ -132,7 +125,7 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                     "rate come from it, and each replay is simulated beside the measurement.",
         epilog="examples:\n  lengthwise bench fleet\n  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
                "Each placement replays the trace in real time (requests / rate seconds), after about a minute of engine start.")
-    p.add_argument("--placements", type=_csv(str), default=list(PLACEMENTS), metavar="P,P,...",
+    p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=list(PLACEMENTS), metavar="P,P,...",
                    help=f"(default: {','.join(PLACEMENTS)})")
     p.add_argument("--engines", type=int, default=2, help="engine processes (default: %(default)s)")
     p.add_argument("--local-policy", default="lengthwise", help="the plug-in's policy in each engine (default: %(default)s)")

@@ -1,0 +1,32 @@
+"""argparse value types shared by the ``lengthwise`` commands."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def comma_list(kind: Callable[[str], T], example: str = "1,2") -> Callable[[str], list[T]]:
+    """An argparse ``type`` for ``A,B,...``: a bad item is argparse's one-line error (exit 2), with an example."""
+    def parse(text: str) -> list[T]:
+        try:
+            items = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            items = []
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list like {example}, got {text!r}")
+        return items
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2): an operator greps a log line, not a usage block.
+
+    Subcommand parsers inherit the class, so every ``lengthwise`` command answers the same way.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -369,9 +369,22 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
     """A non-streamed answer is sent only when whole: a client that gives up before must not leave its engine
     generating for nobody. The gateway cancels its engine call, and vLLM aborts the request (its own log says so)."""
     gone0 = fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="499")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(fleet.url + "/v1/completions", timeout=1.5,
-                   json={"model": fleet.model, "prompt": "an answer nobody waits for", "max_tokens": 1900, "ignore_eos": True})
+    body = json.dumps({"model": fleet.model, "prompt": "an answer nobody waits for", "max_tokens": 1900,
+                       "ignore_eos": True}).encode()
+    host, port = fleet.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:  # a client that leaves once it was sent on
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            wait_for(lambda: sum(e["outstanding"] for e in fleet.get("/health").json()["engines"]) >= 1, timeout=30,
+                     what="the request to reach an engine")
+        except AssertionError as exc:
+            conn.settimeout(1)
+            try:
+                answer = conn.recv(2000)
+            except OSError as why:
+                answer = repr(why)
+            raise AssertionError(f"{exc}: the gateway answered {answer!r}; views {fleet.get('/health').json()['engines']}") from None
     line = wait_for(lambda: next((ln for ln in fleet.log.read_text().splitlines() if "the client went away" in ln), None),
                     timeout=10, what="the gateway to notice the client leaving")
     rid = re.search(r"request (lw-\w+)", line)[1]
@@ -580,12 +593,15 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
         gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "0.25", "--health-timeout", "0.75")
         try:
             proxy.slow.set()
-            stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=600,
+            stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
                                                     stream=True, extra_body={"ignore_eos": True},
                                                     stream_options={"include_usage": True})
-            chunks = list(stream)
-            assert chunks[-1].usage.completion_tokens == 600
-            assert gw.metric("lengthwise_gateway_engine_busy_probes_total", engine="engine-0") >= 1
+            chunks = [next(stream)]
+            # the gateway keeps reading the engine while this client waits: its probes time out, and count as busy
+            wait_for(lambda: gw.metric("lengthwise_gateway_engine_busy_probes_total", engine="engine-0") >= 1,
+                     timeout=15, what="a slow probe of the busy engine")
+            chunks += list(stream)
+            assert chunks[-1].usage.completion_tokens == 1900
             assert gw.metric("lengthwise_gateway_stream_errors_total") == 0
             assert gw.metric("lengthwise_gateway_engine_healthy", engine="engine-0") == 1
             # idle now: the slow probes count again, and take it out
@@ -617,30 +633,29 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     model = fleet.model
     # from idle engines and empty views: what earlier tests left running must not count in anyone's load
     wait_for(lambda: _quiet(fleet, gw_aladdin), timeout=60, what="idle engines and empty gateway views")
-    # a stream that is already producing tokens, and a burst that fills both engines and queues inside them
-    raw = client.completions.with_raw_response.create(model=model, prompt="a long answer", max_tokens=1500, stream=True,
-                                                      extra_body={"ignore_eos": True})
-    victim_name = raw.headers["x-lengthwise-engine"]
+    # a stream from each gateway that is already producing tokens on the engine to be killed, and a burst from each
+    # that fills both engines and queues inside them. The victim is where the aladdin gateway's stream went; the
+    # fleet's streams go by JSQ, so it sends one until one lands there (the others are closed at once). Nothing here
+    # relies on a load report: vLLM's /metrics can lag by seconds while the engine streams (a scrape took 12 s
+    # during a 1,500-token stream on this CPU), and the report-based view is tested without engines.
+    a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=1500,
+                                                          stream=True, extra_body={"ignore_eos": True})
+    victim_name = a_raw.headers["x-lengthwise-engine"]
+    for attempt in range(3):
+        raw = client.completions.with_raw_response.create(model=model, prompt=f"a long answer {attempt}", max_tokens=1500,
+                                                          stream=True, extra_body={"ignore_eos": True})
+        if raw.headers["x-lengthwise-engine"] == victim_name:
+            break
+        raw.parse().close()
+    assert raw.headers["x-lengthwise-engine"] == victim_name, _diagnose(fleet, gw_aladdin, victim_name)
     stream = raw.parse()
     first = [next(stream) for _ in range(3)]
     assert all(c.choices for c in first)
+    wait_for(lambda: _engine_state(fleet, victim_name)["outstanding"] == 1 and
+             sum(e["outstanding"] for e in fleet.get("/health").json()["engines"]) == 1, timeout=10,
+             what="the fleet's closed streams to leave its views")
     victim_url = _engine_state(fleet, victim_name)["url"]
     survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
-    # the aladdin gateway sees the fleet's stream in the victim's load report, so best fit puts its own stream there
-    # too, and then its burst: two more there (up to --max-num-seqs 4), the rest on the other engine. Its reports must
-    # be fresh (well within the 3 s after which it decides by JSQ), or the placement below would not be best fit's
-    def seen() -> bool:
-        views = gw_aladdin.get("/health").json()["engines"]
-        return (all(e["load_report_age_s"] is not None and e["load_report_age_s"] < 1.5 for e in views)
-                and next(e for e in views if e["name"] == victim_name)["other_requests"] >= 1)
-
-    try:
-        wait_for(seen, timeout=30, what="the fleet's stream in the aladdin gateway's fresh view of the engine")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; {_diagnose(fleet, gw_aladdin, victim_name)}") from None
-    a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=1500,
-                                                          stream=True, extra_body={"ignore_eos": True})
-    assert a_raw.headers["x-lengthwise-engine"] == victim_name, _diagnose(fleet, gw_aladdin, victim_name)
     a_stream = a_raw.parse()
     assert next(iter(a_stream)).choices
     loop = asyncio.new_event_loop()
@@ -653,7 +668,7 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     on_victim = _engine_state(fleet, victim_name)["outstanding"]
     a_on_victim = _engine_state(gw_aladdin, victim_name)["outstanding"]
     assert on_victim > MAX_NUM_SEQS  # more than the engine runs at once: some wait in its queue
-    assert a_on_victim >= 2  # the aladdin gateway's stream and (at least one of) the two of its burst placed there
+    assert a_on_victim >= 2  # the aladdin gateway's stream and at least one of its burst
     retries0 = fleet.metric("lengthwise_gateway_engine_retries_total")
     a_retries0 = gw_aladdin.metric("lengthwise_gateway_engine_retries_total")
     a_placed0 = gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed")

@@ -170,13 +170,15 @@ class EnginePool:
         self._loading.add(task)
         task.add_done_callback(self._loading.discard)
 
-    async def _load_loop(self) -> None:
+    async def _load_loop(self, e: Engine) -> None:
+        """One engine's reports, on its own clock: a busy engine slow to answer /metrics must not age the others'
+        reports past the stale limit (which would make every decision fall back to JSQ)."""
         while True:
             await asyncio.sleep(self.settings.load_interval_s)
             try:
-                await self.refresh_load()
+                await self.refresh_load([e])
             except Exception as exc:  # noqa: BLE001 - like the health loop, this loop must outlive any one failure
-                log.error("reading the engines' load failed unexpectedly: %r", exc)
+                log.error("reading the load of %s failed unexpectedly: %r", e.name, exc)
 
     async def start(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.engines))
@@ -186,7 +188,7 @@ class EnginePool:
                         "requests are placed by JSQ until one does (lengthwise_gateway_placement_fallbacks_total"
                         "{reason=\"no_capacity\"})", self.placer.name)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._loop()), loop.create_task(self._load_loop())]
+        self._tasks = [loop.create_task(self._loop()), *(loop.create_task(self._load_loop(e)) for e in self.engines)]
 
     async def aclose(self) -> None:
         for t in [*self._tasks, *self._probing.values(), *self._loading]:

@@ -62,11 +62,10 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
-    rates = a.rates
     try:
         make_policy(a.policy, PolicyConfig(), 64)
         kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale)) if v is not None}
-        cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=rates,
+        cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=a.rates,
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
                                 calibration_requests=a.calibration_requests, **kw)

@@ -57,6 +57,10 @@ class Limits:
         """The KV capacity of ``inst``: its own when known (a fleet of mixed engines), else the fleet's."""
         return inst.kv_tokens or self.kv_tokens
 
+    def kv_room_blocks(self, inst: Instance) -> float:
+        """The KV blocks a projection on ``inst`` may fill (its capacity times ``kv_margin``)."""
+        return self.kv_margin * self.kv_tokens_of(inst) / self.block_size
+
     # -- projections -----------------------------------------------------------------------------
     def kv_peak_blocks(self, jobs: Iterable[Job], extra: Job | None = None) -> float:
         """Peak KV blocks over every future step if each job runs exactly its planned length from now."""
@@ -137,7 +141,7 @@ class Limits:
     def violation(self, inst: Instance, job: Job, now: float) -> str | None:
         """The first constraint that placing ``job`` on ``inst`` breaks (kv, atgt, ttft, slack), or None."""
         jobs = inst.jobs.values()
-        if self.kv_peak_blocks(jobs, job) > self.kv_margin * self.kv_tokens_of(inst) / self.block_size:
+        if self.kv_peak_blocks(jobs, job) > self.kv_room_blocks(inst):
             return "kv"
         b = len(inst.jobs) + 1
         if self.weighted_context(jobs) + job.prompt_len + self.gamma * job.planned_len > self.theta * self.context_limit(b):

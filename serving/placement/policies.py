@@ -114,8 +114,7 @@ class PowerOfTwo(Placement):
         room = ok
         if self.limits is not None:
             lim = self.limits
-            room = [i for i in ok if lim.kv_peak_blocks(instances[i].jobs.values(), job)
-                    <= lim.kv_margin * lim.kv_tokens_of(instances[i]) / lim.block_size]
+            room = [i for i in ok if lim.kv_peak_blocks(instances[i].jobs.values(), job) <= lim.kv_room_blocks(instances[i])]
             if not room:
                 self.stats["no_room"] += 1
                 room = ok

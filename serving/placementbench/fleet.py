@@ -234,16 +234,14 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                            "slo": {"scale": cfg.slo_scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s,
                                    "atgt_s": slo.tpot_s}},
            "work_dir": str(work)}
+    out["past_capacity"] = past = [p for p, r in results.items() if r["throughput_rps"] < 0.9 * rate]
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=1, default=float))
     _table(results, console)
-    past = [p for p, r in results.items() if r["throughput_rps"] < 0.9 * rate]
     if past:
         console.print(f"[yellow]warning[/]: {', '.join(past)} served under 90% of the offered {rate:.3g} req/s: the fleet ran "
                       "past its capacity, where placements differ by noise; run again with a lower --rate (the simulator "
                       "prices the engine core alone, not the HTTP streaming that shares these cores)")
-    out["past_capacity"] = past
-    json_path.write_text(json.dumps(out, indent=1, default=float))
     console.print(f"JSON: {json_path}")
     return out
 

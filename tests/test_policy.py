@@ -22,8 +22,8 @@ from serving.policy.ecoserve import EcoServe
 from serving.policy.request import Phase, Prediction, Request
 
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP",
-            "lengthwise", "lengthwise-fcfs"]
-VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-fcfs")
+            "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"]
+VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 
 
@@ -279,6 +279,43 @@ def test_sjf_aging_bounds_starvation(aging_s, bounded):
 
 
 # -- orca / fcfs-max-alloc -------------------------------------------------------------------------------
+# -- lengthwise: the late tier ---------------------------------------------------------------------------
+def _late_tier_run(name, aging_s=1e9, late_deadline=12.0):
+    """One slot free beside a long running request: a short request that can no longer meet its deadline (8 steps
+    to go, 2 left) and a longer one that can; one step is one second, so the measured TBT is 1 s."""
+    pol = make_policy(name, cfg(max_num_seqs=2, aging_s=aging_s), kv_blocks=400)
+    reqs = [(req(0, 4, 30), 30), (req(1, 4, 8, arrival=10, deadline=late_deadline), 8),
+            (req(2, 4, 20, arrival=10, deadline=100.0), 20)]
+    return pol, drive(pol, reqs)
+
+
+def test_lengthwise_late_request_yields_to_one_that_can_still_make_it():
+    pol, run = _late_tier_run("lengthwise")
+    assert run.first[2] == 10 and run.first[1] > 10  # the on-time request takes the slot, the late one waits
+    assert run.done[2] <= 100 and pol.stats["late"] == 1
+    assert run.emitted[1] == 8  # late is not dropped: it runs when a slot frees
+    sjf_pol, sjf = _late_tier_run("lengthwise-sjf")  # the ablation: shortest predicted first, late or not
+    assert sjf.first[1] == 10 and sjf.first[2] > 10 and "late" not in sjf_pol.stats or sjf_pol.stats["late"] == 0
+
+
+def test_lengthwise_nobody_is_late_before_a_step_was_timed_or_without_a_deadline():
+    pol = make_policy("lengthwise", cfg(max_num_seqs=1), kv_blocks=400)
+    reqs = [(req(0, 4, 8, deadline=0.5), 8), (req(1, 4, 20), 20)]  # first step: no TBT measured yet; 1 has no deadline
+    run = drive(pol, reqs)
+    assert run.first[0] == 0 and pol.stats["late"] == 0 and set(run.done) == {0, 1}
+
+
+def test_lengthwise_late_request_returns_after_aging():
+    """aging_s still bounds starvation: once the late request has waited that long it competes as on-time again
+    (and, aged, outranks the newer request)."""
+    pol = make_policy("lengthwise", cfg(max_num_seqs=2, aging_s=15.0, max_model_len=64), kv_blocks=400)
+    reqs = [(req(0, 4, 40), 40), (req(1, 4, 8, arrival=10, deadline=12.0), 8),
+            (req(2, 4, 20, arrival=10, deadline=100.0), 20), (req(3, 4, 5, arrival=26, deadline=1000.0), 5)]
+    run = drive(pol, reqs)
+    assert run.first[2] == 10 and pol.stats["late"] == 1
+    assert run.first[1] < run.first[3]  # back among the on-time requests at 25, and first by its age
+
+
 @pytest.mark.parametrize("name", MAX_ALLOC)
 def test_max_alloc_reserves_max_model_len(name):
     c = cfg(max_model_len=32, orca_batch_size=8, max_num_batched_tokens=8)
@@ -562,7 +599,7 @@ def test_policy_properties(name, w):
             assert n <= c.max_num_batched_tokens
         elif name == "vllm-v0":
             assert n <= max(c.max_num_batched_tokens, c.max_model_len)
-        elif name in ("sarathi", "lengthwise", "lengthwise-fcfs"):
+        elif name in ("sarathi", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"):
             assert n <= c.tfs
         elif name.startswith("ecoserve"):
             assert n <= max(c.tfs, len(s.tokens))

@@ -109,6 +109,8 @@ class VLLMPolicy(Policy):
         if not plan.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting.peek()
+                if self._yields(req, now, budget):  # re-queued behind others: look at the new head
+                    continue
                 if blocks_for(req.seq_len, bs) - self.kv.of(req.rid) > self.kv.free or not self._admissible(req):
                     break
                 n = min(req.uncomputed, budget)
@@ -123,6 +125,10 @@ class VLLMPolicy(Policy):
     def _admissible(self, req: Request) -> bool:
         """Extra admission test for subclasses (vLLM itself only needs the whole sequence to fit)."""
         return True
+
+    def _yields(self, req: Request, now: float, budget: int) -> bool:
+        """Subclasses may move the head of the queue behind others (and say so) instead of admitting it."""
+        return False
 
     def _on_finish(self, req: Request, now: float) -> None:
         self.running.remove(req)

@@ -23,5 +23,7 @@ class PolicyConfig(BaseModel):
     kv_bin_tokens: int = Field(128, gt=0, description="ordering: width of an occupied-KV range in tokens")
     orca_batch_size: int = Field(8, gt=0, description="ORCA's fixed batch size (EcoServe §2.1)")
     aging_s: float = Field(60.0, gt=0, description="sjf: a request waiting this long outranks any new arrival")
+    late_margin: float = Field(1.0, gt=0, description="lengthwise: a waiting request is late when now + margin x (its "
+                                                      "steps to go x measured TBT) passes its deadline")
     group_tokens: int = Field(32, gt=0, description="time-synced batching: GTs whose remaining predicted RL rounds up to the same multiple form one group")
     pipeline_depth: int = Field(4, ge=1, description="KVC pipelining: nesting levels (halves, quarters, ...)")

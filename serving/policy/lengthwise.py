@@ -12,8 +12,10 @@ prompts are chunked and running decodes keep their pace. Blocks are still alloca
 vLLM, so nothing is reserved and idle. When a request outlives its prediction, its remaining RL is
 re-predicted (conditional on the length so far); if the pool runs out anyway, vLLM's recompute
 preemption is the fallback. The waiting queue is ordered by predicted RL with linear aging (``sjf``),
-or FCFS in the ``lengthwise-fcfs`` ablation. Ablation chain: ``sarathi`` (vLLM with the TFS budget) →
-``lengthwise-fcfs`` (+ projected-peak admission) → ``lengthwise`` (+ shortest predicted first).
+or FCFS in the ``lengthwise-fcfs`` ablation, and a request that can no longer meet its deadline at the
+engine's measured pace yields to those that can (the late tier, :mod:`serving.policy.deadline`).
+Ablation chain: ``sarathi`` (vLLM with the TFS budget) → ``lengthwise-fcfs`` (+ projected-peak
+admission) → ``lengthwise-sjf`` (+ shortest predicted first) → ``lengthwise`` (+ the late tier).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 import bisect
 import math
 
-from serving.policy.base import register
+from serving.policy.base import StepPlan, register
 from serving.policy.baselines import SJFPolicy
+from serving.policy.deadline import LateTier
 from serving.policy.request import Request
 
 
@@ -35,19 +38,46 @@ class LengthwisePolicy(SJFPolicy):
         step only grows slower, and every running decode waits for it."""
         return self.cfg.tfs
 
-    def __init__(self, *args, fcfs: bool = False, **kwargs) -> None:
+    def __init__(self, *args, fcfs: bool = False, late_tier: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fcfs = fcfs
         if fcfs:
             self.name = "lengthwise-fcfs"
             self.priority = False
+        elif not late_tier:
+            self.name = "lengthwise-sjf"
+        self.tier = LateTier(self.cfg.aging_s, self.cfg.late_margin) if late_tier and not fcfs else None
         self.limit = self.kv.total - math.ceil(self.cfg.reserve * self.kv.total)
         self.stats["peak_refusals"] = 0
+        self.stats["late"] = 0
         self._projection: list[tuple[int, int]] | None = None
         self._projected_tokens = 0
+        self._busy = False  # the previous step ran requests: the interval to this one is a TBT
 
     def _key(self, req: Request) -> tuple:
-        return () if self.fcfs else super()._key(req)
+        if self.fcfs:
+            return ()
+        return (self.tier is not None and req.rid in self.tier.late, *super()._key(req))
+
+    def _yields(self, req: Request, now: float, budget: int) -> bool:
+        tier = self.tier
+        if tier is None or not tier.is_late(req, now, req.planned_rl - req.generated, budget):
+            return False
+        self.waiting.pop()
+        tier.demote(req)
+        self.waiting.push(self._key(req), req)
+        self.stats["late"] += 1
+        return True
+
+    def _on_finish(self, req: Request, now: float) -> None:
+        super()._on_finish(req, now)
+        if self.tier is not None:
+            self.tier.forget(req.rid)
+
+    def _on_abort(self, req: Request, now: float) -> None:
+        super()._on_abort(req, now)
+        if self.tier is not None:
+            self.tier.forget(req.rid)
 
     def _remaining(self, r: Request) -> int:
         """Padded predicted tokens still to come; re-predicted once the request outlived its prediction."""
@@ -56,9 +86,18 @@ class LengthwisePolicy(SJFPolicy):
             rem = self.plan_rl(r, r.generated + self.repredict(r)) - r.generated
         return max(1, min(math.ceil(rem * (1 + self.cfg.padding)), self.max_seq_len(r) - r.seq_len + 1))
 
-    def _schedule(self, now: float):
+    def _schedule(self, now: float) -> StepPlan:
         self._projection = None  # running requests advanced: rebuild on the first admission test
-        return super()._schedule(now)
+        if self.tier is not None:
+            self.tier.observe(now, self._busy)
+            for rid in self.tier.due(now):  # waited aging_s: back among the on-time requests
+                req = self.requests.get(rid)
+                if req is not None and req in self.waiting:
+                    self.waiting.remove(req)
+                    self.waiting.push(self._key(req), req)
+        plan = super()._schedule(now)
+        self._busy = bool(plan.tokens)
+        return plan
 
     def _admissible(self, req: Request) -> bool:
         if not self.running:  # liveness: a projection over the pool (a huge prediction) must not block an idle engine
@@ -87,6 +126,11 @@ class LengthwisePolicy(SJFPolicy):
 @register("lengthwise")
 def _lengthwise(cfg, kv_blocks, repredict=None):
     return LengthwisePolicy(cfg, kv_blocks, repredict)
+
+
+@register("lengthwise-sjf")
+def _lengthwise_sjf(cfg, kv_blocks, repredict=None):
+    return LengthwisePolicy(cfg, kv_blocks, repredict, late_tier=False)
 
 
 @register("lengthwise-fcfs")

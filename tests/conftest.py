@@ -10,12 +10,19 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from training.pipeline import data_dir
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 ALPACA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+
+# One HTTP client for the tests' calls to the processes they start. Why not httpx.get(): each builds a client, and
+# each client loads the CA bundle (ssl load_verify_locations) holding the GIL; on a busy machine that held threads
+# of the test process (a proxy's event loop) for seconds at a time. Idle connections are dropped after 1 s, before
+# any server (uvicorn: 5 s) closes them under a request.
+HTTP = httpx.Client(limits=httpx.Limits(keepalive_expiry=1.0))
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +97,7 @@ def mlflow_server(tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if HTTP.get(f"{url}/health", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.5)

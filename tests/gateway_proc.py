@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port, metric_values
+from tests.conftest import HTTP, free_port, metric_values
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 
@@ -37,10 +37,10 @@ class Gateway:
     engine_logs: list[Path] = field(default_factory=list)
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
+        return HTTP.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kw)
+        return HTTP.post(self.url + path, timeout=60, **kw)
 
     def metric(self, metric: str, /, **labels: str) -> float:
         """Sum of the samples of ``metric`` whose labels include ``labels`` (0 when there is none)."""
@@ -52,7 +52,7 @@ class Gateway:
             if self.proc.poll() is not None:
                 raise AssertionError(f"gateway exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=2)
+                r = HTTP.get(self.url + "/health", timeout=2)
                 if r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import free_port, metric_values
+from tests.conftest import HTTP, free_port, metric_values
 
 SIDECAR = str(Path(sys.executable).parent / "predictor-sidecar")
 
@@ -23,10 +23,10 @@ class Sidecar:
     log: Path
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
+        return HTTP.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=30, **kw)
+        return HTTP.post(self.url + path, timeout=30, **kw)
 
     def metric(self, metric: str, /, **labels: str) -> float | None:
         """Value of the first sample on /metrics whose labels include those given (None when there is none)."""
@@ -56,7 +56,7 @@ def start_sidecar(log_dir: Path, *args: str, env: dict | None = None, timeout: f
         if proc.poll() is not None:
             raise AssertionError(f"sidecar exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
         try:
-            if httpx.get(sc.url + "/ready", timeout=2).status_code == 200:
+            if HTTP.get(sc.url + "/ready", timeout=2).status_code == 200:
                 return sc
         except httpx.HTTPError:
             pass

@@ -3,6 +3,8 @@
 Why: a vLLM API server streaming many answers on a shared core can take seconds to answer ``/health`` while
 its tokens keep flowing. That state is hard to produce on demand with the engine alone; this proxy passes
 every byte of every other route through unchanged and delays only ``/health`` while ``slow`` is set.
+With ``pace_s`` it also passes a streamed answer on at most one event per ``pace_s``, so a stream lasts as long
+as the test needs, however fast the engine runs on the machine at hand.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from tests.conftest import free_port
 
 
 class SlowHealthProxy:
-    def __init__(self, upstream: str, delay_s: float):
-        self.upstream, self.delay_s = upstream, delay_s
+    def __init__(self, upstream: str, delay_s: float, pace_s: float = 0.0):
+        self.upstream, self.delay_s, self.pace_s = upstream, delay_s, pace_s
         self.slow = threading.Event()
+        self._client: httpx.AsyncClient | None = None
+        self.slow_answers = 0  # /health calls delayed so far
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST"])])
@@ -35,22 +39,33 @@ class SlowHealthProxy:
 
     async def _forward(self, request: Request) -> Response:
         if request.url.path == "/health" and self.slow.is_set():
+            self.slow_answers += 1
             await asyncio.sleep(self.delay_s)
         try:
             body = await request.body()
         except ClientDisconnect:  # the caller gave up (a probe past its timeout)
             return Response(status_code=499)
-        client = httpx.AsyncClient(timeout=None)
+        if self._client is None:  # one client for the proxy's life: building one loads the CA bundle holding the GIL,
+            self._client = httpx.AsyncClient(timeout=None)  # which stalled this event loop for seconds on a busy machine
+        client = self._client
         up = await client.send(client.build_request(request.method, self.upstream + request.url.path, content=body,
                                                     headers={"content-type": request.headers.get("content-type", "")}),
                                stream=True)
 
         async def close() -> None:
             await up.aclose()
-            await client.aclose()
 
-        return StreamingResponse(up.aiter_raw(), status_code=up.status_code, background=BackgroundTask(close),
+        body_iter = up.aiter_raw()
+        if self.pace_s and "text/event-stream" in up.headers.get("content-type", ""):
+            body_iter = self._paced(up)
+        return StreamingResponse(body_iter, status_code=up.status_code, background=BackgroundTask(close),
                                  media_type=up.headers.get("content-type"))
+
+    async def _paced(self, up: httpx.Response):
+        async for line in up.aiter_lines():
+            yield (line + "\n").encode()
+            if line.startswith("data:"):
+                await asyncio.sleep(self.pace_s)
 
     def __enter__(self) -> Self:
         self._thread.start()

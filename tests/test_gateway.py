@@ -9,6 +9,8 @@ test kills an engine with SIGKILL under load and then stops the gateway that own
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import lzma
 import os
@@ -28,7 +30,7 @@ import pytest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
-from tests.conftest import SHAREGPT
+from tests.conftest import HTTP, SHAREGPT
 from tests.gateway_proc import Gateway, dummy_llama, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
 
@@ -356,7 +358,7 @@ def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
     # without the gateway, is the only one it had to run on its default
     before = [plugin_stats(p) for p in fleet.engine_logs]
     time.sleep(0.3)  # the plug-in logs its counters at most every log_every_s (0.2 s)
-    r = httpx.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
+    r = HTTP.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
                    timeout=60)
     assert r.status_code == 200
     after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] >= 1 and s, timeout=10,
@@ -372,7 +374,9 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
     body = json.dumps({"model": fleet.model, "prompt": "an answer nobody waits for", "max_tokens": 1900,
                        "ignore_eos": True}).encode()
     host, port = fleet.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as conn:  # a client that leaves once it was sent on
+    # the engine cores are frozen while the client leaves, so the answer cannot be complete before it does, however
+    # fast the engines run; their API servers take the request meanwhile (and /health answers: it does not ask the core)
+    with _cores_frozen(fleet), socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         try:
@@ -389,7 +393,7 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
                     timeout=10, what="the gateway to notice the client leaving")
     rid = re.search(r"request (lw-\w+)", line)[1]
     wait_for(lambda: any("Aborted request" in ln and rid in ln for p in fleet.engine_logs for ln in p.read_text(errors="replace").splitlines()),
-             timeout=10, what=f"the engine to abort {rid}")
+             timeout=30, what=f"the engine to abort {rid}")
     assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="499") == gone0 + 1
     wait_for(lambda: sum(e["outstanding"] for e in fleet.get("/health").json()["engines"]) == 0, timeout=10,
              what="the request to leave the gateway's view")
@@ -516,11 +520,35 @@ async def _burst(url: str, model: str, n: int, tokens: int) -> list:
         return await asyncio.gather(*(one(c, i) for i in range(n)))
 
 
+def _burst_behind(url: str, model: str, n: int, tokens: int) -> concurrent.futures.Future:
+    """``_burst`` on its own thread and event loop, running while the test goes on (a loop stopped and restarted
+    around it made anyio deliver one timeout's cancellation for seconds, and the requests went out that late)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(asyncio.run, _burst(url, model, n, tokens))
+    pool.shutdown(wait=False)
+    return future
+
+
+@contextlib.contextmanager
+def _cores_frozen(fleet: Gateway):
+    """SIGSTOP every engine's core processes (not its API server) for the block, SIGCONT after."""
+    cores = [p for e in fleet.get("/health").json()["engines"]
+             for p in psutil.Process(_engine_group(fleet, e["url"])).children(recursive=True)]
+    assert cores
+    for p in cores:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in cores:
+            p.send_signal(signal.SIGCONT)
+
+
 def _quiet(fleet: Gateway, *gateways: Gateway) -> bool:
     """No request in any engine, and none in the views of these gateways."""
     from serving.gateway.engine_load import parse_report
 
-    if any(parse_report(httpx.get(u + "/metrics", timeout=10).text).requests for u in fleet.engines):
+    if any(parse_report(HTTP.get(u + "/metrics", timeout=10).text).requests for u in fleet.engines):
         return False
     return all(e["outstanding"] == 0 and e["other_requests"] == 0
                for gw in (fleet, *gateways) for e in gw.get("/health").json()["engines"])
@@ -530,7 +558,7 @@ def _diagnose(fleet: Gateway, gw: Gateway, victim: str) -> str:
     """What a gateway's placement saw, and what the engines say, for an assertion message."""
     from serving.gateway.engine_load import parse_report
 
-    engines = {u: parse_report(httpx.get(u + "/metrics", timeout=10).text) for u in fleet.engines}
+    engines = {u: parse_report(HTTP.get(u + "/metrics", timeout=10).text) for u in fleet.engines}
     h, f = gw.get("/health").json(), fleet.get("/health").json()
     return (f"victim {victim}; engines (running, waiting): {[(r.running, r.waiting) for r in engines.values()]}; "
             f"fleet views {[(e['name'], e['outstanding'], e['other_requests']) for e in f['engines']]}; "
@@ -589,23 +617,31 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     in placement and its streams run to the end. Once nothing flows, the same slow probes take it out."""
     from tests.slow_health_proxy import SlowHealthProxy
 
-    with SlowHealthProxy(fleet.engines[0], delay_s=3.0) as proxy:
-        gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "0.25", "--health-timeout", "0.75")
+    # busy means bytes within 2 x (interval + timeout) = 8 s. This machine, with two engines, three gateways and the
+    # tests on 2 cores, stalls every process now and then for seconds (an unrelated process measured 3.5 and 7.7 s
+    # for 40 ms of work); a 2 s and then a 4 s window were not enough. The proxy passes the stream on at one event
+    # per 8 ms: about 15 s for 1900 tokens, whatever the engine's speed
+    with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.008) as proxy:
+        gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3")
         try:
-            proxy.slow.set()
             stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
                                                     stream=True, extra_body={"ignore_eos": True},
                                                     stream_options={"include_usage": True})
             chunks = [next(stream)]
+            proxy.slow.set()  # from now on /health answers after 6 s, while the answer streams
             # the gateway keeps reading the engine while this client waits: its probes time out, and count as busy
-            wait_for(lambda: gw.metric("lengthwise_gateway_engine_busy_probes_total", engine="engine-0") >= 1,
-                     timeout=15, what="a slow probe of the busy engine")
+            try:
+                wait_for(lambda: gw.metric("lengthwise_gateway_engine_busy_probes_total", engine="engine-0") >= 1,
+                         timeout=15, what="a slow probe of the busy engine")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; {proxy.slow_answers} slow /health answers begun; gateway: "
+                                     f"{gw.get('/health').json()}") from None
             chunks += list(stream)
             assert chunks[-1].usage.completion_tokens == 1900
             assert gw.metric("lengthwise_gateway_stream_errors_total") == 0
             assert gw.metric("lengthwise_gateway_engine_healthy", engine="engine-0") == 1
             # idle now: the slow probes count again, and take it out
-            wait_for(lambda: gw.get("/health").json()["healthy_engines"] == 0, timeout=20,
+            wait_for(lambda: gw.get("/health").json()["healthy_engines"] == 0, timeout=40,
                      what="the idle engine with a slow /health to be taken out")
             proxy.slow.clear()
             wait_for(lambda: gw.get("/health").json()["healthy_engines"] == 1, timeout=20, what="the engine to rejoin")
@@ -627,77 +663,84 @@ def test_prompt_tokens_are_counted_with_the_models_tokenizer(fleet, gw_aladdin):
 
 
 # --- an engine dies under load; the gateway that started the engines stops them --------------------------------------
-@pytest.mark.xfail(strict=False, reason="depends on a load report: vLLM's /metrics can lag seconds behind a stream (a scrape "
-                   "took 12 s during a 1,500-token stream here), and then the aladdin gateway never sees the other "
-                   "gateway's stream on the victim, or decides by JSQ, and the test stops before its kill")
 def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
-    """SIGKILL of an engine that two gateways use: the fleet's (JSQ) and one placing by Aladdin's best fit."""
+    """SIGKILL of an engine that two gateways use: the fleet's (JSQ) and one placing by Aladdin's best fit.
+
+    The victim is the engine that holds the aladdin gateway's stream. Its engine core is frozen (SIGSTOP) before the
+    bursts, so what is on it stays there until the kill however fast the engines run: the API server still answers
+    /health (it does not ask the core), and the streams stay open, unfinished. How many of each gateway's requests
+    are on the victim is read from that gateway's own view: neither gateway needs to have seen the other's requests
+    (that view comes from vLLM's /metrics, which can lag seconds behind a stream on this CPU)."""
     client, a_client = _client(fleet), _client(gw_aladdin)
     model = fleet.model
     # from idle engines and empty views: what earlier tests left running must not count in anyone's load
     wait_for(lambda: _quiet(fleet, gw_aladdin), timeout=60, what="idle engines and empty gateway views")
-    # a stream that is already producing tokens, and a burst that fills both engines and queues inside them
-    raw = client.completions.with_raw_response.create(model=model, prompt="a long answer", max_tokens=1500, stream=True,
+    # each engine's processes, found now so that the freeze below follows the aladdin stream's first token at once
+    groups = {e["name"]: _engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]}
+    cores = {name: psutil.Process(pid).children(recursive=True) for name, pid in groups.items()}  # core and worker
+    assert all(cores.values())
+    # two streams already producing tokens: the fleet's goes where JSQ puts it; the aladdin gateway's picks the victim
+    raw = client.completions.with_raw_response.create(model=model, prompt="a long answer", max_tokens=2000, stream=True,
                                                       extra_body={"ignore_eos": True})
-    victim_name = raw.headers["x-lengthwise-engine"]
     stream = raw.parse()
     first = [next(stream) for _ in range(3)]
     assert all(c.choices for c in first)
-    victim_url = _engine_state(fleet, victim_name)["url"]
-    survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
-    # the aladdin gateway sees the fleet's stream in the victim's load report, so best fit puts its own stream there
-    # too, and then its burst: two more there (up to --max-num-seqs 4), the rest on the other engine. Its reports must
-    # be fresh (within the 3 s after which it decides by JSQ), or the placement below would not be best fit's
-    def seen() -> bool:
-        views = gw_aladdin.get("/health").json()["engines"]
-        return (all(e["load_report_age_s"] is not None and e["load_report_age_s"] < 2.5 for e in views)
-                and next(e for e in views if e["name"] == victim_name)["other_requests"] >= 1)
-
-    try:
-        wait_for(seen, timeout=30, what="the fleet's stream in the aladdin gateway's fresh view of the engine")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; {_diagnose(fleet, gw_aladdin, victim_name)}") from None
-    a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=1500,
+    a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=2000,
                                                           stream=True, extra_body={"ignore_eos": True})
-    assert a_raw.headers["x-lengthwise-engine"] == victim_name, _diagnose(fleet, gw_aladdin, victim_name)
+    victim_name = a_raw.headers["x-lengthwise-engine"]
     a_stream = a_raw.parse()
     assert next(iter(a_stream)).choices
-    loop = asyncio.new_event_loop()
-    a_burst = loop.create_task(_burst(gw_aladdin.url, model, 4, 400))
-    loop.run_until_complete(asyncio.sleep(0.5))
-    n, tokens = 4 * MAX_NUM_SEQS, 400
-    burst = loop.create_task(_burst(fleet.url, model, n, tokens))
-    loop.run_until_complete(asyncio.sleep(1.5))
-    victim_pid = _engine_group(fleet, victim_url)
+    for p in cores[victim_name]:
+        p.send_signal(signal.SIGSTOP)
+    victim_pid = groups[victim_name]
+    stream_on_victim = raw.headers["x-lengthwise-engine"] == victim_name
+    survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
+    # a burst through each gateway that fills both engines and queues inside them: best fit packs the aladdin
+    # gateway's onto the engine that holds its stream, up to the batch limit; JSQ spreads the fleet's
+    a_n, n, tokens = 6, 4 * MAX_NUM_SEQS, 400
+    a_burst = _burst_behind(gw_aladdin.url, model, a_n, tokens)
+    wait_for(lambda: _engine_state(gw_aladdin, victim_name)["outstanding"] >= 2, timeout=30,
+             what=f"the aladdin gateway to place part of its burst beside its stream on {victim_name}")
+    burst = _burst_behind(fleet.url, model, n, tokens)
+    wait_for(lambda: _engine_state(fleet, victim_name)["outstanding"] - stream_on_victim >= MAX_NUM_SEQS, timeout=30,
+             what=f"the fleet gateway to place part of its burst on {victim_name}")
+    time.sleep(0.5)  # the rest of each burst reaches its gateways
     on_victim = _engine_state(fleet, victim_name)["outstanding"]
     a_on_victim = _engine_state(gw_aladdin, victim_name)["outstanding"]
-    assert on_victim > MAX_NUM_SEQS  # more than the engine runs at once: some wait in its queue
-    assert a_on_victim >= 2  # the aladdin gateway's stream and (at least one of) the two of its burst placed there
-    retries0 = fleet.metric("lengthwise_gateway_engine_retries_total")
-    a_retries0 = gw_aladdin.metric("lengthwise_gateway_engine_retries_total")
+    assert _engine_state(fleet, victim_name)["healthy"] and _engine_state(gw_aladdin, victim_name)["healthy"]
+    retries0 = fleet.metric("lengthwise_gateway_engine_retries_total", engine=victim_name)
+    a_retries0 = gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=victim_name)
     a_placed0 = gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed")
     t_kill = time.perf_counter()
-    os.killpg(victim_pid, signal.SIGKILL)  # the API server, its engine core and worker: the whole engine
-    results = loop.run_until_complete(asyncio.wait_for(burst, 240))
-    a_results = loop.run_until_complete(asyncio.wait_for(a_burst, 240))
-    loop.close()
-    # every request of the burst got its whole answer, in bounded time: those on the dead engine (all but the stream,
-    # which cannot be replayed) were retried on the other one
-    assert [r[0] for r in results] == [200] * n
-    assert all(r[1]["usage"]["completion_tokens"] == tokens for r in results)
-    assert fleet.metric("lengthwise_gateway_engine_retries_total") - retries0 == on_victim - 1
-    # the same under aladdin: its requests on the dead engine had sent nothing to their clients, so they were placed
-    # again, on the survivor, and answered in full
-    assert [r[0] for r in a_results] == [200] * 4 and all(r[1]["usage"]["completion_tokens"] == 400 for r in a_results)
-    assert sum(r[3] == survivor_name for r in a_results) == 2 + (a_on_victim - 1)
-    assert gw_aladdin.metric("lengthwise_gateway_engine_retries_total") - a_retries0 == a_on_victim - 1
-    # the streams that had sent tokens cannot be replayed: each ends with an error event, not a hang
-    for s in (stream, a_stream):
-        with pytest.raises(openai.APIError, match="failed after part of the answer"):
+    os.killpg(victim_pid, signal.SIGKILL)  # the API server, its (frozen) engine core and worker: the whole engine
+    results, a_results = burst.result(timeout=240), a_burst.result(timeout=240)
+
+    def cut(s) -> bool:
+        """Read a stream to its end: True if it ended with the gateway's error event (it ran on the victim when it
+        died: tokens already sent cannot be replayed), False if it completed."""
+        try:
             for _ in s:
                 pass
+        except openai.APIError as exc:
+            assert "failed after part of the answer" in str(exc)
+            return True
+        return False
+
+    assert cut(a_stream)
+    f_cut = cut(stream)
+    assert f_cut == stream_on_victim  # the fleet's stream ends with the error event iff it ran on the victim
+    # every request of both bursts got its whole answer, in bounded time: those on the dead engine (all but the
+    # streams) were retried on the other one, each once
+    assert [r[0] for r in results] == [200] * n, [r for r in results if r[0] != 200]
+    assert all(r[1]["usage"]["completion_tokens"] == tokens for r in results)
+    assert fleet.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - retries0 == on_victim - f_cut
+    assert [r[0] for r in a_results] == [200] * a_n
+    assert all(r[1]["usage"]["completion_tokens"] == tokens for r in a_results)
+    assert all(r[3] == survivor_name for r in a_results)
+    assert gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - a_retries0 == a_on_victim - 1
+    assert gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed") - a_placed0 == a_on_victim - 1
     assert time.perf_counter() - t_kill < 240
-    assert fleet.metric("lengthwise_gateway_stream_errors_total") == 1
+    assert fleet.metric("lengthwise_gateway_stream_errors_total") == int(f_cut)
     assert gw_aladdin.metric("lengthwise_gateway_stream_errors_total") == 1
     h = fleet.get("/health").json()
     assert h["status"] == "ok" and h["healthy_engines"] == 1
@@ -707,7 +750,6 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     assert a_h["healthy_engines"] == 1
     assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"] if e["name"] == victim_name] == [(False, 0, 0)]
     assert sum(e["outstanding"] for e in a_h["engines"]) == 0
-    assert gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed") - a_placed0 == a_on_victim - 1
 
     # stopping the gateway stops the engine it started; a gateway attached to dead engines answers 503, fast
     survivor = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True) if p.pid != victim_pid]

@@ -283,3 +283,79 @@ def test_a_stream_cut_off_before_its_engine_call_started_fails_over_instead_of_h
     assert err.status == 503 and "taken out by its health checks" in str(err.args)
     assert metrics.engine_retries.labels("engine-0", "engine_down")._value.get() == 0  # no engine left to retry on
     assert not engine.view.inst.jobs
+
+
+class _DroppingEngine:
+    """A real HTTP server standing in for an engine: it closes the connection of the first ``drops`` completions without
+    answering (what a server closing an idle kept-alive connection does to a request sent on it just then), answers
+    the rest, and answers /health while ``alive``."""
+
+    def __init__(self, drops: int, alive: bool = True):
+        self.drops, self.alive, self.posts = drops, alive, 0
+
+    async def handle(self, reader, writer) -> None:
+        import json
+
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = next((int(h.split(":", 1)[1]) for h in head.split("\r\n") if h.lower().startswith("content-length:")), 0)
+        if length:
+            await reader.readexactly(length)
+        if head.startswith("POST"):
+            self.posts += 1
+            if self.posts <= self.drops:
+                writer.close()
+                return
+            body = json.dumps({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}).encode()
+            status = b"200 OK"
+        elif self.alive:
+            body, status = b"{}", b"200 OK"
+        else:
+            body, status = b"{}", b"500 Internal Server Error"
+        writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive):
+    """A request whose engine closed the connection without answering is sent to the same engine once more when the
+    engine then passes a health probe (the kept-alive connection race: the engine is fine), and fails over (here: a
+    503, no other engine) when the probe fails."""
+    import asyncio
+
+    from serving.gateway.errors import ApiError
+    from serving.gateway.forward import Forwarder
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.gateway.pool import EnginePool
+
+    server_side = _DroppingEngine(drops=1, alive=alive)
+
+    async def main():
+        server = await asyncio.start_server(server_side.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        settings = GatewaySettings(engine_urls=[f"http://127.0.0.1:{port}"])
+        metrics = GatewayMetrics()
+        pool = EnginePool(settings.engine_urls, settings, metrics)
+        engine = pool.engines[0]
+        engine.healthy = True
+        pool.placer.rejoin(engine.view)
+        fw = Forwarder(pool, settings, metrics)
+        req = validate("completion", {"model": "m", "prompt": "hi", "max_tokens": 1}, {"m"})
+        try:
+            return await asyncio.wait_for(fw.forward(req, dict(req.body), {}, Job(1, 2, 1.0), lambda _o: None), 20), metrics, engine
+        except ApiError as exc:
+            return exc, metrics, engine
+        finally:
+            await fw.aclose()
+            await pool.client.aclose()
+            server.close()
+
+    out, metrics, engine = asyncio.run(main())
+    retries = metrics.engine_retries.labels("engine-0", "dropped")._value.get()
+    if alive:
+        assert out.status_code == 200 and server_side.posts == 2 and retries == 1 and engine.healthy
+    else:
+        assert isinstance(out, ApiError) and out.status == 503 and "without sending a response" in str(out.args)
+        assert server_side.posts == 1 and retries == 0 and not engine.healthy
+    assert not engine.view.inst.jobs

@@ -4,7 +4,12 @@ The rule that keeps accepted requests from being lost: until the first byte of a
 the client, a failed engine (refused or broken connection, a 503, a 5xx from an engine that then fails
 its health probe, or an engine taken out by the health checks while the request waited in its queue)
 costs only a retry on another engine, each engine at most once. When none is left the client gets a
-503 in OpenAI's error format, never a hang. A stream that already sent tokens cannot be replayed (the
+503 in OpenAI's error format, never a hang. One failure is not the engine's: a kept-alive connection
+that the engine's server closed as idle just as the request went out on it ("disconnected without
+sending a response"), and a connect timeout on a busy machine. If the engine then passes a health probe,
+the request goes to it again, once.
+Connections idle longer than ``keepalive_s`` (below vLLM's own 5 s keep-alive) are not reused, which
+makes that race rare. A stream that already sent tokens cannot be replayed (the
 client holds half an answer), so it ends with an error event and ``[DONE]``.
 
 Engine answers other than these pass through unchanged: a 4xx from vLLM is the client's error, told in
@@ -58,7 +63,7 @@ class Forwarder:
         s = settings
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=s.keepalive_s))
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -72,21 +77,27 @@ class Forwarder:
         """
         tried: list[str] = []
         failure: tuple[Engine, _Retry] | None = None
-        for _ in range(self.settings.max_attempts):
-            engine = self.pool.place(job, frozenset(tried))
+        again: Engine | None = None  # the engine that dropped a kept-alive connection and then passed a probe
+        while again is not None or len(tried) < self.settings.max_attempts:
+            engine = again if again is not None else self.pool.place(job, frozenset(tried))
             if engine is None:
                 break
             if failure is not None:
                 self.metrics.engine_retries.labels(failure[0].name, failure[1].reason).inc()
                 log.info("request %s: retrying on %s after %s failed (%s)", headers.get("X-Request-Id"), engine.name,
                          failure[0].name, failure[1])
-            tried.append(engine.name)
+            if again is None:
+                tried.append(engine.name)
+            retried_here, again = engine is (failure[0] if failure else None), None
             try:
                 if req.stream:
                     return await self._stream(engine, req, body, headers, job, on_done)
                 return await self._unary(engine, req, body, headers, job, on_done)
             except _Retry as exc:
                 failure = (engine, exc)
+                if exc.reason in SECOND_CHANCE and not retried_here and await self.pool.verify(engine):
+                    self.pool.place_on(job, engine)
+                    again = engine
         if failure is None:
             msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
         else:
@@ -119,12 +130,8 @@ class Forwarder:
         if isinstance(exc, (httpx.ReadTimeout, httpx.WriteTimeout)):
             return ApiError(504, f"{engine.name} did not answer within {self.settings.engine_timeout_s:g} s",
                             code="engine_timeout")
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-            self.pool.suspect(engine)
-            return _Retry("connect", f"cannot connect to {engine.name}: {type(exc).__name__}")
         if isinstance(exc, httpx.TransportError):
-            self.pool.suspect(engine)
-            return _Retry("broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())
+            return _transport_retry(self.pool, engine, exc, self.settings.connect_timeout_s)
         return exc
 
     async def _retry_status(self, engine: Engine, status: int) -> bool:
@@ -179,14 +186,11 @@ class Forwarder:
             except asyncio.CancelledError:
                 q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
                 raise
-            except httpx.ConnectTimeout:  # never reached the engine: another may take the request
-                self.pool.suspect(engine)
-                q.put_nowait(("error", "connect", f"cannot connect to {engine.name} within {self.settings.connect_timeout_s:g} s"))
-            except httpx.TimeoutException:
+            except (httpx.ReadTimeout, httpx.WriteTimeout):
                 q.put_nowait(("error", "timeout", f"{engine.name} sent nothing for {self.settings.engine_timeout_s:g} s"))
-            except httpx.TransportError as exc:
-                self.pool.suspect(engine)
-                q.put_nowait(("error", "broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip()))
+            except httpx.TransportError as exc:  # never reached the engine, or lost it: another may take the request
+                retry = _transport_retry(self.pool, engine, exc, self.settings.connect_timeout_s)
+                q.put_nowait(("error", retry.reason, str(retry)))
 
         task = asyncio.get_running_loop().create_task(pump())
         engine.calls.add(task)
@@ -277,6 +281,27 @@ class Forwarder:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**self._headers(engine), "Cache-Control": "no-cache"},
                                  background=BackgroundTask(release))
+
+
+SECOND_CHANCE = frozenset({"dropped", "connect_timeout"})  # failures a healthy engine can cause: probe, then retry it
+
+
+def _transport_retry(pool: EnginePool, engine: Engine, exc: httpx.TransportError, connect_timeout_s: float) -> _Retry:
+    """Why a connection failed, as a retry reason.
+
+    ``dropped``: the engine closed the connection before answering anything, possibly an idle kept-alive connection
+    it closed as the request went out on it; ``connect_timeout``: no connection within ``connect_timeout_s``, which a
+    busy machine can cause. For these two the caller probes the engine before giving up on it (``SECOND_CHANCE``).
+    ``connect`` (refused) and ``broken`` (lost mid-answer) ask for a probe at once in the background.
+    """
+    if isinstance(exc, httpx.ConnectTimeout):
+        return _Retry("connect_timeout", f"cannot connect to {engine.name} within {connect_timeout_s:g} s")
+    if isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc):
+        return _Retry("dropped", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())
+    pool.suspect(engine)
+    if isinstance(exc, httpx.ConnectError):
+        return _Retry("connect", f"cannot connect to {engine.name}: {type(exc).__name__}")
+    return _Retry("broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())
 
 
 def _is_error_event(data: str) -> bool:

@@ -194,6 +194,11 @@ class GatewayPlacement:
             self.views[i].inst.add(job)
         return i
 
+    def place_on(self, v: EngineView, job: Job) -> None:
+        """Put ``job`` on ``v`` again without a choice: its request goes back to the same engine."""
+        job.started, job.generated, job.first_token_at, job.repredicted = False, 0, None, None
+        v.inst.add(job)
+
     # --- a placed job's life ---------------------------------------------------------------------
     def sent(self, job: Job) -> None:
         """A non-streaming request went out: it can no longer move; it counts as running once a report says so."""

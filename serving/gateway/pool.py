@@ -69,7 +69,8 @@ class EnginePool:
                                                  lambda reason: metrics.placement_fallbacks.labels(reason).inc())
         self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
-        self.client = httpx.AsyncClient(timeout=settings.health_timeout_s)
+        self.client = httpx.AsyncClient(timeout=settings.health_timeout_s,
+                                        limits=httpx.Limits(keepalive_expiry=settings.keepalive_s))
         self._tasks: list[asyncio.Task] = []
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()
@@ -133,12 +134,20 @@ class EnginePool:
         for task in list(e.calls):
             task.cancel()
 
-    def suspect(self, e: Engine) -> None:
+    def suspect(self, e: Engine) -> asyncio.Task | None:
         """A request failed on ``e``: probe it now (once at a time) instead of at the next interval."""
         if e.name not in self._probing and e.healthy:
             task = asyncio.get_running_loop().create_task(self.check(e, immediate=True))
             self._probing[e.name] = task
             task.add_done_callback(lambda _t, n=e.name: self._probing.pop(n, None))
+        return self._probing.get(e.name)
+
+    async def verify(self, e: Engine) -> bool:
+        """Probe ``e`` now (joining a probe already under way) and say whether it is still healthy."""
+        task = self.suspect(e)
+        if task is not None:
+            await asyncio.shield(task)
+        return e.healthy
 
     async def _loop(self) -> None:
         while True:
@@ -209,6 +218,11 @@ class EnginePool:
         e = self.engines[i]
         self._gauges(e)
         return e
+
+    def place_on(self, job: Job, e: Engine) -> None:
+        """``job`` goes to ``e`` again (its connection dropped before an answer, and ``e`` then passed a probe)."""
+        self.placer.place_on(e.view, job)
+        self._gauges(e)
 
     def tokens(self, job: Job, n: int) -> None:
         self.placer.tokens(job, n, time.monotonic())

@@ -53,6 +53,8 @@ class GatewaySettings(BaseModel):
     engine_timeout_s: float = Field(600.0, gt=0,
                                     description="longest wait for an engine's answer (non-streaming) or its next chunk (streaming)")
     max_attempts: int = Field(3, ge=1, description="engines one request may be sent to (each at most once)")
+    keepalive_s: float = Field(2.0, gt=0, description="an idle connection to an engine is reused for this long: "
+                                                      "below the engine server's keep-alive (vLLM: 5 s)")
     # predictor
     predictor_url: str | None = Field(None, description="prediction sidecar base URL; none: every request uses the fallback")
     predictor_timeout_ms: float = Field(50.0, gt=0, description="a prediction slower than this falls back")

@@ -67,3 +67,21 @@ def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
     assert d["goodput_ratio"] == (pytest.approx(ours / stock) if stock > 0 else None)
     assert d["calibration"]["latency_model"]["n_rows"] > 4
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _pt(rate, stock, ours):
+    return {"rate": rate, "stock": {"slo_attainment": stock}, "lengthwise": {"slo_attainment": ours}}
+
+
+def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
+    from serving.enginebench.bench import headline, max_rate_at
+
+    pts = [_pt(2.0, 0.50, 0.92), _pt(1.0, 0.97, 0.98), _pt(1.5, 0.85, 0.95)]
+    head, rule = headline(pts)
+    assert head["rate"] == 1.5 and "stock" in rule  # chosen by stock's attainment, whatever ours is
+    assert max_rate_at(pts, "stock") == {"rate": pytest.approx(1.0 + 0.5 * (0.97 - 0.9) / (0.97 - 0.85)),
+                                         "bound": "interpolated"}
+    assert max_rate_at(pts, "lengthwise") == {"rate": 2.0, "bound": "at least"}  # never below: a lower bound
+    assert max_rate_at([_pt(1.0, 0.8, 0.8)], "stock")["rate"] is None
+    head, rule = headline([_pt(1.0, 0.95, 0.9), _pt(2.0, 0.91, 0.99)])
+    assert head["rate"] == 2.0 and rule.startswith("highest")

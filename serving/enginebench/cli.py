@@ -30,8 +30,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "(default: %(default)s, our trained predictor's top-1 accuracy)")
     p.add_argument("--workload", metavar="PATH", help="trace or prompt file (default: ShareGPT first turns in $LENGTHWISE_DATA)")
     p.add_argument("--max-requests", type=int, default=200, help="requests per replay (default: %(default)s)")
-    p.add_argument("--rates", metavar="R,R,...", type=comma_list(float, "1.5,3"), help="arrival rates in req/s (default: 1.0x and 1.5x the rate stock vLLM "
-                                                     "sustains at 90%% SLO, as the calibrated simulator predicts)")
+    p.add_argument("--rates", metavar="R,R,...", type=comma_list(float, "1.5,3"),
+                   help="arrival rates in req/s (default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains at 90%% "
+                        "SLO, as the calibrated simulator predicts). The JSON's top level reports the lowest rate at "
+                        "which stock attains < 90%% of SLOs (else the highest), and each scheduler's max rate at >= 90%%")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV pool in blocks of 32 tokens (default: %(default)s)")
     p.add_argument("--shape", choices=["micro", "tiny", "smollm2"], default="tiny",
                    help="dummy-weight model: micro (2 layers, hidden 256: smoke runs), tiny (4 layers, hidden 256) or "

@@ -52,7 +52,7 @@ class EngineBenchConfig(BaseModel):
     policy: str = Field("lengthwise", description="the plug-in's policy compared with stock vLLM")
     predictor: str = Field("noise:0.55", description="noise:ACC, gauss:SIGMA, oracle or models:/NAME@ALIAS")
     shape: str = Field("tiny", description="dummy-weight model shape: tiny (4 layers, hidden 256) or smollm2")
-    kv_blocks: int = Field(256, ge=8, description="KV pool in blocks (num_gpu_blocks_override): the memory pressure")
+    kv_blocks: int = Field(128, ge=8, description="KV pool in blocks (num_gpu_blocks_override): the memory pressure")
     block_size: int = Field(32, ge=32, description="the CPU backend needs a multiple of 32")
     max_model_len: int = Field(2048, ge=128)
     max_num_batched_tokens: int = Field(2048, ge=64)

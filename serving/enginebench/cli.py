@@ -34,7 +34,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="arrival rates in req/s (default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains at 90%% "
                         "SLO, as the calibrated simulator predicts). The JSON's top level reports the lowest rate at "
                         "which stock attains < 90%% of SLOs (else the highest), and each scheduler's max rate at >= 90%%")
-    p.add_argument("--kv-blocks", type=int, default=256, help="KV pool in blocks of 32 tokens (default: %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=128,
+                   help="KV pool in blocks of 32 tokens (default: %(default)s: about 7 ShareGPT requests at once, so stock vLLM "
+                        "preempts near its capacity)")
     p.add_argument("--shape", choices=["micro", "tiny", "smollm2"], default="tiny",
                    help="dummy-weight model: micro (2 layers, hidden 256: smoke runs), tiny (4 layers, hidden 256) or "
                         "SmolLM2-135M's shape (default: %(default)s)")

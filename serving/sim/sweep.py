@@ -15,7 +15,7 @@ from serving.sim.metrics import RunMetrics
 from serving.sim.scenarios import Setup
 
 BENCH_POLICIES = ("vllm", "vllm-v0", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
-                  "lengthwise-fcfs", "lengthwise")
+                  "lengthwise-fcfs", "lengthwise-sjf", "lengthwise")
 
 
 def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> RunMetrics:

@@ -84,13 +84,13 @@ class Plan:
 
 
 def poisson_arrivals(n: int, rate: float | None, seed: int) -> list[float]:
-    """Arrival offsets: exponential gaps at ``rate`` req/s from ``default_rng(seed)`` (first at 0), or all at 0."""
+    """Arrival offsets of a Poisson process at ``rate`` req/s (first at 0), the simulator's for the same seed, so a
+    replay and its simulation see the same arrivals; all at 0 without a rate."""
     if rate is None or n == 0:
         return [0.0] * n
-    import numpy as np
+    from serving.sim.engine import poisson_arrivals as times
 
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
-    return [0.0] + [float(x) for x in np.cumsum(gaps[:-1])]
+    return [float(t) for t in times(n, rate, seed)]
 
 
 def plan_jobs(workload: str | Path, *, max_requests: int, max_tokens_cap: int | None, rate: float | None, seed: int,

@@ -679,6 +679,8 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     groups = {e["name"]: _engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]}
     cores = {name: psutil.Process(pid).children(recursive=True) for name, pid in groups.items()}  # core and worker
     assert all(cores.values())
+    retries0 = {name: (fleet.metric("lengthwise_gateway_engine_retries_total", engine=name),
+                       gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=name)) for name in groups}
     # two streams already producing tokens: the fleet's goes where JSQ puts it; the aladdin gateway's picks the victim
     raw = client.completions.with_raw_response.create(model=model, prompt="a long answer", max_tokens=2000, stream=True,
                                                       extra_body={"ignore_eos": True})
@@ -696,21 +698,17 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     stream_on_victim = raw.headers["x-lengthwise-engine"] == victim_name
     survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
     # a burst through each gateway that fills both engines and queues inside them: best fit packs the aladdin
-    # gateway's onto the engine that holds its stream, up to the batch limit; JSQ spreads the fleet's
+    # gateway's onto the engine that holds its stream, up to the batch limit; JSQ spreads the fleet's. What each
+    # gateway is seen to hold on the victim is the least that must be retried elsewhere (more may follow; and a stall
+    # of this machine can make the health checks take the frozen engine out before the kill: a fault path too)
     a_n, n, tokens = 6, 4 * MAX_NUM_SEQS, 400
     a_burst = _burst_behind(gw_aladdin.url, model, a_n, tokens)
-    wait_for(lambda: _engine_state(gw_aladdin, victim_name)["outstanding"] >= 2, timeout=30,
-             what=f"the aladdin gateway to place part of its burst beside its stream on {victim_name}")
     burst = _burst_behind(fleet.url, model, n, tokens)
-    wait_for(lambda: _engine_state(fleet, victim_name)["outstanding"] - stream_on_victim >= MAX_NUM_SEQS, timeout=30,
-             what=f"the fleet gateway to place part of its burst on {victim_name}")
+    a_on_victim = wait_for(lambda: (k := _engine_state(gw_aladdin, victim_name)["outstanding"]) >= 2 and k, timeout=30,
+                           what=f"the aladdin gateway to place part of its burst beside its stream on {victim_name}")
+    on_victim = wait_for(lambda: (k := _engine_state(fleet, victim_name)["outstanding"] - stream_on_victim) >= MAX_NUM_SEQS
+                         and k, timeout=30, what=f"the fleet gateway to place part of its burst on {victim_name}")
     time.sleep(0.5)  # the rest of each burst reaches its gateways
-    on_victim = _engine_state(fleet, victim_name)["outstanding"]
-    a_on_victim = _engine_state(gw_aladdin, victim_name)["outstanding"]
-    assert _engine_state(fleet, victim_name)["healthy"] and _engine_state(gw_aladdin, victim_name)["healthy"]
-    retries0 = fleet.metric("lengthwise_gateway_engine_retries_total", engine=victim_name)
-    a_retries0 = gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=victim_name)
-    a_placed0 = gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed")
     t_kill = time.perf_counter()
     os.killpg(victim_pid, signal.SIGKILL)  # the API server, its (frozen) engine core and worker: the whole engine
     results, a_results = burst.result(timeout=240), a_burst.result(timeout=240)
@@ -730,15 +728,16 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     f_cut = cut(stream)
     assert f_cut == stream_on_victim  # the fleet's stream ends with the error event iff it ran on the victim
     # every request of both bursts got its whole answer, in bounded time: those on the dead engine (all but the
-    # streams) were retried on the other one, each once
+    # streams) were retried on the other one
     assert [r[0] for r in results] == [200] * n, [r for r in results if r[0] != 200]
     assert all(r[1]["usage"]["completion_tokens"] == tokens for r in results)
-    assert fleet.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - retries0 == on_victim - f_cut
+    f_retried = fleet.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - retries0[victim_name][0]
+    assert f_retried >= on_victim
     assert [r[0] for r in a_results] == [200] * a_n
     assert all(r[1]["usage"]["completion_tokens"] == tokens for r in a_results)
     assert all(r[3] == survivor_name for r in a_results)
-    assert gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - a_retries0 == a_on_victim - 1
-    assert gw_aladdin.metric("lengthwise_gateway_placement_events_total", event="placed") - a_placed0 == a_on_victim - 1
+    a_retried = gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=victim_name) - retries0[victim_name][1]
+    assert a_retried >= a_on_victim - 1  # all but its stream
     assert time.perf_counter() - t_kill < 240
     assert fleet.metric("lengthwise_gateway_stream_errors_total") == int(f_cut)
     assert gw_aladdin.metric("lengthwise_gateway_stream_errors_total") == 1

@@ -35,7 +35,7 @@ from serving.enginebench.bench import profile_to_csv, run_engines
 from serving.enginebench.model import dummy_model
 from serving.policy.config import PolicyConfig
 from serving.replay import Job as ReplayJob
-from serving.replay import Settings, send_one
+from serving.replay import Settings, poisson_arrivals, send_one
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import derive_slo
 from serving.sim.latency import FittedLatency
@@ -156,7 +156,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                   f"ATGT {slo.tpot_s * 1e3:.1f} ms")
 
     def sim(placement: str, rate: float) -> RunMetrics:
-        at = [dataclasses.replace(r, arrival=t) for r, t in zip(reqs, _arrivals(len(reqs), rate, cfg.seed))]
+        at = [dataclasses.replace(r, arrival=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, cfg.seed))]
         return simulate_cluster(at, preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), pc,
                                 cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
 
@@ -166,7 +166,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
             rate = max_rate(lambda r: sim("jsq", r), 1.0, key="ttft_tpot_attainment")["max_rate_at_90_slo"]
         if not rate > 0:
             raise ValueError("the calibrated simulator finds no rate the fleet sustains; give --rate")
-    arrivals = _arrivals(len(reqs), rate, cfg.seed)
+    arrivals = poisson_arrivals(len(reqs), rate, cfg.seed)
     jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, r.output_tokens)
             for i, (r, t) in enumerate(zip(reqs, arrivals))]
     limits = [slo.jct_limit(r.output_tokens) for r in reqs]
@@ -248,12 +248,6 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
 
 def _per_engine(results) -> dict[str, int]:
     return dict(sorted(Counter(r.engine or "(none)" for r in results).items()))
-
-
-def _arrivals(n: int, rate: float, seed: int) -> list[float]:
-    from serving.sim.engine import poisson_arrivals
-
-    return [float(t) for t in poisson_arrivals(n, rate, seed)]
 
 
 def _ratio(a: float, b: float) -> float | None:

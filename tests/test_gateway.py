@@ -374,6 +374,7 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
     body = json.dumps({"model": fleet.model, "prompt": "an answer nobody waits for", "max_tokens": 1900,
                        "ignore_eos": True}).encode()
     host, port = fleet.url.removeprefix("http://").split(":")
+    received0 = _received(fleet)
     # the engine cores are frozen while the client leaves, so the answer cannot be complete before it does, however
     # fast the engines run; their API servers take the request meanwhile (and /health answers: it does not ask the core)
     with _cores_frozen(fleet), socket.create_connection((host, int(port)), timeout=10) as conn:
@@ -382,6 +383,9 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
         try:
             wait_for(lambda: sum(e["outstanding"] for e in fleet.get("/health").json()["engines"]) >= 1, timeout=30,
                      what="the request to reach an engine")
+            # placed is not yet sent: the client must leave only once an engine's API server holds the request (its
+            # request log says so), or there is nothing for the engine to abort (CI saw that race on a stalled machine)
+            wait_for(lambda: _received(fleet) > received0, timeout=30, what="an engine's API server to log the request")
         except AssertionError as exc:
             conn.settimeout(1)
             try:
@@ -527,6 +531,11 @@ def _burst_behind(url: str, model: str, n: int, tokens: int) -> concurrent.futur
     future = pool.submit(asyncio.run, _burst(url, model, n, tokens))
     pool.shutdown(wait=False)
     return future
+
+
+def _received(fleet: Gateway) -> int:
+    """How many requests the engines' API servers have logged as received (``--enable-log-requests``)."""
+    return sum(ln.count("Received request ") for p in fleet.engine_logs for ln in p.read_text(errors="replace").splitlines())
 
 
 @contextlib.contextmanager

@@ -220,3 +220,17 @@ def test_bad_input_exits_2_with_one_line(args, message):
 def test_scale_from_points():
     r = lengthwise("scale", "--points", "2:2,4:3,6:4,8:5", "--rate", "7")
     assert r.returncode == 0 and r.stdout.startswith("5 instances for 7 req/s"), r.stdout + r.stderr
+
+
+def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(data):
+    from serving.placementbench.scenarios import build_placement_setup
+    from serving.sim.latency import DecodePoolLatency, StepShape
+
+    colocated = build_placement_setup("sharegpt", max_requests=40)
+    pool = build_placement_setup("sharegpt-decode", max_requests=40)
+    assert isinstance(pool.latency, DecodePoolLatency) and not isinstance(colocated.latency, DecodePoolLatency)
+    assert (pool.slo.ttft_s, pool.slo.tpot_s) == (colocated.slo.ttft_s, colocated.slo.tpot_s)
+    assert pool.kv_blocks == colocated.kv_blocks and [r.prompt_tokens for r in pool.requests] == [r.prompt_tokens for r in colocated.requests]
+    chunk = StepShape.of(prefill_chunks=[(0, 2048)], decode_contexts=[500] * 8)
+    assert pool.latency.step_time(chunk) < colocated.latency.step_time(chunk) / 2
+    assert "decode pool" in pool.scenario.description

@@ -22,6 +22,7 @@ from serving.sim.hardware import (
 from serving.sim.latency import (
     BLIS_COEFFS,
     DEFAULT_OVERHEAD_S,
+    DecodePoolLatency,
     FittedLatency,
     LatencyError,
     LinearLatency,
@@ -154,6 +155,7 @@ def _shapes():
     RooflineLatency(get_model("smollm2-135m"), get_gpu("h200")),
     LinearLatency.blis("llama-3.1-8b", "h100"),
     FittedLatency(0.01, 1e-4, 2e-5, 1e-8),
+    DecodePoolLatency(LinearLatency.blis("llama-3.1-8b", "h100")),
 ], ids=lambda m: m.name)
 def test_more_work_is_never_faster(lat):
     shapes = list(_shapes())
@@ -167,6 +169,18 @@ def test_more_work_is_never_faster(lat):
                                  a.prefill_attn_tokens2)):
             assert lat.step_time(bigger) >= lat.step_time(a)
     assert lat.step_time(StepShape(0, 0, 0, 0)) > 0  # never zero: the simulated clock must advance
+
+
+@pytest.mark.parametrize("base", [RooflineLatency(OPT, A100), LinearLatency.blis("llama-3.1-8b", "h100")], ids=lambda m: m.name)
+def test_a_decode_pool_instance_pays_for_its_decodes_not_for_prompts(base):
+    """Prefill runs elsewhere: a step with a prompt chunk costs what the same step's decodes cost alone."""
+    lat = DecodePoolLatency(base)
+    decode_only = StepShape(0, 12, 30_000, 12)
+    assert lat.step_time(decode_only) == base.step_time(decode_only)
+    with_chunk = StepShape.of(prefill_chunks=[(0, 2048)], decode_contexts=[2500] * 12)
+    assert base.step_time(with_chunk) > 2 * base.step_time(decode_only)  # colocated: the chunk dominates the step
+    assert lat.step_time(with_chunk) == pytest.approx(base.step_time(StepShape(0, 12, with_chunk.kv_read_tokens, 13)))
+    assert lat.describe()["base"] == base.describe()
 
 
 # ---------- fitted ----------

@@ -49,7 +49,7 @@ class PlacementBenchConfig:
     target_b: float = 0.9
     gateways: Sequence[int] = (1,)
     refresh_s: float = 1.0
-    scaling_placements: Sequence[str] = ("aladdin", "jsq")
+    scaling_placements: Sequence[str] = ("aladdin", "lengthwise", "jsq")
     scaling_rates: Sequence[float] = (0.5, 1.0, 1.5)  # multiples of the (a) rate
     max_instances: int | None = None     # scan limit for (a); default 4 × instances
     seed: int = 0

@@ -8,12 +8,18 @@
 * ``azure-code``: the Azure 2023 code trace (real arrival gaps, rescaled to the rate) on Llama-3.1-8B /
   A100 with BLIS coefficients: long prompts, short answers.
 * ``mooncake``: the Mooncake conversation trace on Llama-3.1-8B / H100: very long prompts.
+* ``sharegpt-decode``, ``mooncake-decode``: the same fleets as a disaggregated decode pool, Aladdin's own
+  measure (its 60% fewer GPUs than JSQ are decode GPUs): prompts are prefilled elsewhere, so a decode step
+  never carries prompt compute (:class:`DecodePoolLatency`). The SLOs stay those of the colocated fleet
+  (derived with prefill priced); TTFT counts only the decode pool's part (queueing, KV arriving, first
+  step), as the prefill pool is not simulated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from serving.sim.latency import DecodePoolLatency
 from serving.sim.scenarios import SCENARIOS, Scenario, Setup, build_setup
 
 
@@ -24,6 +30,7 @@ class PlacementScenario:
     base: str                 # the single-instance scenario it starts from
     hardware: dict            # Scenario fields replaced
     max_requests: int
+    decode_pool: bool = False  # instances only decode: prompt compute is priced at zero (DecodePoolLatency)
 
 
 PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
@@ -37,6 +44,11 @@ PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
                           "llama8b-a100", {"workload": "traces/AzureLLMInferenceTrace_code_2023.csv", "arrival": "trace"}, 3000),
         PlacementScenario("mooncake", "Mooncake conversation trace (real gaps, rescaled) on Llama-3.1-8B / H100: 13.7k-token "
                                       "prompts on average", "long-context", {}, 1000),
+        PlacementScenario("sharegpt-decode", "sharegpt's fleet as a disaggregated decode pool (prefill elsewhere; Aladdin "
+                                             "counts decode GPUs)", "ecoserve-paper",
+                          {"kv_bytes": 0.9 * 80e9 - 26e9, "block_size": 16, "max_model_len": 4096}, 3000, decode_pool=True),
+        PlacementScenario("mooncake-decode", "mooncake's fleet as a disaggregated decode pool (prefill elsewhere)", "long-context",
+                          {}, 1000, decode_pool=True),
     )
 }
 
@@ -53,4 +65,6 @@ def build_placement_setup(name: str, *, max_requests: int | None = None, predict
 
     setup = build_setup(base, workload=str(data_path(workload)) if workload else None, arrival=arrival, predictor=predictor,
                         max_requests=max_requests or ps.max_requests, seed=seed, **hw)
+    if ps.decode_pool:  # the SLO stays the colocated one, derived above with prefill priced
+        setup = replace(setup, latency=DecodePoolLatency(setup.latency), scenario=replace(setup.scenario, description=ps.description))
     return setup

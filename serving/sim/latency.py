@@ -197,6 +197,26 @@ class RooflineLatency(LatencyModel):
                 "weight_bytes": self.model.weight_bytes(), "kv_bytes_per_token": self.model.kv_bytes_per_token()}
 
 
+class DecodePoolLatency(LatencyModel):
+    """An instance of a disaggregated decode pool: prompts are prefilled elsewhere and their KV arrives.
+
+    Aladdin counts decode workers (§6: its 60% saving over JSQ is in decode GPUs): prefill runs on other
+    machines, so a decode instance's steps never carry prompt compute. Here a step costs what ``base`` charges
+    for its decodes and KV reads alone; a prompt still passes through the engine chunk by chunk, each chunk
+    one step (its KV landing, as a transfer would), but adds no compute to the decodes beside it.
+    """
+
+    def __init__(self, base: LatencyModel) -> None:
+        self.base = base
+        self.name = f"decode-pool:{base.name}"
+
+    def step_time(self, s: StepShape) -> float:
+        return self.base.step_time(StepShape(0, s.decode_tokens, s.kv_read_tokens, s.num_seqs))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "decode-pool", "name": self.name, "base": self.base.describe()}
+
+
 FIT_COLUMNS = ("prefill_tokens", "decode_tokens", "kv_read_tokens")
 
 

@@ -24,7 +24,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         epilog="scenarios:\n" + "\n".join(f"  {k}: {v.description}" for k, v in PLACEMENT_SCENARIOS.items()) +
                "\n\nexamples:\n  lengthwise bench placement\n"
                "  lengthwise bench placement --scenario all --gateways 1,2,4\n"
-               "  lengthwise bench placement --scenario azure-code --instances 8 --placements jsq,aladdin --slo jct\n\n"
+               "  lengthwise bench placement --scenario azure-code --instances 8 --placements jsq,aladdin --slo jct\n"
+               "  lengthwise bench placement --scenario mooncake-decode --instances 6 --placements jsq,aladdin,lengthwise\n\n"
                "JSON: policies -> NAME -> instances_needed, instances_used, max_rate_at_90_slo, gateways, curve; "
                "scaling -> NAME -> k5, c5 (with several scenarios: scenarios -> SCENARIO -> the same).")
     p.add_argument("--scenario", default="sharegpt", choices=[*PLACEMENT_SCENARIOS, "all"], help="(default: %(default)s)")

@@ -253,7 +253,9 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
     assert r.usage.completion_tokens == 6
     wait_for(lambda: (sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0) == n0 + 1, timeout=10,
              what="feedback at the sidecar")
-    assert gw_sidecar.metric("lengthwise_gateway_feedback_total", outcome="sent") == 1
+    # the gateway counts a post as sent when the sidecar's answer is back, which can be after the sidecar counted it
+    wait_for(lambda: gw_sidecar.metric("lengthwise_gateway_feedback_total", outcome="sent") == 1, timeout=10,
+             what="the gateway to count its feedback post as sent")
     assert gw_sidecar.metric("lengthwise_gateway_predictions_total", source="sidecar") == 2
     assert gw_sidecar.metric("lengthwise_gateway_prediction_fallbacks_total") == 0
     assert gw_sidecar.metric("lengthwise_gateway_predictor_latency_seconds_count") == 2
@@ -540,17 +542,37 @@ def _received(fleet: Gateway) -> int:
 
 @contextlib.contextmanager
 def _cores_frozen(fleet: Gateway):
-    """SIGSTOP every engine's core processes (not its API server) for the block, SIGCONT after."""
-    cores = [p for e in fleet.get("/health").json()["engines"]
-             for p in psutil.Process(_engine_group(fleet, e["url"])).children(recursive=True)]
-    assert cores
-    for p in cores:
-        p.send_signal(signal.SIGSTOP)
+    """SIGSTOP every engine's core processes (not its API server) for the block, SIGCONT after.
+
+    Each engine's process tree is listed again until every process in it is seen stopped and each engine has its
+    ``VLLM::EngineCore`` among them (CI once saw an engine core run on through the block)."""
+    engines = [_engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]]
+    cores: dict[int, psutil.Process] = {}
+
+    def stopped(p: psutil.Process) -> bool:
+        try:
+            return p.status() == psutil.STATUS_STOPPED
+        except psutil.NoSuchProcess:
+            return True  # gone: nothing left to run
+
+    def frozen() -> bool:
+        for pid in engines:
+            tree = psutil.Process(pid).children(recursive=True)
+            if not any(p.name() == "VLLM::EngineCore" for p in tree):
+                return False
+            for p in tree:
+                cores.setdefault(p.pid, p)
+                if not stopped(p):
+                    p.send_signal(signal.SIGSTOP)
+        return all(stopped(p) for p in cores.values())
+
     try:
+        wait_for(frozen, timeout=20, every=0.1, what="every engine core to stop")
         yield
     finally:
-        for p in cores:
-            p.send_signal(signal.SIGCONT)
+        for p in cores.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
 
 
 def _quiet(fleet: Gateway, *gateways: Gateway) -> bool:

@@ -290,8 +290,8 @@ class _DroppingEngine:
     answering (what a server closing an idle kept-alive connection does to a request sent on it just then), answers
     the rest, and answers /health while ``alive``."""
 
-    def __init__(self, drops: int, alive: bool = True):
-        self.drops, self.alive, self.posts = drops, alive, 0
+    def __init__(self, drops: int, alive: bool = True, reset: bool = False):
+        self.drops, self.alive, self.reset, self.posts = drops, alive, reset, 0
 
     async def handle(self, reader, writer) -> None:
         import json
@@ -303,6 +303,11 @@ class _DroppingEngine:
         if head.startswith("POST"):
             self.posts += 1
             if self.posts <= self.drops:
+                if self.reset:  # close with a zero linger: the kernel resets the connection instead of closing it
+                    import socket
+                    import struct
+
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.close()
                 return
             body = json.dumps({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}}).encode()
@@ -318,10 +323,11 @@ class _DroppingEngine:
 
 
 @pytest.mark.parametrize("alive", [True, False])
-def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive):
-    """A request whose engine closed the connection without answering is sent to the same engine once more when the
-    engine then passes a health probe (the kept-alive connection race: the engine is fine), and fails over (here: a
-    503, no other engine) when the probe fails."""
+@pytest.mark.parametrize("reason", ["dropped", "reset"])
+def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive, reason):
+    """A request whose engine closed (or reset) the connection without answering is sent to the same engine once more
+    when the engine then passes a health probe (the kept-alive connection race: the engine is fine), and fails over
+    (here: a 503, no other engine) when the probe fails."""
     import asyncio
 
     from serving.gateway.errors import ApiError
@@ -329,7 +335,7 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
     from serving.gateway.metrics import GatewayMetrics
     from serving.gateway.pool import EnginePool
 
-    server_side = _DroppingEngine(drops=1, alive=alive)
+    server_side = _DroppingEngine(drops=1, alive=alive, reset=reason == "reset")
 
     async def main():
         server = await asyncio.start_server(server_side.handle, "127.0.0.1", 0)
@@ -352,10 +358,11 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
             server.close()
 
     out, metrics, engine = asyncio.run(main())
-    retries = metrics.engine_retries.labels("engine-0", "dropped")._value.get()
+    retries = metrics.engine_retries.labels("engine-0", reason)._value.get()
     if alive:
         assert out.status_code == 200 and server_side.posts == 2 and retries == 1 and engine.healthy
     else:
-        assert isinstance(out, ApiError) and out.status == 503 and "without sending a response" in str(out.args)
+        said = "without sending a response" if reason == "dropped" else "was reset"
+        assert isinstance(out, ApiError) and out.status == 503 and said in str(out.args)
         assert server_side.posts == 1 and retries == 0 and not engine.healthy
     assert not engine.view.inst.jobs

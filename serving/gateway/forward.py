@@ -283,22 +283,27 @@ class Forwarder:
                                  background=BackgroundTask(release))
 
 
-SECOND_CHANCE = frozenset({"dropped", "connect_timeout"})  # failures a healthy engine can cause: probe, then retry it
+SECOND_CHANCE = frozenset({"dropped", "reset", "connect_timeout"})  # failures a healthy engine can cause: probe, then retry it
 
 
 def _transport_retry(pool: EnginePool, engine: Engine, exc: httpx.TransportError, connect_timeout_s: float) -> _Retry:
     """Why a connection failed, as a retry reason.
 
     ``dropped``: the engine closed the connection before answering anything, possibly an idle kept-alive connection
-    it closed as the request went out on it; ``connect_timeout``: no connection within ``connect_timeout_s``, which a
-    busy machine can cause. For these two the caller probes the engine before giving up on it (``SECOND_CHANCE``).
-    ``connect`` (refused) and ``broken`` (lost mid-answer) ask for a probe at once in the background.
+    it closed as the request went out on it; ``reset``: the same race when the engine's close found the request
+    unread in its buffer, which makes the kernel reset the connection (a read or write error here), or an engine
+    that died; ``connect_timeout``: no connection within ``connect_timeout_s``, which a busy machine can cause. For
+    these the caller probes the engine before giving up on it (``SECOND_CHANCE``): a dead engine fails the probe.
+    Callers use the reason only while the client has seen nothing. ``connect`` (refused) and ``broken`` (lost
+    mid-answer) ask for a probe at once in the background.
     """
     if isinstance(exc, httpx.ConnectTimeout):
         return _Retry("connect_timeout", f"cannot connect to {engine.name} within {connect_timeout_s:g} s")
     if isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc):
         return _Retry("dropped", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())
     pool.suspect(engine)
+    if isinstance(exc, (httpx.ReadError, httpx.WriteError)):
+        return _Retry("reset", f"connection to {engine.name} was reset: {type(exc).__name__} {exc}".strip())
     if isinstance(exc, httpx.ConnectError):
         return _Retry("connect", f"cannot connect to {engine.name}: {type(exc).__name__}")
     return _Retry("broken", f"connection to {engine.name} broke: {type(exc).__name__} {exc}".strip())

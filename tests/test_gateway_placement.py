@@ -128,6 +128,18 @@ def test_load_others_sent_enters_the_view_as_synthetic_jobs():
     assert own.first_token_at == 2.0 and own.generated == 0
 
 
+def test_least_kv_weighs_what_each_engine_holds_including_others_requests():
+    p, fallbacks = _placer("least-kv")
+    v0, v1 = p.views
+    p.report(v0, _report(0.0))
+    p.report(v1, _report(0.0, running=1, usage=20_000 / 262_144))  # someone else's 20k-token context on engine-1
+    picks = [p.choose(_job(i, prompt=1000), frozenset(), 0.5) for i in range(3)]
+    assert picks == [0, 0, 0] and fallbacks == []  # 3,000 tokens on engine-0 are still fewer than 20,000
+    assert p.state()["stats"]["least-kv"]["placed"] == 3
+    p.report(v1, _report(10.0))  # stale for engine-0 now: the decision falls back to JSQ, counted
+    assert p.choose(_job(9), frozenset(), 10.5) == 1 and fallbacks == ["stale"]
+
+
 def test_others_waiting_in_the_engine_queue_count_as_prefill_to_do():
     p, _ = _placer()
     v0, _v1 = p.views

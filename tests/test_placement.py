@@ -106,7 +106,15 @@ def test_baselines_round_robin_jsq_p2c_and_health():
         make_placement("random-ish")
     with pytest.raises(PlacementError, match="limits"):
         make_placement("aladdin")
-    assert set(placement_names()) == {"round-robin", "jsq", "p2c", "aladdin", "lengthwise"}
+    assert set(placement_names()) == {"round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise"}
+    # least-kv weighs what the requests hold, not how many there are: one long context outweighs three short ones
+    kv = make_placement("least-kv")
+    pair = [Instance("long", jobs={1: Job(1, 100_000, 50.0, generated=10, started=True)}),
+            Instance("short", jobs={k: Job(k, 500, 50.0) for k in (2, 3, 4)})]
+    assert kv.choose(pair, Job(9, 100, 10.0)) == 1
+    assert make_placement("jsq").choose(pair, Job(9, 100, 10.0)) == 0
+    idle = [Instance(f"i{k}") for k in range(3)]
+    assert [kv.choose(idle, Job(20 + k, 10, 1.0)) for k in range(3)] != [0, 0, 0]  # ties rotate over an idle fleet
 
 
 def test_rebalance_moves_only_unstarted_jobs_from_an_overrun_instance():

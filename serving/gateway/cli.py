@@ -36,10 +36,11 @@ lengthwise_gateway_prediction_fallbacks_total on /metrics).
 
 placement: each engine has a view of its requests (prompt tokens, predicted and generated tokens), plus
 the requests other gateways sent, read with its KV capacity from the engine's vLLM /metrics every
---load-interval s. jsq: fewest outstanding requests; round-robin; p2c: TetriInfer's power of two with KV
+--load-interval s. jsq: fewest outstanding requests; round-robin; least-kv: fewest context tokens (no
+prediction); p2c: TetriInfer's power of two with KV
 room; aladdin: Aladdin's best fit (the fullest engine that still meets the KV, batch and, with
 --latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first. Without a fresh
-report (or before any engine reported its KV capacity) aladdin/lengthwise/p2c decide by JSQ, counted in
+report (or before any engine reported its KV capacity) aladdin/lengthwise/least-kv/p2c decide by JSQ, counted in
 lengthwise_gateway_placement_fallbacks_total{reason}; the core's counters are
 lengthwise_gateway_placement_events_total{placement,event}. Prompt tokens are counted with the tokenizer
 of a local --model directory, else estimated as characters / 4.
@@ -81,7 +82,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds engines may take to become healthy (default: %(default)s)")
     pl = p.add_argument_group("placement (which engine gets a request; see 'placement' below)")
     pl.add_argument("--placement", default="jsq", metavar="NAME",
-                    help="round-robin, jsq (alias least-outstanding), p2c, aladdin or lengthwise (default: %(default)s)")
+                    help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin or lengthwise (default: %(default)s)")
     pl.add_argument("--engine-max-num-seqs", type=int, metavar="N",
                     help="the engines' --max-num-seqs: placement's batch limit (default: the --engine-arg value for "
                          "engines started here, else 256)")

@@ -7,6 +7,8 @@ constraint that rejected each candidate).
 
 * ``round-robin``: each healthy instance in turn.
 * ``jsq`` (alias ``least-outstanding``): fewest outstanding requests, then fewest predicted tokens owed.
+* ``least-kv``: fewest context tokens held or queued (prompt + generated), no prediction: the KV-aware router
+  a production fleet would try before any length predictor, so a predictor's gain is measured against it.
 * ``p2c``: TetriInfer's dispatcher: two instances drawn at random from those with room for the job's
   predicted KV, the one whose heavy:light decode mix stays lowest.
 * ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
@@ -88,6 +90,26 @@ class LeastOutstanding(Placement):
         n = len(instances)
         start = next(self._turn) % n
         return min(ok, key=lambda i: (instances[i].outstanding, instances[i].outstanding_tokens, (i - start) % n))
+
+
+class LeastKV(Placement):
+    """Fewest KV tokens (prompt + generated of every request placed there), then fewest requests; ties rotate.
+
+    Needs no prediction: long contexts are kept apart by what they already hold. In a decode pool, where a
+    step's cost is its decodes' KV reads, this is what separates the length-aware placements from JSQ.
+    """
+
+    name = "least-kv"
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+        super().__init__(limits, seed)
+        self._turn = itertools.count()
+
+    def _choose(self, instances, ok, job, now):
+        n = len(instances)
+        start = next(self._turn) % n
+        return min(ok, key=lambda i: (sum(j.context for j in instances[i].jobs.values()), instances[i].outstanding,
+                                      (i - start) % n))
 
 
 class PowerOfTwo(Placement):
@@ -178,7 +200,7 @@ class Spread(Aladdin):
 
 
 _ALIASES = {"least-outstanding": "jsq", "power-of-two": "p2c", "rr": "round-robin"}
-PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, Aladdin, Spread)}
+PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (RoundRobin, LeastOutstanding, LeastKV, PowerOfTwo, Aladdin, Spread)}
 
 
 def placement_names() -> list[str]:

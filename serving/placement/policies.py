@@ -86,13 +86,16 @@ class LeastOutstanding(Placement):
         super().__init__(limits, seed)
         self._turn = itertools.count()
 
+    def _load(self, inst: Instance) -> tuple[float, ...]:
+        return inst.outstanding, inst.outstanding_tokens
+
     def _choose(self, instances, ok, job, now):
         n = len(instances)
         start = next(self._turn) % n
-        return min(ok, key=lambda i: (instances[i].outstanding, instances[i].outstanding_tokens, (i - start) % n))
+        return min(ok, key=lambda i: (*self._load(instances[i]), (i - start) % n))
 
 
-class LeastKV(Placement):
+class LeastKV(LeastOutstanding):
     """Fewest KV tokens (prompt + generated of every request placed there), then fewest requests; ties rotate.
 
     Needs no prediction: long contexts are kept apart by what they already hold. In a decode pool, where a
@@ -101,15 +104,8 @@ class LeastKV(Placement):
 
     name = "least-kv"
 
-    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
-        super().__init__(limits, seed)
-        self._turn = itertools.count()
-
-    def _choose(self, instances, ok, job, now):
-        n = len(instances)
-        start = next(self._turn) % n
-        return min(ok, key=lambda i: (sum(j.context for j in instances[i].jobs.values()), instances[i].outstanding,
-                                      (i - start) % n))
+    def _load(self, inst: Instance) -> tuple[float, ...]:
+        return sum(j.context for j in inst.jobs.values()), inst.outstanding
 
 
 class PowerOfTwo(Placement):

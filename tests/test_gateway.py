@@ -540,14 +540,11 @@ def _received(fleet: Gateway) -> int:
     return sum(ln.count("Received request ") for p in fleet.engine_logs for ln in p.read_text(errors="replace").splitlines())
 
 
-@contextlib.contextmanager
-def _cores_frozen(fleet: Gateway):
-    """SIGSTOP every engine's core processes (not its API server) for the block, SIGCONT after.
-
-    Each engine's process tree is listed again until every process in it is seen stopped and each engine has its
-    ``VLLM::EngineCore`` among them (CI once saw an engine core run on through the block)."""
-    engines = [_engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]]
-    cores: dict[int, psutil.Process] = {}
+def _stop_engine_cores(groups: list[int], cores: dict[int, psutil.Process]) -> None:
+    """SIGSTOP the processes under each engine's API server (``groups``: their pids), its engine core and worker, until
+    all are seen stopped; ``cores`` collects them (also when this fails), for a SIGCONT. Each tree is listed again
+    until every process in it is stopped and its ``VLLM::EngineCore`` is among them (CI once saw an engine core run
+    on through a freeze)."""
 
     def stopped(p: psutil.Process) -> bool:
         try:
@@ -556,7 +553,7 @@ def _cores_frozen(fleet: Gateway):
             return True  # gone: nothing left to run
 
     def frozen() -> bool:
-        for pid in engines:
+        for pid in groups:
             tree = psutil.Process(pid).children(recursive=True)
             if not any(p.name() == "VLLM::EngineCore" for p in tree):
                 return False
@@ -566,8 +563,15 @@ def _cores_frozen(fleet: Gateway):
                     p.send_signal(signal.SIGSTOP)
         return all(stopped(p) for p in cores.values())
 
+    wait_for(frozen, timeout=20, every=0.1, what="every engine core to stop")
+
+
+@contextlib.contextmanager
+def _cores_frozen(fleet: Gateway):
+    """Every engine's core processes (not its API server) stopped for the block, continued after."""
+    cores: dict[int, psutil.Process] = {}
     try:
-        wait_for(frozen, timeout=20, every=0.1, what="every engine core to stop")
+        _stop_engine_cores([_engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]], cores)
         yield
     finally:
         for p in cores.values():
@@ -706,10 +710,7 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     model = fleet.model
     # from idle engines and empty views: what earlier tests left running must not count in anyone's load
     wait_for(lambda: _quiet(fleet, gw_aladdin), timeout=60, what="idle engines and empty gateway views")
-    # each engine's processes, found now so that the freeze below follows the aladdin stream's first token at once
     groups = {e["name"]: _engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]}
-    cores = {name: psutil.Process(pid).children(recursive=True) for name, pid in groups.items()}  # core and worker
-    assert all(cores.values())
     retries0 = {name: (fleet.metric("lengthwise_gateway_engine_retries_total", engine=name),
                        gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=name)) for name in groups}
     # two streams already producing tokens: the fleet's goes where JSQ puts it; the aladdin gateway's picks the victim
@@ -723,9 +724,8 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     victim_name = a_raw.headers["x-lengthwise-engine"]
     a_stream = a_raw.parse()
     assert next(iter(a_stream)).choices
-    for p in cores[victim_name]:
-        p.send_signal(signal.SIGSTOP)
     victim_pid = groups[victim_name]
+    _stop_engine_cores([victim_pid], {})  # until the kill: nothing on it finishes before
     stream_on_victim = raw.headers["x-lengthwise-engine"] == victim_name
     survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
     # a burst through each gateway that fills both engines and queues inside them: best fit packs the aladdin

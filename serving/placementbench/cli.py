@@ -113,6 +113,7 @@ def run_cli(a: argparse.Namespace) -> int:
 
 
 def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
+    from serving.enginebench.model import SHAPES
     from serving.placementbench.fleet import PLACEMENTS
 
     p = bench_sub.add_parser(
@@ -133,6 +134,9 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=160, help="requests per replay (default: %(default)s)")
     p.add_argument("--rate", type=float, help="req/s (default: the calibrated simulator's 90%% point for JSQ)")
     p.add_argument("--kv-blocks", type=int, default=160, help="KV blocks of 32 tokens per engine (default: %(default)s)")
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                   help="the dummy model's shape: tiny (4 layers) replays fastest; smollm2 (SmolLM2-135M's 30 layers) makes "
+                        "each engine step long beside the HTTP streaming that shares this machine's cores (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--predictor", default="noise:0.55", metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle (default: %(default)s)")
     p.add_argument("--calibration-requests", type=int, default=64,
@@ -164,7 +168,7 @@ def run_fleet_cli(a: argparse.Namespace) -> int:
             raise ValueError("--predictor models:/... is not supported here: the fleet bench carries predictions in a header; "
                              "use noise:ACC, gauss:SIGMA or oracle")
         cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, local_policy=a.local_policy,
-                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, max_num_seqs=a.max_num_seqs,
+                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, shape=a.shape, max_num_seqs=a.max_num_seqs,
                                predictor=a.predictor, calibration_requests=a.calibration_requests, seed=a.seed)
         make_predictor(a.predictor)  # a bad spec fails now, before engines start
         run_fleet_bench(cfg, Path(a.json), Console())

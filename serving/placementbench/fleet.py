@@ -45,7 +45,7 @@ from serving.sim.scenarios import SHAREGPT, data_path
 from serving.sim.sweep import max_rate
 from serving.sim.workload import load_workload
 
-PLACEMENTS = ("round-robin", "jsq", "p2c", "aladdin", "lengthwise")
+PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
 TOKENIZER = "tokenizers/gpt2/tokenizer.json"
 
 

@@ -32,6 +32,50 @@ def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
     assert fit.n_rows == 5 and math.isfinite(fit.c0)
 
 
+def test_fleet_calibration_merges_each_engines_profile(tmp_path):
+    from serving.placementbench.fleet import _merge_csv
+
+    a = profile_to_csv(_rows([0.0, 0.011, 0.022], [0.010] * 3, [100, 0, 0], [0, 2, 2]), tmp_path / "a.csv")
+    b = profile_to_csv(_rows([5.0, 5.02], [0.019] * 2, [0, 0], [4, 4]), tmp_path / "b.csv")
+    merged = _merge_csv([a, b], tmp_path / "m.csv").read_text().splitlines()
+    assert merged[0] == a.read_text().splitlines()[0] and len(merged) == 1 + 3 + 2  # one header, every step
+    assert merged[1:4] == a.read_text().splitlines()[1:] and merged[4:] == b.read_text().splitlines()[1:]
+    assert FittedLatency.from_csv(tmp_path / "m.csv").n_rows == 5
+
+
+def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
+    """A /metrics without vLLM's request gauges (an engine just started) is not idle; the gauges at 0 are."""
+    import http.server
+    import threading
+
+    from serving.placementbench.fleet import _wait_idle
+
+    body = {"text": "# HELP python_info x\n# TYPE python_info gauge\npython_info 1.0\n"}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = body["text"].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+    try:
+        why = _wait_idle([url], timeout_s=1.0)
+        assert why is not None and "not a vLLM /metrics endpoint" in why
+        body["text"] = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
+                        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 0.0\n")
+        assert _wait_idle([url], timeout_s=5.0) is None
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--rates", "-1"], "rates"),
     (["--rates", "x"], "--rates"),

@@ -123,7 +123,7 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                     "ignore_eos with max_tokens = each real response length, prefix caching off. For each placement start "
                     "a `lengthwise serve` gateway attached to them and replay the same ShareGPT trace through it, with "
                     "the same predictions (x-lengthwise-pred-len, --trust-client-predictions). A calibration burst "
-                    "through stock vLLM first fits the step model: the SLO, Aladdin's latency profile and the default "
+                    "through every engine at once (stock vLLM) first fits the step model: the SLO, Aladdin's latency profile and the default "
                     "rate come from it, and each replay is simulated beside the measurement.",
         epilog="examples:\n  lengthwise bench fleet\n  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
                "Each placement replays the trace in real time (requests / rate seconds), after about a minute of engine start.")

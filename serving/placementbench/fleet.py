@@ -7,9 +7,9 @@ through it. Predictions (``noise:ACC`` by default, the quality of our trained pr
 gateway in ``x-lengthwise-pred-len`` with ``--trust-client-predictions``, so every placement sees the
 same predictions and the simulator can run the same trace.
 
-Before the replays a calibration burst through stock vLLM fits the simulator's step model (as ``bench
-engine`` does): it gives the SLO terms t_p and t_g, the latency profile Aladdin's limits read, and the
-default rate (what the simulated two-instance fleet sustains under JSQ). Each replay is then simulated
+Before the replays a calibration burst through every engine at once (stock vLLM) fits the simulator's
+step model (as ``bench engine`` does): it gives the SLO terms t_p and t_g, the latency profile Aladdin's
+limits read, and the default rate (what the simulated two-instance fleet sustains under JSQ). Each replay is then simulated
 and the simulator's error is reported beside it.
 """
 
@@ -77,6 +77,15 @@ def _trace(cfg: FleetBenchConfig):
     return reqs
 
 
+def _merge_csv(parts: list[Path], path: Path) -> Path:
+    """One CSV of the engines' step profiles (each part's cycles were measured on its own engine)."""
+    lines = parts[0].read_text().splitlines()
+    for p in parts[1:]:
+        lines += p.read_text().splitlines()[1:]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _engine_args(cfg: FleetBenchConfig) -> list[str]:
     return ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--max-model-len {cfg.max_model_len}",
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
@@ -113,19 +122,25 @@ async def _replay(url: str, model: str, jobs: list[ReplayJob], preds: list[float
         return list(results), time.perf_counter() - t_start
 
 
-def _wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> None:
-    """Until every engine reports nothing running or waiting (a cut run must not leak into the next)."""
+def _wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> str | None:
+    """Until every engine reports nothing running or waiting (a cut run must not leak into the next).
+
+    None once idle; else why not, after ``timeout_s`` (the caller warns and records it, and goes on).
+    """
     from serving.gateway.engine_load import parse_report
 
     deadline = time.monotonic() + timeout_s
+    why = "still busy"
     with httpx.Client(timeout=5.0) as c:
         while time.monotonic() < deadline:
-            busy = 0.0
-            for u in metrics_urls:
-                busy += parse_report(c.get(u).text).requests
+            try:  # a just-started engine may serve /metrics before its request gauges exist: not ready yet
+                busy = sum(parse_report(c.get(u).text).requests for u in metrics_urls)
+            except (httpx.HTTPError, ValueError) as exc:
+                busy, why = 1, str(exc)
             if busy == 0:
-                return
+                return None
             time.sleep(0.5)
+    return f"the engines did not report idle within {timeout_s:.0f} s ({why})"
 
 
 def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) -> dict[str, Any]:
@@ -144,9 +159,14 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
     eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": 32, "max_num_seqs": cfg.max_num_seqs,
            "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_blocks": cfg.kv_blocks, "threads": 1,
            "tokenizer_json": str(data_path(TOKENIZER))}
-    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
-    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": eng, "requests": burst}], work, console)
-    profile = profile_to_csv(cal["profile"], work / "step_profile.csv")
+    console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once "
+                  f"({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
+    # every engine at once, as they will serve: engines sharing a machine slow each other's steps (memory
+    # bandwidth, the other processes' cores), and a step model fitted on one engine alone misses that
+    cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "requests": burst}
+                        for i in range(cfg.engines)], work, console)
+    profile = _merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
+                         work / "step_profile.csv")
     lat = FittedLatency.from_csv(profile)
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
     pc = PolicyConfig(block_size=32, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -182,7 +202,9 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
         wait_healthy([p.url for p in procs], 900, procs)
         metrics_urls = [p.url + "/metrics" for p in procs]
         for placement in cfg.placements:
-            _wait_idle(metrics_urls)
+            not_idle = _wait_idle(metrics_urls)
+            if not_idle:
+                console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
             port = free_port()
             args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
                     "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
@@ -215,7 +237,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                                               "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
                                               "ttft_p99_s", "tbt_p50_s")},
                 "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
-                "per_engine_requests": engines, "errors": sorted({r.error for r in res if r.error})[:5],
+                "not_idle_at_start": not_idle, "per_engine_requests": engines, "errors": sorted({r.error for r in res if r.error})[:5],
                 "placement_state": health.get("placement_state"),
                 "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
                                                    "throughput_rps")},

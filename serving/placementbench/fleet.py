@@ -161,8 +161,8 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
            "tokenizer_json": str(data_path(TOKENIZER))}
     console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once "
                   f"({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
-    # every engine at once, as they will serve: engines sharing a machine slow each other's steps (memory
-    # bandwidth, the other processes' cores), and a step model fitted on one engine alone misses that
+    # every engine at once, as they will serve, so whatever engines sharing a machine cost each other is in
+    # the fit (what the HTTP path of the replays costs them is not: the calibration replays in process)
     cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "requests": burst}
                         for i in range(cfg.engines)], work, console)
     profile = _merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],

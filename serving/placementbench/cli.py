@@ -123,8 +123,8 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                     "ignore_eos with max_tokens = each real response length, prefix caching off. For each placement start "
                     "a `lengthwise serve` gateway attached to them and replay the same ShareGPT trace through it, with "
                     "the same predictions (x-lengthwise-pred-len, --trust-client-predictions). A calibration burst "
-                    "through every engine at once (stock vLLM) first fits the step model: the SLO, Aladdin's latency profile and the default "
-                    "rate come from it, and each replay is simulated beside the measurement.",
+                    "through every engine at once (stock vLLM) first fits the step model: the SLO, Aladdin's latency "
+                    "profile and the default rate come from it, and each replay is simulated beside the measurement.",
         epilog="examples:\n  lengthwise bench fleet\n  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
                "Each placement replays the trace in real time (requests / rate seconds), after about a minute of engine start.")
     p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=list(PLACEMENTS), metavar="P,P,...",
@@ -168,7 +168,8 @@ def run_fleet_cli(a: argparse.Namespace) -> int:
             raise ValueError("--predictor models:/... is not supported here: the fleet bench carries predictions in a header; "
                              "use noise:ACC, gauss:SIGMA or oracle")
         cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, local_policy=a.local_policy,
-                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, shape=a.shape, max_num_seqs=a.max_num_seqs,
+                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, shape=a.shape,
+                               max_num_seqs=a.max_num_seqs,
                                predictor=a.predictor, calibration_requests=a.calibration_requests, seed=a.seed)
         make_predictor(a.predictor)  # a bad spec fails now, before engines start
         run_fleet_bench(cfg, Path(a.json), Console())

@@ -9,8 +9,8 @@ same predictions and the simulator can run the same trace.
 
 Before the replays a calibration burst through every engine at once (stock vLLM) fits the simulator's
 step model (as ``bench engine`` does): it gives the SLO terms t_p and t_g, the latency profile Aladdin's
-limits read, and the default rate (what the simulated two-instance fleet sustains under JSQ). Each replay is then simulated
-and the simulator's error is reported beside it.
+limits read, and the default rate (what the simulated two-instance fleet sustains under JSQ). Each replay
+is then simulated and the simulator's error is reported beside it.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                                               "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
                                               "ttft_p99_s", "tbt_p50_s")},
                 "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
-                "not_idle_at_start": not_idle, "per_engine_requests": engines, "errors": sorted({r.error for r in res if r.error})[:5],
+                "not_idle_at_start": not_idle, "per_engine_requests": engines,
+                "errors": sorted({r.error for r in res if r.error})[:5],
                 "placement_state": health.get("placement_state"),
                 "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
                                                    "throughput_rps")},

@@ -16,7 +16,7 @@ from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay
 from serving.gateway.tokens import PromptCounter
 from serving.placement import Job
-from serving.sim.latency import FittedLatency
+from serving.sim.latency import DecodePoolLatency, FittedLatency, StepShape
 
 # An excerpt of GET /metrics of a real vLLM 0.32 CPU engine (dummy-weight Llama, --max-num-seqs 4,
 # VLLM_CPU_KVCACHE_SPACE=1) with 6 requests in it: 4 running, 2 waiting.
@@ -221,6 +221,11 @@ def test_latency_profile_adds_the_atgt_limit(tmp_path):
                         slo_tpot_ms=22.5, slo_ttft_ms=500)
     cfg = s.placement_config()
     assert isinstance(cfg.latency, FittedLatency) and cfg.atgt_s == 0.0225 and cfg.ttft_s == 0.5
+    # behind prefill engines the same engines only decode: a prompt's compute is priced at zero, its decodes as before
+    pool = s.model_copy(update={"prefill_urls": ["http://127.0.0.1:2"]}).placement_config().latency
+    assert isinstance(pool, DecodePoolLatency) and pool.base.describe() == cfg.latency.describe()
+    assert pool.step_time(StepShape(512, 2, 200, 3)) == cfg.latency.step_time(StepShape(0, 2, 200, 3)) < \
+        cfg.latency.step_time(StepShape(512, 2, 200, 3))
     p = GatewayPlacement(["engine-0"], cfg)
     p.rejoin(p.views[0])
     p.report(p.views[0], _report(0.0))
@@ -239,7 +244,10 @@ def test_settings_for_placement():
     assert GatewaySettings(model="m").placement == "jsq"  # the default
     for kw, words in [({"engine_urls": ["http://a:1", "http://a:1/"]}, "given twice"),
                       ({"model": "m", "placement": "random"}, "unknown placement 'random'"),
-                      ({"model": "m", "latency_profile": "p.csv"}, "aladdin or lengthwise only")]:
+                      ({"model": "m", "latency_profile": "p.csv"}, "aladdin or lengthwise only"),
+                      ({"model": "m", "prefill_urls": ["http://p:1"]}, "needs the decode engines as --engine-url"),
+                      ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://a:1"]}, "prefills for the others or decodes"),
+                      ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://p:1", "http://p:1"]}, "given twice")]:
         with pytest.raises(ValueError, match=words):
             GatewaySettings(**kw)
 

@@ -6,7 +6,8 @@ background. The response carries the engine's body unchanged plus headers saying
 decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
 ``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar`` or ``fallback:<reason>``),
 ``x-lengthwise-deadline`` (Unix seconds) and ``x-lengthwise-prompt-tokens`` (``<count>:<method>``, what
-placement used).
+placement used). With ``--prefill-url`` a prefill engine computes the prompt's KV first (:mod:`serving.gateway.prefill`)
+and ``x-lengthwise-prefill-engine`` / ``x-lengthwise-prefill-ms`` say where and how long.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from serving.gateway.forward import Forwarder, Outcome
 from serving.gateway.hints import engine_body
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pool import EnginePool
+from serving.gateway.prefill import PrefillHop
 from serving.gateway.prediction import Predictor
 from serving.gateway.requests import PATHS, Kind, parse_json, validate
 from serving.gateway.settings import GatewaySettings
@@ -65,6 +67,8 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
     feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
     forwarder = Forwarder(pool, settings, metrics)
+    hop = PrefillHop(EnginePool(settings.prefill_urls, settings, metrics, prefix="prefill"), settings, metrics) \
+        if settings.prefill_urls else None
     names = {e.url: e.name for e in pool.engines}
     plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
     slo = default_slo(settings)
@@ -74,16 +78,19 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tokenizer = asyncio.get_running_loop().create_task(prompts.load(settings.model))
-        await pool.start()  # the CLI waited for the engines' /health before starting us
+        await asyncio.gather(pool.start(), *([hop.pool.start()] if hop else []))  # the CLI waited for their /health
         if settings.model and pool.models and settings.model not in pool.models:
             log.warning("--model %s is not among the models the engines serve (%s)", settings.model, ", ".join(sorted(pool.models)))
-        log.info("gateway ready: %d engine(s), predictor %s, placement %s, prompt tokens: %s", len(pool.engines),
+        log.info("gateway ready: %d engine(s)%s, predictor %s, placement %s, prompt tokens: %s", len(pool.engines),
+                 f" decoding after {len(hop.pool.engines)} prefill engine(s)" if hop else "",
                  settings.predictor_url or "none (fallback only)", settings.placement, prompts.method)
         yield
         tokenizer.cancel()
         await feedback.aclose()
         await pool.aclose()
         await forwarder.aclose()
+        if hop:
+            await hop.aclose()
         await predictor.aclose()
 
     app = FastAPI(title="lengthwise gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -167,6 +174,14 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
             prompt_tokens, method = prompts.count(req)
             metrics.prompt_token_counts.labels(method).inc()
             job = Job(next(rids), prompt_tokens, float(pred.tokens * req.outputs), arrival=time.monotonic())
+            prefilled = None
+            if hop:
+                prefilled = await hop.run(req, body, headers, job)
+                if isinstance(prefilled, Response):  # the prefill engine refused the request: its answer is the client's
+                    count(endpoint, prefilled.status_code)
+                    prefilled.headers["x-lengthwise-request-id"] = rid
+                    return prefilled
+                body = prefilled.body
             if req.stream:  # a stream notices its client leaving itself (Starlette cancels the relay)
                 resp = await forwarder.forward(req, body, headers, job, on_done)
             else:
@@ -184,6 +199,9 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
             "x-lengthwise-request-id": rid, "x-lengthwise-pred-len": str(pred.tokens),
             "x-lengthwise-prediction": pred.source if pred.reason is None else f"fallback:{pred.reason}",
             "x-lengthwise-deadline": f"{dl:.3f}", "x-lengthwise-prompt-tokens": f"{prompt_tokens}:{method}"})
+        if prefilled is not None:
+            resp.headers.update({"x-lengthwise-prefill-engine": prefilled.engine,
+                                 "x-lengthwise-prefill-ms": f"{prefilled.seconds * 1000:.1f}"})
         return resp
 
     @app.post("/v1/completions", summary="OpenAI completions (streaming or not), scheduled by predicted length")
@@ -212,7 +230,10 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     async def health() -> Response:
         up = sum(e.healthy for e in pool.engines)
         count("/health", 200)
-        return JSONResponse({"status": "ok" if up else "degraded", "healthy_engines": up, "engines": pool.status(),
+        extra = {"prefill_engines": hop.pool.status()} if hop else {}
+        if hop and not any(e.healthy for e in hop.pool.engines):
+            up = 0  # nothing can be served without a prefill engine
+        return JSONResponse({"status": "ok" if up else "degraded", "healthy_engines": up, "engines": pool.status(), **extra,
                              "predictor_url": settings.predictor_url, "placement": settings.placement,
                              "placement_state": pool.placer.state(), "prompt_tokens": prompts.method})
 

@@ -21,6 +21,10 @@ examples:
   lengthwise serve --model ./SmolLM2-135M-Instruct --engines 2 --predictor-url http://127.0.0.1:8100
   # attach to engines started elsewhere (with --scheduler-cls serving.engine.scheduler.LengthwiseScheduler)
   lengthwise serve --engine-url http://10.0.0.5:8001 --engine-url http://10.0.0.6:8001 --port 8000
+  # disaggregated prefill: one engine prefills, two decode, KV moved by vLLM's connector (both kinds started with
+  # --kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}' or another connector)
+  lengthwise serve --prefill-url http://10.0.0.4:8001 --engine-url http://10.0.0.5:8001 --engine-url http://10.0.0.6:8001 \
+      --placement lengthwise
   # engine arguments: one string each (use = when it starts with --)
   lengthwise serve --model M --policy ecoserve --engine-arg="--max-model-len 4096" --engine-arg=--enforce-eager \\
       --scheduler-config '{"knobs": {"padding": 0.2}}'
@@ -63,6 +67,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "the tokenizer it counts prompt tokens with")
     e.add_argument("--engine-url", action="append", default=[], metavar="URL",
                    help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
+    e.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                   help="disaggregated prefill: a running vLLM server that prefills each prompt first (max_tokens 1, "
+                        "kv_transfer_params for a remote decode), repeatable; the --engine-url engines then only decode, "
+                        "with the KV their KV-transfer connector brings (every engine needs --kv-transfer-config). "
+                        "Placement then prices the decode engines as a decode pool")
     e.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
                    help="the scheduler plug-in's metrics endpoint of each --engine-url, in the same order (engines run "
                         "with '{\"lengthwise\": {\"metrics_port\": PORT}}' in --additional-config); re-exported on "
@@ -134,7 +143,7 @@ class _Stop(BaseException):
     """SIGTERM or SIGINT: stop serving, stop the engines, exit 0."""
 
 
-_FLAGS = {"engine_urls": "--engine-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
+_FLAGS = {"engine_urls": "--engine-url", "prefill_urls": "--prefill-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
           "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout",
           "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout", "load_interval_s": "--load-interval"}
 
@@ -150,7 +159,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     if not isinstance(sched, dict):
         raise UsageError("--scheduler-config must be a JSON object")
     fields = {
-        "model": a.model, "engine_urls": a.engine_url, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
+        "model": a.model, "engine_urls": a.engine_url, "prefill_urls": a.prefill_url, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
         "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
         "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
@@ -220,7 +229,7 @@ def _check_engine(settings: GatewaySettings) -> None:
         raise UsageError(f"--model {settings.model}: no config.json there (a Hugging Face model directory is needed)")
 
 
-def _resolve(urls: list[str]) -> None:
+def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
     """A host name that does not resolve is a typo, not an engine still starting: fail now rather than after the timeout."""
     from urllib.parse import urlsplit
 
@@ -229,7 +238,7 @@ def _resolve(urls: list[str]) -> None:
         try:
             socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         except (OSError, UnicodeError, ValueError) as exc:
-            raise UsageError(f"--engine-url {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
+            raise UsageError(f"{flag} {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def run(a: argparse.Namespace) -> int:
@@ -275,6 +284,14 @@ def run(a: argparse.Namespace) -> int:
             except EngineStartError:
                 raise UsageError(f"--engine-url: no engine answered /health within {settings.engine_start_timeout_s:g} s "
                                  f"({', '.join(urls)}); start them first or raise --engine-start-timeout") from None
+            if settings.prefill_urls:
+                _resolve(settings.prefill_urls, "--prefill-url")
+                try:
+                    wait_healthy(settings.prefill_urls, settings.engine_start_timeout_s, require_all=False, prefix="prefill")
+                except EngineStartError:
+                    raise UsageError(f"--prefill-url: no prefill engine answered /health within "
+                                     f"{settings.engine_start_timeout_s:g} s ({', '.join(settings.prefill_urls)}); start "
+                                     "them first or raise --engine-start-timeout") from None
         import uvicorn
 
         from serving.gateway.app import create_app

@@ -167,8 +167,8 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
 
 
 def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None = None,
-                 require_all: bool = True) -> None:
-    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200.
+                 require_all: bool = True, prefix: str = "engine") -> None:
+    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200; ``prefix`` names them.
 
     Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
     tail of each failed engine's log so the operator sees vLLM's own reason.
@@ -188,7 +188,7 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 try:
                     if client.get(url + "/health").status_code == 200:
                         ready.add(url)
-                        log.info("engine-%d at %s is healthy after %.0f s", i, url, time.monotonic() - t0)
+                        log.info("%s-%d at %s is healthy after %.0f s", prefix, i, url, time.monotonic() - t0)
                 except httpx.HTTPError:
                     pass
             if len(ready) == len(urls) or (ready and not require_all):
@@ -199,11 +199,11 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 for i, url in enumerate(urls):
                     if url not in ready:
                         tail = f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else ""
-                        parts.append(f"engine-{i} at {url} not healthy after {timeout_s:g} s{tail}")
+                        parts.append(f"{prefix}-{i} at {url} not healthy after {timeout_s:g} s{tail}")
                 raise EngineStartError("\n".join(parts))
             if now - last_note >= 15:
                 last_note = now
-                log.info("waiting for engines: %d/%d healthy after %.0f s", len(ready), len(urls), now - t0)
+                log.info("waiting for %s engines: %d/%d healthy after %.0f s", prefix, len(ready), len(urls), now - t0)
             time.sleep(0.5)
 
 

@@ -52,6 +52,11 @@ class GatewayMetrics:
                                            "(tokenizer, estimate, token_ids)", ["method"], registry=r)
         self.load_scrape_errors = Counter(p + "engine_load_scrape_errors", "failed reads of an engine's vLLM /metrics "
                                           "(its load report)", ["engine"], registry=r)
+        self.prefill_hops = Counter(p + "prefill_hops", "disaggregated prefills (--prefill-url) by outcome: ok, "
+                                    "ok_no_transfer_params (a connector that finds KV by prompt), client_error, failed",
+                                    ["outcome"], registry=r)
+        self.prefill_latency = Histogram(p + "prefill_latency_seconds", "successful prefill hops, send to answer",
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "
                                    "(its last load report)", ["engine"], registry=r)
 

@@ -31,7 +31,7 @@ import httpx
 
 from serving.gateway.engine_load import fetch_report
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.placement import EngineView, GatewayPlacement
+from serving.gateway.placement import EngineView, GatewayPlacement, PlacementConfig
 from serving.gateway.settings import GatewaySettings
 from serving.placement import Job
 
@@ -62,11 +62,15 @@ class Engine:
 
 class EnginePool:
     def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
-                 placer: GatewayPlacement | None = None):
+                 placer: GatewayPlacement | None = None, prefix: str = "engine"):
+        """``prefix`` names the engines (``engine-0``, ...); a pool of prefill engines (``prefill-0``, ...) places by
+        JSQ, and its placement counters stay out of the decode placement's."""
         self.settings, self.metrics = settings, metrics
-        names = [f"engine-{i}" for i in range(len(urls))]
-        self.placer = placer or GatewayPlacement(names, settings.placement_config(),
-                                                 lambda reason: metrics.placement_fallbacks.labels(reason).inc())
+        names = [f"{prefix}-{i}" for i in range(len(urls))]
+        decode = prefix == "engine"
+        self.placer = placer or GatewayPlacement(
+            names, settings.placement_config() if decode else PlacementConfig("jsq", stale_after_s=float("inf")),
+            lambda reason: metrics.placement_fallbacks.labels(reason).inc())
         self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
         self.client = httpx.AsyncClient(timeout=settings.health_timeout_s,
@@ -75,7 +79,8 @@ class EnginePool:
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()
         self._busy_window_s = settings.unhealthy_after * (settings.health_interval_s + settings.health_timeout_s)
-        metrics.watch_placement(self.placer.stats)
+        if decode:
+            metrics.watch_placement(self.placer.stats)
         for e in self.engines:
             metrics.engine_healthy.labels(e.name).set(0)
             metrics.engine_outstanding.labels(e.name).set(0)

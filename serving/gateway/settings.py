@@ -28,6 +28,9 @@ class GatewaySettings(BaseModel):
     model: str | None = Field(None, description="model path or name the engines serve (required to start engines)")
     engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM OpenAI servers")
     engines: int = Field(1, ge=1, le=64, description="engines to start when no engine_urls are given")
+    prefill_urls: list[str] = Field(default_factory=list,
+                                    description="disaggregated prefill: running vLLM servers (with a KV-transfer connector) "
+                                                "that prefill every prompt before engine_urls decode it")
     engine_metrics_urls: list[str] = Field(default_factory=list,
                                            description="the plug-in metrics URL of each attached engine, in engine_urls "
                                                        "order (its metrics_port); engines started here get one")
@@ -72,7 +75,7 @@ class GatewaySettings(BaseModel):
     max_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get 413")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
-    @field_validator("engine_urls", "engine_metrics_urls", "predictor_url")
+    @field_validator("engine_urls", "engine_metrics_urls", "prefill_urls", "predictor_url")
     @classmethod
     def _http_urls(cls, v):
         for url in [v] if isinstance(v, str) else v or []:
@@ -96,6 +99,13 @@ class GatewaySettings(BaseModel):
         dup = sorted({u for u in self.engine_urls if self.engine_urls.count(u) > 1})
         if dup:
             raise ValueError(f"--engine-url {dup[0]} is given twice; name each engine once")
+        dup = sorted({u for u in self.prefill_urls if self.prefill_urls.count(u) > 1 or u in self.engine_urls})
+        if dup:
+            raise ValueError(f"--prefill-url {dup[0]} is given twice, or also as an --engine-url; an engine either "
+                             "prefills for the others or decodes")
+        if self.prefill_urls and not self.engine_urls:
+            raise ValueError("--prefill-url needs the decode engines as --engine-url (engines started here have no "
+                             "KV-transfer connector); start both kinds with --kv-transfer-config and attach to them")
         if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise"):
             raise ValueError(f"--latency-profile is used by --placement aladdin or lengthwise only, not {self.placement}")
         if not self.engine_urls and not self.model:
@@ -134,6 +144,10 @@ class GatewaySettings(BaseModel):
             from serving.sim.latency import FittedLatency
 
             latency = FittedLatency.from_csv(self.latency_profile)
+            if self.prefill_urls:  # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
+                from serving.sim.latency import DecodePoolLatency
+
+                latency = DecodePoolLatency(latency)
         seqs = self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or 256)
         chunk = int(self.engine_arg("--max-num-batched-tokens") or 2048)
         ttft = self.slo_ttft_ms / 1000 if self.slo_ttft_ms else self.slo_scale * self.t_p_s

@@ -29,8 +29,8 @@ from serving.gateway.forward import Forwarder, Outcome
 from serving.gateway.hints import engine_body
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pool import EnginePool
-from serving.gateway.prefill import PrefillHop
 from serving.gateway.prediction import Predictor
+from serving.gateway.prefill import PrefillHop
 from serving.gateway.requests import PATHS, Kind, parse_json, validate
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import client_slo, deadline, default_slo

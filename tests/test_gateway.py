@@ -203,7 +203,9 @@ CLI_ERRORS = {
     "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin or lengthwise only"),
     "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
     "prefill engines for engines started here": (["--model", "MODEL", "--prefill-url", "http://127.0.0.1:9"],
-                                                 "--prefill-url needs the decode engines as --engine-url"),
+                                                 "--prefill-url needs the decode engines as --engine-url; to start both kinds here, use --prefill-engines"),
+    "prefill engines without a connector": (["--model", "MODEL", "--prefill-engines", "1"],
+                                            "--prefill-engines needs a KV-transfer connector on every engine"),
     "prefill URL also a decode URL": (["--prefill-url", "http://127.0.0.1:9", "--engine-url", "http://127.0.0.1:9"],
                                       "an engine either prefills for the others or decodes"),
 }

@@ -27,17 +27,20 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def engines(data, tmp_path_factory):
-    """``lengthwise serve --engines 2`` with a KV-transfer connector on both: the gateway under test attaches to them."""
+    """``lengthwise serve --engines 1 --prefill-engines 1`` with a KV-transfer connector on both: a disaggregated
+    gateway that started its engines; the gateway under test (``disagg``) attaches to the same engines by URL."""
     tmp = tmp_path_factory.mktemp("disagg")
     model = dummy_llama(tmp / "model", data / "tokenizers/gpt2/tokenizer.json")
     kv = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}})
-    gw = start_gateway(tmp, "--model", str(model), "--engines", "2", "--engine-log-dir", str(tmp / "engines"),
+    gw = start_gateway(tmp, "--model", str(model), "--engines", "1", "--prefill-engines", "1",
+                       "--engine-log-dir", str(tmp / "engines"),
                        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
                        "--engine-arg=--seed 0", "--engine-arg=--enable-prompt-tokens-details",
                        f"--engine-arg=--kv-transfer-config '{kv}'", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
     health = gw.wait_ready(timeout=540)
-    gw.engines = [e["url"] for e in health["engines"]]
+    gw.engines = [health["prefill_engines"][0]["url"], health["engines"][0]["url"]]  # prefill, decode
+    gw.engine_logs = [tmp / "engines" / "prefill-0.log", tmp / "engines" / "engine-0.log"]
     gw.model = health["engines"][0]["models"][0]
     yield gw
     gw.stop()
@@ -86,6 +89,17 @@ def test_the_decode_engine_answers_from_the_kv_the_prefill_engine_computed(disag
     usage = json.loads(events[-2])["usage"]
     assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] % 32 != 1
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] // 32 * 32
+
+
+def test_the_gateway_that_started_prefill_and_decode_engines_serves_disaggregated(engines):
+    r = _completion(engines.url, engines.model, " ".join(f"quill{i}" for i in range(150)), max_tokens=5)
+    assert r.status_code == 200 and r.headers["x-lengthwise-prefill-engine"] == "prefill-0", r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 5 and usage["prompt_tokens_details"]["cached_tokens"] >= 32
+    health = engines.get("/health").json()
+    assert [e["name"] for e in health["prefill_engines"]] == ["prefill-0"] and health["status"] == "ok"
+    assert all(log.exists() for log in engines.engine_logs)
+    assert "External Cache Hit" in engines.engine_logs[1].read_text(errors="replace")  # the decode engine loaded it
 
 
 def test_a_prefill_engines_refusal_reaches_the_client_and_nothing_is_decoded(disagg):

@@ -247,7 +247,8 @@ def test_settings_for_placement():
                       ({"model": "m", "latency_profile": "p.csv"}, "aladdin or lengthwise only"),
                       ({"model": "m", "prefill_urls": ["http://p:1"]}, "needs the decode engines as --engine-url"),
                       ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://a:1"]}, "prefills for the others or decodes"),
-                      ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://p:1", "http://p:1"]}, "given twice")]:
+                      ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://p:1", "http://p:1"]}, "given twice"),
+                      ({"engine_urls": ["http://a:1"], "prefill_engines": 1}, "give them as --prefill-url")]:
         with pytest.raises(ValueError, match=words):
             GatewaySettings(**kw)
 

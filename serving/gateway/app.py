@@ -57,8 +57,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
-               plugin_metrics: dict[str, str] | None = None) -> FastAPI:
-    """The app over ``engine_urls`` (default: ``settings.engine_urls``); engines must already be starting or up.
+               plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None) -> FastAPI:
+    """The app over ``engine_urls`` (default: ``settings.engine_urls``) and, disaggregated, the prefill engines at
+    ``prefill_urls`` (default: ``settings.prefill_urls``); engines must already be starting or up.
 
     ``plugin_metrics`` maps an engine URL to its scheduler plug-in's metrics URL, re-exported on ``/metrics``.
     """
@@ -67,9 +68,9 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
     feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
     forwarder = Forwarder(pool, settings, metrics)
-    hop = PrefillHop(EnginePool(settings.prefill_urls, settings, metrics, prefix="prefill"), settings, metrics) \
-        if settings.prefill_urls else None
-    names = {e.url: e.name for e in pool.engines}
+    prefill_urls = prefill_urls or settings.prefill_urls
+    hop = PrefillHop(EnginePool(prefill_urls, settings, metrics, prefix="prefill"), settings, metrics) if prefill_urls else None
+    names = {e.url: e.name for e in [*pool.engines, *(hop.pool.engines if hop else [])]}
     plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
     slo = default_slo(settings)
     prompts = PromptCounter()

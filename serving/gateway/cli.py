@@ -72,6 +72,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "kv_transfer_params for a remote decode), repeatable; the --engine-url engines then only decode, "
                         "with the KV their KV-transfer connector brings (every engine needs --kv-transfer-config). "
                         "Placement then prices the decode engines as a decode pool")
+    e.add_argument("--prefill-engines", type=int, default=0, metavar="K",
+                   help="disaggregated prefill on this machine: start K more engines that only prefill (the --engines "
+                        "ones then only decode); needs a connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
+                        "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\" (default: %(default)s)")
     e.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
                    help="the scheduler plug-in's metrics endpoint of each --engine-url, in the same order (engines run "
                         "with '{\"lengthwise\": {\"metrics_port\": PORT}}' in --additional-config); re-exported on "
@@ -159,7 +163,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     if not isinstance(sched, dict):
         raise UsageError("--scheduler-config must be a JSON object")
     fields = {
-        "model": a.model, "engine_urls": a.engine_url, "prefill_urls": a.prefill_url, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
+        "model": a.model, "engine_urls": a.engine_url, "prefill_urls": a.prefill_url, "prefill_engines": a.prefill_engines, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
         "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
         "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
@@ -271,12 +275,14 @@ def run(a: argparse.Namespace) -> int:
         if settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)
-            urls = [p.url for p in procs]
+            urls = [p.url for p in procs[:settings.engines]]
+            prefill_urls = [p.url for p in procs[settings.engines:]]
             plugin_metrics = {p.url: p.metrics_url for p in procs if p.metrics_url}
-            log.info("starting %d engine(s) with policy %s; logs in %s", len(procs), settings.policy, log_dir)
-            wait_healthy(urls, settings.engine_start_timeout_s, procs)
+            log.info("starting %d engine(s)%s with policy %s; logs in %s", settings.engines,
+                     f" and {settings.prefill_engines} prefill engine(s)" if settings.prefill_engines else "", settings.policy, log_dir)
+            wait_healthy([p.url for p in procs], settings.engine_start_timeout_s, procs)
         else:
-            urls = settings.engine_urls
+            urls, prefill_urls = settings.engine_urls, settings.prefill_urls
             plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))
             _resolve(urls)
             try:
@@ -296,7 +302,7 @@ def run(a: argparse.Namespace) -> int:
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls, plugin_metrics)
+        app = create_app(settings, urls, plugin_metrics, prefill_urls)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])

@@ -54,6 +54,10 @@ class EngineProcess:
     proc: subprocess.Popen
     log_path: Path
     metrics_url: str | None = None
+    name: str = ""  # engine-i, or prefill-i for a prefill engine
+
+    def __post_init__(self) -> None:
+        self.name = self.name or f"engine-{self.index}"
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -137,14 +141,17 @@ def _die_with_parent() -> None:
 
 
 def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProcess]:
-    """Start ``settings.engines`` engines on free loopback ports; returns at once (see :func:`wait_healthy`)."""
+    """Start ``settings.engines`` engines, then ``settings.prefill_engines`` prefill engines (logs ``prefill-i.log``),
+    on free loopback ports; returns at once (see :func:`wait_healthy`)."""
     cpu = is_cpu_build()
-    binds = cpu_binds(settings.engines) if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else [None] * settings.engines
+    total = settings.engines + settings.prefill_engines
+    binds = cpu_binds(total) if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else [None] * total
     log_dir.mkdir(parents=True, exist_ok=True)
     log_cfg = log_dir / "vllm-logging.json"
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
     out = []
-    for i in range(settings.engines):
+    for i in range(total):
+        name = f"engine-{i}" if i < settings.engines else f"prefill-{i - settings.engines}"
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
         cmd = engine_command(settings, port, cpu, metrics_port)
@@ -153,15 +160,15 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
         if binds[i] is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        path = log_dir / f"engine-{i}.log"
+        path = log_dir / f"{name}.log"
         with open(path, "wb") as f:
             f.write(f"$ {shlex.join(cmd)}\n".encode())
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True,  # started before the gateway starts any thread:
                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
-        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics"))
-        log.info("engine-%d: pid %d on port %d%s, log %s", i, proc.pid, port,
+        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name))
+        log.info("%s: pid %d on port %d%s, log %s", name, proc.pid, port,
                  f", cores {binds[i]}" if binds[i] else "", path)
     return out
 
@@ -183,12 +190,13 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                     continue
                 p = procs[i] if procs else None
                 if p is not None and not p.alive:
-                    raise EngineStartError(f"engine-{i} exited with status {p.proc.returncode} during start-up; "
+                    raise EngineStartError(f"{p.name} exited with status {p.proc.returncode} during start-up; "
                                            f"last lines of {p.log_path}:\n{p.tail()}")
                 try:
                     if client.get(url + "/health").status_code == 200:
                         ready.add(url)
-                        log.info("%s-%d at %s is healthy after %.0f s", prefix, i, url, time.monotonic() - t0)
+                        log.info("%s at %s is healthy after %.0f s", procs[i].name if procs else f"{prefix}-{i}", url,
+                                 time.monotonic() - t0)
                 except httpx.HTTPError:
                     pass
             if len(ready) == len(urls) or (ready and not require_all):
@@ -199,7 +207,7 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 for i, url in enumerate(urls):
                     if url not in ready:
                         tail = f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else ""
-                        parts.append(f"{prefix}-{i} at {url} not healthy after {timeout_s:g} s{tail}")
+                        parts.append(f"{procs[i].name if procs else f'{prefix}-{i}'} at {url} not healthy after {timeout_s:g} s{tail}")
                 raise EngineStartError("\n".join(parts))
             if now - last_note >= 15:
                 last_note = now
@@ -217,7 +225,7 @@ def stop_engines(procs: list[EngineProcess], grace_s: float = 20.0) -> None:
         try:
             p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("engine-%d (pid %d) ignored SIGTERM for %g s; killing it", p.index, p.proc.pid, grace_s)
+            log.warning("%s (pid %d) ignored SIGTERM for %g s; killing it", p.name, p.proc.pid, grace_s)
         _signal_group(p.proc.pid, signal.SIGKILL)  # the group: workers that outlived their API server too
         try:
             p.proc.wait(timeout=5)

@@ -28,6 +28,8 @@ class GatewaySettings(BaseModel):
     model: str | None = Field(None, description="model path or name the engines serve (required to start engines)")
     engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM OpenAI servers")
     engines: int = Field(1, ge=1, le=64, description="engines to start when no engine_urls are given")
+    prefill_engines: int = Field(0, ge=0, le=64, description="disaggregated prefill with engines started here: this many "
+                                 "more engines only prefill (every engine needs --kv-transfer-config in engine_args)")
     prefill_urls: list[str] = Field(default_factory=list,
                                     description="disaggregated prefill: running vLLM servers (with a KV-transfer connector) "
                                                 "that prefill every prompt before engine_urls decode it")
@@ -104,8 +106,13 @@ class GatewaySettings(BaseModel):
             raise ValueError(f"--prefill-url {dup[0]} is given twice, or also as an --engine-url; an engine either "
                              "prefills for the others or decodes")
         if self.prefill_urls and not self.engine_urls:
-            raise ValueError("--prefill-url needs the decode engines as --engine-url (engines started here have no "
-                             "KV-transfer connector); start both kinds with --kv-transfer-config and attach to them")
+            raise ValueError("--prefill-url needs the decode engines as --engine-url; to start both kinds here, use "
+                             "--prefill-engines")
+        if self.prefill_engines and self.engine_urls:
+            raise ValueError("--prefill-engines starts prefill engines here; with --engine-url give them as --prefill-url")
+        if self.prefill_engines and self.engine_arg("--kv-transfer-config") is None:
+            raise ValueError("--prefill-engines needs a KV-transfer connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
+                             "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\"")
         if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise"):
             raise ValueError(f"--latency-profile is used by --placement aladdin or lengthwise only, not {self.placement}")
         if not self.engine_urls and not self.model:
@@ -144,7 +151,7 @@ class GatewaySettings(BaseModel):
             from serving.sim.latency import FittedLatency
 
             latency = FittedLatency.from_csv(self.latency_profile)
-            if self.prefill_urls:  # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
+            if self.prefill_urls or self.prefill_engines:  # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
                 from serving.sim.latency import DecodePoolLatency
 
                 latency = DecodePoolLatency(latency)

@@ -69,6 +69,7 @@ def test_the_decode_engine_answers_from_the_kv_the_prefill_engine_computed(disag
     assert (r.headers["x-lengthwise-prefill-engine"], r.headers["x-lengthwise-engine"]) == ("prefill-0", "engine-0")
     assert float(r.headers["x-lengthwise-prefill-ms"]) > 0
     usage = r.json()["usage"]
+    assert r.headers["x-lengthwise-prompt-tokens"] == f"{usage['prompt_tokens']}:prefill"  # placement planned with it
     # the decode engine never saw this prompt: every full 32-token block of it came through the connector
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] // 32 * 32 > 0
     assert usage["completion_tokens"] == 12

@@ -183,6 +183,9 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                     prefilled.headers["x-lengthwise-request-id"] = rid
                     return prefilled
                 body = prefilled.body
+                if prefilled.prompt_tokens is not None:  # the engine's own count: exact, for the decode placement
+                    prompt_tokens = job.prompt_len = prefilled.prompt_tokens
+                    method = "prefill"
             if req.stream:  # a stream notices its client leaving itself (Starlette cancels the relay)
                 resp = await forwarder.forward(req, body, headers, job, on_done)
             else:

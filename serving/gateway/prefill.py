@@ -11,7 +11,9 @@ decode; the engine computes the prompt's KV and hands it to its connector. Its a
 that then goes, unchanged otherwise, to the decode engine placement chose, whose connector loads the KV
 instead of recomputing it. Connectors that find KV by the prompt itself (ExampleConnector's shared
 storage, LMCache) return no parameters and need none. The one generated token is discarded: the decode
-engine produces the answer, first token included, so streams and usage are the decode engine's.
+engine produces the answer, first token included, so streams and usage are the decode engine's. The prefill
+answer's usage gives the prompt's exact token count, which the decode placement then plans with (the
+gateway's own count is an estimate without a tokenizer).
 
 Failures: prefill engines are a pool of their own with the decode pool's health checks and retries (JSQ
 among them); a prefill engine's 4xx is the client's error and comes back unchanged, and when no prefill
@@ -58,6 +60,7 @@ class Prefilled:
     engine: str
     seconds: float
     transfer_params: bool  # the prefill engine's connector returned kv_transfer_params
+    prompt_tokens: int | None = None  # the prompt as the engine tokenized it (usage), exact where the gateway estimates
 
 
 class PrefillHop:
@@ -94,13 +97,16 @@ class PrefillHop:
             resp.headers["x-lengthwise-prefill-engine"] = engine or ""
             return resp
         try:
-            params = json.loads(resp.body).get("kv_transfer_params")
+            answer = json.loads(resp.body)
+            params = answer.get("kv_transfer_params")
+            prompt_tokens = answer.get("usage", {}).get("prompt_tokens")
         except (ValueError, AttributeError):
-            params = None
+            params, prompt_tokens = None, None
         seconds = time.perf_counter() - t0
         self.metrics.prefill_hops.labels("ok" if params else "ok_no_transfer_params").inc()
         self.metrics.prefill_latency.observe(seconds)
         decode = dict(body)
         if params:
             decode["kv_transfer_params"] = params
-        return Prefilled(decode, engine or "", seconds, bool(params))
+        exact = prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) and prompt_tokens > 0 else None
+        return Prefilled(decode, engine or "", seconds, bool(params), exact)

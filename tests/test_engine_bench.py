@@ -129,3 +129,14 @@ def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
     assert max_rate_at([_pt(1.0, 0.8, 0.8)], "stock")["rate"] is None
     head, rule = headline([_pt(1.0, 0.95, 0.9), _pt(2.0, 0.91, 0.99)])
     assert head["rate"] == 2.0 and rule.startswith("highest")
+
+
+def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.placementbench.fleet import _prefill_hops
+
+    m = GatewayMetrics()
+    m.prefill_hops.labels("ok_no_transfer_params").inc(39)
+    m.prefill_hops.labels("client_error").inc()
+    assert _prefill_hops(m.render().decode()) == {"ok_no_transfer_params": 39, "client_error": 1}
+    assert _prefill_hops(GatewayMetrics().render().decode()) == {}  # a colocated gateway: no hops

@@ -130,6 +130,10 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=list(PLACEMENTS), metavar="P,P,...",
                    help=f"(default: {','.join(PLACEMENTS)})")
     p.add_argument("--engines", type=int, default=2, help="engine processes (default: %(default)s)")
+    p.add_argument("--prefill-engines", type=int, default=0, metavar="K",
+                   help="disaggregated prefill: K more engines only prefill, the gateways get them as --prefill-url, and "
+                        "KV moves through vLLM's ExampleConnector (a shared directory); the simulation beside each replay "
+                        "prices the decode engines as a decode pool (default: %(default)s, colocated)")
     p.add_argument("--local-policy", default="lengthwise", help="the plug-in's policy in each engine (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=160, help="requests per replay (default: %(default)s)")
     p.add_argument("--rate", type=float, help="req/s (default: the calibrated simulator's 90%% point for JSQ)")
@@ -167,7 +171,8 @@ def run_fleet_cli(a: argparse.Namespace) -> int:
         if a.predictor.startswith("models:"):
             raise ValueError("--predictor models:/... is not supported here: the fleet bench carries predictions in a header; "
                              "use noise:ACC, gauss:SIGMA or oracle")
-        cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, local_policy=a.local_policy,
+        cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, prefill_engines=a.prefill_engines,
+                               local_policy=a.local_policy,
                                max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, shape=a.shape,
                                max_num_seqs=a.max_num_seqs,
                                predictor=a.predictor, calibration_requests=a.calibration_requests, seed=a.seed)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +40,7 @@ from serving.replay import Job as ReplayJob
 from serving.replay import Settings, poisson_arrivals, send_one
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import derive_slo
-from serving.sim.latency import FittedLatency
+from serving.sim.latency import DecodePoolLatency, FittedLatency
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 from serving.sim.predictions import make_predictor
 from serving.sim.scenarios import SHAREGPT, data_path
@@ -54,6 +56,8 @@ class FleetBenchConfig(BaseModel):
 
     placements: list[str] = Field(default_factory=lambda: list(PLACEMENTS))
     engines: int = Field(2, ge=2, le=8)
+    prefill_engines: int = Field(0, ge=0, le=4, description="disaggregated: engines that only prefill, KV moved to the "
+                                 "decode engines by vLLM's ExampleConnector through a shared directory")
     local_policy: str = Field("lengthwise", description="the plug-in's policy inside each engine")
     max_requests: int = Field(160, ge=8)
     rate: float | None = Field(None, gt=0, description="req/s; default: what the calibrated simulator says two "
@@ -86,10 +90,18 @@ def _merge_csv(parts: list[Path], path: Path) -> Path:
     return path
 
 
-def _engine_args(cfg: FleetBenchConfig) -> list[str]:
-    return ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--max-model-len {cfg.max_model_len}",
+def _engine_args(cfg: FleetBenchConfig, kv_dir: Path | None = None) -> list[str]:
+    """Every engine's vLLM arguments; with ``kv_dir``, the KV-transfer connector of a disaggregated fleet.
+
+    Prefix caching stays off: no replay warms the next, and ExampleConnector miscounts a prompt a decode engine
+    already caches itself (README, Disaggregated prefill)."""
+    args = ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--max-model-len {cfg.max_model_len}",
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
+    if kv_dir is not None:
+        kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
+        args.append(f"--kv-transfer-config '{json.dumps(kv)}'")
+    return args
 
 
 def _records(results, reqs, jct_limits) -> list[RequestRecord]:
@@ -175,10 +187,13 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                   f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "
                   f"ATGT {slo.tpot_s * 1e3:.1f} ms")
 
+    # disaggregated, the decode engines' steps carry no prompt compute; the simulator leaves the prefill hop out
+    sim_lat = DecodePoolLatency(lat) if cfg.prefill_engines else lat
+
     def sim(placement: str, rate: float) -> RunMetrics:
         at = [dataclasses.replace(r, arrival=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, cfg.seed))]
         return simulate_cluster(at, preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), pc,
-                                cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
+                                cfg.kv_blocks - 1, sim_lat, slo, repredict=predictor.repredict)
 
     rate = cfg.rate
     if rate is None:
@@ -193,10 +208,14 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
 
     # 2. the engines, once; a gateway per placement
     model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
-    es = GatewaySettings(model=model, engines=cfg.engines, policy=cfg.local_policy, engine_args=_engine_args(cfg),
+    es = GatewaySettings(model=model, engines=cfg.engines, prefill_engines=cfg.prefill_engines, policy=cfg.local_policy,
+                         engine_args=_engine_args(cfg, work / "kv" if cfg.prefill_engines else None),
                          engine_log_dir=work / "engines")
-    console.print(f"[bold]starting {cfg.engines} engines[/] (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
+    console.print(f"[bold]starting {cfg.engines} engines[/]"
+                  + (f" behind {cfg.prefill_engines} prefill engine(s)" if cfg.prefill_engines else "")
+                  + f" (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
     procs = start_engines(es, work / "engines")
+    decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
     results: dict[str, Any] = {}
     try:
         wait_healthy([p.url for p in procs], 900, procs)
@@ -205,6 +224,8 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
             not_idle = _wait_idle(metrics_urls)
             if not_idle:
                 console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
+            if prefillers:  # the connector's store is a cache too: no replay may find the last one's prompts there
+                shutil.rmtree(work / "kv", ignore_errors=True)
             port = free_port()
             args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
                     "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
@@ -213,8 +234,10 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                     "--load-interval", "1", "--model", model, "--log-level", "warning"]
             if placement in ("aladdin", "lengthwise"):
                 args += ["--latency-profile", str(profile)]
-            for p in procs:
+            for p in decoders:
                 args += ["--engine-url", p.url, "--engine-metrics-url", p.metrics_url]
+            for p in prefillers:
+                args += ["--prefill-url", p.url]
             log = (work / f"gateway-{placement}.log").open("w")
             gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -222,6 +245,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                 console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
                 res, wall = asyncio.run(_replay(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in preds]))
                 health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+                hops = _prefill_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) if prefillers else None
             finally:
                 gw.terminate()
                 gw.wait(30)
@@ -239,7 +263,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                 "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
                 "not_idle_at_start": not_idle, "per_engine_requests": engines,
                 "errors": sorted({r.error for r in res if r.error})[:5],
-                "placement_state": health.get("placement_state"),
+                "placement_state": health.get("placement_state"), "prefill_hops": hops,
                 "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
                                                    "throughput_rps")},
             }
@@ -267,6 +291,12 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                       "prices the engine core alone, not the HTTP streaming that shares these cores)")
     console.print(f"JSON: {json_path}")
     return out
+
+
+def _prefill_hops(metrics_text: str) -> dict[str, int]:
+    """The gateway's ``lengthwise_gateway_prefill_hops_total`` by outcome."""
+    hops = re.findall(r'^lengthwise_gateway_prefill_hops_total\{outcome="([^"]+)"\} (\S+)$', metrics_text, re.MULTILINE)
+    return {k: int(float(v)) for k, v in hops}
 
 
 def _per_engine(results) -> dict[str, int]:

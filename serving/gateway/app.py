@@ -235,9 +235,8 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         up = sum(e.healthy for e in pool.engines)
         count("/health", 200)
         extra = {"prefill_engines": hop.pool.status()} if hop else {}
-        if hop and not any(e.healthy for e in hop.pool.engines):
-            up = 0  # nothing can be served without a prefill engine
-        return JSONResponse({"status": "ok" if up else "degraded", "healthy_engines": up, "engines": pool.status(), **extra,
+        serving = up and (hop is None or any(e.healthy for e in hop.pool.engines))  # disaggregated, both kinds are needed
+        return JSONResponse({"status": "ok" if serving else "degraded", "healthy_engines": up, "engines": pool.status(), **extra,
                              "predictor_url": settings.predictor_url, "placement": settings.placement,
                              "placement_state": pool.placer.state(), "prompt_tokens": prompts.method})
 

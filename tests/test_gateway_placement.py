@@ -387,3 +387,15 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
         assert isinstance(out, ApiError) and out.status == 503 and said in str(out.args)
         assert server_side.posts == 1 and retries == 0 and not engine.healthy
     assert not engine.view.inst.jobs
+
+
+def test_the_prefill_request_asks_for_one_token_kept_for_a_remote_decode():
+    from serving.gateway.prefill import REMOTE_DECODE, prefill_body
+
+    body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "n": 3, "max_tokens": 50,
+            "min_tokens": 10, "logprobs": 2, "temperature": 0.3, "kv_transfer_params": {"remote_host": "elsewhere"},
+            "vllm_xargs": {"pred_len": 40, "deadline": 1.5}}
+    out = prefill_body(body)
+    assert out == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False, "temperature": 0.3,
+                   "vllm_xargs": {"pred_len": 40, "deadline": 1.5}, "kv_transfer_params": REMOTE_DECODE}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the decode request is left as it was

@@ -105,8 +105,8 @@ class PrefillHop:
         seconds = time.perf_counter() - t0
         self.metrics.prefill_hops.labels("ok" if params else "ok_no_transfer_params").inc()
         self.metrics.prefill_latency.observe(seconds)
-        decode = dict(body)
+        decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # where the KV is: ours to say, not the client's
         if params:
             decode["kv_transfer_params"] = params
-        exact = prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) and prompt_tokens > 0 else None
-        return Prefilled(decode, engine or "", seconds, bool(params), exact)
+        exact = type(prompt_tokens) is int and prompt_tokens > 0
+        return Prefilled(decode, engine or "", seconds, bool(params), prompt_tokens if exact else None)

@@ -69,7 +69,7 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
     forwarder = Forwarder(pool, settings, metrics)
     prefill_urls = prefill_urls or settings.prefill_urls
-    hop = PrefillHop(EnginePool(prefill_urls, settings, metrics, prefix="prefill"), settings, metrics) if prefill_urls else None
+    hop = PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls else None
     names = {e.url: e.name for e in [*pool.engines, *(hop.pool.engines if hop else [])]}
     plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
     slo = default_slo(settings)

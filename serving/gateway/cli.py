@@ -245,6 +245,19 @@ def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
             raise UsageError(f"{flag} {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
 
 
+def _attach(urls: list[str], flag: str, kind: str, timeout_s: float) -> None:
+    """Engines given by URL: their hosts resolve and at least one answers /health (``kind``: engine or prefill)."""
+    from serving.gateway.launcher import EngineStartError, wait_healthy
+
+    _resolve(urls, flag)
+    try:
+        wait_healthy(urls, timeout_s, require_all=False, prefix=kind)
+    except EngineStartError:
+        what = "engine" if kind == "engine" else f"{kind} engine"
+        raise UsageError(f"{flag}: no {what} answered /health within {timeout_s:g} s ({', '.join(urls)}); start them "
+                         "first or raise --engine-start-timeout") from None
+
+
 def run(a: argparse.Namespace) -> int:
     """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us."""
     from serving.gateway.launcher import EngineStartError, start_engines, stop_engines, wait_healthy
@@ -284,20 +297,9 @@ def run(a: argparse.Namespace) -> int:
         else:
             urls, prefill_urls = settings.engine_urls, settings.prefill_urls
             plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))
-            _resolve(urls)
-            try:
-                wait_healthy(urls, settings.engine_start_timeout_s, require_all=False)
-            except EngineStartError:
-                raise UsageError(f"--engine-url: no engine answered /health within {settings.engine_start_timeout_s:g} s "
-                                 f"({', '.join(urls)}); start them first or raise --engine-start-timeout") from None
-            if settings.prefill_urls:
-                _resolve(settings.prefill_urls, "--prefill-url")
-                try:
-                    wait_healthy(settings.prefill_urls, settings.engine_start_timeout_s, require_all=False, prefix="prefill")
-                except EngineStartError:
-                    raise UsageError(f"--prefill-url: no prefill engine answered /health within "
-                                     f"{settings.engine_start_timeout_s:g} s ({', '.join(settings.prefill_urls)}); start "
-                                     "them first or raise --engine-start-timeout") from None
+            _attach(urls, "--engine-url", "engine", settings.engine_start_timeout_s)
+            if prefill_urls:
+                _attach(prefill_urls, "--prefill-url", "prefill", settings.engine_start_timeout_s)
         import uvicorn
 
         from serving.gateway.app import create_app

@@ -180,6 +180,7 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
     Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
     tail of each failed engine's log so the operator sees vLLM's own reason.
     """
+    names = [p.name for p in procs] if procs else [f"{prefix}-{i}" for i in range(len(urls))]
     t0 = time.monotonic()
     ready: set[str] = set()
     last_note = t0
@@ -195,8 +196,7 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 try:
                     if client.get(url + "/health").status_code == 200:
                         ready.add(url)
-                        log.info("%s at %s is healthy after %.0f s", procs[i].name if procs else f"{prefix}-{i}", url,
-                                 time.monotonic() - t0)
+                        log.info("%s at %s is healthy after %.0f s", names[i], url, time.monotonic() - t0)
                 except httpx.HTTPError:
                     pass
             if len(ready) == len(urls) or (ready and not require_all):
@@ -207,11 +207,12 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 for i, url in enumerate(urls):
                     if url not in ready:
                         tail = f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else ""
-                        parts.append(f"{procs[i].name if procs else f'{prefix}-{i}'} at {url} not healthy after {timeout_s:g} s{tail}")
+                        parts.append(f"{names[i]} at {url} not healthy after {timeout_s:g} s{tail}")
                 raise EngineStartError("\n".join(parts))
             if now - last_note >= 15:
                 last_note = now
-                log.info("waiting for %s engines: %d/%d healthy after %.0f s", prefix, len(ready), len(urls), now - t0)
+                log.info("waiting for %s: %d/%d healthy after %.0f s", "engines" if prefix == "engine" else f"{prefix} engines",
+                         len(ready), len(urls), now - t0)
             time.sleep(0.5)
 
 

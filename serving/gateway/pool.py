@@ -62,15 +62,15 @@ class Engine:
 
 class EnginePool:
     def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
-                 placer: GatewayPlacement | None = None, prefix: str = "engine"):
-        """``prefix`` names the engines (``engine-0``, ...); a pool of prefill engines (``prefill-0``, ...) places by
-        JSQ, and its placement counters stay out of the decode placement's."""
+                 placer: GatewayPlacement | None = None, prefill: bool = False):
+        """``prefill``: a pool of prefill engines (``prefill-0``, ...; decode engines are ``engine-0``, ...), placed by
+        JSQ, whose placement counters stay out of the decode placement's."""
         self.settings, self.metrics = settings, metrics
-        names = [f"{prefix}-{i}" for i in range(len(urls))]
-        decode = prefix == "engine"
-        self.placer = placer or GatewayPlacement(
-            names, settings.placement_config() if decode else PlacementConfig("jsq", stale_after_s=float("inf")),
-            lambda reason: metrics.placement_fallbacks.labels(reason).inc())
+        names = [f"{'prefill' if prefill else 'engine'}-{i}" for i in range(len(urls))]
+        if placer is None:
+            cfg = PlacementConfig("jsq", stale_after_s=settings.stale_after_s) if prefill else settings.placement_config()
+            placer = GatewayPlacement(names, cfg, lambda reason: metrics.placement_fallbacks.labels(reason).inc())
+        self.placer = placer
         self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
         self.client = httpx.AsyncClient(timeout=settings.health_timeout_s,
@@ -79,7 +79,7 @@ class EnginePool:
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()
         self._busy_window_s = settings.unhealthy_after * (settings.health_interval_s + settings.health_timeout_s)
-        if decode:
+        if not prefill:
             metrics.watch_placement(self.placer.stats)
         for e in self.engines:
             metrics.engine_healthy.labels(e.name).set(0)

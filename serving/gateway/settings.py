@@ -130,6 +130,11 @@ class GatewaySettings(BaseModel):
     def starts_engines(self) -> bool:
         return not self.engine_urls
 
+    @property
+    def stale_after_s(self) -> float:
+        """A load report older than this is stale."""
+        return self.load_stale_after * self.load_interval_s
+
     def engine_arg(self, flag: str) -> str | None:
         """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
         import shlex
@@ -161,4 +166,4 @@ class GatewaySettings(BaseModel):
         tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s
         return PlacementConfig(self.placement, max_num_seqs=seqs, chunk_tokens=chunk, latency=latency, ttft_s=ttft,
                                atgt_s=tpot, others_pred_len=self.fallback_tokens,
-                               stale_after_s=self.load_stale_after * self.load_interval_s)
+                               stale_after_s=self.stale_after_s)

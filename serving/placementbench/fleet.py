@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -208,8 +207,9 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
 
     # 2. the engines, once; a gateway per placement
     model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
+    kv_dir = work / "kv" if cfg.prefill_engines else None  # the connector's store, shared by every engine
     es = GatewaySettings(model=model, engines=cfg.engines, prefill_engines=cfg.prefill_engines, policy=cfg.local_policy,
-                         engine_args=_engine_args(cfg, work / "kv" if cfg.prefill_engines else None),
+                         engine_args=_engine_args(cfg, kv_dir),
                          engine_log_dir=work / "engines")
     console.print(f"[bold]starting {cfg.engines} engines[/]"
                   + (f" behind {cfg.prefill_engines} prefill engine(s)" if cfg.prefill_engines else "")
@@ -224,8 +224,8 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
             not_idle = _wait_idle(metrics_urls)
             if not_idle:
                 console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
-            if prefillers:  # the connector's store is a cache too: no replay may find the last one's prompts there
-                shutil.rmtree(work / "kv", ignore_errors=True)
+            if kv_dir:  # the connector's store is a cache too: no replay may find the last one's prompts there
+                shutil.rmtree(kv_dir, ignore_errors=True)
             port = free_port()
             args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
                     "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
@@ -295,8 +295,10 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
 
 def _prefill_hops(metrics_text: str) -> dict[str, int]:
     """The gateway's ``lengthwise_gateway_prefill_hops_total`` by outcome."""
-    hops = re.findall(r'^lengthwise_gateway_prefill_hops_total\{outcome="([^"]+)"\} (\S+)$', metrics_text, re.MULTILINE)
-    return {k: int(float(v)) for k, v in hops}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.labels["outcome"]: int(s.value) for fam in text_string_to_metric_families(metrics_text)
+            if fam.name == "lengthwise_gateway_prefill_hops" for s in fam.samples if s.name.endswith("_total")}
 
 
 def _per_engine(results) -> dict[str, int]:

@@ -47,7 +47,7 @@ def _assert_exact(run, reqs) -> None:
 
 def _ledger_guard(violations: list):
     def hook(s, i):
-        if s.policy.kv.used > s.policy.kv.total or s.kv_cache_manager.block_pool.get_num_free_blocks() < 0:
+        if s.lw_policy.kv.used > s.lw_policy.kv.total or s.kv_cache_manager.block_pool.get_num_free_blocks() < 0:
             violations.append(i)
     return hook
 
@@ -62,8 +62,8 @@ def test_every_request_returns_exactly_its_tokens(monkeypatch, policy, blocks):
     run = run_to_completion(s, reqs, arrivals=arrivals, max_steps=5000, before_step=_ledger_guard(bad))
     _assert_exact(run, reqs)
     assert not bad
-    assert not s.requests and not s.running and not s.waiting and not s.policy.requests
-    assert s.policy.kv.used == 0 and s.lw_stats["finished"] == 24 and s.lw_stats["fallback_predictions"] == 0
+    assert not s.requests and not s.running and not s.waiting and not s.lw_policy.requests
+    assert s.lw_policy.kv.used == 0 and s.lw_stats["finished"] == 24 and s.lw_stats["fallback_predictions"] == 0
 
 
 @pytest.mark.parametrize("policy", ["lengthwise", "ecoserve"])
@@ -74,7 +74,7 @@ def test_pipelined_async_scheduling(monkeypatch, policy):
     reqs, arrivals = _workload(2, 16)
     run = run_to_completion(s, reqs, arrivals=arrivals, max_steps=5000, pipelined=True)
     _assert_exact(run, reqs)
-    assert not s.policy.requests and s.policy.kv.used == 0
+    assert not s.lw_policy.requests and s.lw_policy.kv.used == 0
 
 
 def test_vllm_policy_schedules_like_stock_vllm(monkeypatch):
@@ -101,7 +101,7 @@ def test_extra_args_reach_the_policy_and_missing_ones_are_counted(monkeypatch):
     broken = make_request("c", 10, 20, extra_args={"pred_len": "many"})
     for r in (with_pred, without, broken):
         s.add_request(r)
-    twins = {k: s.policy.requests[rid] for k, rid in s._rid_of.items()}
+    twins = {k: s.lw_policy.requests[rid] for k, rid in s._rid_of.items()}
     assert twins["a"].pred.length == 40 and twins["a"].pred.hi == 60 and twins["a"].pred.bucket == 2
     assert twins["a"].deadline == pytest.approx(with_pred.arrival_time + 5.0)
     assert twins["b"].pred.length == 20  # default 32 clamped to max_tokens
@@ -123,10 +123,10 @@ def test_abort_leaves_the_policy(monkeypatch):
     for _ in range(3):
         step(s)
     s.finish_requests(["r0", "r3"], RequestStatus.FINISHED_ABORTED)
-    assert set(s._rid_of) == {"r1", "r2"} and len(s.policy.requests) == 2 and s.lw_stats["aborted"] == 2
+    assert set(s._rid_of) == {"r1", "r2"} and len(s.lw_policy.requests) == 2 and s.lw_stats["aborted"] == 2
     run = run_to_completion(s, [])
     assert {k for k, v in run.requests.items() if v.finish_reason == "length"} == {"r1", "r2"}
-    assert s.policy.kv.used == 0
+    assert s.lw_policy.kv.used == 0
 
 
 def test_ecoserve_pauses_hold_kv_in_vllm(monkeypatch):
@@ -136,7 +136,7 @@ def test_ecoserve_pauses_hold_kv_in_vllm(monkeypatch):
     reqs = [make_request(f"r{i}", 16, 48, extra_args={"pred_len": 8}) for i in range(4)]  # predicted 8, true 48
     run = run_to_completion(s, reqs, max_steps=5000)
     _assert_exact(run, reqs)
-    assert s.policy.stats["pauses"] > 0 and s.lw_stats["held_request_steps"] > 0
+    assert s.lw_policy.stats["pauses"] > 0 and s.lw_stats["held_request_steps"] > 0
 
 
 def test_settings_errors_are_clear(monkeypatch):

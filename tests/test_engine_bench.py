@@ -140,3 +140,17 @@ def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
     m.prefill_hops.labels("client_error").inc()
     assert _prefill_hops(m.render().decode()) == {"ok_no_transfer_params": 39, "client_error": 1}
     assert _prefill_hops(GatewayMetrics().render().decode()) == {}  # a colocated gateway: no hops
+
+
+def test_fleet_calls_a_run_past_capacity_by_its_backlog_not_by_the_drain_of_long_answers():
+    from serving.placementbench.fleet import _admitted_by_last_arrival
+    from serving.replay import Result
+
+    def run(ttfts: list[float | None], jct: float) -> list[Result]:
+        return [Result(i, float(i), 64, 64, 32, ok=t is not None, sent=float(i), ttft=t, jct=None if t is None else jct) for i, t in enumerate(ttfts)]
+
+    # every request starts at once and the last ones run 60 s: completions over the makespan would read as overload
+    assert _admitted_by_last_arrival(run([0.2] * 100, 60.0)) == 0.99  # only the last arrival starts after itself
+    # a backlog: each request waits longer than the one before, the last half starts after the last arrival
+    assert _admitted_by_last_arrival(run([1.0 * i for i in range(100)], 5.0)) == 0.5
+    assert _admitted_by_last_arrival(run([None] * 10, 0.0)) == 0.0  # none answered

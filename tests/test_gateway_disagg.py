@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -101,6 +102,10 @@ def test_the_gateway_that_started_prefill_and_decode_engines_serves_disaggregate
     assert [e["name"] for e in health["prefill_engines"]] == ["prefill-0"] and health["status"] == "ok"
     assert all(log.exists() for log in engines.engine_logs)
     assert "External Cache Hit" in engines.engine_logs[1].read_text(errors="replace")  # the decode engine loaded it
+    for log in engines.engine_logs:  # the plug-in's own lines, through the installed vLLM's formatter, in every engine log
+        text = log.read_text(errors="replace")
+        assert re.search(r"INFO .*lengthwise scheduler: policy \w+ over \d+ KV blocks", text), log
+        assert "--- Logging error ---" not in text, log
 
 
 def test_a_prefill_engines_refusal_reaches_the_client_and_nothing_is_decoded(disagg):

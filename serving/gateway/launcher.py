@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from serving.gateway.pool import engine_names
 from serving.gateway.settings import GatewaySettings
 
 log = logging.getLogger("serving.gateway")
@@ -149,9 +150,9 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
     log_dir.mkdir(parents=True, exist_ok=True)
     log_cfg = log_dir / "vllm-logging.json"
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
+    names = engine_names(settings.engines) + engine_names(settings.prefill_engines, prefill=True)
     out = []
-    for i in range(total):
-        name = f"engine-{i}" if i < settings.engines else f"prefill-{i - settings.engines}"
+    for i, name in enumerate(names):
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
         cmd = engine_command(settings, port, cpu, metrics_port)
@@ -174,13 +175,14 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
 
 
 def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None = None,
-                 require_all: bool = True, prefix: str = "engine") -> None:
-    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200; ``prefix`` names them.
+                 require_all: bool = True, prefill: bool = False) -> None:
+    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200; ``prefill``: the URLs
+    are prefill engines (named so in the log, when there are no ``procs`` to name them).
 
     Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
     tail of each failed engine's log so the operator sees vLLM's own reason.
     """
-    names = [p.name for p in procs] if procs else [f"{prefix}-{i}" for i in range(len(urls))]
+    names = [p.name for p in procs] if procs else engine_names(len(urls), prefill)
     t0 = time.monotonic()
     ready: set[str] = set()
     last_note = t0
@@ -211,7 +213,7 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 raise EngineStartError("\n".join(parts))
             if now - last_note >= 15:
                 last_note = now
-                log.info("waiting for %s: %d/%d healthy after %.0f s", "engines" if prefix == "engine" else f"{prefix} engines",
+                log.info("waiting for %s: %d/%d healthy after %.0f s", "prefill engines" if prefill else "engines",
                          len(ready), len(urls), now - t0)
             time.sleep(0.5)
 

@@ -60,13 +60,18 @@ class Engine:
         return self.view.own
 
 
+def engine_names(count: int, prefill: bool = False) -> list[str]:
+    """What logs, metrics and headers call the engines: ``engine-0``, ... and, disaggregated, ``prefill-0``, ..."""
+    return [f"{'prefill' if prefill else 'engine'}-{i}" for i in range(count)]
+
+
 class EnginePool:
     def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
                  placer: GatewayPlacement | None = None, prefill: bool = False):
         """``prefill``: a pool of prefill engines (``prefill-0``, ...; decode engines are ``engine-0``, ...), placed by
         JSQ, whose placement counters stay out of the decode placement's."""
         self.settings, self.metrics = settings, metrics
-        names = [f"{'prefill' if prefill else 'engine'}-{i}" for i in range(len(urls))]
+        names = engine_names(len(urls), prefill)
         if placer is None:
             cfg = PlacementConfig("jsq", stale_after_s=settings.stale_after_s) if prefill else settings.placement_config()
             placer = GatewayPlacement(names, cfg, lambda reason: metrics.placement_fallbacks.labels(reason).inc())

@@ -59,7 +59,6 @@ class Prefilled:
     body: dict[str, Any]
     engine: str
     seconds: float
-    transfer_params: bool  # the prefill engine's connector returned kv_transfer_params
     prompt_tokens: int | None = None  # the prompt as the engine tokenized it (usage), exact where the gateway estimates
 
 
@@ -109,4 +108,4 @@ class PrefillHop:
         if params:
             decode["kv_transfer_params"] = params
         exact = type(prompt_tokens) is int and prompt_tokens > 0
-        return Prefilled(decode, engine or "", seconds, bool(params), prompt_tokens if exact else None)
+        return Prefilled(decode, engine or "", seconds, prompt_tokens if exact else None)

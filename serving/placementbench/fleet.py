@@ -48,6 +48,7 @@ from serving.sim.workload import load_workload
 
 PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
 TOKENIZER = "tokenizers/gpt2/tokenizer.json"
+BLOCK = 32  # tokens per KV block in every engine, the calibration and the simulator (--kv-blocks counts these)
 
 
 class FleetBenchConfig(BaseModel):
@@ -96,7 +97,7 @@ def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) 
     count in them (CUDA vLLM would otherwise use 16-token blocks, half the KV the simulator prices).
     Prefix caching stays off: no replay warms the next, and ExampleConnector miscounts a prompt a decode engine
     already caches itself (README, Disaggregated prefill)."""
-    args = ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", "--block-size 32", f"--dtype {dtype}",
+    args = ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--block-size {BLOCK}", f"--dtype {dtype}",
             f"--max-model-len {cfg.max_model_len}",
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
@@ -171,7 +172,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
     k = min(cfg.calibration_requests, len(reqs))
     burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
              for i, r in enumerate(reqs[:k])]
-    eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": 32, "max_num_seqs": cfg.max_num_seqs,
+    eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": BLOCK, "max_num_seqs": cfg.max_num_seqs,
            "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_blocks": cfg.kv_blocks, "threads": 1, "dtype": dtype,
            "tokenizer_json": str(data_path(TOKENIZER))}
     console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once "
@@ -184,7 +185,7 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                          work / "step_profile.csv")
     lat = FittedLatency.from_csv(profile)
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
-    pc = PolicyConfig(block_size=32, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+    pc = PolicyConfig(block_size=BLOCK, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                       max_model_len=cfg.max_model_len, slo_scale=cfg.slo_scale)
     console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
                   f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "

@@ -206,8 +206,23 @@ def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_pa
         assert s.returncode == 0 and "instances for 3 req/s" in s.stdout, s.stderr
 
 
+def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
+    out = tmp_path / "a.json"
+    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--max-requests", "120", "--instances", "2",
+                   "--placements", "jsq,lengthwise", "--measures", "a", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["_meta"]["measures"] == ["a"] and d["scaling"] == {}
+    for p in d["policies"].values():
+        assert p["max_rate_at_90_slo"] is None and p["curve"] == []
+        assert p["instances_needed"] is None or p["tried"][str(p["instances_needed"])] >= 0.99
+    assert "(a) instances" in r.stdout and "Eq. 7" not in r.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (["bench", "placement", "--placements", "jsq,nope"], "unknown placement"),
+    (["bench", "placement", "--measures", "b"], "includes a"),
+    (["bench", "placement", "--measures", "a,c"], "--measures"),
     (["bench", "placement", "--instances", "0"], "--instances"),
     (["bench", "placement", "--gateways", "0"], "gateway replicas"),
     (["bench", "placement", "--local-policy", "fifo-magic"], "unknown policy"),

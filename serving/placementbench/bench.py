@@ -36,6 +36,7 @@ from serving.sim.sweep import max_rate
 
 ATTAINMENT = {"ttft-atgt": "ttft_tpot_attainment", "jct": "slo_attainment"}
 PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
+MEASURES = ("a", "b", "eq7")
 
 
 @dataclass
@@ -52,6 +53,7 @@ class PlacementBenchConfig:
     scaling_placements: Sequence[str] = ("aladdin", "lengthwise", "jsq")
     scaling_rates: Sequence[float] = (0.5, 1.0, 1.5)  # multiples of the (a) rate
     max_instances: int | None = None     # scan limit for (a); default 4 × instances
+    measures: Sequence[str] = MEASURES   # which of (a), (b) and Eq. 7 to run; (a) always runs (the others build on it)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -62,6 +64,10 @@ class PlacementBenchConfig:
             raise ValueError(f"--instances must be at least 1, got {self.instances}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be a positive number of requests per second, got {self.rate}")
+        unknown = set(self.measures) - set(MEASURES)
+        if unknown or "a" not in self.measures:
+            raise ValueError(f"--measures takes a comma list of {', '.join(MEASURES)} that includes a (the others reuse its "
+                             f"scan), got {','.join(self.measures)}")
         if any(g < 1 for g in self.gateways):
             raise ValueError(f"--gateways are counts of gateway replicas (>= 1), got {list(self.gateways)}")
 
@@ -152,7 +158,8 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
     policies: dict[str, dict] = {}
     for p in cfg.placements:
         a = instances_needed(lambda n, p=p: fleet(p, n, rate_a), key, cfg.target_a, start, limit)
-        b = max_rate(lambda r, p=p: fleet(p, cfg.instances, r), start_b, target=cfg.target_b, key=key)
+        b = (max_rate(lambda r, p=p: fleet(p, cfg.instances, r), start_b, target=cfg.target_b, key=key)
+             if "b" in cfg.measures else {"max_rate_at_90_slo": None, "curve": []})
         gw = {}
         for g in cfg.gateways:
             if g == 1:
@@ -169,7 +176,7 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
         r["fewer_used_than_jsq"] = (1 - used / base) if base and used else None
     scaling = {}
     for p in cfg.scaling_placements:
-        if p not in policies:
+        if p not in policies or "eq7" not in cfg.measures:
             continue
         pts = []
         for mult in cfg.scaling_rates:
@@ -184,7 +191,7 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
         except ValueError as exc:
             scaling[p] = {"error": str(exc), "points": [{"rate": r, "instances": n} for r, n in pts]}
     meta = {**describe_setup(setup), "local_policy": cfg.local_policy, "attainment": cfg.slo, "target_a": cfg.target_a,
-            "target_b": cfg.target_b, "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
+            "target_b": cfg.target_b, "measures": list(cfg.measures), "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
             "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
     return {"policies": policies, "scaling": scaling, "_meta": meta}
 
@@ -205,10 +212,11 @@ def print_scenario(name: str, res: dict, console: Console) -> None:
     for p, r in pol.items():
         at = r["at_needed"] or {}
         f = r["fewer_instances_than_jsq"]
+        b = r["max_rate_at_90_slo"]
         t.add_row(p, str(r["instances_needed"] or "-"), str(r["instances_used"] or "-"),
                   f"{-f:+.0%}" if f is not None else "-", f"{r['attainment']:.3f}" if r["attainment"] is not None else "-",
                   f"{at.get('jct_p99_s', float('nan')):.3g}", f"{at.get('ttft_p99_s', float('nan')):.3g}",
-                  f"{r['max_rate_at_90_slo']:.3g}", f"{r['max_rate_at_90_slo'] / jsq_b:.2f}x" if jsq_b else "-",
+                  f"{b:.3g}" if b is not None else "-", f"{b / jsq_b:.2f}x" if jsq_b and b is not None else "-",
                   *(str(r["gateways"].get(str(g)) or "-") for g in gws),
                   str(at.get("moves", "-")), str((at.get("placement_stats") or {}).get("would_open", 0)))
     Console(width=max(console.width, 180)).print(t)
@@ -242,7 +250,7 @@ def plot_scenario(name: str, res: dict, path: Path) -> Path:
     ax2.axhline(meta["target_b"], color="grey", ls="--", lw=0.8)
     ax2.set_xlabel("request rate (req/s)")
     ax2.set_ylabel(f"{meta['attainment']} attainment")
-    ax2.set_title(f"(b) {meta['instances']} instances")
+    ax2.set_title(f"(b) {meta['instances']} instances" + ("" if "b" in meta.get("measures", MEASURES) else ": not measured"))
     ax2.legend(fontsize=7)
     fig.suptitle(f"placement on {name} (local policy {meta['local_policy']})")
     fig.tight_layout()

@@ -257,3 +257,7 @@ def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(da
     chunk = StepShape.of(prefill_chunks=[(0, 2048)], decode_contexts=[500] * 8)
     assert pool.latency.step_time(chunk) < colocated.latency.step_time(chunk) / 2
     assert "decode pool" in pool.scenario.description
+    synthetic = build_placement_setup("mooncake-synthetic-decode", max_requests=40)
+    conversation = build_placement_setup("mooncake-decode", max_requests=40)
+    assert isinstance(synthetic.latency, DecodePoolLatency) and synthetic.scenario.arrival == "trace"
+    assert [r.prompt_tokens for r in synthetic.requests] != [r.prompt_tokens for r in conversation.requests]

@@ -8,11 +8,12 @@
 * ``azure-code``: the Azure 2023 code trace (real arrival gaps, rescaled to the rate) on Llama-3.1-8B /
   A100 with BLIS coefficients: long prompts, short answers.
 * ``mooncake``: the Mooncake conversation trace on Llama-3.1-8B / H100: very long prompts.
-* ``sharegpt-decode``, ``mooncake-decode``: the same fleets as a disaggregated decode pool, Aladdin's own
-  measure (its 60% fewer GPUs than JSQ are decode GPUs): prompts are prefilled elsewhere, so a decode step
-  never carries prompt compute (:class:`DecodePoolLatency`). The SLOs stay those of the colocated fleet
-  (derived with prefill priced); TTFT counts only the decode pool's part (queueing, KV arriving, first
-  step), as the prefill pool is not simulated.
+* ``sharegpt-decode``, ``mooncake-decode``, ``mooncake-synthetic-decode`` (Mooncake's second trace): the
+  same fleets as a disaggregated decode pool, Aladdin's own measure (its 60% fewer GPUs than JSQ are
+  decode GPUs): prompts are prefilled elsewhere, so a decode step never carries prompt compute
+  (:class:`DecodePoolLatency`). The SLOs stay those of the colocated fleet (derived with prefill priced);
+  TTFT counts only the decode pool's part (queueing, KV arriving, first step), as the prefill pool is not
+  simulated.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
                           {"kv_bytes": 0.9 * 80e9 - 26e9, "block_size": 16, "max_model_len": 4096}, 3000, decode_pool=True),
         PlacementScenario("mooncake-decode", "mooncake's fleet as a disaggregated decode pool (prefill elsewhere)", "long-context",
                           {}, 1000, decode_pool=True),
+        PlacementScenario("mooncake-synthetic-decode", "Mooncake's synthetic trace (prompts from public long-document "
+                                                       "datasets, 15k tokens on average, short answers, Poisson arrivals) "
+                                                       "on mooncake's fleet as a decode pool",
+                          "long-context", {"workload": "traces/mooncake_synthetic_trace.jsonl"}, 3993, decode_pool=True),
     )
 }
 

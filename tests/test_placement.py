@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,12 +188,16 @@ def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gat
     assert a == b
 
 
+def _bench_placement(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``lengthwise bench placement`` on a small ShareGPT fleet, its JSON written to ``out``: (the run, the JSON)."""
+    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--instances", "2", *args, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    return r, json.loads(out.read_text())
+
+
 def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_path):
     out = tmp_path / "p.json"
-    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--max-requests", "150", "--instances", "2",
-                   "--placements", "jsq,aladdin", "--gateways", "1,2", "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    d = json.loads(out.read_text())
+    r, d = _bench_placement(out, "--max-requests", "150", "--placements", "jsq,aladdin", "--gateways", "1,2")
     for name in ("jsq", "aladdin"):
         p = d["policies"][name]
         assert p["instances_needed"] is None or p["instances_needed"] >= 1
@@ -207,11 +212,7 @@ def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_pa
 
 
 def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
-    out = tmp_path / "a.json"
-    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--max-requests", "120", "--instances", "2",
-                   "--placements", "jsq,lengthwise", "--measures", "a", "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    d = json.loads(out.read_text())
+    r, d = _bench_placement(tmp_path / "a.json", "--max-requests", "120", "--placements", "jsq,lengthwise", "--measures", "a")
     assert d["_meta"]["measures"] == ["a"] and d["scaling"] == {}
     for p in d["policies"].values():
         assert p["max_rate_at_90_slo"] is None and p["curve"] == []

@@ -250,7 +250,7 @@ def plot_scenario(name: str, res: dict, path: Path) -> Path:
     ax2.axhline(meta["target_b"], color="grey", ls="--", lw=0.8)
     ax2.set_xlabel("request rate (req/s)")
     ax2.set_ylabel(f"{meta['attainment']} attainment")
-    ax2.set_title(f"(b) {meta['instances']} instances" + ("" if "b" in meta.get("measures", MEASURES) else ": not measured"))
+    ax2.set_title(f"(b) {meta['instances']} instances" + ("" if "b" in meta["measures"] else ": not measured"))
     ax2.legend(fontsize=7)
     fig.suptitle(f"placement on {name} (local policy {meta['local_policy']})")
     fig.tight_layout()

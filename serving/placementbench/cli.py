@@ -44,7 +44,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--predictor", default=None, metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle | models:/NAME@ALIAS "
                                                                      "(default: the scenario's, noise:0.55)")
     p.add_argument("--max-requests", type=int, help="requests per run (default: the scenario's)")
-    p.add_argument("--measures", type=comma_list(str.strip, "a,b"), default=["a", "b", "eq7"], metavar="M,M,...",
+    p.add_argument("--measures", type=comma_list(str.strip, "a,b"), metavar="M,M,...",
                    help="what to measure: a (fewest instances at the rate), b (max rate on --instances), eq7 (the scaling "
                         "fit, two more (a) scans); a alone is the quick way to repeat (a) over seeds (default: a,b,eq7)")
     p.add_argument("--seed", type=int, default=0)
@@ -61,6 +61,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.placement import PlacementError, make_placement
     from serving.placement.limits import Limits
     from serving.placementbench.bench import (
+        MEASURES,
         PLACEMENTS,
         PlacementBenchConfig,
         bench_scenario,
@@ -86,7 +87,7 @@ def run_cli(a: argparse.Namespace) -> int:
         if not a.refresh_s > 0:
             raise ValueError(f"--refresh-s must be positive, got {a.refresh_s}")
         cfg = PlacementBenchConfig(placements=placements, instances=a.instances, rate=a.rate, local_policy=a.local_policy,
-                                   slo=a.slo, gateways=sorted(set(a.gateways)), refresh_s=a.refresh_s, measures=a.measures,
+                                   slo=a.slo, gateways=sorted(set(a.gateways)), refresh_s=a.refresh_s, measures=a.measures or MEASURES,
                                    seed=a.seed)
         names = list(PLACEMENT_SCENARIOS) if a.scenario == "all" else [a.scenario]
         json_path = Path(a.json) if a.json else Path(a.out_dir) / "bench_placement.json"

@@ -750,19 +750,24 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     os.killpg(victim_pid, signal.SIGKILL)  # the API server, its (frozen) engine core and worker: the whole engine
     results, a_results = burst.result(timeout=240), a_burst.result(timeout=240)
 
-    def cut(s) -> bool:
-        """Read a stream to its end: True if it ended with the gateway's error event (it ran on the victim when it
-        died: tokens already sent cannot be replayed), False if it completed."""
+    def cut(s) -> tuple[bool, int]:
+        """Read a stream to its end: (True, events read) if it ended with the gateway's error event (it ran on the victim
+        when it died: tokens already sent cannot be replayed), (False, events read) if it completed."""
+        events = 0
         try:
             for _ in s:
-                pass
+                events += 1
         except openai.APIError as exc:
             assert "failed after part of the answer" in str(exc)
-            return True
-        return False
+            return True, events
+        return False, events
 
-    assert cut(a_stream)
-    f_cut = cut(stream)
+    a_cut, a_events = cut(a_stream)
+    # a stream that completes here had its 2000 tokens before the freeze, or the engine ran on through it: the count
+    # and the gateway's log tell which
+    assert a_cut, (f"the aladdin gateway's stream on {victim_name} completed ({a_events} events after the first) instead "
+                   f"of being cut by the kill; its log ends:\n{gw_aladdin.tail()}")
+    f_cut, _ = cut(stream)
     assert f_cut == stream_on_victim  # the fleet's stream ends with the error event iff it ran on the victim
     # every request of both bursts got its whole answer, in bounded time: those on the dead engine (all but the
     # streams) were retried on the other one

@@ -188,9 +188,10 @@ def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gat
     assert a == b
 
 
-def _bench_placement(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """``lengthwise bench placement`` on a small ShareGPT fleet, its JSON written to ``out``: (the run, the JSON)."""
-    r = lengthwise("bench", "placement", "--scenario", "sharegpt", "--instances", "2", *args, "--json", str(out))
+def _bench_placement(out: Path, *args: str, scenario: str = "sharegpt") -> tuple[subprocess.CompletedProcess, dict]:
+    """``lengthwise bench placement`` on a small fleet (ShareGPT's by default), its JSON written to ``out``: (the run,
+    the JSON)."""
+    r = lengthwise("bench", "placement", "--scenario", scenario, "--instances", "2", *args, "--json", str(out))
     assert r.returncode == 0, r.stderr
     return r, json.loads(out.read_text())
 
@@ -218,6 +219,19 @@ def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
         assert p["max_rate_at_90_slo"] is None and p["curve"] == []
         assert p["instances_needed"] is None or p["tried"][str(p["instances_needed"])] >= 0.99
     assert "(a) instances" in r.stdout and "Eq. 7" not in r.stdout
+    assert d["floor"] is None and "fluid floor" not in r.stdout  # a colocated fleet: prompt compute is not modelled
+
+
+def test_bench_placement_reports_a_decode_pools_fluid_floor_and_no_placement_beats_it(data, tmp_path):
+    """The floor's mean is a bound: a fleet smaller than it cannot keep every request on its token-time pace."""
+    r, d = _bench_placement(tmp_path / "d.json", "--max-requests", "150", "--placements", "jsq,least-kv,lengthwise",
+                            "--measures", "a", scenario="sharegpt-decode")
+    fl = d["floor"]
+    assert fl["rate"] == d["_meta"]["rate_a"] and 0 < fl["mean"] < fl["peak"] and fl["window_s"] > 0
+    for p in d["policies"].values():
+        assert p["instances_needed"] >= fl["mean"]
+        assert p["over_floor"] == pytest.approx(p["instances_needed"] / fl["mean"])
+    assert "fluid floor" in r.stdout and "over the mean" in r.stdout
 
 
 @pytest.mark.parametrize("args,message", [

@@ -27,9 +27,11 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from serving.placement.floor import fluid_floor
 from serving.placement.scaling import fit_scaling
 from serving.sim.bench import describe_setup, line_style
 from serving.sim.cluster import ClusterConfig, simulate_cluster
+from serving.sim.latency import DecodePoolLatency
 from serving.sim.metrics import RunMetrics
 from serving.sim.scenarios import Setup
 from serving.sim.sweep import max_rate
@@ -190,10 +192,25 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
             scaling[p] = fit_scaling(pts).to_dict()
         except ValueError as exc:
             scaling[p] = {"error": str(exc), "points": [{"rate": r, "instances": n} for r, n in pts]}
+    floor = decode_floor(setup, rate_a)
+    for r in policies.values():
+        n = r["instances_needed"]
+        r["over_floor"] = n / floor["mean"] if floor and n else None
     meta = {**describe_setup(setup), "local_policy": cfg.local_policy, "attainment": cfg.slo, "target_a": cfg.target_a,
             "target_b": cfg.target_b, "measures": list(cfg.measures), "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
             "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
-    return {"policies": policies, "scaling": scaling, "_meta": meta}
+    return {"policies": policies, "scaling": scaling, "floor": floor, "_meta": meta}
+
+
+def decode_floor(setup: Setup, rate: float) -> dict | None:
+    """The fluid floor at ``rate`` (serving/placement/floor.py) for a decode pool; None for a colocated fleet, whose
+    steps also carry prompt compute under a TTFT limit, which the floor does not model."""
+    if not isinstance(setup.latency, DecodePoolLatency):
+        return None
+    reqs = setup.at_rate(rate)
+    f = fluid_floor([r.arrival for r in reqs], [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs],
+                    setup.latency, setup.slo.tpot_s)
+    return {**f.to_dict(), "rate": rate}
 
 
 def print_scenario(name: str, res: dict, console: Console) -> None:
@@ -220,6 +237,10 @@ def print_scenario(name: str, res: dict, console: Console) -> None:
                   *(str(r["gateways"].get(str(g)) or "-") for g in gws),
                   str(at.get("moves", "-")), str((at.get("placement_stats") or {}).get("would_open", 0)))
     Console(width=max(console.width, 180)).print(t)
+    if fl := res.get("floor"):
+        over = ", ".join(f"{p} {r['over_floor']:.2f}x" for p, r in pol.items() if r.get("over_floor"))
+        console.print(f"  fluid floor at {fl['rate']:.3g} req/s (any placement, free migration): mean {fl['mean']:.2f} instances, "
+                      f"peak over a {fl['window_s']:.2g} s decode {fl['peak']:.2f}; (a) over the mean: {over or '-'}")
     for p, s in res["scaling"].items():
         if "k5" in s:
             pts = ", ".join(f"{q['rate']:.3g}/s->{q['instances']}" for q in s["points"])
@@ -239,6 +260,9 @@ def plot_scenario(name: str, res: dict, path: Path) -> Path:
     xs = range(len(names))
     ax1.bar([x - 0.2 for x in xs], needed, width=0.4, label="fleet size needed")
     ax1.bar([x + 0.2 for x in xs], used, width=0.4, label="instances it used")
+    if fl := res.get("floor"):
+        ax1.axhline(fl["mean"], color="black", ls=":", lw=0.9, label=f"fluid floor, mean ({fl['mean']:.1f})")
+        ax1.axhline(fl["peak"], color="grey", ls="--", lw=0.9, label=f"fluid floor, peak ({fl['peak']:.1f})")
     ax1.set_xticks(list(xs), names, rotation=20)
     ax1.set_ylabel(f"instances for >= {meta['target_a']:.0%} attainment")
     ax1.set_title(f"(a) at {meta['rate_a']:.3g} req/s")

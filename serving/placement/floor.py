@@ -67,7 +67,7 @@ def need_curve(arrivals: Sequence[float], prompts: Sequence[int], outputs: Seque
         raise ValueError("the fluid floor needs one arrival, prompt and output length per request, and at least one request")
     t0 = min(arrivals)
     end = max(a + o * tpot_s for a, o in zip(arrivals, outputs))
-    cells = int(math.ceil((end - t0) / dt)) + 2
+    cells = math.ceil((end - t0) / dt) + 2
     # each stay's cost is linear in t (its context grows one token per tpot): build the curve from two difference
     # arrays, a level and a slope, rather than touching every cell of every stay
     level = np.zeros(cells + 2)
@@ -77,7 +77,7 @@ def need_curve(arrivals: Sequence[float], prompts: Sequence[int], outputs: Seque
         if o <= 0:
             continue
         i0 = int((a - t0) / dt)
-        i1 = max(i0 + 1, int(math.ceil((a - t0 + o * tpot_s) / dt)))
+        i1 = max(i0 + 1, math.ceil((a - t0 + o * tpot_s) / dt))
         c0 = cost.per_decode_s + cost.per_context_token_s * p
         level[i0] += c0
         level[i1] -= c0 + grow * (i1 - i0)
@@ -98,8 +98,8 @@ def fluid_floor(arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequ
                          f"({tpot_s * 1e3:.2f} ms): no fleet size keeps it")
     need = need_curve(arrivals, prompts, outputs, cost, tpot_s, dt) / room
     window = statistics.median(o * tpot_s for o in outputs)
-    k = max(1, int(round(window / dt)))
+    k = max(1, round(window / dt))
     smooth = np.convolve(need, np.ones(k) / k, mode="valid") if k < len(need) else np.array([need.mean()])
     # the mean while requests arrive: the drain after the last arrival is not load a fleet is sized for
-    arriving = max(1, int(math.ceil((max(arrivals) - min(arrivals)) / dt)))
+    arriving = max(1, math.ceil((max(arrivals) - min(arrivals)) / dt))
     return FluidFloor(mean=float(need[:arriving].mean()), peak=float(smooth.max()), window_s=float(window), room_s=float(room))

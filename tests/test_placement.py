@@ -223,7 +223,7 @@ def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
 
 
 def test_bench_placement_reports_a_decode_pools_fluid_floor_and_no_placement_beats_it(data, tmp_path):
-    """The floor's mean is a bound: a fleet smaller than it cannot keep every request on its token-time pace."""
+    """The floor's mean is the fluid model's bound: a fleet much smaller than it cannot keep requests on pace."""
     r, d = _bench_placement(tmp_path / "d.json", "--max-requests", "150", "--placements", "jsq,least-kv,lengthwise",
                             "--measures", "a", scenario="sharegpt-decode")
     fl = d["floor"]

@@ -8,8 +8,9 @@ decoding at time t costs, on pace (one token per ``tpot``: a faster pace shorten
 each step to share, and needs more instances), and dividing by that per-instance room gives ``need(t)``: the
 instances a perfectly balanced fleet that could move any request anywhere at any moment would need at t.
 
-* ``mean``: the time average of ``need``. No placement, migration included, keeps every request on pace with fewer
-  (it ignores the up to 1% of requests a 99% target lets miss).
+* ``mean``: the time average of ``need``. In this fluid model (every instance stepping at the target pace) no
+  placement, migration included, keeps every request on pace with fewer. A real fleet can go a little under it: a
+  99% target lets 1% miss, and a step slower than the target can be made up by its requests' faster steps.
 * ``peak``: the largest ``need`` averaged over a window as long as the median decode (a request's ATGT is an
   average over its own stay, so bursts shorter than a stay are absorbed). An estimate, not a bound: what that
   perfect balancer needs for the trace's bursts.
@@ -50,7 +51,7 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class FluidFloor:
-    mean: float        # instances: the time-averaged need (a bound)
+    mean: float        # instances: the time-averaged need (the fluid model's bound)
     peak: float        # instances: the largest need over a median-decode window (an estimate)
     window_s: float
     room_s: float      # per-instance step budget left for decodes: tpot - fixed

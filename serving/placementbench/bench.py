@@ -171,11 +171,13 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
                                           a["instances_needed"] or start, limit)["instances_needed"]
         policies[p] = {**a, "max_rate_at_90_slo": b["max_rate_at_90_slo"], "curve": b["curve"], "gateways": gw}
     base = policies.get("jsq", {}).get("instances_needed")
+    floor = decode_floor(setup, rate_a)
     for p, r in policies.items():
         n = r["instances_needed"]
         r["fewer_instances_than_jsq"] = (1 - n / base) if base and n else None
         used = r["instances_used"]
         r["fewer_used_than_jsq"] = (1 - used / base) if base and used else None
+        r["over_floor"] = n / floor["mean"] if floor and n else None
     scaling = {}
     for p in cfg.scaling_placements:
         if p not in policies or "eq7" not in cfg.measures:
@@ -192,10 +194,6 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
             scaling[p] = fit_scaling(pts).to_dict()
         except ValueError as exc:
             scaling[p] = {"error": str(exc), "points": [{"rate": r, "instances": n} for r, n in pts]}
-    floor = decode_floor(setup, rate_a)
-    for r in policies.values():
-        n = r["instances_needed"]
-        r["over_floor"] = n / floor["mean"] if floor and n else None
     meta = {**describe_setup(setup), "local_policy": cfg.local_policy, "attainment": cfg.slo, "target_a": cfg.target_a,
             "target_b": cfg.target_b, "measures": list(cfg.measures), "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
             "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}

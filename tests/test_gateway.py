@@ -307,11 +307,16 @@ def test_models_health_and_metrics(fleet):
 
     def plugin(name: str) -> dict[str, float]:
         fams = {f.name: f for f in text_string_to_metric_families(fleet.get("/metrics").text)}
-        return {s.labels["engine"]: s.value for s in fams[name].samples}
+        return {s.labels["engine"]: s.value for s in fams[name].samples} if name in fams else {}
 
-    before = plugin("lengthwise_scheduler_finished")
-    assert set(before) == {"engine-0", "engine-1"}
-    assert set(plugin("lengthwise_scheduler_ledger_blocks_total")) == {"engine-0", "engine-1"}
+    # Each engine gets 1 s to answer a scrape and is left out of that one if it does not (counted in
+    # plugin_scrape_errors). On this 2-core machine an engine is sometimes starved that long, so the test asks
+    # until one scrape carries both engines, as a Prometheus server would see them on its next scrape.
+    both = {"engine-0", "engine-1"}
+    before = wait_for(lambda: (f := plugin("lengthwise_scheduler_finished")) and set(f) == both and f, timeout=20,
+                      what="a scrape with both engines' plug-in counters")
+    wait_for(lambda: set(plugin("lengthwise_scheduler_ledger_blocks_total")) == both, timeout=20,
+             what="a scrape with both engines' ledger counters")
     client.completions.create(model=fleet.model, prompt="one more", max_tokens=2)
     deadline = time.monotonic() + 10
     while sum(plugin("lengthwise_scheduler_finished").values()) < sum(before.values()) + 1:
@@ -661,8 +666,9 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     # busy means bytes within 2 x (interval + timeout) = 8 s. This machine, with two engines, three gateways and the
     # tests on 2 cores, stalls every process now and then for seconds (an unrelated process measured 3.5 and 7.7 s
     # for 40 ms of work); a 2 s and then a 4 s window were not enough. The proxy passes the stream on at one event
-    # per 8 ms: about 15 s for 1900 tokens, whatever the engine's speed
-    with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.008) as proxy:
+    # per 16 ms: about 30 s for 1900 tokens, whatever the engine's speed. (At 8 ms, 15 s, a clean CI run once saw
+    # a single slow probe begin in the 15 s wait: a stall that long outlasts the probes' 1 + 3 s cycle.)
+    with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.016) as proxy:
         gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3")
         try:
             stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
@@ -673,10 +679,10 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
             # the gateway keeps reading the engine while this client waits: its probes time out, and count as busy
             try:
                 wait_for(lambda: gw.metric("lengthwise_gateway_engine_busy_probes_total", engine="engine-0") >= 1,
-                         timeout=15, what="a slow probe of the busy engine")
+                         timeout=30, what="a slow probe of the busy engine")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}; {proxy.slow_answers} slow /health answers begun; gateway: "
-                                     f"{gw.get('/health').json()}") from None
+                                     f"{gw.get('/health').json()}; its log:\n{gw.tail()}") from None
             chunks += list(stream)
             assert chunks[-1].usage.completion_tokens == 1900
             assert gw.metric("lengthwise_gateway_stream_errors_total") == 0

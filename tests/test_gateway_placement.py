@@ -7,6 +7,8 @@ tests/test_gateway.py.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from serving.gateway.engine_load import LoadReport, parse_report
@@ -387,6 +389,54 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
         assert isinstance(out, ApiError) and out.status == 503 and said in str(out.args)
         assert server_side.posts == 1 and retries == 0 and not engine.healthy
     assert not engine.view.inst.jobs
+
+
+@pytest.mark.parametrize("drops,retries", [(3, 2), (4, 2), (2, 0)])
+def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_while_the_budget_lasts(drops, retries):
+    """With every engine tried (here the only one), a request whose engine dropped its connection again after the
+    immediate second try goes back to it ``transient_retries`` more times, each after a doubling pause, while the engine
+    passes its probes; past that budget the client gets the 503 that names the last failure."""
+    import asyncio
+
+    from serving.gateway.errors import ApiError
+    from serving.gateway.forward import Forwarder
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.gateway.pool import EnginePool
+
+    server_side = _DroppingEngine(drops=drops)
+
+    async def main():
+        server = await asyncio.start_server(server_side.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        settings = GatewaySettings(engine_urls=[f"http://127.0.0.1:{port}"], transient_retries=retries, retry_backoff_s=0.2)
+        metrics = GatewayMetrics()
+        pool = EnginePool(settings.engine_urls, settings, metrics)
+        engine = pool.engines[0]
+        engine.healthy = True
+        pool.placer.rejoin(engine.view)
+        fw = Forwarder(pool, settings, metrics)
+        req = validate("completion", {"model": "m", "prompt": "hi", "max_tokens": 1}, {"m"})
+        t0 = time.perf_counter()
+        try:
+            out = await asyncio.wait_for(fw.forward(req, dict(req.body), {}, Job(1, 2, 1.0), lambda _o: None), 20)
+        except ApiError as exc:
+            out = exc
+        finally:
+            await fw.aclose()
+            await pool.client.aclose()
+            server.close()
+        return out, time.perf_counter() - t0, metrics, engine
+
+    out, took, metrics, engine = asyncio.run(main())
+    tries = 2 + retries  # the first, the immediate second chance, then the budget
+    assert server_side.posts == min(drops + 1, tries)
+    assert metrics.engine_retries.labels("engine-0", "dropped")._value.get() == server_side.posts - 1
+    if drops < tries:
+        assert out.status_code == 200
+    else:
+        assert isinstance(out, ApiError) and out.status == 503 and "without sending a response" in str(out.args)
+    assert took >= sum(0.2 * 2 ** k for k in range(min(retries, max(drops - 1, 0))))  # the pauses were taken
+    assert engine.healthy and not engine.view.inst.jobs
 
 
 def test_the_prefill_request_asks_for_one_token_kept_for_a_remote_decode():

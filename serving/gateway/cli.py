@@ -128,6 +128,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
     g.add_argument("--max-attempts", type=int, default=3, help="engines one request may try (default: %(default)s)")
+    g.add_argument("--transient-retries", type=int, default=2, metavar="N",
+                   help="once every engine was tried, N more tries on an engine that failed the request only as a live "
+                        "engine can (connect timeout, connection dropped or reset before any answer) and passes a "
+                        "health probe now, after 0.5 s, then 1 s, ... (default: %(default)s)")
+    g.add_argument("--connect-timeout", type=float, default=3.0, metavar="S",
+                   help="TCP connect timeout to an engine; raise it where engines share starved cores (default: %(default)s)")
     g.add_argument("--engine-timeout", type=float, default=600.0, metavar="S",
                    help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
     g.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="engine probe interval (default: %(default)s)")
@@ -148,7 +154,7 @@ class _Stop(BaseException):
 
 
 _FLAGS = {"engine_urls": "--engine-url", "prefill_urls": "--prefill-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
-          "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout",
+          "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout", "connect_timeout_s": "--connect-timeout",
           "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout", "load_interval_s": "--load-interval"}
 
 
@@ -168,7 +174,8 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
         "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
         "fallback_tokens": a.fallback_tokens, "trust_client_predictions": a.trust_client_predictions, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
-        "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "engine_timeout_s": a.engine_timeout,
+        "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "transient_retries": a.transient_retries,
+        "connect_timeout_s": a.connect_timeout, "engine_timeout_s": a.engine_timeout,
         "health_interval_s": a.health_interval, "health_timeout_s": a.health_timeout, "log_level": a.log_level}
     if a.slo_scale is not None:
         fields["slo_scale"] = a.slo_scale

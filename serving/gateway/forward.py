@@ -4,10 +4,12 @@ The rule that keeps accepted requests from being lost: until the first byte of a
 the client, a failed engine (refused or broken connection, a 503, a 5xx from an engine that then fails
 its health probe, or an engine taken out by the health checks while the request waited in its queue)
 costs only a retry on another engine, each engine at most once. When none is left the client gets a
-503 in OpenAI's error format, never a hang. One failure is not the engine's: a kept-alive connection
-that the engine's server closed as idle just as the request went out on it ("disconnected without
-sending a response"), and a connect timeout on a busy machine. If the engine then passes a health probe,
-the request goes to it again, once.
+503 in OpenAI's error format, never a hang. Some failures need not be the engine's: a kept-alive
+connection that the engine's server closed as idle just as the request went out on it ("disconnected
+without sending a response"), the same connection reset, and a connect timeout on a busy machine. If the
+engine then passes a health probe, the request goes to it again, once at once; and once every engine was
+tried, up to ``transient_retries`` more times after a growing pause, to whichever such engine passes a
+probe then.
 Connections idle longer than ``keepalive_s`` (below vLLM's own 5 s keep-alive) are not reused, which
 makes that race rare. A stream that already sent tokens cannot be replayed (the
 client holds half an answer), so it ends with an error event and ``[DONE]``.
@@ -78,15 +80,22 @@ class Forwarder:
         tried: list[str] = []
         failure: tuple[Engine, _Retry] | None = None
         again: Engine | None = None  # the engine that dropped a kept-alive connection and then passed a probe
-        while again is not None or len(tried) < self.settings.max_attempts:
-            engine = again if again is not None else self.pool.place(job, frozenset(tried))
+        transient: dict[str, Engine] = {}  # engines whose last failure of this request a live engine can cause
+        returns = 0  # goes back to those, once every engine was tried
+        while True:
+            engine = again
+            if engine is None and len(tried) < self.settings.max_attempts:
+                engine = self.pool.place(job, frozenset(tried))
+            if engine is None and returns < self.settings.transient_retries:
+                engine = await self._return_to(job, transient, returns)
+                returns += engine is not None
             if engine is None:
                 break
             if failure is not None:
                 self.metrics.engine_retries.labels(failure[0].name, failure[1].reason).inc()
                 log.info("request %s: retrying on %s after %s failed (%s)", headers.get("X-Request-Id"), engine.name,
                          failure[0].name, failure[1])
-            if again is None:
+            if again is None and engine.name not in tried:
                 tried.append(engine.name)
             retried_here, again = engine is (failure[0] if failure else None), None
             try:
@@ -95,7 +104,11 @@ class Forwarder:
                 return await self._unary(engine, req, body, headers, job, on_done)
             except _Retry as exc:
                 failure = (engine, exc)
-                if exc.reason in SECOND_CHANCE and not retried_here and await self.pool.verify(engine):
+                if exc.reason not in SECOND_CHANCE:
+                    transient.pop(engine.name, None)
+                    continue
+                transient[engine.name] = engine
+                if not retried_here and await self.pool.verify(engine):
                     self.pool.place_on(job, engine)
                     again = engine
         if failure is None:
@@ -104,6 +117,22 @@ class Forwarder:
             msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "
                    f"{failure[0].name}: {failure[1]}")
         raise ApiError(503, msg + "; retry later", code="engine_unavailable", headers={"Retry-After": "1"})
+
+    async def _return_to(self, job: Job, transient: dict[str, Engine], returns: int) -> Engine | None:
+        """Every engine was tried: after a pause, the least busy of those that failed this request only in a way a live
+        engine can (``SECOND_CHANCE``) and pass a probe now, with ``job`` placed on it again; None if none does.
+
+        Why: on a starved machine one engine can time out a connect and then reset a retry while the other engine dies
+        under the same request; the live engine is the request's only way to an answer, and a pause lets it recover.
+        """
+        if not any(e.healthy for e in transient.values()):  # the probes already took them out: no pause for nothing
+            return None
+        await asyncio.sleep(min(self.settings.retry_backoff_s * 2 ** returns, 8.0))
+        for engine in sorted((e for e in transient.values() if e.healthy), key=lambda e: e.outstanding):
+            if await self.pool.verify(engine):
+                self.pool.place_on(job, engine)
+                return engine
+        return None
 
     # --- one attempt ---------------------------------------------------------------------------
     def _url(self, engine: Engine, req: ClientRequest) -> str:

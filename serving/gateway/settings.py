@@ -58,6 +58,10 @@ class GatewaySettings(BaseModel):
     engine_timeout_s: float = Field(600.0, gt=0,
                                     description="longest wait for an engine's answer (non-streaming) or its next chunk (streaming)")
     max_attempts: int = Field(3, ge=1, description="engines one request may be sent to (each at most once)")
+    transient_retries: int = Field(2, ge=0, description="once every engine was tried: more tries on an engine that failed "
+                                   "the request only by a connect timeout or a connection dropped or reset before any "
+                                   "answer, and passes a health probe")
+    retry_backoff_s: float = Field(0.5, ge=0, description="pause before the first of those tries; it doubles for each next one")
     keepalive_s: float = Field(2.0, gt=0, description="an idle connection to an engine is reused for this long: "
                                                       "below the engine server's keep-alive (vLLM: 5 s)")
     # predictor

@@ -203,7 +203,12 @@ class DecodePoolLatency(LatencyModel):
     Aladdin counts decode workers (§6: its 60% saving over JSQ is in decode GPUs): prefill runs on other
     machines, so a decode instance's steps never carry prompt compute. Here a step costs what ``base`` charges
     for its decodes and KV reads alone; a prompt still passes through the engine chunk by chunk, each chunk
-    one step (its KV landing, as a transfer would), but adds no compute to the decodes beside it.
+    one step (its KV landing, as a transfer would), and adds no prompt compute to the decodes beside it.
+
+    A landing chunk's step is still charged the KV it lands (``kv_read_tokens`` counts ``context_before +
+    chunk`` for every chunk), which a transfer into the paged cache does not cost the decodes. That
+    overprices a long prompt's landing for its neighbours, a little: README.md, where ``bench placement``'s
+    scenarios are described, gives what removing the charge measured.
     """
 
     def __init__(self, base: LatencyModel) -> None:

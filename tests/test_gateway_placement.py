@@ -345,12 +345,9 @@ class _DroppingEngine:
         writer.close()
 
 
-@pytest.mark.parametrize("alive", [True, False])
-@pytest.mark.parametrize("reason", ["dropped", "reset"])
-def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive, reason):
-    """A request whose engine closed (or reset) the connection without answering is sent to the same engine once more
-    when the engine then passes a health probe (the kept-alive connection race: the engine is fine), and fails over
-    (here: a 503, no other engine) when the probe fails."""
+def _forward_once(server_side: _DroppingEngine, **settings_kw):
+    """One completion through a real Forwarder to ``server_side`` as the only engine: (response or ApiError, seconds,
+    metrics, engine)."""
     import asyncio
 
     from serving.gateway.errors import ApiError
@@ -358,57 +355,10 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
     from serving.gateway.metrics import GatewayMetrics
     from serving.gateway.pool import EnginePool
 
-    server_side = _DroppingEngine(drops=1, alive=alive, reset=reason == "reset")
-
     async def main():
         server = await asyncio.start_server(server_side.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        settings = GatewaySettings(engine_urls=[f"http://127.0.0.1:{port}"])
-        metrics = GatewayMetrics()
-        pool = EnginePool(settings.engine_urls, settings, metrics)
-        engine = pool.engines[0]
-        engine.healthy = True
-        pool.placer.rejoin(engine.view)
-        fw = Forwarder(pool, settings, metrics)
-        req = validate("completion", {"model": "m", "prompt": "hi", "max_tokens": 1}, {"m"})
-        try:
-            return await asyncio.wait_for(fw.forward(req, dict(req.body), {}, Job(1, 2, 1.0), lambda _o: None), 20), metrics, engine
-        except ApiError as exc:
-            return exc, metrics, engine
-        finally:
-            await fw.aclose()
-            await pool.client.aclose()
-            server.close()
-
-    out, metrics, engine = asyncio.run(main())
-    retries = metrics.engine_retries.labels("engine-0", reason)._value.get()
-    if alive:
-        assert out.status_code == 200 and server_side.posts == 2 and retries == 1 and engine.healthy
-    else:
-        said = "without sending a response" if reason == "dropped" else "was reset"
-        assert isinstance(out, ApiError) and out.status == 503 and said in str(out.args)
-        assert server_side.posts == 1 and retries == 0 and not engine.healthy
-    assert not engine.view.inst.jobs
-
-
-@pytest.mark.parametrize("drops,retries", [(3, 2), (4, 2), (2, 0)])
-def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_while_the_budget_lasts(drops, retries):
-    """With every engine tried (here the only one), a request whose engine dropped its connection again after the
-    immediate second try goes back to it ``transient_retries`` more times, each after a doubling pause, while the engine
-    passes its probes; past that budget the client gets the 503 that names the last failure."""
-    import asyncio
-
-    from serving.gateway.errors import ApiError
-    from serving.gateway.forward import Forwarder
-    from serving.gateway.metrics import GatewayMetrics
-    from serving.gateway.pool import EnginePool
-
-    server_side = _DroppingEngine(drops=drops)
-
-    async def main():
-        server = await asyncio.start_server(server_side.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        settings = GatewaySettings(engine_urls=[f"http://127.0.0.1:{port}"], transient_retries=retries, retry_backoff_s=0.2)
+        settings = GatewaySettings(engine_urls=[f"http://127.0.0.1:{port}"], **settings_kw)
         metrics = GatewayMetrics()
         pool = EnginePool(settings.engine_urls, settings, metrics)
         engine = pool.engines[0]
@@ -427,7 +377,38 @@ def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_
             server.close()
         return out, time.perf_counter() - t0, metrics, engine
 
-    out, took, metrics, engine = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("alive", [True, False])
+@pytest.mark.parametrize("reason", ["dropped", "reset"])
+def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive, reason):
+    """A request whose engine closed (or reset) the connection without answering is sent to the same engine once more
+    when the engine then passes a health probe (the kept-alive connection race: the engine is fine), and fails over
+    (here: a 503, no other engine) when the probe fails."""
+    from serving.gateway.errors import ApiError
+
+    server_side = _DroppingEngine(drops=1, alive=alive, reset=reason == "reset")
+    out, _, metrics, engine = _forward_once(server_side)
+    retries = metrics.engine_retries.labels("engine-0", reason)._value.get()
+    if alive:
+        assert out.status_code == 200 and server_side.posts == 2 and retries == 1 and engine.healthy
+    else:
+        said = "without sending a response" if reason == "dropped" else "was reset"
+        assert isinstance(out, ApiError) and out.status == 503 and said in str(out.args)
+        assert server_side.posts == 1 and retries == 0 and not engine.healthy
+    assert not engine.view.inst.jobs
+
+
+@pytest.mark.parametrize("drops,retries", [(3, 2), (4, 2), (2, 0)])
+def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_while_the_budget_lasts(drops, retries):
+    """With every engine tried (here the only one), a request whose engine dropped its connection again after the
+    immediate second try goes back to it ``transient_retries`` more times, each after a doubling pause, while the engine
+    passes its probes; past that budget the client gets the 503 that names the last failure."""
+    from serving.gateway.errors import ApiError
+
+    server_side = _DroppingEngine(drops=drops)
+    out, took, metrics, engine = _forward_once(server_side, transient_retries=retries, retry_backoff_s=0.2)
     tries = 2 + retries  # the first, the immediate second chance, then the budget
     assert server_side.posts == min(drops + 1, tries)
     assert metrics.engine_retries.labels("engine-0", "dropped")._value.get() == server_side.posts - 1

@@ -125,11 +125,12 @@ class Forwarder:
         Why: on a starved machine one engine can time out a connect and then reset a retry while the other engine dies
         under the same request; the live engine is the request's only way to an answer, and a pause lets it recover.
         """
-        if not any(e.healthy for e in transient.values()):  # the probes already took them out: no pause for nothing
+        live = [e for e in transient.values() if e.healthy]
+        if not live:  # the probes already took them out: no pause for nothing
             return None
         await asyncio.sleep(min(self.settings.retry_backoff_s * 2 ** returns, 8.0))
-        for engine in sorted((e for e in transient.values() if e.healthy), key=lambda e: e.outstanding):
-            if await self.pool.verify(engine):
+        for engine in sorted(live, key=lambda e: e.outstanding):  # the load after the pause
+            if await self.pool.verify(engine):  # False too for one taken out during the pause
                 self.pool.place_on(job, engine)
                 return engine
         return None

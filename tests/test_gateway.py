@@ -200,7 +200,7 @@ CLI_ERRORS = {
                            "no engine answered /health within 1 s"),
     "latency profile unreadable": (["--model", "MODEL", "--placement", "aladdin", "--latency-profile", "/nonexistent.csv"],
                                    "--latency-profile: /nonexistent.csv: cannot read"),
-    "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin or lengthwise only"),
+    "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin, lengthwise-pack or lengthwise only"),
     "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
     "prefill engines for engines started here": (["--model", "MODEL", "--prefill-url", "http://127.0.0.1:9"],
                                                  "--prefill-url needs the decode engines as --engine-url; to start both kinds here, use --prefill-engines"),

@@ -50,7 +50,7 @@ def test_projected_kv_peak_is_exact_at_the_breakpoints(rows, bs):
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(jobs_st, min_size=1, max_size=4), st.tuples(st.integers(1, 300), st.integers(1, 200)),
-       st.sampled_from(["aladdin", "lengthwise"]))
+       st.sampled_from(["aladdin", "lengthwise-pack", "lengthwise"]))
 def test_aladdin_keeps_projected_kv_within_capacity_whenever_some_instance_could(states, new, name):
     lim = Limits(kv_tokens=600, block_size=16, latency=LAT, ttft_s=2.0, atgt_s=0.05)
     insts = [Instance(f"i{k}", jobs={j.rid: j for j in make_jobs(rows)}) for k, rows in enumerate(states)]
@@ -64,6 +64,10 @@ def test_aladdin_keeps_projected_kv_within_capacity_whenever_some_instance_could
         loads = sorted(lim.capacity_norm(insts[k]) for k in feasible)
         if name == "aladdin":  # best fit: the most loaded
             assert lim.capacity_norm(insts[i]) == loads[-1]
+        elif name == "lengthwise-pack":  # best fit among those with no prompt waiting to prefill, if any is feasible
+            idle = [k for k in feasible if all(j.first_token_at is not None for j in insts[k].jobs.values())]
+            pool = idle or feasible
+            assert i in pool and lim.capacity_norm(insts[i]) == max(lim.capacity_norm(insts[k]) for k in pool)
         else:  # ours: one of the two least loaded
             assert lim.capacity_norm(insts[i]) in loads[:2]
     else:
@@ -84,6 +88,28 @@ def test_aladdin_pairs_long_prompts_with_long_outputs_where_jsq_may_not():
         assert sorted(j.prompt_len for j in inst.jobs.values()) == [1, 4]
         assert lim.kv_peak_blocks(inst.jobs.values()) <= 9
     assert p.stats["would_open"] == 0 and p.stats["rejected_kv"] >= 1
+
+
+def test_pack_best_fits_but_tries_instances_with_a_prompt_to_prefill_last():
+    lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
+    decoding = {k: Job(k, 2_000, 100.0, generated=5, started=True, first_token_at=0.0) for k in range(1, 4)}
+    busy = Instance("busy", jobs={**{k + 10: Job(k + 10, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
+                                      for k in range(1, 4)}, 20: Job(20, 3_000, 100.0)})  # one prompt not prefilled yet
+    calm = Instance("calm", jobs=dict(decoding))
+    empty = Instance("empty")
+    insts = [empty, calm, busy]
+    assert lim.capacity_norm(busy) > lim.capacity_norm(calm) > lim.capacity_norm(empty)
+    new = Job(99, 1_000, 50.0)
+    assert all(lim.violation(x, new, 1.0) is None for x in insts)
+    assert make_placement("aladdin", lim).choose(insts, new, now=1.0) == 2  # best fit: the most loaded, prefill and all
+    pack = make_placement("lengthwise-pack", lim)
+    assert pack.choose(insts, new, now=1.0) == 1  # the most loaded of those with nothing to prefill
+    busy.jobs[20].first_token_at = 1.5  # its prompt is done: plain best fit again
+    assert pack.choose(insts, new, now=2.0) == 2
+    calm.healthy = False
+    empty.jobs[30] = Job(30, 500, 10.0)  # every candidate now has a prompt waiting: best fit over all of them
+    busy.jobs[20].first_token_at = None
+    assert pack.choose(insts, new, now=2.0) == 2 and pack.stats["would_open"] == 0
 
 
 def test_baselines_round_robin_jsq_p2c_and_health():
@@ -107,7 +133,7 @@ def test_baselines_round_robin_jsq_p2c_and_health():
         make_placement("random-ish")
     with pytest.raises(PlacementError, match="limits"):
         make_placement("aladdin")
-    assert set(placement_names()) == {"round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise"}
+    assert set(placement_names()) == {"round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise-pack", "lengthwise"}
     # least-kv weighs what the requests hold, not how many there are: one long context outweighs three short ones
     kv = make_placement("least-kv")
     pair = [Instance("long", jobs={1: Job(1, 100_000, 50.0, generated=10, started=True)}),
@@ -172,7 +198,7 @@ def test_cluster_of_one_is_the_single_instance_simulator(setup):
 
 
 @pytest.mark.parametrize("name,gateways,local", [("aladdin", 1, "vllm"), ("lengthwise", 1, "lengthwise"), ("p2c", 1, "vllm"),
-                                                  ("aladdin", 3, "vllm"), ("jsq", 2, "sjf")])
+                                                  ("lengthwise-pack", 1, "vllm"), ("aladdin", 3, "vllm"), ("jsq", 2, "sjf")])
 def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gateways, local):
     reqs = setup.at_rate(5.0)
     cc = ClusterConfig(3, name, local, gateways=gateways, refresh_s=0.5, rebalance_s=0.25)

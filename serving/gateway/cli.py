@@ -43,8 +43,10 @@ the requests other gateways sent, read with its KV capacity from the engine's vL
 --load-interval s. jsq: fewest outstanding requests; round-robin; least-kv: fewest context tokens (no
 prediction); p2c: TetriInfer's power of two with KV
 room; aladdin: Aladdin's best fit (the fullest engine that still meets the KV, batch and, with
---latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first. Without a fresh
-report (or before any engine reported its KV capacity) aladdin/lengthwise/least-kv/p2c decide by JSQ, counted in
+--latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first, for several gateway
+replicas and colocated engines; lengthwise-pack: best fit, engines with a prompt still to prefill tried last,
+for a single gateway (a decode pool above all). Without a fresh report (or before any engine reported its KV
+capacity) aladdin/lengthwise/lengthwise-pack/least-kv/p2c decide by JSQ, counted in
 lengthwise_gateway_placement_fallbacks_total{reason}; the core's counters are
 lengthwise_gateway_placement_events_total{placement,event}. Prompt tokens are counted with the tokenizer
 of a local --model directory, else estimated as characters / 4.
@@ -95,20 +97,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds engines may take to become healthy (default: %(default)s)")
     pl = p.add_argument_group("placement (which engine gets a request; see 'placement' below)")
     pl.add_argument("--placement", default="jsq", metavar="NAME",
-                    help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin or lengthwise (default: %(default)s)")
+                    help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, lengthwise-pack or lengthwise "
+                         "(default: %(default)s)")
     pl.add_argument("--engine-max-num-seqs", type=int, metavar="N",
                     help="the engines' --max-num-seqs: placement's batch limit (default: the --engine-arg value for "
                          "engines started here, else 256)")
     pl.add_argument("--latency-profile", type=Path, metavar="CSV",
                     help="a step profile (step_profile.csv of 'lengthwise bench engine') fitted into the latency model of "
-                         "aladdin/lengthwise: adds the TTFT and ATGT limits (default: none, only KV and batch limits)")
+                         "aladdin/lengthwise/lengthwise-pack: adds the TTFT and ATGT limits (default: none, only KV and batch limits)")
     pl.add_argument("--slo-ttft-ms", type=float, metavar="MS",
                     help="placement's TTFT target with --latency-profile (default: slo-scale x t-p)")
     pl.add_argument("--slo-tpot-ms", type=float, metavar="MS",
                     help="placement's ATGT (time per output token) target with --latency-profile (default: slo-scale x t-g)")
     pl.add_argument("--load-interval", type=float, default=2.0, metavar="S",
                     help="seconds between reads of each engine's vLLM /metrics (running, waiting, KV); a read older than "
-                         "3 intervals makes aladdin/lengthwise/p2c decide by JSQ (default: %(default)s)")
+                         "3 intervals makes aladdin/lengthwise/lengthwise-pack/p2c decide by JSQ (default: %(default)s)")
     pr = p.add_argument_group("prediction and SLO")
     pr.add_argument("--predictor-url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     pr.add_argument("--predictor-timeout-ms", type=float, default=50.0, help="fall back when slower (default: %(default)s)")

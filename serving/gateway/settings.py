@@ -42,11 +42,12 @@ class GatewaySettings(BaseModel):
     engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
     engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
-    placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), p2c, aladdin, lengthwise")
+    placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, "
+                           "lengthwise-pack, lengthwise")
     engine_max_num_seqs: int | None = Field(None, ge=1, description="the engines' --max-num-seqs, for placement's batch "
                                             "limit (default: the --engine-arg value for engines started here, else 256)")
     latency_profile: Path | None = Field(None, description="step profile CSV (lengthwise bench engine) fitted into the "
-                                         "latency model of aladdin/lengthwise placement's TTFT and ATGT limits")
+                                         "latency model of aladdin/lengthwise/lengthwise-pack placement's TTFT and ATGT limits")
     slo_ttft_ms: float | None = Field(None, gt=0, description="placement's TTFT target (default: slo_scale x t_p)")
     slo_tpot_ms: float | None = Field(None, gt=0, description="placement's ATGT target (default: slo_scale x t_g)")
     load_interval_s: float = Field(2.0, gt=0, description="seconds between reads of each engine's vLLM /metrics")
@@ -117,8 +118,8 @@ class GatewaySettings(BaseModel):
         if self.prefill_engines and self.engine_arg("--kv-transfer-config") is None:
             raise ValueError("--prefill-engines needs a KV-transfer connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
                              "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\"")
-        if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise"):
-            raise ValueError(f"--latency-profile is used by --placement aladdin or lengthwise only, not {self.placement}")
+        if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise-pack", "lengthwise"):
+            raise ValueError(f"--latency-profile is used by --placement aladdin, lengthwise-pack or lengthwise only, not {self.placement}")
         if not self.engine_urls and not self.model:
             raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
         if self.engine_urls and self.engines > 1:

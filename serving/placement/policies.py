@@ -14,9 +14,10 @@ constraint that rejected each candidate).
 * ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
   constraint; otherwise the least loaded, counted as ``would_open``.
 * ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
-  instances. With a fixed fleet nothing is gained by packing, spreading the predicted work keeps every
-  batch small, and the random pick of two keeps gateway replicas with stale views from herding; which
-  serves more within the SLO is what ``lengthwise bench placement`` measures.
+  instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
+  colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
+  decode pool with one gateway, best fit serves more: packing keeps instances free for the long contexts
+  (README, "Aladdin's best fit on the whole trace"); ``lengthwise bench placement`` measures which wins.
 """
 
 from __future__ import annotations
@@ -147,18 +148,39 @@ class Aladdin(Placement):
     needs_limits = True
     rebalances = True
 
+    def _order(self, instances: Sequence[Instance], ok: list[int], load: dict[int, float]) -> list[int]:
+        """The order in which candidates are tried: most loaded first."""
+        return sorted(ok, key=lambda i: (-load[i], i))
+
     def _choose(self, instances, ok, job, now):
         lim = self.limits
         assert lim is not None
         load = {i: lim.capacity_norm(instances[i]) for i in ok}
-        order = sorted(ok, key=lambda i: (-load[i], i))
-        for i in order:
+        for i in self._order(instances, ok, load):
             why = lim.violation(instances[i], job, now)
             if why is None:
                 return i
             self.stats[f"rejected_{why}"] += 1
         self.stats["would_open"] += 1  # Aladdin opens a new worker here; a fixed fleet takes the least loaded
         return min(ok, key=lambda i: (load[i], i))
+
+
+class Pack(Aladdin):
+    """Ours for a single gateway: Aladdin's best fit, trying last the instances that still have a prompt to prefill.
+
+    Best fit fills the loaded instances to their limits and keeps the others nearly empty, so a long context
+    finds room when it lands: in a decode pool that is what saves instances. On a colocated fleet plain best
+    fit also stacks new prompts on the instance that is already prefilling one, and every decode there waits
+    for both; trying the instances with no prefill pending first keeps the packing and parts the prefills.
+    Several gateway replicas, each with a stale view of the others' requests, all pack the same instances:
+    there ``lengthwise`` spreads instead.
+    """
+
+    name = "lengthwise-pack"
+
+    def _order(self, instances, ok, load):
+        prefilling = {i for i in ok if any(j.first_token_at is None for j in instances[i].jobs.values())}
+        return sorted(ok, key=lambda i: (i in prefilling, -load[i], i))
 
 
 class Spread(Aladdin):
@@ -196,7 +218,8 @@ class Spread(Aladdin):
 
 
 _ALIASES = {"least-outstanding": "jsq", "power-of-two": "p2c", "rr": "round-robin"}
-PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (RoundRobin, LeastOutstanding, LeastKV, PowerOfTwo, Aladdin, Spread)}
+PLACEMENTS: dict[str, type[Placement]] = {p.name: p for p in (RoundRobin, LeastOutstanding, LeastKV, PowerOfTwo, Aladdin, Pack,
+                                                               Spread)}
 
 
 def placement_names() -> list[str]:

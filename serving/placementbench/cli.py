@@ -17,7 +17,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         "placement", help="placement policies on a simulated fleet: instances needed, and the rate N instances sustain",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Simulate a fleet of engine instances, each running a local scheduling policy, behind a placement "
-                    "policy (round-robin, JSQ, TetriInfer's power-of-two, Aladdin's best fit, ours). For each scenario: "
+                    "policy (round-robin, JSQ, TetriInfer's power-of-two, Aladdin's best fit, ours: lengthwise and lengthwise-pack). For each scenario: "
                     "(a) the fewest instances that keep >= 99%% attainment at one fleet-wide rate (Aladdin's metric), "
                     "(b) the highest rate N instances sustain at >= 90%%, the same with several gateway replicas sharing "
                     "the fleet, and Aladdin's Eq. 7 scaling fit. Prints a table, writes JSON and a PNG per scenario.",

@@ -13,6 +13,8 @@ constraint that rejected each candidate).
   predicted KV, the one whose heavy:light decode mix stays lowest.
 * ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
   constraint; otherwise the least loaded, counted as ``would_open``.
+* ``lengthwise-pack``: Aladdin's best fit (and its re-balancing), trying last the instances that still have a
+  prompt to prefill: for a single gateway.
 * ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
   instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
   colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a

@@ -37,7 +37,7 @@ from serving.sim.scenarios import Setup
 from serving.sim.sweep import max_rate
 
 ATTAINMENT = {"ttft-atgt": "ttft_tpot_attainment", "jct": "slo_attainment"}
-PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
+PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise-pack", "lengthwise")
 MEASURES = ("a", "b", "eq7")
 
 

@@ -30,7 +30,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "scaling -> NAME -> k5, c5 (with several scenarios: scenarios -> SCENARIO -> the same).")
     p.add_argument("--scenario", default="sharegpt", choices=[*PLACEMENT_SCENARIOS, "all"], help="(default: %(default)s)")
     p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=None, metavar="P,P,...",
-                   help="placements to compare (default: round-robin,jsq,least-kv,p2c,aladdin,lengthwise)")
+                   help="placements to compare (default: round-robin,jsq,least-kv,p2c,aladdin,lengthwise-pack,lengthwise)")
     p.add_argument("--instances", type=int, default=4, help="fleet size for (b), and (a)'s rate is this many single-instance "
                                                             "capacities (default: %(default)s)")
     p.add_argument("--rate", type=float, help="fleet-wide req/s for (a) (default: --instances x one instance's capacity)")

@@ -202,6 +202,8 @@ CLI_ERRORS = {
                                    "--latency-profile: /nonexistent.csv: cannot read"),
     "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin, lengthwise-pack or lengthwise only"),
     "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
+    "replica index past the replicas": (["--model", "MODEL", "--replicas", "2", "--replica-index", "2"],
+                                        "--replica-index 2 is not one of --replicas 2"),
     "prefill engines for engines started here": (["--model", "MODEL", "--prefill-url", "http://127.0.0.1:9"],
                                                  "--prefill-url needs the decode engines as --engine-url; to start both kinds here, use --prefill-engines"),
     "prefill engines without a connector": (["--model", "MODEL", "--prefill-engines", "1"],

@@ -244,14 +244,17 @@ def test_settings_for_placement():
     assert cfg.ttft_s == pytest.approx(s.slo_scale * s.t_p_s) and cfg.atgt_s == pytest.approx(s.slo_scale * s.t_g_s)
     assert cfg.stale_after_s == 6.0 and cfg.others_pred_len == s.fallback_tokens
     assert GatewaySettings(model="m").placement == "jsq"  # the default
-    pack = GatewayPlacement(["engine-0"], GatewaySettings(model="m", placement="lengthwise-pack").placement_config())
+    pack = GatewayPlacement(["engine-0"], GatewaySettings(model="m", placement="lengthwise-pack", replicas=3,
+                                                          replica_index=2).placement_config())
     assert pack.load_aware and pack.policy is None  # it decides on the engines' reports, as aladdin does: none yet
     pack.rejoin(pack.views[0])
     pack.report(pack.views[0], _report(0.0))
     assert pack.choose(_job(1), frozenset(), 1.0) == 0 and pack.policy.name == "lengthwise-pack"
+    assert pack.policy.replica == (2, 3)
     for kw, words in [({"engine_urls": ["http://a:1", "http://a:1/"]}, "given twice"),
                       ({"model": "m", "placement": "random"}, "unknown placement 'random'"),
                       ({"model": "m", "latency_profile": "p.csv"}, "aladdin, lengthwise-pack or lengthwise only"),
+                      ({"model": "m", "replicas": 2, "replica_index": 2}, "is not one of --replicas 2"),
                       ({"model": "m", "prefill_urls": ["http://p:1"]}, "needs the decode engines as --engine-url"),
                       ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://a:1"]}, "prefills for the others or decodes"),
                       ({"engine_urls": ["http://a:1"], "prefill_urls": ["http://p:1", "http://p:1"]}, "given twice"),

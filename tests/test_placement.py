@@ -112,6 +112,24 @@ def test_pack_best_fits_but_tries_instances_with_a_prompt_to_prefill_last():
     assert pack.choose(insts, new, now=2.0) == 2 and pack.stats["would_open"] == 0
 
 
+def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
+    lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
+    insts = [Instance(f"i{k}", jobs={k * 10 + m: Job(k * 10 + m, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
+                                     for m in range(k + 1)}) for k in range(4)]  # i3 the most loaded, i0 the least
+    new = Job(99, 1_000, 50.0)
+    assert all(lim.violation(x, new, 1.0) is None for x in insts)
+    picks = [make_placement("lengthwise-pack", lim, replica=(g, 2)).choose(insts, new, now=1.0) for g in range(2)]
+    assert picks == [2, 3]  # replica 0 packs i0/i2, replica 1 i1/i3: each its own most loaded, not both the same
+    assert make_placement("lengthwise-pack", lim).choose(insts, new, now=1.0) == 3  # one replica: plain best fit
+    # nothing feasible in its own share: the others' instances, best fit again
+    insts[1].healthy = insts[3].healthy = False
+    assert make_placement("lengthwise-pack", lim, replica=(1, 2)).choose(insts, new, now=1.0) == 2
+    for bad in [(2, 2), (-1, 2), (0, 0)]:
+        with pytest.raises(PlacementError, match="replica"):
+            make_placement("lengthwise-pack", lim, replica=bad)
+    assert make_placement("aladdin", lim, replica=(1, 2)).choose(insts, new, now=1.0) == 2  # others ignore it
+
+
 def test_baselines_round_robin_jsq_p2c_and_health():
     insts = [Instance(f"i{k}") for k in range(3)]
     rr = make_placement("round-robin")
@@ -198,7 +216,8 @@ def test_cluster_of_one_is_the_single_instance_simulator(setup):
 
 
 @pytest.mark.parametrize("name,gateways,local", [("aladdin", 1, "vllm"), ("lengthwise", 1, "lengthwise"), ("p2c", 1, "vllm"),
-                                                  ("lengthwise-pack", 1, "vllm"), ("aladdin", 3, "vllm"), ("jsq", 2, "sjf")])
+                                                  ("lengthwise-pack", 1, "vllm"), ("lengthwise-pack", 3, "vllm"), ("aladdin", 3, "vllm"),
+                                                  ("jsq", 2, "sjf")])
 def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gateways, local):
     reqs = setup.at_rate(5.0)
     cc = ClusterConfig(3, name, local, gateways=gateways, refresh_s=0.5, rebalance_s=0.25)

@@ -112,6 +112,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pl.add_argument("--load-interval", type=float, default=2.0, metavar="S",
                     help="seconds between reads of each engine's vLLM /metrics (running, waiting, KV); a read older than "
                          "3 intervals makes aladdin/lengthwise/lengthwise-pack/p2c decide by JSQ (default: %(default)s)")
+    pl.add_argument("--replicas", type=int, default=1, metavar="G",
+                    help="gateway replicas sharing these engines; with lengthwise-pack each replica fills its own share "
+                         "of the engines first (the i-th --engine-url for i %% G == --replica-index), so replicas do not "
+                         "all pack the same engine between metrics reads. Every replica must list the engines in the same "
+                         "order (default: %(default)s)")
+    pl.add_argument("--replica-index", type=int, default=0, metavar="I",
+                    help="this replica's index, 0 to G-1, e.g. a StatefulSet pod's ordinal (default: %(default)s)")
     pr = p.add_argument_group("prediction and SLO")
     pr.add_argument("--predictor-url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     pr.add_argument("--predictor-timeout-ms", type=float, default=50.0, help="fall back when slower (default: %(default)s)")
@@ -175,7 +182,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         "model": a.model, "engine_urls": a.engine_url, "prefill_urls": a.prefill_url, "prefill_engines": a.prefill_engines, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
         "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
         "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
-        "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
+        "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "replicas": a.replicas, "replica_index": a.replica_index, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
         "fallback_tokens": a.fallback_tokens, "trust_client_predictions": a.trust_client_predictions, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
         "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "transient_retries": a.transient_retries,
         "connect_timeout_s": a.connect_timeout, "engine_timeout_s": a.engine_timeout,

@@ -66,6 +66,7 @@ class PlacementConfig:
     others_pred_len: int = 256      # planned output of a request someone else sent
     stale_after_s: float = 6.0      # older reports make a load-aware decision fall back to JSQ
     seed: int = 0
+    replica: tuple[int, int] = (0, 1)  # this gateway's (index, count) among replicas sharing the engines
 
 
 @dataclass(eq=False)
@@ -149,7 +150,7 @@ class GatewayPlacement:
         self.limits = Limits(kv_tokens=kv, block_size=block_size, max_num_seqs=c.max_num_seqs, chunk_tokens=c.chunk_tokens,
                              latency=c.latency, ttft_s=c.ttft_s, atgt_s=c.atgt_s)
         if self.policy is None:
-            self.policy = make_placement(self.name, self.limits, self.cfg.seed)
+            self.policy = make_placement(self.name, self.limits, self.cfg.seed, replica=self.cfg.replica)
         else:
             self.policy.limits = self.limits
 

@@ -51,6 +51,9 @@ class GatewaySettings(BaseModel):
     slo_ttft_ms: float | None = Field(None, gt=0, description="placement's TTFT target (default: slo_scale x t_p)")
     slo_tpot_ms: float | None = Field(None, gt=0, description="placement's ATGT target (default: slo_scale x t_g)")
     load_interval_s: float = Field(2.0, gt=0, description="seconds between reads of each engine's vLLM /metrics")
+    replica_index: int = Field(0, ge=0, description="this gateway's index among the replicas sharing the engines")
+    replicas: int = Field(1, ge=1, description="gateway replicas sharing the engines (lengthwise-pack gives each its "
+                                                 "own share of them to fill first)")
     load_stale_after: int = Field(3, ge=1, description="a load report older than this many intervals is stale")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
     health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
@@ -118,6 +121,8 @@ class GatewaySettings(BaseModel):
         if self.prefill_engines and self.engine_arg("--kv-transfer-config") is None:
             raise ValueError("--prefill-engines needs a KV-transfer connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
                              "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\"")
+        if self.replica_index >= self.replicas:
+            raise ValueError(f"--replica-index {self.replica_index} is not one of --replicas {self.replicas} (0 to {self.replicas - 1})")
         if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise-pack", "lengthwise"):
             raise ValueError(f"--latency-profile is used by --placement aladdin, lengthwise-pack or lengthwise only, not {self.placement}")
         if not self.engine_urls and not self.model:
@@ -171,4 +176,4 @@ class GatewaySettings(BaseModel):
         tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s
         return PlacementConfig(self.placement, max_num_seqs=seqs, chunk_tokens=chunk, latency=latency, ttft_s=ttft,
                                atgt_s=tpot, others_pred_len=self.fallback_tokens,
-                               stale_after_s=self.stale_after_s)
+                               stale_after_s=self.stale_after_s, replica=(self.replica_index, self.replicas))

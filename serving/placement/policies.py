@@ -14,7 +14,7 @@ constraint that rejected each candidate).
 * ``aladdin``: Alg. 1 best fit: the most loaded instance (capacity_norm) that still meets every
   constraint; otherwise the least loaded, counted as ``would_open``.
 * ``lengthwise-pack``: Aladdin's best fit (and its re-balancing), trying last the instances that still have a
-  prompt to prefill: for a single gateway.
+  prompt to prefill, and with several gateway replicas each replica's own share of the fleet first.
 * ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
   instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
   colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
@@ -42,6 +42,7 @@ class Placement(ABC):
     name: str = "base"
     needs_limits: bool = False
     rebalances: bool = False
+    uses_replica: bool = False  # takes ``replica=(index, count)``: which gateway replica it decides for
 
     def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
         if self.needs_limits and limits is None:
@@ -168,21 +169,34 @@ class Aladdin(Placement):
 
 
 class Pack(Aladdin):
-    """Ours for a single gateway: Aladdin's best fit, trying last the instances that still have a prompt to prefill.
+    """Ours: Aladdin's best fit, trying last the instances that still have a prompt to prefill, and with several
+    gateway replicas each replica's own share of the fleet first.
 
     Best fit fills the loaded instances to their limits and keeps the others nearly empty, so a long context
     finds room when it lands: in a decode pool that is what saves instances. On a colocated fleet plain best
     fit also stacks new prompts on the instance that is already prefilling one, and every decode there waits
     for both; trying the instances with no prefill pending first keeps the packing and parts the prefills.
-    Several gateway replicas, each with a stale view of the others' requests, all pack the same instances:
-    there ``lengthwise`` spreads instead.
+
+    Replicas see each other's requests only through the engines' metrics, so plain best fit from each of them
+    packs the same instances at once (it herds). Replica ``index`` of ``count`` tries the instances ``i`` with
+    ``i % count == index`` first, which it alone fills between reads, and the others' only when none of its own
+    is feasible. Every replica must list the instances in the same order.
     """
 
     name = "lengthwise-pack"
+    uses_replica = True
+
+    def __init__(self, limits: Limits | None = None, seed: int = 0, replica: tuple[int, int] = (0, 1)) -> None:
+        super().__init__(limits, seed)
+        index, count = replica
+        if not (count >= 1 and 0 <= index < count):
+            raise PlacementError(f"replica {index} of {count}: the index must be in [0, count) and count at least 1")
+        self.replica = (index, count)
 
     def _order(self, instances, ok, load):
+        me, count = self.replica
         prefilling = {i for i in ok if any(j.first_token_at is None for j in instances[i].jobs.values())}
-        return sorted(ok, key=lambda i: (i in prefilling, -load[i], i))
+        return sorted(ok, key=lambda i: (i % count != me, i in prefilling, -load[i], i))
 
 
 class Spread(Aladdin):
@@ -228,8 +242,10 @@ def placement_names() -> list[str]:
     return list(PLACEMENTS)
 
 
-def make_placement(name: str, limits: Limits | None = None, seed: int = 0) -> Placement:
+def make_placement(name: str, limits: Limits | None = None, seed: int = 0, replica: tuple[int, int] = (0, 1)) -> Placement:
+    """The placement called ``name``; ``replica`` (index, count of gateway replicas) reaches those that use it."""
     key = _ALIASES.get(name.strip().lower(), name.strip().lower())
     if key not in PLACEMENTS:
         raise PlacementError(f"unknown placement {name!r}; choose one of: {', '.join(PLACEMENTS)}")
-    return PLACEMENTS[key](limits, seed)
+    cls = PLACEMENTS[key]
+    return cls(limits, seed, replica=replica) if cls.uses_replica else cls(limits, seed)

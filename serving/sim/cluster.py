@@ -60,7 +60,7 @@ class _Gateway:
     """One gateway replica: its placement object and its view of every instance."""
 
     def __init__(self, cc: ClusterConfig, limits: Limits, index: int) -> None:
-        self.placement = make_placement(cc.placement, limits, seed=cc.seed * 1000 + index)
+        self.placement = make_placement(cc.placement, limits, seed=cc.seed * 1000 + index, replica=(index, cc.gateways))
         self.views = [Instance(f"instance-{i}") for i in range(cc.instances)]
         self.synthetic = 0  # jobs standing for other gateways' load, from the last metrics read
 

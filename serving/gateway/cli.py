@@ -43,9 +43,10 @@ the requests other gateways sent, read with its KV capacity from the engine's vL
 --load-interval s. jsq: fewest outstanding requests; round-robin; least-kv: fewest context tokens (no
 prediction); p2c: TetriInfer's power of two with KV
 room; aladdin: Aladdin's best fit (the fullest engine that still meets the KV, batch and, with
---latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first, for several gateway
-replicas and colocated engines; lengthwise-pack: best fit, engines with a prompt still to prefill tried last,
-for a single gateway (a decode pool above all). Without a fresh report (or before any engine reported its KV
+--latency-profile, TTFT/ATGT limits); lengthwise: the same limits, least loaded first, for replicas that
+cannot be numbered; lengthwise-pack: best fit, engines with a prompt still to prefill tried last, and with
+--replicas/--replica-index each replica's own share of the engines first (fewer engines in a decode pool
+with long contexts). Without a fresh report (or before any engine reported its KV
 capacity) aladdin/lengthwise/lengthwise-pack/least-kv/p2c decide by JSQ, counted in
 lengthwise_gateway_placement_fallbacks_total{reason}; the core's counters are
 lengthwise_gateway_placement_events_total{placement,event}. Prompt tokens are counted with the tokenizer

@@ -123,8 +123,13 @@ class GatewaySettings(BaseModel):
                              "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\"")
         if self.replica_index >= self.replicas:
             raise ValueError(f"--replica-index {self.replica_index} is not one of --replicas {self.replicas} (0 to {self.replicas - 1})")
-        if self.latency_profile is not None and self.placement not in ("aladdin", "lengthwise-pack", "lengthwise"):
-            raise ValueError(f"--latency-profile is used by --placement aladdin, lengthwise-pack or lengthwise only, not {self.placement}")
+        if self.latency_profile is not None:
+            from serving.placement import PLACEMENTS
+
+            limited = [name for name, cls in PLACEMENTS.items() if cls.needs_limits]  # those that plan with Aladdin's limits
+            if self.placement not in limited:
+                raise ValueError(f"--latency-profile is used by --placement {', '.join(limited[:-1])} or {limited[-1]} only, "
+                                 f"not {self.placement}")
         if not self.engine_urls and not self.model:
             raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
         if self.engine_urls and self.engines > 1:

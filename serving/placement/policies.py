@@ -18,8 +18,9 @@ constraint that rejected each candidate).
 * ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
   instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
   colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
-  decode pool with one gateway, best fit serves more: packing keeps instances free for the long contexts
-  (README, "Aladdin's best fit on the whole trace"); ``lengthwise bench placement`` measures which wins.
+  decode pool with long contexts best fit (``lengthwise-pack``) serves more: packing keeps instances free
+  for them (README, "Aladdin's best fit on the whole trace"); ``lengthwise bench placement`` measures which
+  wins.
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from serving.argtypes import OneLineParser
+from serving.policy.registry import policy_help
 
 
 def _bench_predictor(a: argparse.Namespace) -> int:
+    from predictor.common import quiet_libraries
     from training.bench import run_bench
-    from training.cli import quiet_libraries
 
     quiet_libraries(a.verbose)
     run_bench(a.json, a.max_samples or None, a.epochs, a.work_dir, a.base_model, a.max_prompt_tokens, a.bucket_width,
@@ -54,8 +55,8 @@ def _setup(a: argparse.Namespace, scenario_name: str):
 def _simulate(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from serving.policy.base import make_policy
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
     from serving.sim.bench import simulate_once
 
     make_policy(a.policy, PolicyConfig(), 64)  # an unknown name fails now, not after loading the workload
@@ -69,8 +70,8 @@ def _bench_sim(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from serving.policy.base import make_policy
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
     from serving.sim.bench import bench_sim
     from serving.sim.scenarios import SCENARIOS
 
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. oracle,noise:0.85,noise:0.7,noise:0.55,noise:0.4); writes bench_quality_<scenario>.json/.png")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
-    from predictor.bench_sidecar import add_parser as add_bench_sidecar
+    from training.bench_sidecar import add_parser as add_bench_sidecar
 
     add_bench_sidecar(bsub)
     from serving.enginebench.cli import add_parser as add_bench_engine
@@ -189,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Replay a trace (or prompts with Poisson arrivals) through one policy on a simulated engine and "
                     "report EcoServe's metrics: SLO attainment, normalized latency, JCT/TTFT/TBT, KV use, preemptions.",
-        epilog="policies: vllm, sarathi, sjf, orca, fcfs-max-alloc, ecoserve, ecoserve-<D|S|O|P flags> "
-               "(e.g. ecoserve-SDO), oracle (ecoserve fed true lengths)\n\nexamples:\n"
+        epilog=f"policies: {policy_help()}; oracle is ecoserve fed true lengths\n\nexamples:\n"
                "  lengthwise simulate --workload $LENGTHWISE_DATA/traces/AzureLLMInferenceTrace_code_2023.csv --policy vllm "
                "--arrival trace --model llama-3.1-8b --gpu a100-80gb --latency-model blis --kv-blocks 29205 --block-size 16 "
                "--max-model-len 8192 --predictor noise:0.6\n"
@@ -228,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
+    from serving.perf.hardware import HardwareError
+    from serving.perf.latency import LatencyError
     from serving.policy.base import PolicyError
-    from serving.sim.hardware import HardwareError
-    from serving.sim.latency import LatencyError
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 

@@ -254,7 +254,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check(a: argparse.Namespace) -> tuple[Path, Path]:
-    from training.pipeline import data_dir, default_sharegpt
+    from predictor.common import data_dir, default_sharegpt
 
     gguf = a.gguf or data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.is_file():
@@ -279,8 +279,8 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
 def _registered(uri: str) -> str:
     """Fail in seconds, not after a sidecar that never gets ready, when no model answers to the URI: resolve it
     as the sidecar will (registry, else the local cache); returns what it resolved to."""
-    from predictor.cache import ModelResolveError, resolve
-    from training.cli import quiet_libraries, silence_loggers
+    from predictor.common import quiet_libraries, silence_loggers
+    from predictor.sidecar.cache import ModelResolveError, resolve
 
     quiet_libraries(False)  # MLflow logs its database set-up at INFO
     try:

@@ -129,7 +129,7 @@ def plan_jobs(workload: str | Path, *, max_requests: int, max_tokens_cap: int | 
 
 def default_tokenizer_for(model: str) -> Path:
     """The served model's own tokenizer when the model name is a local directory holding one, else GPT-2."""
-    from training.pipeline import default_tokenizer
+    from predictor.common import default_tokenizer
 
     p = Path(model).expanduser()
     if p.is_dir() and ((p / "tokenizer.json").exists() or (p / "tokenizer.model").exists()):
@@ -548,7 +548,7 @@ def run(a: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         check_args(a)
-        from training.pipeline import default_sharegpt
+        from predictor.common import default_sharegpt
 
         workload = Path(a.workload).expanduser() if a.workload else default_sharegpt()
         if not workload.exists():

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from training.pipeline import data_dir
+from predictor.common import data_dir
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 ALPACA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from predictor.batcher import MicroBatcher
+from predictor.sidecar.batcher import MicroBatcher
 
 
 def run(coro):

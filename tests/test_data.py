@@ -6,8 +6,8 @@ import pytest
 
 from tests.conftest import ALPACA, SHAREGPT
 from training.data import DataError, load_examples
+from training.data.labels import attach_labels, load_counter
 from training.data.loaders import sharegpt_examples
-from training.labels import attach_labels, load_counter
 from training.split import cap_groups, split_by_group
 
 

@@ -167,8 +167,8 @@ def gateway_routes() -> set[str]:
 
 @pytest.fixture(scope="module")
 def sidecar_routes() -> set[str]:
-    from predictor.cache import ResolvedModel, parse_uri
-    from predictor.sidecar import SidecarSettings, create_app
+    from predictor.sidecar.app import SidecarSettings, create_app
+    from predictor.sidecar.cache import ResolvedModel, parse_uri
 
     ref = parse_uri("models:/length-predictor@champion")
     app = create_app(SidecarSettings(), ref, ResolvedModel(Path("/nonexistent"), "length-predictor", "1", ref.uri))
@@ -292,8 +292,8 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
 
 # --- the sidecar ------------------------------------------------------------------------------------
 def test_sidecar_command_line_parses_with_predictor_sidecar(objects, sidecar_routes, capsys):
-    from predictor.cache import parse_uri
-    from predictor.sidecar import _check, build_parser
+    from predictor.sidecar.app import _check, build_parser
+    from predictor.sidecar.cache import parse_uri
 
     w, c, argv = find(objects, ["predictor-sidecar"])
     assert w["kind"] == "Deployment"
@@ -323,8 +323,8 @@ def test_engine_runs_the_launchers_command_line(objects):
     from serving.engine.settings import SchedulerSettings
     from serving.gateway.launcher import PLUGIN, engine_command, logging_config
     from serving.gateway.settings import GatewaySettings
-    from serving.policy.base import make_policy
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
 
     w, c, argv = engine(objects)
     assert w["kind"] == "StatefulSet"
@@ -414,7 +414,7 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_readme_commands_parse(capsys):
-    from predictor.sidecar import build_parser
+    from predictor.sidecar.app import build_parser
     from serving.engine.settings import SchedulerSettings
     from serving.gateway.launcher import PLUGIN, VLLM_SERVER
 

@@ -9,7 +9,7 @@ import pytest
 
 from serving.cli import main
 from serving.enginebench.bench import profile_to_csv
-from serving.sim.latency import FittedLatency
+from serving.perf.latency import FittedLatency
 
 
 def _rows(starts, steps, prefill, decode):

@@ -17,8 +17,8 @@ from serving.gateway.requests import validate
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay
 from serving.gateway.tokens import PromptCounter
+from serving.perf.latency import DecodePoolLatency, FittedLatency, StepShape
 from serving.placement import Job
-from serving.sim.latency import DecodePoolLatency, FittedLatency, StepShape
 
 # An excerpt of GET /metrics of a real vLLM 0.32 CPU engine (dummy-weight Llama, --max-num-seqs 4,
 # VLLM_CPU_KVCACHE_SPACE=1) with 6 requests in it: 4 running, 2 waiting.

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serving.perf.latency import make_latency_model
 from serving.placement import Instance, Job, LengthHistory, Limits, PlacementError, make_placement, placement_names, rebalance
 from serving.placement.scaling import fit_scaling
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import simulate
-from serving.sim.latency import make_latency_model
 from serving.sim.scenarios import SCENARIOS, build_setup
 
 LAT = make_latency_model("blis", "llama-3.1-8b", "a100-80gb")
@@ -306,8 +306,8 @@ def test_scale_from_points():
 
 
 def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(data):
+    from serving.perf.latency import DecodePoolLatency, StepShape
     from serving.placementbench.scenarios import build_placement_setup
-    from serving.sim.latency import DecodePoolLatency, StepShape
 
     colocated = build_placement_setup("sharegpt", max_requests=40)
     pool = build_placement_setup("sharegpt-decode", max_requests=40)

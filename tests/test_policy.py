@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving.policy.base import PolicyError, StepPlan, make_policy, policy_names
+from serving.policy.base import PolicyError, StepPlan
 from serving.policy.config import PolicyConfig
 from serving.policy.ecoserve import EcoServe
+from serving.policy.registry import make_policy, policy_names
 from serving.policy.request import Phase, Prediction, Request
 
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP",
@@ -499,7 +500,22 @@ def test_make_policy_names():
     v = make_policy(" EcoServe-sdo ", cfg(), 10)
     assert (v.D, v.S, v.O, v.P) == (True, True, True, False) and v.name == "ecoserve-SDO"
     assert make_policy("orca", cfg(orca_batch_size=3), 10).batch_size == 3
-    assert {"vllm", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve", "oracle"} <= set(policy_names())
+    assert {"vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve", "oracle", "lengthwise",
+            "lengthwise-fcfs", "lengthwise-sjf"} <= set(policy_names())
+
+
+def test_policy_names_is_the_one_list():
+    """Every listed name builds a policy, the benchmark's default set and the CLI's help draw from the same list."""
+    from serving.cli import build_parser
+    from serving.sim.sweep import BENCH_POLICIES
+
+    fixed = [n for n in policy_names() if "<" not in n]
+    for name in fixed:
+        assert make_policy(name, cfg(), 10).name in (name, "ecoserve")
+    assert {n for n in BENCH_POLICIES if not n.startswith("ecoserve-")} <= set(fixed)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    help_text = sub.choices["simulate"].format_help()
+    assert all(n in help_text for n in policy_names())
     with pytest.raises(ValueError):
         make_policy("vllm", cfg(), 0)
 

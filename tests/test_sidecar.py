@@ -210,7 +210,7 @@ def test_hot_reload(sidecar, trained, package, tmp_path):
     assert sidecar.get("/ready").json()["model_version"] == new
     assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=new) == 1
     assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=old) is None
-    from predictor.cache import cache_root
+    from predictor.sidecar.cache import cache_root
 
     assert (cache_root() / NAME / new / "model.onnx").is_file()
     store.set_alias(NAME, ALIAS, old)
@@ -322,7 +322,7 @@ def test_cache_follows_the_registry_it_was_resolved_from(trained, package, mlflo
     cache notices (by run id) and downloads the server's copy instead of serving the stale one."""
     import json
 
-    from predictor.cache import REGISTRY_FILE, resolve
+    from predictor.sidecar.cache import REGISTRY_FILE, resolve
 
     local = resolve(f"models:/{NAME}/1")  # the embedded store's version 1
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from serving.sim.hardware import (
+from serving.perf.hardware import (
     GPUS,
     MODELS,
     GiB,
@@ -19,7 +19,7 @@ from serving.sim.hardware import (
     kv_bytes_available,
     kv_capacity_tokens,
 )
-from serving.sim.latency import (
+from serving.perf.latency import (
     BLIS_COEFFS,
     DEFAULT_OVERHEAD_S,
     DecodePoolLatency,

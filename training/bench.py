@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.pipeline import TrainConfig, default_sharegpt, default_tokenizer
+from predictor.common import default_sharegpt, default_tokenizer
+from training.pipeline import TrainConfig
 
 
 def onnx_latency(predictor, prompts: list[str], batch_sizes=(1, 32), repeats: int = 3) -> dict:

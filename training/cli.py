@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-import warnings
 
 from predictor.buckets import BucketSchemeError
+from predictor.common import quiet_libraries
 from training.data import FORMATS, DataError
 
 EPILOG = """\
@@ -97,27 +95,6 @@ def config_from_args(a: argparse.Namespace):
         register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,
         output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines,
     )
-
-
-NOISY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "transformers", "torch.onnx", "alembic")
-
-
-def quiet_libraries(verbose: bool) -> None:
-    """Keep the terminal to progress bars and results unless --verbose (libraries log a lot at INFO)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not verbose:
-        os.environ["LENGTHWISE_QUIET"] = "1"
-        warnings.filterwarnings("ignore")
-        silence_loggers()
-
-
-def silence_loggers() -> None:
-    """Libraries reset their log levels on import, so this is called again once they are imported."""
-    if os.environ.get("LENGTHWISE_QUIET"):
-        for name in NOISY_LOGGERS:
-            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,27 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from predictor.buckets import BucketScheme
+from predictor.common import default_tokenizer
 from training.data import Example, load_examples
-from training.labels import TokenCounter, attach_labels, labels_of, load_counter
+from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
 from training.split import Splits, cap_groups, split_by_group
 
 log = logging.getLogger(__name__)
-
-
-def data_dir() -> Path:
-    """``$LENGTHWISE_DATA``, else ``../shared/data`` beside the checkout (the documented default)."""
-    env = os.environ.get("LENGTHWISE_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-def default_sharegpt() -> Path:
-    return data_dir() / "prompts" / "sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
-
-
-def default_tokenizer() -> Path:
-    return data_dir() / "tokenizers" / "gpt2" / "tokenizer.json"
 
 
 @dataclass
@@ -108,11 +93,11 @@ def run(cfg: TrainConfig) -> dict:
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import MLFlowLogger
 
+    from predictor.common import silence_loggers
     from predictor.model import LoraSpec, build_classifier, default_backbone_path, default_targets
     from predictor.prompt import encode_turns
     from predictor.runtime import OnnxLengthPredictor
     from registry import store
-    from training.cli import silence_loggers
     from training.export import export_package, input_format_for, load_backbone_tokenizer, parity_max_abs_diff
     from training.module import LengthModule, make_loader
 

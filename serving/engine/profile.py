@@ -1,6 +1,6 @@
 """Step profiling inside a vLLM engine: what each step computed and how long it took.
 
-The simulator's fitted latency model (``fitted:PATH.csv``, :class:`serving.sim.latency.FittedLatency`)
+The simulator's fitted latency model (``fitted:PATH.csv``, :class:`serving.perf.latency.FittedLatency`)
 is calibrated from exactly these rows, and the engine benchmark counts preemptions with it for stock
 vLLM, whose scheduler does not count them itself. Recording only observes: no decision changes.
 
@@ -24,7 +24,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from serving.engine.scheduler import LengthwiseScheduler
-from serving.sim.latency import StepShape
+from serving.perf.latency import StepShape
 
 ENV_CSV = "LENGTHWISE_PROFILE_CSV"
 COLUMNS = ("start_s", "step_s", "prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_seqs",

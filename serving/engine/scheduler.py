@@ -42,8 +42,9 @@ from vllm.v1.request import RequestStatus
 
 from serving.engine.inputs import parse_inputs
 from serving.engine.settings import SchedulerSettings
-from serving.policy.base import Policy, StepPlan, make_policy
+from serving.policy.base import Policy, StepPlan
 from serving.policy.config import PolicyConfig
+from serving.policy.registry import make_policy
 from serving.policy.request import Request
 
 logger = init_logger(__name__)

@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rich.console import Console
 from rich.table import Table
 
-from serving.sim.engine import derive_slo, simulate
-from serving.sim.latency import FittedLatency
+from serving.perf.latency import FittedLatency
+from serving.perf.slo import derive_slo
+from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 from serving.sim.predictions import make_predictor
 from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size

@@ -60,9 +60,10 @@ def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     from serving.enginebench.bench import EngineBenchConfig, EngineBenchError, run_bench
-    from serving.policy.base import PolicyError, make_policy
+    from serving.perf.latency import LatencyError
+    from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
-    from serving.sim.latency import LatencyError
+    from serving.policy.registry import make_policy
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettings
+from serving.policy.registry import policy_help
 
 log = logging.getLogger("serving.gateway")
 
@@ -85,8 +86,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "/metrics with an engine label. Engines started here get one automatically")
     e.add_argument("--engines", type=int, default=1, metavar="N", help="engines to start (default: %(default)s)")
     e.add_argument("--policy", default="lengthwise",
-                   help="scheduling policy of the engines started here: lengthwise, ecoserve, sjf, vllm, ... "
-                        "(default: %(default)s)")
+                   help=f"scheduling policy of the engines started here: {policy_help()} (default: %(default)s)")
     e.add_argument("--scheduler-config", default="{}", metavar="JSON",
                    help="more plug-in settings for the engines started here, e.g. '{\"knobs\": {\"padding\": 0.2}, "
                         "\"default_pred_len\": 128}'")
@@ -203,7 +203,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
 
 def _check_placement(settings: GatewaySettings) -> None:
     """The latency profile fits and the engine arguments placement reads are numbers: now, not at the first request."""
-    from serving.sim.latency import LatencyError
+    from serving.perf.latency import LatencyError
 
     try:
         settings.placement_config()
@@ -227,8 +227,9 @@ def _check_engine(settings: GatewaySettings) -> None:
     from pydantic import ValidationError
 
     from serving.engine.settings import SchedulerSettings
-    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
 
     try:
         sched = SchedulerSettings.model_validate({"policy": settings.policy, **settings.scheduler_config})

@@ -1,7 +1,7 @@
 """The engine-bound body: the client's request plus our scheduling hints in ``vllm_xargs``.
 
 Merge rule: the client's own ``vllm_xargs`` travel unchanged, except the keys the scheduler plug-in reads
-(:data:`OUR_KEYS`, see :mod:`serving.engine.inputs`): for those the gateway's values win and a client's
+(:data:`serving.policy.hints.HINT_KEYS`): for those the gateway's values win and a client's
 are dropped. Why: the gateway is the trust boundary. A client that could send ``pred_len: 1`` or a
 deadline in the past would jump every queue ordered by predicted length or deadline; a client with a
 real latency target says so with the ``x-slo-*`` headers, which the gateway turns into the deadline.
@@ -17,24 +17,19 @@ from typing import Any
 
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.requests import ClientRequest
-
-OUR_KEYS = frozenset({"pred_len", "pred_hi", "pred_bucket", "pred_edges", "pred_probs", "deadline", "slo_s"})
+from serving.policy.hints import HINT_KEYS, SchedulingHints
 
 
 def our_xargs(pred: LengthPrediction, deadline: float) -> dict[str, Any]:
-    x: dict[str, Any] = {"pred_len": pred.tokens, "deadline": round(deadline, 3)}
-    if pred.hi is not None:
-        x["pred_hi"] = pred.hi
-    if pred.bucket is not None:
-        x["pred_bucket"] = pred.bucket
-    return x
+    return SchedulingHints(pred_len=pred.tokens, pred_hi=pred.hi, pred_bucket=pred.bucket,
+                           deadline=round(deadline, 3)).xargs()
 
 
 def engine_body(req: ClientRequest, pred: LengthPrediction, deadline: float) -> tuple[dict[str, Any], list[str]]:
     """The body to forward, and the client's xargs keys we overrode (for the log)."""
     client = dict(req.body.get("vllm_xargs") or {})
-    dropped = sorted(k for k in client if k in OUR_KEYS)
-    body = {**req.body, "vllm_xargs": {**{k: v for k, v in client.items() if k not in OUR_KEYS}, **our_xargs(pred, deadline)}}
+    dropped = sorted(k for k in client if k in HINT_KEYS)
+    body = {**req.body, "vllm_xargs": {**{k: v for k, v in client.items() if k not in HINT_KEYS}, **our_xargs(pred, deadline)}}
     if req.stream:
         body["stream_options"] = {**(req.body.get("stream_options") or {}), "include_usage": True}
     return body, dropped

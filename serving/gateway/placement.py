@@ -43,8 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from serving.gateway.engine_load import LoadReport
+from serving.perf.latency import LatencyModel
 from serving.placement import Instance, Job, LengthHistory, Limits, Placement, make_placement
-from serving.sim.latency import LatencyModel
 
 LOAD_AWARE = frozenset({"least-kv", "p2c", "aladdin", "lengthwise-pack", "lengthwise"})  # placements that decide on the engines' reports
 _PROBE = Limits(kv_tokens=1)

@@ -168,11 +168,11 @@ class GatewaySettings(BaseModel):
 
         latency = None
         if self.latency_profile is not None:
-            from serving.sim.latency import FittedLatency
+            from serving.perf.latency import FittedLatency
 
             latency = FittedLatency.from_csv(self.latency_profile)
             if self.prefill_urls or self.prefill_engines:  # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
-                from serving.sim.latency import DecodePoolLatency
+                from serving.perf.latency import DecodePoolLatency
 
                 latency = DecodePoolLatency(latency)
         seqs = self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or 256)

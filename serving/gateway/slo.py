@@ -1,6 +1,6 @@
 """Each request's deadline (absolute Unix seconds), the ``deadline`` the scheduler plug-in orders by.
 
-Default: EcoServe's JCT SLO (§4), the same :class:`serving.sim.engine.SLO` the simulator uses:
+Default: EcoServe's JCT SLO (§4), the same :class:`serving.perf.slo.SLO` the simulator uses:
 ``slo_scale x (t_p + t_g x predicted length)`` after arrival. A client may state its own per-token SLO
 instead with headers ``x-slo-ttft-ms`` (time to first token) and ``x-slo-tpot-ms`` (time per output
 token): the deadline is then ``arrival + ttft + tpot x predicted length``; a header left out keeps its
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from serving.gateway.errors import ApiError
 from serving.gateway.settings import GatewaySettings
-from serving.sim.engine import SLO
+from serving.perf.slo import SLO
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"

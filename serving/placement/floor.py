@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.sim.latency import LatencyModel, StepShape
+from serving.perf.latency import LatencyModel, StepShape
 
 PROBE_CONTEXT = 100_000  # tokens: the context at which the per-token KV-read cost is read off the step model
 

@@ -22,8 +22,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from serving.perf.latency import LatencyModel, StepShape
 from serving.placement.state import Instance, Job
-from serving.sim.latency import LatencyModel, StepShape
 
 
 @dataclass

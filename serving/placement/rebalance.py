@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from serving.perf.latency import StepShape
 from serving.placement.limits import Limits
 from serving.placement.state import Instance
-from serving.sim.latency import StepShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,11 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from serving.perf.latency import DecodePoolLatency
 from serving.placement.floor import fluid_floor
 from serving.placement.scaling import fit_scaling
 from serving.sim.bench import describe_setup, line_style
 from serving.sim.cluster import ClusterConfig, simulate_cluster
-from serving.sim.latency import DecodePoolLatency
 from serving.sim.metrics import RunMetrics
 from serving.sim.scenarios import Setup
 from serving.sim.sweep import max_rate

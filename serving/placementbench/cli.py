@@ -70,8 +70,9 @@ def run_cli(a: argparse.Namespace) -> int:
         write_json,
     )
     from serving.placementbench.scenarios import PLACEMENT_SCENARIOS, build_placement_setup
-    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
@@ -165,8 +166,9 @@ def run_fleet_cli(a: argparse.Namespace) -> int:
     from serving.placement import PlacementError, make_placement
     from serving.placement.limits import Limits
     from serving.placementbench.fleet import FleetBenchConfig, run_fleet_bench
-    from serving.policy.base import PolicyError, make_policy
+    from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
+    from serving.policy.registry import make_policy
     from serving.sim.predictions import PredictorSpecError, make_predictor
 
     try:

@@ -34,12 +34,12 @@ from rich.table import Table
 
 from serving.enginebench.bench import profile_to_csv, run_engines
 from serving.enginebench.model import bench_dtype, dummy_model
+from serving.perf.latency import DecodePoolLatency, FittedLatency
+from serving.perf.slo import derive_slo
 from serving.policy.config import PolicyConfig
 from serving.replay import Job as ReplayJob
 from serving.replay import Settings, poisson_arrivals, send_one
 from serving.sim.cluster import ClusterConfig, simulate_cluster
-from serving.sim.engine import derive_slo
-from serving.sim.latency import DecodePoolLatency, FittedLatency
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 from serving.sim.predictions import make_predictor
 from serving.sim.scenarios import SHAREGPT, data_path

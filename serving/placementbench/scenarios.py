@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from serving.sim.latency import DecodePoolLatency
+from serving.perf.latency import DecodePoolLatency
 from serving.sim.scenarios import SCENARIOS, Scenario, Setup, build_setup
 
 

@@ -1,4 +1,4 @@
-"""The one interface every scheduling policy implements, and the registry that names them.
+"""The one interface every scheduling policy implements (the registry that names them is ``registry.py``).
 
 A host (the simulator, or the vLLM adapter) drives a policy like vLLM drives its scheduler:
 
@@ -148,33 +148,3 @@ class Policy(ABC):
 
     def _after_step(self, plan: StepPlan, finished: set[int], now: float) -> None:
         """Per-step bookkeeping after tokens were applied."""
-
-
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
-def register(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-    return deco
-
-
-def policy_names() -> list[str]:
-    from serving.policy import baselines, ecoserve, lengthwise  # noqa: F401  (registers the policies)
-    return sorted(_REGISTRY) + ["ecoserve-<flags>", "oracle"]
-
-
-def make_policy(name: str, config: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> Policy:
-    """Build a policy by name: vllm, vllm-v0, orca, sarathi, sjf, fcfs-max-alloc, ecoserve[-DSOP], oracle, lengthwise[-fcfs]."""
-    from serving.policy import baselines, ecoserve, lengthwise  # noqa: F401  (registration side effects)
-
-    key = name.strip().lower()
-    if key == "oracle":  # the host feeds true lengths; the policy is the full ecoserve
-        key = "ecoserve"
-    if key in _REGISTRY:
-        return _REGISTRY[key](config, kv_blocks, repredict)
-    if key.startswith("ecoserve-"):
-        return ecoserve.EcoServe.from_flags(key.split("-", 1)[1], config, kv_blocks, repredict)
-    raise PolicyError(f"unknown policy {name!r}; choose one of: vllm, vllm-v0, orca, sarathi, sjf, fcfs-max-alloc, "
-                      "ecoserve, ecoserve-D, ecoserve-SD, ecoserve-SDO (any of the letters D S O P), oracle, lengthwise, lengthwise-fcfs")

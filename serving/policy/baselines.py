@@ -21,7 +21,7 @@ maximum sequence length at admission, so they never preempt.
 
 from __future__ import annotations
 
-from serving.policy.base import Policy, StepPlan, register
+from serving.policy.base import Policy, StepPlan
 from serving.policy.request import Phase, Request, SortedQueue, blocks_for
 
 
@@ -140,10 +140,6 @@ class VLLMPolicy(Policy):
             self.running.remove(req)
 
 
-@register("vllm")
-def _vllm(cfg, kv_blocks, repredict=None):
-    return VLLMPolicy(cfg, kv_blocks, repredict)
-
 
 class SarathiPolicy(VLLMPolicy):
     """Sarathi-Serve / FastGen: stall-free chunked prefill to the target forward size, block allocation."""
@@ -154,10 +150,6 @@ class SarathiPolicy(VLLMPolicy):
     def budget(self) -> int:
         return self.cfg.tfs
 
-
-@register("sarathi")
-def _sarathi(cfg, kv_blocks, repredict=None):
-    return SarathiPolicy(cfg, kv_blocks, repredict)
 
 
 class SJFPolicy(VLLMPolicy):
@@ -175,10 +167,6 @@ class SJFPolicy(VLLMPolicy):
         alpha = self.cfg.max_model_len / self.cfg.aging_s
         return (req.pred.length + alpha * req.arrival,)
 
-
-@register("sjf")
-def _sjf(cfg, kv_blocks, repredict=None):
-    return SJFPolicy(cfg, kv_blocks, repredict)
 
 
 class VLLMV0Policy(VLLMPolicy):
@@ -234,10 +222,6 @@ class VLLMV0Policy(VLLMPolicy):
         return plan
 
 
-@register("vllm-v0")
-def _vllm_v0(cfg, kv_blocks, repredict=None):
-    return VLLMV0Policy(cfg, kv_blocks, repredict)
-
 
 class MaxAllocPolicy(Policy):
     """FCFS with max-allocation: KV for prompt + max output reserved at admission (ORCA, FasterTransformer).
@@ -292,15 +276,3 @@ class MaxAllocPolicy(Policy):
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-
-
-@register("fcfs-max-alloc")
-def _max_alloc(cfg, kv_blocks, repredict=None):
-    return MaxAllocPolicy(cfg, kv_blocks, repredict)
-
-
-@register("orca")
-def _orca(cfg, kv_blocks, repredict=None):
-    p = MaxAllocPolicy(cfg, kv_blocks, repredict, batch_size=cfg.orca_batch_size, chunked=False)
-    p.name = "orca"
-    return p

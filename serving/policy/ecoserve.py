@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from serving.policy.base import Policy, StepPlan, register
+from serving.policy.base import Policy, StepPlan
 from serving.policy.ordering import find_fitting, order_key
 from serving.policy.pipelining import Lend, nested_slots
 from serving.policy.request import Phase, Request, SortedQueue, blocks_for
@@ -400,8 +400,3 @@ class EcoServe(Policy):
                 w = self.requests.get(lend.writer)
                 if w is not None and w.rid in self.origin:
                     assert w.computed - self.origin[w.rid] <= lend.offset, (w.rid, rid)
-
-
-@register("ecoserve")
-def _ecoserve(cfg, kv_blocks, repredict=None):
-    return EcoServe(cfg, kv_blocks, repredict)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from serving.policy.base import StepPlan, register
+from serving.policy.base import StepPlan
 from serving.policy.baselines import SJFPolicy
 from serving.policy.deadline import LateTier
 from serving.policy.request import Request
@@ -121,18 +121,3 @@ class LengthwisePolicy(SJFPolicy):
         items.insert(at, item)
         self._projected_tokens += item[1]
         return True
-
-
-@register("lengthwise")
-def _lengthwise(cfg, kv_blocks, repredict=None):
-    return LengthwisePolicy(cfg, kv_blocks, repredict)
-
-
-@register("lengthwise-sjf")
-def _lengthwise_sjf(cfg, kv_blocks, repredict=None):
-    return LengthwisePolicy(cfg, kv_blocks, repredict, late_tier=False)
-
-
-@register("lengthwise-fcfs")
-def _lengthwise_fcfs(cfg, kv_blocks, repredict=None):
-    return LengthwisePolicy(cfg, kv_blocks, repredict, fcfs=True)

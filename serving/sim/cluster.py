@@ -23,13 +23,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from serving.perf.latency import LatencyModel
+from serving.perf.slo import SLO
 from serving.placement import Instance, Job, LengthHistory, Limits, make_placement, rebalance
-from serving.policy.base import make_policy
 from serving.policy.config import PolicyConfig
+from serving.policy.registry import make_policy
 from serving.policy.request import Prediction
-from serving.sim.engine import SLO, SimulationError, repredict_hook, summarize_instances
+from serving.sim.engine import SimulationError, repredict_hook, summarize_instances
 from serving.sim.instance import SimInstance, new_request
-from serving.sim.latency import LatencyModel
 from serving.sim.metrics import RequestRecord, RunMetrics
 
 

@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from serving.perf.latency import LatencyModel, StepShape
 from serving.policy.base import Policy
 from serving.policy.request import Request
-from serving.sim.latency import LatencyModel, StepShape
 from serving.sim.metrics import RequestRecord
 
 

@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.perf.hardware import get_model, kv_blocks
+from serving.perf.latency import LatencyModel, StepShape, make_latency_model
+from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
-from serving.sim.engine import SLO, derive_slo, poisson_arrivals
-from serving.sim.hardware import get_model, kv_blocks
-from serving.sim.latency import LatencyModel, StepShape, make_latency_model
+from serving.sim.engine import poisson_arrivals
 from serving.sim.predictions import LengthOracle, make_predictor
 from serving.sim.workload import TraceRequest, Workload, load_workload
 
@@ -72,7 +73,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def data_path(rel: str) -> Path:
-    from training.pipeline import data_dir
+    from predictor.common import data_dir
 
     p = Path(rel)
     return p if p.is_absolute() else data_dir() / p

@@ -445,9 +445,9 @@ def _load_rows(p: Path, kind: str, max_requests: int | None, tokenizer: str | No
     turns: list[tuple] | None = None
     gen = ""
     if kind in ("sharegpt", "alpaca-eval"):
+        from predictor.common import default_tokenizer
         from training.data.example import DataError
-        from training.labels import load_counter
-        from training.pipeline import default_tokenizer
+        from training.data.labels import load_counter
 
         try:  # the tokenizer first: a bad path should not cost a parse of the whole file
             counter = load_counter(tokenizer or default_tokenizer())

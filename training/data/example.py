@@ -24,7 +24,7 @@ class Example:
 
     ``group`` is the conversation id: all turns of one conversation share it, and the train/val/test
     split is made on it so no conversation leaks across splits. ``response_tokens`` is filled by
-    :func:`training.labels.attach_labels` from ``response`` unless the source gave counts directly.
+    :func:`training.data.labels.attach_labels` from ``response`` unless the source gave counts directly.
     """
 
     group: str

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from predictor.batcher import MicroBatcher
 from predictor.buckets import BucketScheme
-from predictor.cache import (
+from predictor.runtime import OnnxLengthPredictor, softmax
+from predictor.sidecar.batcher import MicroBatcher
+from predictor.sidecar.cache import (
     ModelRef,
     ModelResolveError,
     ResolvedModel,
@@ -40,9 +41,16 @@ from predictor.cache import (
     remember_alias,
     resolve,
 )
-from predictor.runtime import OnnxLengthPredictor, softmax
-from predictor.schemas import ErrorResponse, FeedbackRequest, FeedbackResponse, Health, PredictRequest, PredictResponse, Ready
-from predictor.sidecar_metrics import SidecarMetrics
+from predictor.sidecar.metrics import SidecarMetrics
+from predictor.sidecar.schemas import (
+    ErrorResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    Health,
+    PredictRequest,
+    PredictResponse,
+    Ready,
+)
 from registry.online import Feedback, MlflowWindowLogger, WindowAggregator, WindowStats
 
 log = logging.getLogger("predictor.sidecar")

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.sim.hardware import GPUSpec, HardwareError, ModelSpec, get_gpu, get_model
+from serving.perf.hardware import GPUSpec, HardwareError, ModelSpec, get_gpu, get_model
 
 # A step never takes zero time: a discrete-event loop whose clock does not advance would spin forever.
 MIN_STEP_S = 1e-6

@@ -73,8 +73,8 @@ def parse_levels(spec: str) -> list[int]:
 
 def sharegpt_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` latest human turns of real ShareGPT conversations, shuffled deterministically."""
+    from predictor.common import default_sharegpt
     from training.data import load_examples
-    from training.pipeline import default_sharegpt
 
     path = default_sharegpt()
     if not path.exists():

@@ -1,0 +1,49 @@
+"""The floor every package may import: where the shared data lives, and keeping libraries' logs quiet.
+
+Nothing here imports another module of the project, so the simulator, the sidecar's benchmark, training and the
+command lines can all find the data directory and quiet the same loggers without importing each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+
+def data_dir() -> Path:
+    """``$LENGTHWISE_DATA``, else ``../shared/data`` beside the checkout (the documented default)."""
+    env = os.environ.get("LENGTHWISE_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def default_sharegpt() -> Path:
+    return data_dir() / "prompts" / "sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
+
+
+def default_tokenizer() -> Path:
+    return data_dir() / "tokenizers" / "gpt2" / "tokenizer.json"
+
+
+NOISY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric", "mlflow", "transformers", "torch.onnx", "alembic")
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Keep the terminal to progress bars and results unless --verbose (libraries log a lot at INFO)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        os.environ["LENGTHWISE_QUIET"] = "1"
+        warnings.filterwarnings("ignore")
+        silence_loggers()
+
+
+def silence_loggers() -> None:
+    """Libraries reset their log levels on import, so this is called again once they are imported."""
+    if os.environ.get("LENGTHWISE_QUIET"):
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)

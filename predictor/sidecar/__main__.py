@@ -1,0 +1,3 @@
+from predictor.sidecar.app import main
+
+raise SystemExit(main())

@@ -3,7 +3,9 @@
 Each instance runs its own local policy (any of the policy core's) on its own KV pool; a global
 placement (serving.placement, the same objects the gateway uses) picks an instance for each arrival.
 Events are arrivals, step ends on any instance, and the placement heartbeat (Aladdin Alg. 2's
-re-balancing). Deterministic: ties are broken by instance index and the placements' own seeds.
+re-balancing). Deterministic: ties are broken by instance index and the placements' own seeds. Each kind of
+event has its own handler on the run's state (:class:`_ClusterRun`), as in Vidur's event classes, so the
+loop itself only orders them.
 
 Several gateways: each arrival goes to a random replica (as kube-proxy's default mode picks a Service
 endpoint), and each replica keeps its own view,
@@ -91,113 +93,166 @@ def simulate_cluster(requests: Sequence, predictions: Sequence[Prediction], cc: 
                      repredict: Callable[[object, int, Prediction], float] | None = None,
                      check: bool = False, max_steps: int = 50_000_000) -> RunMetrics:
     """Run ``requests`` through ``cc.instances`` instances placed by ``cc.placement``; metrics over the whole fleet."""
-    by_rid = {r.rid: r for r in requests}
-    preds = {r.rid: p for r, p in zip(requests, predictions)}
-    truth_len = {r.rid: r.output_tokens for r in requests}
-    records: dict[int, RequestRecord] = {}
-    hook = repredict_hook(repredict, by_rid, preds)
-    fleet = [SimInstance(f"instance-{i}", make_policy(cc.local_policy, config, kv_blocks, hook), latency, truth_len, records, check)
-             for i in range(cc.instances)]
-    limits = instance_limits(config, kv_blocks, latency, slo)
-    gws = [_Gateway(cc, limits, g) for g in range(cc.gateways)]
-    shared = cc.gateways > 1
-    truth_jobs: list[dict[int, Job]] = [{} for _ in fleet]  # every job on each instance, whoever placed it
-    where: dict[int, int] = {}
-    owner: dict[int, int] = {}
-    jobs: dict[int, Job] = {}
-    history = LengthHistory()
-    moves = 0
-    order = sorted(requests, key=lambda r: (r.arrival, r.rid))
-    rebalancing = any(g.placement.rebalances for g in gws)
-    next_beat = cc.rebalance_s if rebalancing else math.inf
-    next_refresh = cc.refresh_s if shared else math.inf
-    # the event loop touches only the instances an event concerns (a fleet-wide scan per event made 48-instance runs
-    # O(N^2)): ``ends`` holds one (busy_until, index) per running step; ``dirty`` the instances whose queues changed
-    ends: list[tuple[float, int]] = []
-    dirty: set[int] = set()
-    dealer = random.Random(cc.seed)  # the load balancer in front of the gateways: a random replica per request
-    now = 0.0
-    nxt = 0
-    t_wall = time.perf_counter()
-    while True:
-        t_end = ends[0][0] if ends else math.inf
-        t_arr = order[nxt].arrival if nxt < len(order) else math.inf
-        busy = nxt < len(order) or bool(ends) or any(inst.has_work for inst in fleet)  # a running step is work
-        t_beat = min(next_beat, next_refresh) if busy else math.inf
-        t = min(t_end, t_arr, t_beat)
-        if t == math.inf:
-            break
-        now = max(now, t)
-        ended = []
-        while ends and ends[0][0] <= now:
-            ended.append(heapq.heappop(ends)[1])
-        for i in sorted(ended):  # step ends first, as the single-instance loop does; ties in instance order
-            inst = fleet[i]
-            res = inst.end()
-            for rid in res.emitted:
-                j = jobs[rid]
-                j.generated += 1
-                if j.first_token_at is None:
-                    j.first_token_at = res.now
-                if j.generated >= j.pred_len and (j.repredicted is None or j.generated >= j.repredicted):
-                    j.repredicted = history.repredict(j.pred_len, j.generated)
-            for rid in res.finished:
-                history.add(truth_len[rid])
-                gws[owner[rid]].views[i].finish(rid)
-                truth_jobs[i].pop(rid, None)
-            dirty.add(i)
-            if inst.steps >= max_steps * len(fleet):
-                raise SimulationError(f"step cap reached at t={now:.1f}s")
-        while nxt < len(order) and order[nxt].arrival <= now:
-            tr = order[nxt]
-            nxt += 1
-            g = dealer.randrange(cc.gateways) if shared else 0
-            pred = preds[tr.rid]
-            job = Job(tr.rid, tr.prompt_tokens, max(1.0, pred.length), arrival=tr.arrival)
-            i = gws[g].placement.choose(gws[g].views, job, now)
-            assert i is not None  # simulated instances are always healthy
-            gws[g].views[i].add(job)
-            truth_jobs[i][tr.rid] = job
-            jobs[tr.rid], where[tr.rid], owner[tr.rid] = job, i, g
-            records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens, slo.jct_limit(tr.output_tokens))
-            fleet[i].inbox.append(new_request(tr, pred, slo.jct_limit))
-            dirty.add(i)
-        if now >= next_refresh:
-            for g, gw in enumerate(gws):
-                gw.refresh(truth_jobs, owner, g, history, now)
-            next_refresh = now + cc.refresh_s
-        if now >= next_beat:
-            for gw in gws:
-                if gw.placement.rebalances:
-                    for mv in rebalance(gw.views, limits, now):
-                        moves += _move(fleet, mv.rid, mv.src, mv.dst, by_rid[mv.rid], preds[mv.rid], slo)
-                        truth_jobs[mv.dst][mv.rid] = truth_jobs[mv.src].pop(mv.rid)
-                        where[mv.rid] = mv.dst
-                        dirty.update((mv.src, mv.dst))
-            next_beat = now + cc.rebalance_s
-        for i in sorted(dirty):  # a busy instance stays dirty until its step ends
-            inst = fleet[i]
+    return _ClusterRun(requests, predictions, cc, config, kv_blocks, latency, slo, repredict, check, max_steps).run()
+
+
+class _ClusterRun:
+    """One run of :func:`simulate_cluster`: its state, and one handler per kind of event.
+
+    At each event time the handlers run in a fixed order, which is the simulator's tie-breaking: step ends
+    (:meth:`on_step_end`, in instance order), then arrivals (:meth:`on_arrival`), the gateways' metrics read
+    (:meth:`on_refresh`), the re-balancing heartbeat (:meth:`on_rebalance`), and last the instances whose queues
+    changed start their next step (:meth:`start_steps`).
+    """
+
+    def __init__(self, requests: Sequence, predictions: Sequence[Prediction], cc: ClusterConfig, config: PolicyConfig,
+                 kv_blocks: int, latency: LatencyModel, slo: SLO,
+                 repredict: Callable[[object, int, Prediction], float] | None, check: bool, max_steps: int) -> None:
+        self.cc, self.config, self.kv_blocks, self.slo, self.max_steps = cc, config, kv_blocks, slo, max_steps
+        self.by_rid = {r.rid: r for r in requests}
+        self.preds = {r.rid: p for r, p in zip(requests, predictions)}
+        self.truth_len = {r.rid: r.output_tokens for r in requests}
+        self.records: dict[int, RequestRecord] = {}
+        hook = repredict_hook(repredict, self.by_rid, self.preds)
+        self.fleet = [SimInstance(f"instance-{i}", make_policy(cc.local_policy, config, kv_blocks, hook), latency, self.truth_len,
+                                  self.records, check)
+                      for i in range(cc.instances)]
+        self.limits = instance_limits(config, kv_blocks, latency, slo)
+        self.gws = [_Gateway(cc, self.limits, g) for g in range(cc.gateways)]
+        self.shared = cc.gateways > 1
+        self.truth_jobs: list[dict[int, Job]] = [{} for _ in self.fleet]  # every job on each instance, whoever placed it
+        self.where: dict[int, int] = {}
+        self.owner: dict[int, int] = {}
+        self.jobs: dict[int, Job] = {}
+        self.history = LengthHistory()
+        self.moves = 0
+        self.order = sorted(requests, key=lambda r: (r.arrival, r.rid))
+        rebalancing = any(g.placement.rebalances for g in self.gws)
+        self.next_beat = cc.rebalance_s if rebalancing else math.inf
+        self.next_refresh = cc.refresh_s if self.shared else math.inf
+        # the event loop touches only the instances an event concerns (a fleet-wide scan per event made 48-instance runs
+        # O(N^2)): ``ends`` holds one (busy_until, index) per running step; ``dirty`` the instances whose queues changed
+        self.ends: list[tuple[float, int]] = []
+        self.dirty: set[int] = set()
+        self.dealer = random.Random(cc.seed)  # the load balancer in front of the gateways: a random replica per request
+        self.now = 0.0
+        self.nxt = 0
+
+    def run(self) -> RunMetrics:
+        """The event loop: advance to the next event time and run every handler due then, in order."""
+        t_wall = time.perf_counter()
+        while True:
+            t_end = self.ends[0][0] if self.ends else math.inf
+            t_arr = self.order[self.nxt].arrival if self.nxt < len(self.order) else math.inf
+            busy = self.nxt < len(self.order) or bool(self.ends) or any(inst.has_work for inst in self.fleet)  # a running step is work
+            t_beat = min(self.next_beat, self.next_refresh) if busy else math.inf
+            t = min(t_end, t_arr, t_beat)
+            if t == math.inf:
+                break
+            self.now = max(self.now, t)
+            ended = []
+            while self.ends and self.ends[0][0] <= self.now:
+                ended.append(heapq.heappop(self.ends)[1])
+            for i in sorted(ended):  # step ends first, as the single-instance loop does; ties in instance order
+                self.on_step_end(i)
+            while self.nxt < len(self.order) and self.order[self.nxt].arrival <= self.now:
+                tr = self.order[self.nxt]
+                self.nxt += 1
+                self.on_arrival(tr)
+            if self.now >= self.next_refresh:
+                self.on_refresh()
+            if self.now >= self.next_beat:
+                self.on_rebalance()
+            self.start_steps()
+            if t_end == math.inf:
+                self.check_stuck()
+        return self.metrics(time.perf_counter() - t_wall)
+
+    def on_step_end(self, i: int) -> None:
+        """Instance ``i``'s step ended: count the tokens it emitted, and forget the requests it finished."""
+        inst = self.fleet[i]
+        res = inst.end()
+        for rid in res.emitted:
+            j = self.jobs[rid]
+            j.generated += 1
+            if j.first_token_at is None:
+                j.first_token_at = res.now
+            if j.generated >= j.pred_len and (j.repredicted is None or j.generated >= j.repredicted):
+                j.repredicted = self.history.repredict(j.pred_len, j.generated)
+        for rid in res.finished:
+            self.history.add(self.truth_len[rid])
+            self.gws[self.owner[rid]].views[i].finish(rid)
+            self.truth_jobs[i].pop(rid, None)
+        self.dirty.add(i)
+        if inst.steps >= self.max_steps * len(self.fleet):
+            raise SimulationError(f"step cap reached at t={self.now:.1f}s")
+
+    def on_arrival(self, tr) -> None:
+        """A request arrives: the load balancer picks a gateway, whose placement picks an instance."""
+        now, slo = self.now, self.slo
+        g = self.dealer.randrange(self.cc.gateways) if self.shared else 0
+        pred = self.preds[tr.rid]
+        job = Job(tr.rid, tr.prompt_tokens, max(1.0, pred.length), arrival=tr.arrival)
+        gw = self.gws[g]
+        i = gw.placement.choose(gw.views, job, now)
+        assert i is not None  # simulated instances are always healthy
+        gw.views[i].add(job)
+        self.truth_jobs[i][tr.rid] = job
+        self.jobs[tr.rid], self.where[tr.rid], self.owner[tr.rid] = job, i, g
+        self.records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens, slo.jct_limit(tr.output_tokens))
+        self.fleet[i].inbox.append(new_request(tr, pred, slo.jct_limit))
+        self.dirty.add(i)
+
+    def on_refresh(self) -> None:
+        """Every gateway reads the engines' metrics (several gateways only)."""
+        for g, gw in enumerate(self.gws):
+            gw.refresh(self.truth_jobs, self.owner, g, self.history, self.now)
+        self.next_refresh = self.now + self.cc.refresh_s
+
+    def on_rebalance(self) -> None:
+        """The heartbeat of Aladdin's Alg. 2: each re-balancing gateway moves not-yet-started requests."""
+        for gw in self.gws:
+            if gw.placement.rebalances:
+                for mv in rebalance(gw.views, self.limits, self.now):
+                    self.moves += _move(self.fleet, mv.rid, mv.src, mv.dst, self.by_rid[mv.rid], self.preds[mv.rid], self.slo)
+                    self.truth_jobs[mv.dst][mv.rid] = self.truth_jobs[mv.src].pop(mv.rid)
+                    self.where[mv.rid] = mv.dst
+                    self.dirty.update((mv.src, mv.dst))
+        self.next_beat = self.now + self.cc.rebalance_s
+
+    def start_steps(self) -> None:
+        """Each idle instance whose queues changed starts its next step, if it schedules any."""
+        for i in sorted(self.dirty):  # a busy instance stays dirty until its step ends
+            inst = self.fleet[i]
             if inst.idle:
-                dirty.discard(i)
-                if inst.has_work and inst.start(now):
-                    heapq.heappush(ends, (inst.busy_until, i))
+                self.dirty.discard(i)
+                if inst.has_work and inst.start(self.now):
+                    heapq.heappush(self.ends, (inst.busy_until, i))
                     for rid in inst.plan.tokens:
-                        jobs[rid].started = True
-        if t_end == math.inf and nxt >= len(order) and all(inst.idle for inst in fleet):
-            stuck = [inst.name for inst in fleet if inst.has_work]
+                        self.jobs[rid].started = True
+
+    def check_stuck(self) -> None:
+        """No step was running, no arrival is pending and every instance is idle: any work left is stuck."""
+        if self.nxt >= len(self.order) and all(inst.idle for inst in self.fleet):
+            stuck = [inst.name for inst in self.fleet if inst.has_work]
             if stuck:
                 raise SimulationError(f"{', '.join(stuck)} scheduled nothing with work left and no arrivals pending")
-    m = summarize_instances(f"{cc.placement}/{cc.local_policy}", fleet, records, slo, config, kv_blocks, now,
-                            time.perf_counter() - t_wall)
-    stats: Counter[str] = Counter()
-    for gw in gws:
-        stats.update(gw.placement.stats)
-    placed = Counter(where.values())
-    m.extra.update({"instances": cc.instances, "gateways": cc.gateways, "placement": cc.placement, "local_policy": cc.local_policy,
-                    "instances_used": len(placed), "per_instance_requests": [placed.get(i, 0) for i in range(len(fleet))],
-                    "per_instance_busy": [inst.busy_s / max(now, 1e-9) for inst in fleet], "moves": moves,
-                    "placement_stats": dict(stats)})
-    return m
+
+    def metrics(self, wall_s: float) -> RunMetrics:
+        """The fleet's metrics, with the placement's own numbers in ``extra``."""
+        cc, fleet, now = self.cc, self.fleet, self.now
+        m = summarize_instances(f"{cc.placement}/{cc.local_policy}", fleet, self.records, self.slo, self.config, self.kv_blocks,
+                                now, wall_s)
+        stats: Counter[str] = Counter()
+        for gw in self.gws:
+            stats.update(gw.placement.stats)
+        placed = Counter(self.where.values())
+        m.extra.update({"instances": cc.instances, "gateways": cc.gateways, "placement": cc.placement,
+                        "local_policy": cc.local_policy, "instances_used": len(placed),
+                        "per_instance_requests": [placed.get(i, 0) for i in range(len(fleet))],
+                        "per_instance_busy": [inst.busy_s / max(now, 1e-9) for inst in fleet], "moves": self.moves,
+                        "placement_stats": dict(stats)})
+        return m
 
 
 def _move(fleet: list[SimInstance], rid: int, src: int, dst: int, tr, pred: Prediction, slo: SLO) -> int:

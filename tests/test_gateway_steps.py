@@ -1,0 +1,274 @@
+"""The gateway's request steps (:class:`serving.gateway.gateway.Gateway`) driven one by one, without HTTP.
+
+No engine, no sidecar, no server, no data: the engine URLs point at a closed port and are never contacted, and where a
+step would send the request (forward, prefill) the test stands in for the forwarder. Each test would fail if its step
+broke: a validation that lets a bad body through, a deadline that ignores the client's SLO headers, a client's
+``vllm_xargs`` that overrides the gateway's hints, a prediction that errors instead of falling back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from starlette.responses import Response
+
+from serving.gateway.errors import ApiError
+from serving.gateway.forward import Outcome
+from serving.gateway.gateway import Call, Gateway
+from serving.gateway.prediction import LengthPrediction
+from serving.gateway.prefill import Prefilled
+from serving.gateway.settings import GatewaySettings
+
+pytestmark = pytest.mark.unit
+
+
+def closed_port() -> int:
+    """A local port nothing listens on: connections to it are refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def make():
+    """Gateways over an engine that is never contacted, closed after the test."""
+    made: list[Gateway] = []
+
+    def _make(**settings) -> Gateway:
+        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{closed_port()}"], **settings))
+        made.append(gw)
+        return gw
+
+    yield _make
+
+    async def close() -> None:
+        for gw in made:
+            await gw.aclose()
+
+    asyncio.run(close())
+
+
+def value(metric, *labels: str) -> float:
+    return (metric.labels(*labels) if labels else metric)._value.get()
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "Tell me a story", "max_tokens": 100, **fields}).encode()
+
+
+# --- validate ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw,status,code", [
+    (b"", 400, "invalid_json"),
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_json"),
+    (json.dumps({"prompt": "hi"}).encode(), 400, "missing_required_parameter"),
+    (body(max_tokens=0), 400, "invalid_value"),
+    (body(stream="yes"), 400, "invalid_type"),
+    (body(vllm_xargs=[1]), 400, "invalid_type"),
+    (body(model="other"), 404, "model_not_found"),
+])
+def test_validate_refuses_a_bad_body_with_an_openai_error(make, raw, status, code):
+    gw = make()
+    gw.pool.known_models |= {"m"}  # what the engines reported
+    with pytest.raises(ApiError) as err:
+        gw.validate("completion", raw)
+    assert (err.value.status, err.value.code) == (status, code)
+
+
+def test_validate_takes_any_model_until_the_engines_said_which_they_serve(make):
+    req = make().validate("chat", json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode())
+    assert (req.kind, req.model, req.outputs, req.predict_input) == ("chat", "x", 2, {"messages": [{"role": "user", "content": "hi"}]})
+
+
+# --- predict --------------------------------------------------------------------------------------------
+def test_without_a_sidecar_every_request_runs_on_the_fallback_clamped_to_max_tokens(make):
+    gw = make(fallback_tokens=300)
+    call = Call("completion")
+    pred = asyncio.run(gw.predict(call, gw.validate("completion", body()), {}))
+    assert (pred.tokens, pred.source, pred.reason) == (100, "fallback", "disabled")
+    assert call.pred is pred
+    assert value(gw.metrics.predictions, "fallback") == 1 and value(gw.metrics.prediction_fallbacks, "disabled") == 1
+
+
+def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make):
+    gw = make(predictor_url=f"http://127.0.0.1:{closed_port()}", predictor_timeout_ms=5000, fallback_tokens=40)
+    req = gw.validate("completion", body())
+    pred = asyncio.run(gw.predict(Call("completion"), req, {}))
+    assert (pred.tokens, pred.source, pred.reason) == (40, "fallback", "unreachable")
+    token_ids = gw.validate("completion", body(prompt=[1, 2, 3]))  # nothing to predict from: the sidecar is not asked
+    assert asyncio.run(gw.predict(Call("completion"), token_ids, {})).reason == "token_ids"
+
+
+def test_a_client_prediction_counts_only_when_trusted(make):
+    headers = {"x-lengthwise-pred-len": "12"}
+    untrusted = make()
+    assert asyncio.run(untrusted.predict(Call("completion"), untrusted.validate("completion", body()), headers)).source == "fallback"
+    gw = make(trust_client_predictions=True)
+    req = gw.validate("completion", body())
+    pred = asyncio.run(gw.predict(Call("completion"), req, headers))
+    assert (pred.tokens, pred.source) == (12, "client")
+    assert asyncio.run(gw.predict(Call("completion"), req, {"x-lengthwise-pred-len": "500"})).tokens == 100  # clamped
+    with pytest.raises(ApiError) as err:
+        asyncio.run(gw.predict(Call("completion"), req, {"x-lengthwise-pred-len": "0"}))
+    assert err.value.status == 400
+
+
+# --- deadline ---------------------------------------------------------------------------------------------
+def test_the_deadline_is_the_jct_slo_unless_the_client_states_its_own(make):
+    gw = make(slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
+    pred = LengthPrediction(50, "fallback", "disabled")
+    call = Call("completion", arrival=1000.0)
+    assert gw.deadline(call, pred, gw.slo_terms({})) == pytest.approx(1000.0 + 2.0 * (0.1 + 0.01 * 50))
+    both = gw.slo_terms({"x-slo-ttft-ms": "500", "x-slo-tpot-ms": "20"})
+    assert gw.deadline(call, pred, both) == pytest.approx(1000.0 + 0.5 + 0.02 * 50) == call.deadline
+    ttft_only = gw.slo_terms({"x-slo-ttft-ms": "500"})  # the TPOT term keeps the default's
+    assert gw.deadline(call, pred, ttft_only) == pytest.approx(1000.0 + 0.5 + 2.0 * 0.01 * 50)
+
+
+@pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+@pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan", "inf"])
+def test_a_malformed_slo_header_is_a_400(make, header, raw):
+    with pytest.raises(ApiError) as err:
+        make().slo_terms({header: raw})
+    assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_header", header)
+
+
+# --- hints, engine headers, job ------------------------------------------------------------------------
+def test_our_hints_replace_the_clients_own_and_the_rest_of_its_xargs_travel(make):
+    gw = make()
+    client_xargs = {"pred_len": 1, "deadline": 0.0, "pred_bucket": 0, "my_key": "kept"}
+    req = gw.validate("completion", body(vllm_xargs=client_xargs, stream=True))
+    pred = LengthPrediction(64, "sidecar", hi=128, bucket=2)
+    out = gw.hints(Call("completion"), req, pred, 1234.56789)
+    assert out["vllm_xargs"] == {"my_key": "kept", "pred_len": 64, "pred_hi": 128, "pred_bucket": 2, "deadline": 1234.568}
+    assert out["stream_options"] == {"include_usage": True}  # for feedback; the relay strips it again
+    assert value(gw.metrics.client_hints_dropped) == 3
+    assert req.body["vllm_xargs"] == client_xargs and "stream_options" not in req.body  # the client's body is left as it was
+
+
+def test_the_engine_gets_our_request_id_and_the_clients_credentials_only(make):
+    gw = make()
+    call = Call("chat")
+    assert gw.engine_headers(call, {"authorization": "Bearer k", "x-other": "no"}) == {"X-Request-Id": call.rid,
+                                                                                        "Authorization": "Bearer k"}
+    assert call.rid.startswith("lw-") and gw.engine_headers(call, {}) == {"X-Request-Id": call.rid}
+
+
+def test_the_job_carries_the_prompts_tokens_and_the_predicted_output_of_every_sequence(make):
+    gw = make()
+    call = Call("completion")
+    req = gw.validate("completion", body(prompt="abcdefgh", n=3))
+    job = gw.job(call, req, LengthPrediction(10, "fallback", "disabled"))
+    assert (job.prompt_len, job.pred_len) == (6, 30.0)  # 8 characters / 4, times n; 10 tokens x 3 sequences
+    assert (call.prompt_tokens, call.method) == (6, "estimate")
+    assert gw.job(Call("completion"), req, LengthPrediction(10, "fallback")).rid == job.rid + 1
+
+
+# --- the whole path, with the forwarder stood in for --------------------------------------------------------
+class FakeEngine:
+    """Stands in for ``Forwarder.forward``: records what would go to the engine and answers with ``status``."""
+
+    def __init__(self, status: int = 200, completion_tokens: int = 7):
+        self.status, self.completion_tokens, self.sent = status, completion_tokens, []
+
+    async def forward(self, req, body, headers, job, on_done) -> Response:
+        self.sent.append((body, headers, job))
+        on_done(Outcome(self.status, "engine-0", self.completion_tokens if self.status == 200 else None))
+        return Response(b'{"choices": []}', status_code=self.status, headers={"x-lengthwise-engine": "engine-0"})
+
+
+async def passthrough(answer):
+    return await answer
+
+
+def test_serve_runs_every_step_and_says_what_it_decided_in_the_headers(make):
+    gw = make(fallback_tokens=32, slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
+    gw.forwarder.forward = (engine := FakeEngine()).forward
+    call = Call("completion", arrival=1000.0)
+    resp = asyncio.run(gw.serve(call, body(prompt="abcdefgh", vllm_xargs={"pred_len": 1}), {"x-slo-tpot-ms": "10"},
+                                passthrough))
+    assert resp.status_code == 200
+    assert {k: v for k, v in resp.headers.items() if k.startswith("x-lengthwise")} == {
+        "x-lengthwise-engine": "engine-0", "x-lengthwise-request-id": call.rid, "x-lengthwise-pred-len": "32",
+        "x-lengthwise-prediction": "fallback:disabled", "x-lengthwise-deadline": f"{1000.0 + 2.0 * 0.1 + 0.01 * 32:.3f}",
+        "x-lengthwise-prompt-tokens": "2:estimate"}
+    ((sent, headers, job),) = engine.sent
+    assert sent["vllm_xargs"]["pred_len"] == 32 and headers == {"X-Request-Id": call.rid} and job.prompt_len == 2
+    assert value(gw.metrics.requests, "/v1/completions", "200") == 1 and value(gw.metrics.output_tokens) == 7
+
+
+def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make):
+    gw = make()
+    gw.forwarder.forward = (engine := FakeEngine()).forward
+    call = Call("completion")
+    with pytest.raises(ApiError) as err:
+        asyncio.run(gw.serve(call, body(), {"x-slo-ttft-ms": "soon"}, passthrough))
+    assert value(gw.metrics.predictions, "fallback") == 0 and not engine.sent
+    resp = gw.refused(call, err.value)
+    assert resp.status_code == 400 and resp.headers["x-lengthwise-request-id"] == call.rid
+    assert value(gw.metrics.requests, "/v1/completions", "400") == 1
+
+
+def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make):
+    gw = make()
+    gw.forwarder.forward = FakeEngine().forward
+
+    async def left(answer) -> None:  # the client went away: the adapter cancels the engine call and answers nothing
+        answer.close()
+
+    resp = asyncio.run(gw.serve(Call("chat"), json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                                {}, left))
+    assert resp.status_code == 499 and value(gw.metrics.requests, "/v1/chat/completions", "499") == 1
+    streamed = asyncio.run(gw.serve(Call("completion"), body(stream=True), {}, left))  # a stream has no waiter
+    assert streamed.status_code == 200
+
+
+def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make):
+    gw = make(predictor_url=f"http://127.0.0.1:{closed_port()}")
+    req = gw.validate("completion", body())
+    call = Call("completion", pred=LengthPrediction(10, "sidecar", bucket=1, expected_tokens=9.5, prediction_id="p1"))
+
+    async def main() -> list[int]:
+        pending = []
+        for out in [Outcome(500, "engine-0"), Outcome(200, "engine-0", completion_tokens=12)]:
+            gw.finished(call, req, out)
+            pending.append(len(gw.feedback.pending))
+        return pending
+
+    assert asyncio.run(main()) == [0, 1]
+    assert value(gw.metrics.output_tokens) == 12 and value(gw.metrics.requests, "/v1/completions", "500") == 1
+
+
+def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make):
+    gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{closed_port()}"]),
+                 prefill_urls=[f"http://127.0.0.1:{closed_port()}"])
+    gw.forwarder.forward = (engine := FakeEngine()).forward
+    answers: list[Prefilled | Response] = [Prefilled({"model": "m", "kv_transfer_params": {"k": 1}}, "prefill-0", 0.25, 42),
+                                           Response(b"{}", status_code=400)]
+
+    async def run(req, body, headers, job):
+        return answers.pop(0)
+
+    gw.hop.run = run
+    try:
+        call = Call("completion")
+        resp = asyncio.run(gw.serve(call, body(), {}, passthrough))
+        assert resp.headers["x-lengthwise-prompt-tokens"] == "42:prefill" and resp.headers["x-lengthwise-prefill-engine"] == "prefill-0"
+        assert resp.headers["x-lengthwise-prefill-ms"] == "250.0"
+        ((sent, _, job),) = engine.sent
+        assert sent == {"model": "m", "kv_transfer_params": {"k": 1}} and job.prompt_len == 42
+        refused = asyncio.run(gw.serve(call := Call("completion"), body(), {}, passthrough))
+        assert refused.status_code == 400 and refused.headers["x-lengthwise-request-id"] == call.rid
+        assert len(engine.sent) == 1 and value(gw.metrics.requests, "/v1/completions", "400") == 1
+    finally:
+        asyncio.run(gw.aclose())
+
+
+def test_health_is_degraded_without_a_healthy_engine(make):
+    gw = make()
+    assert gw.health()["status"] == "degraded" and gw.health()["healthy_engines"] == 0
+    gw.pool.engines[0].healthy = True
+    assert gw.health()["status"] == "ok" and value(gw.metrics.requests, "/health", "200") == 3

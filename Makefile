@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast lint
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,16 @@ demo: setup
 	$(VENV)/bin/lengthwise registry list
 	$(VENV)/bin/lengthwise demo --work-dir demo-results/serving
 
-test: setup
+# Everything CI runs: the lint, then every test (unit tier, real data, real engines, servers, MLflow).
+test: setup lint
 	$(VENV)/bin/python -m pytest -q tests
 
+# The unit tier alone: no data, no engine process, no server, no MLflow (policy core, placement, latency models,
+# buckets, batcher, the plug-in against vLLM's scheduler class); under 2 minutes on 2 cores.
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m unit tests
+
+# ruff (line length included) and the layer contracts in pyproject.toml [tool.importlinter].
 lint: setup
 	$(VENV)/bin/ruff check predictor training serving registry tests
+	$(VENV)/bin/lint-imports

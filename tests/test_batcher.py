@@ -11,6 +11,8 @@ import pytest
 
 from predictor.sidecar.batcher import MicroBatcher
 
+pytestmark = pytest.mark.unit
+
 
 def run(coro):
     return asyncio.run(coro)

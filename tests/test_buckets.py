@@ -5,6 +5,8 @@ from hypothesis import strategies as st
 
 from predictor.buckets import BucketScheme, BucketSchemeError
 
+pytestmark = pytest.mark.unit
+
 
 def test_equal_width_edges_and_assignment():
     s = BucketScheme.equal_width(200, 2048)

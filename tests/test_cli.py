@@ -40,6 +40,7 @@ def test_bad_input_exits_2_with_one_line(case, files, data, home):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.unit
 def test_help_teaches():
     r = run_cli("--help")
     assert r.returncode == 0 and "examples:" in r.stdout and "--bucket-width" in r.stdout

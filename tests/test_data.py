@@ -26,6 +26,7 @@ def test_sharegpt_one_example_per_answered_human_turn(sharegpt):
     assert [t.role for t in multi.turns[-3:]] == ["user", "assistant", "user"]
 
 
+@pytest.mark.unit
 def test_sharegpt_parts_share_a_group():
     recs = [
         {"id": "abc_0", "conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}]},
@@ -54,6 +55,7 @@ def test_alpaca_eval_generator(data):
         load_examples(data / ALPACA, "alpaca-eval")
 
 
+@pytest.mark.unit
 def test_jsonl_csv_and_counts(tmp_path):
     rows = [{"prompt": "hi", "response": "hello there"}, {"prompt": "x", "response_tokens": 42, "id": "c1"},
             {"prompt": "", "response": "skipped"}]
@@ -65,6 +67,7 @@ def test_jsonl_csv_and_counts(tmp_path):
         assert ex[1].response_tokens == 42
 
 
+@pytest.mark.unit
 def test_hf_dataset_from_local_files(tmp_path):
     d = tmp_path / "ds"
     d.mkdir()
@@ -73,6 +76,7 @@ def test_hf_dataset_from_local_files(tmp_path):
     assert len(ex) == 5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content,fmt,match", [
     (None, "sharegpt", "not found"),
     ("not json", "sharegpt", "not a ShareGPT"),

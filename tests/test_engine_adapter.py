@@ -20,6 +20,8 @@ from serving.engine.scheduler import LengthwiseScheduler
 from serving.engine.settings import ENV, SchedulerSettings
 from tests.vllm_harness import expected_tokens, make_request, make_scheduler, run_to_completion
 
+pytestmark = pytest.mark.unit
+
 POLICIES = ["vllm", "sjf", "sarathi", "lengthwise", "lengthwise-fcfs", "ecoserve-D", "ecoserve-SDO", "ecoserve", "orca"]
 
 

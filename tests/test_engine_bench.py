@@ -18,6 +18,7 @@ def _rows(starts, steps, prefill, decode):
             for s, d, p, n in zip(starts, steps, prefill, decode)]
 
 
+@pytest.mark.unit
 def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
     # three back-to-back steps (1 ms loop gap each), an idle second, then two more
     rows = _rows([0.0, 0.011, 0.022, 1.5, 1.511], [0.010] * 5, [100, 0, 0, 50, 0], [0, 2, 2, 0, 3])
@@ -32,6 +33,7 @@ def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
     assert fit.n_rows == 5 and math.isfinite(fit.c0)
 
 
+@pytest.mark.unit
 def test_fleet_calibration_merges_each_engines_profile(tmp_path):
     from serving.placementbench.fleet import _merge_csv
 
@@ -43,6 +45,7 @@ def test_fleet_calibration_merges_each_engines_profile(tmp_path):
     assert FittedLatency.from_csv(tmp_path / "m.csv").n_rows == 5
 
 
+@pytest.mark.unit
 def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     """A /metrics without vLLM's request gauges (an engine just started) is not idle; the gauges at 0 are."""
     import http.server
@@ -117,6 +120,7 @@ def _pt(rate, stock, ours):
     return {"rate": rate, "stock": {"slo_attainment": stock}, "lengthwise": {"slo_attainment": ours}}
 
 
+@pytest.mark.unit
 def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
     from serving.enginebench.bench import headline, max_rate_at
 
@@ -131,6 +135,7 @@ def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
     assert head["rate"] == 2.0 and rule.startswith("highest")
 
 
+@pytest.mark.unit
 def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
     from serving.gateway.metrics import GatewayMetrics
     from serving.placementbench.fleet import _prefill_hops
@@ -142,6 +147,7 @@ def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
     assert _prefill_hops(GatewayMetrics().render().decode()) == {}  # a colocated gateway: no hops
 
 
+@pytest.mark.unit
 def test_fleet_calls_a_run_past_capacity_by_its_backlog_not_by_the_drain_of_long_answers():
     from serving.placementbench.fleet import _admitted_by_last_arrival
     from serving.replay import Result

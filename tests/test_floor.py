@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from serving.perf.latency import DecodePoolLatency, LinearLatency
 from serving.placement.floor import DecodeCost, fluid_floor, need_curve
 
+pytestmark = pytest.mark.unit
+
 # BLIS's Llama-3.1-8B/H100 shape: 5.75 ms a step, 6 µs a decode, 0.049 µs a context token read
 LAT = DecodePoolLatency(LinearLatency(5752.7, 17.3, 6.0, 0.0489))
 TPOT = 0.0125

@@ -50,6 +50,7 @@ vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="
 """
 
 
+@pytest.mark.unit
 def test_parse_report_reads_vllm_032_names():
     r = parse_report(VLLM_032_METRICS, at=5.0)
     assert (r.running, r.waiting, r.requests) == (4, 2, 6)  # waiting_by_reason is not counted again
@@ -76,6 +77,7 @@ def _job(rid: int, prompt: int = 10, pred: float = 50) -> Job:
     return Job(rid, prompt, pred)
 
 
+@pytest.mark.unit
 def test_aladdin_best_fit_packs_to_the_batch_limit_then_would_open():
     p, fallbacks = _placer()
     for v in p.views:
@@ -88,6 +90,7 @@ def test_aladdin_best_fit_packs_to_the_batch_limit_then_would_open():
     assert p.state()["stats"]["aladdin"]["placed"] == 9 and p.state()["limits"]["kv_tokens"] == 262_144
 
 
+@pytest.mark.unit
 def test_lengthwise_spreads_and_p2c_checks_kv_room():
     p, _ = _placer("lengthwise")
     for v in p.views:
@@ -109,6 +112,7 @@ def test_lengthwise_spreads_and_p2c_checks_kv_room():
     assert p3.policy.stats["no_room"] == 1
 
 
+@pytest.mark.unit
 def test_load_others_sent_enters_the_view_as_synthetic_jobs():
     p, _ = _placer(others_pred_len=256)
     v0, v1 = p.views
@@ -130,6 +134,7 @@ def test_load_others_sent_enters_the_view_as_synthetic_jobs():
     assert own.first_token_at == 2.0 and own.generated == 0
 
 
+@pytest.mark.unit
 def test_least_kv_weighs_what_each_engine_holds_including_others_requests():
     p, fallbacks = _placer("least-kv")
     v0, v1 = p.views
@@ -142,6 +147,7 @@ def test_least_kv_weighs_what_each_engine_holds_including_others_requests():
     assert p.choose(_job(9), frozenset(), 10.5) == 1 and fallbacks == ["stale"]
 
 
+@pytest.mark.unit
 def test_others_waiting_in_the_engine_queue_count_as_prefill_to_do():
     p, _ = _placer()
     v0, _v1 = p.views
@@ -163,6 +169,7 @@ def test_others_waiting_in_the_engine_queue_count_as_prefill_to_do():
     assert all(j.pred_len == 200 for j in synthetic)  # planned as the mean finished length so far
 
 
+@pytest.mark.unit
 def test_stale_or_missing_reports_fall_back_to_jsq_and_count_why():
     p, fallbacks = _placer()
     assert p.choose(_job(0), frozenset(), 0.0) is not None and fallbacks == ["no_capacity"]
@@ -182,6 +189,7 @@ def test_stale_or_missing_reports_fall_back_to_jsq_and_count_why():
     assert q.choose(_job(0), frozenset(), 1.0) == 1 and q.choose(_job(1), frozenset(), 10.0) == 0 and qf == []
 
 
+@pytest.mark.unit
 def test_a_request_on_a_view_from_placement_to_finish_drop_and_take_out():
     p, _ = _placer("aladdin")  # deterministic on empty engines: the first
     for v in p.views:
@@ -214,6 +222,7 @@ def test_a_request_on_a_view_from_placement_to_finish_drop_and_take_out():
     assert v1.inst.healthy and p.choose(_job(9), frozenset({"engine-0"}), 3.0) == 1  # no report yet: by JSQ
 
 
+@pytest.mark.unit
 def test_latency_profile_adds_the_atgt_limit(tmp_path):
     # a profile as `lengthwise bench engine` writes it: 20 ms a step plus 1 ms per decoded sequence
     rows = ["prefill_tokens,decode_tokens,kv_read_tokens,step_s"]
@@ -236,6 +245,7 @@ def test_latency_profile_adds_the_atgt_limit(tmp_path):
     assert p.policy.stats["rejected_atgt"] >= 1 and p.policy.stats["would_open"] >= 1
 
 
+@pytest.mark.unit
 def test_settings_for_placement():
     assert canonical_placement("least-outstanding") == "jsq" and canonical_placement("Aladdin") == "aladdin"
     s = GatewaySettings(model="m", engine_args=["--max-num-seqs 6", "--max-num-batched-tokens=512"], placement="p2c")
@@ -263,6 +273,7 @@ def test_settings_for_placement():
             GatewaySettings(**kw)
 
 
+@pytest.mark.unit
 def test_prompt_tokens_without_a_tokenizer_and_streamed_token_counts():
     c = PromptCounter()
     assert c.method == "estimate"
@@ -275,6 +286,7 @@ def test_prompt_tokens_without_a_tokenizer_and_streamed_token_counts():
     assert relay.token_events == 2
 
 
+@pytest.mark.unit
 def test_a_stream_cut_off_before_its_engine_call_started_fails_over_instead_of_hanging():
     """take_out cancels the engine calls in flight; a call cancelled before its first step never runs its own
     handler, so the stream's reader must learn of it from the task itself (this hung a request once)."""
@@ -388,6 +400,7 @@ def _forward_once(server_side: _DroppingEngine, **settings_kw):
     return asyncio.run(main())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("alive", [True, False])
 @pytest.mark.parametrize("reason", ["dropped", "reset"])
 def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_its_probe_passes(alive, reason):
@@ -408,6 +421,7 @@ def test_a_connection_dropped_before_any_answer_goes_back_to_the_same_engine_if_
     assert not engine.view.inst.jobs
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("drops,retries", [(3, 2), (4, 2), (2, 0)])
 def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_while_the_budget_lasts(drops, retries):
     """With every engine tried (here the only one), a request whose engine dropped its connection again after the
@@ -428,6 +442,7 @@ def test_a_live_engine_that_keeps_dropping_a_request_gets_it_back_after_a_pause_
     assert engine.healthy and not engine.view.inst.jobs
 
 
+@pytest.mark.unit
 def test_the_prefill_request_asks_for_one_token_kept_for_a_remote_decode():
     from serving.gateway.prefill import REMOTE_DECODE, prefill_body
 

@@ -40,6 +40,7 @@ def make_jobs(rows) -> list[Job]:
     return [Job(i, p, float(pred), generated=g, started=g > 0, first_token_at=0.0 if g else None) for i, (p, pred, g) in enumerate(rows)]
 
 
+@pytest.mark.unit
 @settings(max_examples=150, deadline=None)
 @given(jobs_st, st.sampled_from([1, 16, 32]))
 def test_projected_kv_peak_is_exact_at_the_breakpoints(rows, bs):
@@ -48,6 +49,7 @@ def test_projected_kv_peak_is_exact_at_the_breakpoints(rows, bs):
     assert lim.kv_peak_blocks(jobs) == pytest.approx(brute_peak(jobs, bs))
 
 
+@pytest.mark.unit
 @settings(max_examples=100, deadline=None)
 @given(st.lists(jobs_st, min_size=1, max_size=4), st.tuples(st.integers(1, 300), st.integers(1, 200)),
        st.sampled_from(["aladdin", "lengthwise-pack", "lengthwise"]))
@@ -75,6 +77,7 @@ def test_aladdin_keeps_projected_kv_within_capacity_whenever_some_instance_could
         assert lim.capacity_norm(insts[i]) == min(lim.capacity_norm(x) for x in insts)
 
 
+@pytest.mark.unit
 def test_aladdin_pairs_long_prompts_with_long_outputs_where_jsq_may_not():
     """Aladdin Fig. 3: capacity 9, two long-prompt and two long-output requests: packing by KV over time fits all."""
     lim = Limits(kv_tokens=9, block_size=1)
@@ -90,6 +93,7 @@ def test_aladdin_pairs_long_prompts_with_long_outputs_where_jsq_may_not():
     assert p.stats["would_open"] == 0 and p.stats["rejected_kv"] >= 1
 
 
+@pytest.mark.unit
 def test_pack_best_fits_but_tries_instances_with_a_prompt_to_prefill_last():
     lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
     decoding = {k: Job(k, 2_000, 100.0, generated=5, started=True, first_token_at=0.0) for k in range(1, 4)}
@@ -112,6 +116,7 @@ def test_pack_best_fits_but_tries_instances_with_a_prompt_to_prefill_last():
     assert pack.choose(insts, new, now=2.0) == 2 and pack.stats["would_open"] == 0
 
 
+@pytest.mark.unit
 def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
     lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
     insts = [Instance(f"i{k}", jobs={k * 10 + m: Job(k * 10 + m, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
@@ -130,6 +135,7 @@ def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
     assert make_placement("aladdin", lim, replica=(1, 2)).choose(insts, new, now=1.0) == 2  # others ignore it
 
 
+@pytest.mark.unit
 def test_baselines_round_robin_jsq_p2c_and_health():
     insts = [Instance(f"i{k}") for k in range(3)]
     rr = make_placement("round-robin")
@@ -162,6 +168,7 @@ def test_baselines_round_robin_jsq_p2c_and_health():
     assert [kv.choose(idle, Job(20 + k, 10, 1.0)) for k in range(3)] != [0, 0, 0]  # ties rotate over an idle fleet
 
 
+@pytest.mark.unit
 def test_rebalance_moves_only_unstarted_jobs_from_an_overrun_instance():
     lim = Limits(kv_tokens=100_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
     over = Instance("over", jobs={
@@ -180,6 +187,7 @@ def test_rebalance_moves_only_unstarted_jobs_from_an_overrun_instance():
     assert over.jobs[1].started and 1 not in under.jobs
 
 
+@pytest.mark.unit
 def test_length_history_conditional_mean_and_window():
     h = LengthHistory(window=5)
     for x in (10, 20, 30, 40, 50, 60):
@@ -191,6 +199,7 @@ def test_length_history_conditional_mean_and_window():
     assert h.repredict(predicted=100, generated=70) == 140.0  # nothing longer seen: doubling
 
 
+@pytest.mark.unit
 def test_scaling_fit_recovers_a_linear_history_and_refuses_one_rate():
     fit = fit_scaling([(2, 2), (4, 3), (6, 4), (8, 5)])
     assert fit.k5 == pytest.approx(0.5) and fit.c5 == pytest.approx(1.0) and fit.r2 == pytest.approx(1.0)
@@ -279,6 +288,7 @@ def test_bench_placement_reports_a_decode_pools_fluid_floor_and_no_placement_bea
     assert "fluid floor" in r.stdout and "over the mean" in r.stdout
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args,message", [
     (["bench", "placement", "--placements", "jsq,nope"], "unknown placement"),
     (["bench", "placement", "--measures", "b"], "includes a"),
@@ -300,6 +310,7 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.unit
 def test_scale_from_points():
     r = lengthwise("scale", "--points", "2:2,4:3,6:4,8:5", "--rate", "7")
     assert r.returncode == 0 and r.stdout.startswith("5 instances for 7 req/s"), r.stdout + r.stderr

@@ -22,6 +22,8 @@ from serving.policy.ecoserve import EcoServe
 from serving.policy.registry import make_policy, policy_names
 from serving.policy.request import Phase, Prediction, Request
 
+pytestmark = pytest.mark.unit
+
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP",
             "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"]
 VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs")

@@ -1,8 +1,11 @@
+import pytest
 from tokenizers import Tokenizer
 
 from predictor.model import default_backbone_path
 from predictor.prompt import InputFormat, encode_turns, messages_to_turns
 from training.export import input_format_for
+
+pytestmark = pytest.mark.unit
 
 
 def _tok():

@@ -32,6 +32,8 @@ from serving.perf.latency import (
     make_latency_model,
 )
 
+pytestmark = pytest.mark.unit
+
 OPT = get_model("opt-13b")
 A100 = get_gpu("a100-80gb")
 
@@ -129,8 +131,7 @@ def test_roofline_opt13b_sanity_numbers():
     pre = StepShape.of(prefill_chunks=[(0, 2048)])
     b = r.breakdown(pre)
     assert b["bound"] == "compute"
-    dense = 2 * 12.9e9 * 2048 / (312e12 * 0.6)  # ≈0.28 s
-    assert dense == pytest.approx(0.282, abs=0.001)
+    dense = 2 * 12.9e9 * 2048 / (312e12 * 0.6)  # the dense FLOPs at 60% of A100's peak: ≈0.28 s
     assert dense < b["compute_s"] < dense * 1.05  # plus attention's quadratic term (~3%)
 
 

@@ -99,6 +99,7 @@ def test_mooncake_ticks_are_spread_not_bursts(data):
     assert np.array_equal(np.searchsorted(np.array(ticks) - ticks[0], arr, side="right"), per_tick)  # each stays in its tick
 
 
+@pytest.mark.unit
 def test_spread_ties_unit():
     from serving.sim.workload import spread_ties
 
@@ -208,6 +209,7 @@ def test_bad_options(data, kw, msg):
     ("unknown.jsonl", '{"foo": 1}\n', r":1: unknown JSONL workload"),
     ("binary.bin", None, r"cannot read as UTF-8"),
 ])
+@pytest.mark.unit
 def test_malformed_files_raise_with_line(tmp_path, name, text, msg):
     p = tmp_path / name
     if text is None:
@@ -219,6 +221,7 @@ def test_malformed_files_raise_with_line(tmp_path, name, text, msg):
     assert str(p) in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.unit
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(WorkloadError, match="not found"):
         load_workload(tmp_path / "nope.csv")
@@ -226,6 +229,7 @@ def test_missing_file_and_directory(tmp_path):
         detect_format(tmp_path)
 
 
+@pytest.mark.unit
 def test_zero_lengths_are_dropped_and_timestamps_sorted(tmp_path):
     p = tmp_path / "mc.jsonl"
     rows = [(3000, 5, 3), (1000, 0, 3), (2000, 7, 0), (1500, 9, 4)]
@@ -304,6 +308,7 @@ def test_gauss_is_deterministic(lengths):
     assert g.repredict(r, 40, a[0]) == g.repredict(r, 40, a[0]) >= 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("spec", ["", "oracle:1", "noise", "noise:0", "noise:1.5", "noise:abc", "noise:nan", "gauss:-0.1",
                                   "gauss:", "uniform:0.5", "magic"])
 def test_bad_specs(spec):
@@ -312,6 +317,7 @@ def test_bad_specs(spec):
     assert "\n" not in str(exc.value)
 
 
+@pytest.mark.unit
 def test_bad_model_paths(tmp_path):
     with pytest.raises(PredictorSpecError, match="not a predictor package"):
         make_predictor(str(tmp_path))
@@ -350,6 +356,7 @@ def test_model_predictions_from_bucket_distribution(sharegpt, lengths):
         m.predict(lengths.requests[:2])
 
 
+@pytest.mark.unit
 def test_trace_request_is_frozen():
     r = TraceRequest(0, 0.0, 1, 1)
     with pytest.raises(AttributeError):

@@ -250,19 +250,29 @@ def _bench_placement(out: Path, *args: str, scenario: str = "sharegpt") -> tuple
     return r, json.loads(out.read_text())
 
 
+def _assert_fewest_instances(p: dict) -> None:
+    """(a) found a count: it attains >= 99% and one instance fewer, where tried, does not."""
+    n = p["instances_needed"]
+    assert isinstance(n, int) and n >= 1, p
+    assert p["tried"][str(n)] >= 0.99
+    if str(n - 1) in p["tried"]:
+        assert p["tried"][str(n - 1)] < 0.99
+
+
 def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_path):
     out = tmp_path / "p.json"
     r, d = _bench_placement(out, "--max-requests", "150", "--placements", "jsq,aladdin", "--gateways", "1,2")
     for name in ("jsq", "aladdin"):
         p = d["policies"][name]
-        assert p["instances_needed"] is None or p["instances_needed"] >= 1
+        _assert_fewest_instances(p)
         assert p["max_rate_at_90_slo"] > 0 and set(p["gateways"]) == {"1", "2"}
     assert d["scenarios"]["sharegpt"]["_meta"]["rate_a"] > 0
     assert (tmp_path / "p_sharegpt.png").stat().st_size > 10_000
     assert "(a) instances" in r.stdout
-    fitted = [k for k, v in d["scaling"].items() if "k5" in v]
-    if fitted:
-        s = lengthwise("scale", "--from", str(out), "--placement", fitted[0], "--rate", "3")
+    # Eq. 7 is fitted for both placements (three (a) scans at rising rates), and `scale` reads each fit back
+    assert {k for k, v in d["scaling"].items() if "k5" in v} == {"jsq", "aladdin"}
+    for name in ("jsq", "aladdin"):
+        s = lengthwise("scale", "--from", str(out), "--placement", name, "--rate", "3")
         assert s.returncode == 0 and "instances for 3 req/s" in s.stdout, s.stderr
 
 
@@ -271,7 +281,7 @@ def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
     assert d["_meta"]["measures"] == ["a"] and d["scaling"] == {}
     for p in d["policies"].values():
         assert p["max_rate_at_90_slo"] is None and p["curve"] == []
-        assert p["instances_needed"] is None or p["tried"][str(p["instances_needed"])] >= 0.99
+        _assert_fewest_instances(p)
     assert "(a) instances" in r.stdout and "Eq. 7" not in r.stdout
     assert d["floor"] is None and "fluid floor" not in r.stdout  # a colocated fleet: prompt compute is not modelled
 

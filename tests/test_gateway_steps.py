@@ -16,7 +16,7 @@ import pytest
 from starlette.responses import Response
 
 from serving.gateway.errors import ApiError
-from serving.gateway.forward import Outcome
+from serving.gateway.forward import Outcome, _Data, _End, _Failed, _Retry, _Status
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.prefill import Prefilled
@@ -272,3 +272,76 @@ def test_health_is_degraded_without_a_healthy_engine(make):
     assert gw.health()["status"] == "degraded" and gw.health()["healthy_engines"] == 0
     gw.pool.engines[0].healthy = True
     assert gw.health()["status"] == "ok" and value(gw.metrics.requests, "/health", "200") == 3
+
+
+# --- forward: a stream's typed messages ------------------------------------------------------------------
+class FakeStream:
+    """Stands in for one streamed engine call (``forward._EngineStream``): its messages queued up front."""
+
+    def __init__(self, pool, messages):
+        from serving.placement import Job
+
+        self.pool, self.engine, self.job = pool, pool.engines[0], Job(1, 2, 4.0)
+        self.messages: asyncio.Queue = asyncio.Queue()
+        for m in messages:
+            self.messages.put_nowait(m)
+        self.released: tuple | None = None
+
+    def passed(self, relay, data):
+        return relay.relay(data)
+
+    def release(self, generated=None, complete=False):
+        self.released = (generated, complete)
+
+
+def relayed(gw: Gateway, messages) -> tuple[bytes, FakeStream, list[Outcome]]:
+    from serving.gateway.sse import StreamRelay
+
+    async def main():
+        call, done = FakeStream(gw.pool, messages[1:]), []
+        chunks = [c async for c in gw.forwarder._relay(call, StreamRelay(False), messages[0], "lw-1", done.append)]
+        return b"".join(chunks), call, done
+
+    return asyncio.run(main())
+
+
+def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event_and_drops_the_call(make):
+    gw = make()
+    text, call, (out,) = relayed(gw, [_Data('{"choices": [{"text": "a"}]}'), _Failed("broken", "connection lost")])
+    assert text.startswith(b'data: {"choices": [{"text": "a"}]}\n\n') and b"connection lost" in text
+    assert text.endswith(b"data: [DONE]\n\n") and call.released == (None, False)
+    assert out.status == 200 and value(gw.metrics.stream_errors, "engine-0") == 1
+
+
+def test_a_complete_stream_finishes_the_call_with_its_usage_and_ends_with_done(make):
+    gw = make()
+    usage = '{"choices": [], "usage": {"completion_tokens": 3}}'  # asked for by the gateway only: not relayed
+    text, call, (out,) = relayed(gw, [_Data('{"choices": [{"text": "a"}]}'), _Data(usage), _End()])
+    assert text == b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
+    assert call.released == (3, True) and out.completion_tokens == 3 and value(gw.metrics.stream_errors, "engine-0") == 0
+    text, call, _ = relayed(gw, [_Data("[DONE]"), _Failed("broken", "late")])  # after [DONE] a failure is no error
+    assert text == b"data: [DONE]\n\n" and call.released == (None, True)
+
+
+@pytest.mark.parametrize("first,expect", [
+    (("status", 400), 400), (("status", 503), "status_503"), (("end",), "empty"), (("failed", "timeout"), 504),
+    (("failed", "reset"), "reset"), (("failed", "engine_down"), "engine_down")])
+def test_a_stream_that_did_not_start_passes_the_engines_answer_on_or_is_retried(make, first, expect):
+    gw = make()
+    msg = {"status": lambda: _Status(first[-1], b'{"error": {}}'), "end": _End,
+           "failed": lambda: _Failed(first[-1], "what happened")}[first[0]]()
+    done: list[Outcome] = []
+
+    async def main():
+        try:
+            return await gw.forwarder._unstarted(gw.pool.engines[0], msg, done.append)
+        except (_Retry, ApiError) as exc:
+            return exc
+
+    got = asyncio.run(main())
+    if isinstance(expect, int) and expect < 500:
+        assert got.status_code == expect and got.body == b'{"error": {}}' and [o.status for o in done] == [expect]
+    elif isinstance(expect, int):
+        assert isinstance(got, ApiError) and got.status == expect and got.message == "what happened" and not done
+    else:
+        assert isinstance(got, _Retry) and got.reason == expect and not done

@@ -198,119 +198,167 @@ class Forwarder:
         return Response(r.content, status_code=r.status_code, headers=self._headers(engine),
                         media_type=r.headers.get("content-type", "application/json"))
 
-    async def _stream(self, engine, req, body, headers, job, on_done) -> Response:
-        q: asyncio.Queue = asyncio.Queue()
-        url = self._url(engine, req)
-
-        async def pump() -> None:
-            """Read the engine's stream into ``q``: ("status", code, body) | ("data", str) | ("end",) | ("error", why)."""
-            try:
-                async with self.client.stream("POST", url, json=body, headers=headers) as r:
-                    if r.status_code != 200:
-                        q.put_nowait(("status", r.status_code, await r.aread()))
-                        return
-                    async for data in sse_data(r.aiter_lines()):
-                        engine.progressed()
-                        q.put_nowait(("data", data))
-                q.put_nowait(("end",))
-            except asyncio.CancelledError:
-                q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
-                raise
-            except (httpx.ReadTimeout, httpx.WriteTimeout):
-                q.put_nowait(("error", "timeout", f"{engine.name} sent nothing for {self.settings.engine_timeout_s:g} s"))
-            except httpx.TransportError as exc:  # never reached the engine, or lost it: another may take the request
-                retry = _transport_retry(self.pool, engine, exc, self.settings.connect_timeout_s)
-                q.put_nowait(("error", retry.reason, str(retry)))
-
-        task = asyncio.get_running_loop().create_task(pump())
-        engine.calls.add(task)
-        task.add_done_callback(engine.calls.discard)
-
-        def cancelled(t: asyncio.Task) -> None:
-            """A pump cancelled before it ran never reached its own handler: say so, or the reader waits forever."""
-            if t.cancelled():
-                q.put_nowait(("error", "engine_down", f"{engine.name} was taken out by its health checks ({engine.last_error})"))
-
-        task.add_done_callback(cancelled)
-        released = False
-
-        def release(generated: int | None = None, complete: bool = False) -> None:
-            """End the call once: a complete answer leaves the engine's view as finished, anything else as dropped."""
-            nonlocal released
-            if not released:
-                released = True
-                task.cancel()
-                if complete:
-                    self.pool.finish(engine, job, generated)
-                else:
-                    self.pool.drop(engine, job)
-
+    async def _stream(self, engine: Engine, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
+                      on_done: Callable[[Outcome], None]) -> Response:
+        """Stream from ``engine``: retried (raised) while nothing came, else relayed as the engine's events arrive."""
+        call = _EngineStream(self, engine, job, self._url(engine, req), body, headers)
         try:
-            first = await q.get()
+            first = await call.messages.get()
         except BaseException:
-            release()
+            call.release()
             raise
-        if first[0] != "data":
-            release()
-            if first[0] == "status":
-                code, content = first[1], first[2]
+        if not isinstance(first, _Data):
+            call.release()
+            return await self._unstarted(engine, first, on_done)
+        if _is_error_event(first.data) and not await self.pool.check(engine, immediate=True):
+            call.release()
+            raise _Retry("error_event", f"{engine.name} failed the request and its health probe: {first.data[:200]}")
+        return StreamingResponse(self._relay(call, StreamRelay(req.wants_usage), first, headers.get("X-Request-Id"), on_done),
+                                 media_type="text/event-stream", headers={**self._headers(engine), "Cache-Control": "no-cache"},
+                                 background=BackgroundTask(call.release))
+
+    async def _unstarted(self, engine: Engine, first: _Status | _End | _Failed, on_done: Callable[[Outcome], None]) -> Response:
+        """A stream whose first message is not an event: the engine's non-200 answer for the client, or a retry (raised)."""
+        match first:
+            case _Status(code, content):
                 if await self._retry_status(engine, code):
                     raise _Retry(f"status_{code}", f"{engine.name} answered {code}: {content[:200].decode(errors='replace')}")
                 on_done(Outcome(code, engine.name))
                 return Response(content, status_code=code, headers=self._headers(engine), media_type="application/json")
-            if first[0] == "end":
+            case _End():
                 raise _Retry("empty", f"{engine.name} closed the stream without an event")
-            if first[1] == "timeout":
-                raise ApiError(504, first[2], code="engine_timeout")
-            raise _Retry(first[1], first[2])
-        if _is_error_event(first[1]) and not await self.pool.check(engine, immediate=True):
-            release()
-            raise _Retry("error_event", f"{engine.name} failed the request and its health probe: {first[1][:200]}")
-        relay = StreamRelay(req.wants_usage)
-        out = Outcome(200, engine.name)
+            case _Failed("timeout", detail):
+                raise ApiError(504, detail, code="engine_timeout")
+            case _Failed(reason, detail):
+                raise _Retry(reason, detail)
+
+    async def _relay(self, call: _EngineStream, relay: StreamRelay, first: _Data, rid: str | None,
+                     on_done: Callable[[Outcome], None]) -> AsyncIterator[bytes]:
+        """The client's events: the engine's as they come (``first`` already read), ended properly whatever ends them.
+
+        The call leaves the engine's view when the stream ends: finished if the answer was complete, else dropped.
+        """
+        out = Outcome(200, call.engine.name)
         complete = False
-
-        def passed(data: str) -> bytes | None:
-            """Relay one event and count the tokens it carried on the job (its first one starts the job)."""
-            before = relay.token_events
-            chunk = relay.relay(data)
-            self.pool.tokens(job, relay.token_events - before)
-            return chunk
-
-        async def events() -> AsyncIterator[bytes]:
-            nonlocal complete
-            try:
-                chunk = passed(first[1])
-                if chunk:
-                    yield chunk
-                while True:
-                    item = await q.get()
-                    if item[0] == "data":
-                        chunk = passed(item[1])
+        try:
+            msg: _Message = first
+            while True:
+                match msg:
+                    case _Data(data):
+                        chunk = call.passed(relay, data)
                         if chunk:
                             yield chunk
-                    elif item[0] == "end":
+                    case _End():
                         complete = True
                         if not relay.done:  # an engine that closed without [DONE] still ends the client's stream properly
                             yield b"data: [DONE]\n\n"
                         break
-                    else:
+                    case _Failed(detail=why) | _Status(content=why):  # (a _Status only ever comes first)
                         if relay.done:
                             complete = True
                             break
-                        self.metrics.stream_errors.labels(engine.name).inc()
-                        log.warning("stream %s cut after %d events: %s", headers.get("X-Request-Id"), relay.events, item[-1])
-                        yield sse_error(f"the engine failed after part of the answer was sent: {item[-1]}")
+                        self.metrics.stream_errors.labels(call.engine.name).inc()
+                        log.warning("stream %s cut after %d events: %s", rid, relay.events, why)
+                        yield sse_error(f"the engine failed after part of the answer was sent: {why}")
                         break
-            finally:
-                release(relay.completion_tokens, complete)
-                out.completion_tokens = relay.completion_tokens
-                out.first_token_at = relay.first_token_at
-                on_done(out)
+                msg = await call.messages.get()
+        finally:
+            call.release(relay.completion_tokens, complete)
+            out.completion_tokens = relay.completion_tokens
+            out.first_token_at = relay.first_token_at
+            on_done(out)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**self._headers(engine), "Cache-Control": "no-cache"},
-                                 background=BackgroundTask(release))
+
+# --- what a streamed engine call tells its reader -------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Status:
+    """The engine answered other than 200, with this body; the pump's first and last message."""
+
+    code: int
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Data:
+    """One server-sent event's data."""
+
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    """The engine closed its stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """The call failed: ``reason`` is a retry reason (see :func:`_transport_retry`), ``engine_down`` or ``timeout``."""
+
+    reason: str
+    detail: str
+
+
+_Message = _Status | _Data | _End | _Failed
+
+
+class _EngineStream:
+    """One streamed engine call: a task that reads the engine's stream into ``messages``, cancelled with the call when
+    the engine is taken out, and the call's one release from the engine's view."""
+
+    def __init__(self, fw: Forwarder, engine: Engine, job: Job, url: str, body: dict, headers: dict[str, str]) -> None:
+        self.fw, self.pool, self.engine, self.job = fw, fw.pool, engine, job
+        self.messages: asyncio.Queue[_Message] = asyncio.Queue()
+        self.released = False
+        self.task = asyncio.get_running_loop().create_task(self._pump(url, body, headers))
+        engine.calls.add(self.task)
+        self.task.add_done_callback(engine.calls.discard)
+        self.task.add_done_callback(self._cancelled)
+
+    def _taken_out(self) -> _Failed:
+        return _Failed("engine_down", f"{self.engine.name} was taken out by its health checks ({self.engine.last_error})")
+
+    async def _pump(self, url: str, body: dict, headers: dict[str, str]) -> None:
+        """Read the engine's stream into ``messages``: a _Status, or _Data ... then _End or _Failed."""
+        engine, put, s = self.engine, self.messages.put_nowait, self.fw.settings
+        try:
+            async with self.fw.client.stream("POST", url, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    put(_Status(r.status_code, await r.aread()))
+                    return
+                async for data in sse_data(r.aiter_lines()):
+                    engine.progressed()
+                    put(_Data(data))
+            put(_End())
+        except asyncio.CancelledError:
+            put(self._taken_out())
+            raise
+        except (httpx.ReadTimeout, httpx.WriteTimeout):
+            put(_Failed("timeout", f"{engine.name} sent nothing for {s.engine_timeout_s:g} s"))
+        except httpx.TransportError as exc:  # never reached the engine, or lost it: another may take the request
+            retry = _transport_retry(self.pool, engine, exc, s.connect_timeout_s)
+            put(_Failed(retry.reason, str(retry)))
+
+    def _cancelled(self, task: asyncio.Task) -> None:
+        """A pump cancelled before it ran never reached its own handler: say so, or the reader waits forever."""
+        if task.cancelled():
+            self.messages.put_nowait(self._taken_out())
+
+    def passed(self, relay: StreamRelay, data: str) -> bytes | None:
+        """Relay one event and count the tokens it carried on the job (its first one starts the job)."""
+        before = relay.token_events
+        chunk = relay.relay(data)
+        self.pool.tokens(self.job, relay.token_events - before)
+        return chunk
+
+    def release(self, generated: int | None = None, complete: bool = False) -> None:
+        """End the call once: a complete answer leaves the engine's view as finished, anything else as dropped."""
+        if not self.released:
+            self.released = True
+            self.task.cancel()
+            if complete:
+                self.pool.finish(self.engine, self.job, generated)
+            else:
+                self.pool.drop(self.engine, self.job)
 
 
 SECOND_CHANCE = frozenset({"dropped", "reset", "connect_timeout"})  # failures a healthy engine can cause: probe, then retry it

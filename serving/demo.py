@@ -235,7 +235,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
     p.add_argument("--engine-cores", default="1", metavar="N|all",
                    help="cores the engine's threads use (default: %(default)s: measured best on this 2-core machine "
-                        "next to the sidecar, the gateway and the client, see README)")
+                        "next to the sidecar, the gateway and the client, see docs/operations.md)")
     p.add_argument("--engine-compile", action="store_true",
                    help="let vLLM compile the model (torch.compile); the default --enforce-eager starts about 100 s "
                         "sooner here and decodes SmolLM2 as fast")

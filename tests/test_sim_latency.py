@@ -42,7 +42,7 @@ A100 = get_gpu("a100-80gb")
 
 def test_opt13b_kv_capacity_matches_anchors():
     assert OPT.kv_bytes_per_token() == 2 * 40 * 5120 * 2 == 819_200
-    # ANCHORS.md: "12 GB KV = 14,624 tokens" = 12e9 bytes in whole blocks of 32 (EcoServe §2.1).
+    # EcoServe §2.1: "12 GB KV = 14,624 tokens" = 12e9 bytes in whole blocks of 32.
     assert kv_blocks(OPT, 12e9, 32) == 457
     assert kv_capacity_tokens(OPT, 12e9, block_size=32) == 14_624
     assert kv_capacity_tokens(OPT, 12e9) == 14_648

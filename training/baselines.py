@@ -1,4 +1,4 @@
-"""Cheap reference predictors every report is measured against (SPEC §3).
+"""Cheap reference predictors every report is measured against.
 
 - ``global-median``: always the training median (what a length-blind scheduler assumes).
 - ``prompt-length-bin``: mean training length conditioned on prompt-length bins (Aladdin's predictor).

@@ -1,6 +1,6 @@
 """The serving endpoint (``lengthwise serve``): an OpenAI-compatible gateway in front of vLLM engines.
 
-One request's path (SPEC §2), one module per step:
+One request's path (docs/architecture.md), one module per step:
 
 ========================= ===========================================================================
 ``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)

@@ -7,7 +7,7 @@ as frozen pydantic models, instead of as magic numbers in each policy or benchma
 
 Units: bytes, FLOP/s and bytes/s throughout. "GB" in papers is read as 10**9 bytes unless said otherwise:
 EcoServe's 12 GB of KV for OPT-13B at block size 32 is 12e9 bytes = 457 whole blocks = 14,624 tokens, the
-figure ANCHORS.md uses (12 GiB would give 15,712 tokens).
+figure EcoServe §2.1 uses (12 GiB would give 15,712 tokens).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ MODELS: dict[str, ModelSpec] = {
     )
 }
 
-# Peak numbers from ANCHORS.md "Physical limits". Memory: 80 GiB for the 80 GB parts (with vLLM's default
+# Peak numbers from the vendors' data sheets. Memory: 80 GiB for the 80 GB parts (with vLLM's default
 # gpu_memory_utilization 0.9 this reproduces BLIS's TP=1 block counts), 143,771 MiB for H200 as nvidia-smi reports.
 GPUS: dict[str, GPUSpec] = {
     g.name: g
@@ -155,7 +155,7 @@ def get_gpu(name: str) -> GPUSpec:
 def kv_capacity_tokens(model: ModelSpec, kv_bytes: float, block_size: int = 1) -> int:
     """Tokens of KV that fit in ``kv_bytes``; with ``block_size`` > 1, only whole blocks count (paged allocators).
 
-    OPT-13B, 12e9 bytes: 14,648 tokens raw, 14,624 at block size 32 (the ANCHORS.md figure).
+    OPT-13B, 12e9 bytes: 14,648 tokens raw, 14,624 at block size 32 (EcoServe §2.1's figure).
     """
     return kv_blocks(model, kv_bytes, block_size) * block_size
 

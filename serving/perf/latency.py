@@ -3,10 +3,11 @@
 Why this shape: like Vidur, the simulator never times individual requests; it asks once per engine step how
 long a batch takes. A step is summarised by a ``StepShape`` (uncached prefill tokens, decode tokens, KV tokens
 read by attention, sequences, and prefill attention's quadratic term), and every latency model maps a shape to
-seconds. Three models sit behind one interface so results can be checked against each other (SPEC §6):
+seconds. Three models sit behind one interface (as Vidur's execution-time predictor does) so results can be
+checked against each other:
 
-- ``LinearLatency``: ``β0 + β1·prefill + β2·decode (+ β3·kv_read)`` in µs. BLIS's published vLLM fits
-  (ANCHORS.md) ignore context length; ``blis(kv_read=True)`` adds a bandwidth term so long contexts cost what
+- ``LinearLatency``: ``β0 + β1·prefill + β2·decode (+ β3·kv_read)`` in µs. BLIS's published vLLM v0.8.4
+  fits ignore context length; ``blis(kv_read=True)`` adds a bandwidth term so long contexts cost what
   reading their KV costs. Caveat: BLIS's β2 already absorbs the mean KV read of the traces it was fitted on,
   so with the extra term decode steps are slightly pessimistic (by β3 × that mean context).
 - ``RooflineLatency``: from ``ModelSpec`` and ``GPUSpec``; max(compute, memory) plus a fixed per-step overhead.
@@ -120,7 +121,7 @@ class LinearLatency(LatencyModel):
 
     @classmethod
     def blis(cls, model: str, gpu: str, tp: int = 1, kv_read: bool = True) -> LinearLatency:
-        """BLIS's published vLLM v0.8.4 coefficients (ANCHORS.md); ``kv_read`` adds β3 = KV bytes/token ÷ (bw·mbu).
+        """BLIS's published vLLM v0.8.4 coefficients; ``kv_read`` adds β3 = KV bytes/token ÷ (bw·mbu).
 
         Why the extra term: BLIS's decode cost is flat in context length, so a 100k-token conversation would
         decode as fast as a 100-token one. Each GPU of a TP group reads 1/tp of the KV, hence the division.
@@ -133,10 +134,10 @@ class LinearLatency(LatencyModel):
         b0, b1, b2 = BLIS_COEFFS[key]
         b3 = kv_read_us_per_token(m, g, tp) if kv_read else 0.0
         return cls(b0, b1, b2, b3, name=f"blis:{m.name}@{g.name}x{tp}" + ("+kv" if kv_read else ""),
-                   source="BLIS vLLM v0.8.4 fit (ANCHORS.md)" + ("; b3 = roofline KV read" if kv_read else ""))
+                   source="BLIS vLLM v0.8.4 fit" + ("; b3 = roofline KV read" if kv_read else ""))
 
 
-# (model, gpu, tp) -> (β0, β1, β2) in µs, copied from ANCHORS.md "Step-latency coefficients (BLIS, vLLM v0.8.4)".
+# (model, gpu, tp) -> (β0, β1, β2) in µs, as BLIS published them for vLLM v0.8.4.
 BLIS_COEFFS: dict[tuple[str, str, int], tuple[float, float, float]] = {
     ("llama-3.1-8b", "h100", 1): (5752.705, 17.251, 5.999),
     ("llama-3.1-8b", "a100-80gb", 1): (16441.532, 47.837, 18.206),
@@ -207,8 +208,8 @@ class DecodePoolLatency(LatencyModel):
 
     A landing chunk's step is still charged the KV it lands (``kv_read_tokens`` counts ``context_before +
     chunk`` for every chunk), which a transfer into the paged cache does not cost the decodes. That
-    overprices a long prompt's landing for its neighbours, a little: README.md, where ``bench placement``'s
-    scenarios are described, gives what removing the charge measured.
+    overprices a long prompt's landing for its neighbours, a little: docs/results/placement.md gives what
+    removing the charge measured.
     """
 
     def __init__(self, base: LatencyModel) -> None:

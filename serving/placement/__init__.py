@@ -1,4 +1,4 @@
-"""Placement: which engine instance gets a request (SPEC §7, Aladdin §3–§4).
+"""Placement: which engine instance gets a request (Aladdin §3–§4).
 
 Pure Python over plain data, no HTTP and no vLLM, so the simulator and the gateway drive the same
 objects.

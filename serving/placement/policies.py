@@ -1,4 +1,4 @@
-"""Placement policies behind one interface, chosen by name (SPEC §7).
+"""Placement policies behind one interface, chosen by name (Aladdin §3–§4).
 
 ``choose(instances, job, now, exclude)`` returns the index of the instance to use, or None when no
 healthy instance outside ``exclude`` is left. A policy reads only :class:`Instance` views; its
@@ -19,7 +19,7 @@ constraint that rejected each candidate).
   instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
   colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
   decode pool with long contexts best fit (``lengthwise-pack``) serves more: packing keeps instances free
-  for them (README, "Aladdin's best fit on the whole trace"); ``lengthwise bench placement`` measures which
+  for them (docs/results/placement.md, "Aladdin's best fit and lengthwise-pack on the whole trace"); ``lengthwise bench placement`` measures which
   wins.
 """
 

@@ -1,1 +1,1 @@
-"""``lengthwise bench placement``: placement policies compared on a simulated fleet (issue 6, SPEC §7)."""
+"""``lengthwise bench placement``: placement policies compared on a simulated fleet (docs/placement.md)."""

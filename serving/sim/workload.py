@@ -1,6 +1,6 @@
 """Serving workloads for the simulator: who arrives when, with how many prompt and output tokens.
 
-One loader reads the public traces and prompt sets in ``$LENGTHWISE_DATA`` (README §1-2) and tells
+One loader reads the public traces and prompt sets in ``$LENGTHWISE_DATA`` (what each file is: the data directory's own README) and tells
 the format from the file's content, not its name, so a renamed or compressed copy still loads:
 
 * ``azure`` — Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), wall clock;

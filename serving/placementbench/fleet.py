@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +35,18 @@ from rich.table import Table
 
 from serving.enginebench.bench import profile_to_csv, run_engines
 from serving.enginebench.model import bench_dtype, dummy_model
-from serving.perf.latency import DecodePoolLatency, FittedLatency
-from serving.perf.slo import derive_slo
+from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
+from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
+from serving.policy.request import Prediction
 from serving.replay import Job as ReplayJob
 from serving.replay import Settings, poisson_arrivals, send_one
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
-from serving.sim.predictions import make_predictor
+from serving.sim.predictions import LengthOracle, make_predictor
 from serving.sim.scenarios import SHAREGPT, data_path
 from serving.sim.sweep import max_rate
-from serving.sim.workload import load_workload
+from serving.sim.workload import TraceRequest, load_workload
 
 PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
 TOKENIZER = "tokenizers/gpt2/tokenizer.json"
@@ -96,7 +98,7 @@ def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) 
     Blocks of 32 tokens and the calibration's dtype on every build: ``--kv-blocks`` and the fitted step model
     count in them (CUDA vLLM would otherwise use 16-token blocks, half the KV the simulator prices).
     Prefix caching stays off: no replay warms the next, and ExampleConnector miscounts a prompt a decode engine
-    already caches itself (README, Disaggregated prefill)."""
+    already caches itself (docs/operations.md, Disaggregated prefill)."""
     args = ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--block-size {BLOCK}", f"--dtype {dtype}",
             f"--max-model-len {cfg.max_model_len}",
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
@@ -158,17 +160,53 @@ def _wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> str | None:
     return f"the engines did not report idle within {timeout_s:.0f} s ({why})"
 
 
-def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) -> dict[str, Any]:
-    from serving.gateway.launcher import free_port, start_engines, stop_engines, wait_healthy
-    from serving.gateway.settings import GatewaySettings
+@dataclass(frozen=True)
+class _Calibration:
+    """What the calibration burst gives the later steps: the step model, the SLO, and Aladdin's latency profile."""
 
+    profile: Path            # every engine's step profile in one CSV: the gateways' --latency-profile
+    latency: FittedLatency
+    slo: SLO
+    policy: PolicyConfig     # the simulator's engine settings, the engines' own
+    sim_latency: LatencyModel  # the simulator's step model: ``latency``, less prompt compute on a disaggregated fleet
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """The requests every placement replays, with the predictions every gateway is told."""
+
+    reqs: list[TraceRequest]
+    predictor: LengthOracle
+    preds: list[Prediction]
+
+
+def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) -> dict[str, Any]:
+    """Calibrate, start the engines, replay the trace through a gateway per placement (each replay simulated too),
+    compare the placements, and write the JSON; returns what it wrote."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-fleet-"))
     reqs = _trace(cfg)
     predictor = make_predictor(cfg.predictor, seed=cfg.seed)
-    preds = predictor.predict(reqs)
-
+    trace = _Trace(reqs, predictor, predictor.predict(reqs))
     dtype = bench_dtype()
-    # 1. calibration through stock vLLM on the same model shape: the step model, the SLO, Aladdin's profile
+    cal = _calibrate(cfg, trace, dtype, work, console)
+    rate = cfg.rate
+    if rate is None:
+        rate = _default_rate(cfg, trace, cal, console)
+    results = _replay_placements(cfg, trace, cal, rate, dtype, work, console)
+    _compare(results)
+    out = {"config": cfg.model_dump(), "rate": rate, "requests": len(reqs), "placements": results,
+           "calibration": {"latency_model": cal.latency.describe(), "profile_csv": str(cal.profile),
+                           "slo": {"scale": cfg.slo_scale, "t_p_s": cal.slo.t_p, "t_g_s": cal.slo.t_g, "ttft_s": cal.slo.ttft_s,
+                                   "atgt_s": cal.slo.tpot_s}},
+           "work_dir": str(work)}
+    out["past_capacity"] = [p for p, r in results.items() if r["admitted_by_last_arrival"] < 0.9]
+    _write(out, json_path, console)
+    return out
+
+
+def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, console: Console) -> _Calibration:
+    """1. A burst through stock vLLM on the same model shape: the step model, the SLO, Aladdin's profile."""
+    reqs = trace.reqs
     k = min(cfg.calibration_requests, len(reqs))
     burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
              for i, r in enumerate(reqs[:k])]
@@ -190,27 +228,31 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
     console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
                   f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "
                   f"ATGT {slo.tpot_s * 1e3:.1f} ms")
-
     # disaggregated, the decode engines' steps carry no prompt compute; the simulator leaves the prefill hop out
-    sim_lat = DecodePoolLatency(lat) if cfg.prefill_engines else lat
+    return _Calibration(profile, lat, slo, pc, DecodePoolLatency(lat) if cfg.prefill_engines else lat)
 
-    def sim(placement: str, rate: float) -> RunMetrics:
-        at = [dataclasses.replace(r, arrival=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, cfg.seed))]
-        return simulate_cluster(at, preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), pc,
-                                cfg.kv_blocks - 1, sim_lat, slo, repredict=predictor.repredict)
 
-    rate = cfg.rate
-    if rate is None:
-        with console.status("simulating the fleet's saturation point under JSQ..."):
-            rate = max_rate(lambda r: sim("jsq", r), 1.0, key="ttft_tpot_attainment")["max_rate_at_90_slo"]
-        if not rate > 0:
-            raise ValueError("the calibrated simulator finds no rate the fleet sustains; give --rate")
-    arrivals = poisson_arrivals(len(reqs), rate, cfg.seed)
-    jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, r.output_tokens)
-            for i, (r, t) in enumerate(zip(reqs, arrivals))]
-    limits = [slo.jct_limit(r.output_tokens) for r in reqs]
+def _simulate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, placement: str, rate: float) -> RunMetrics:
+    """The calibrated simulator's run of the same trace at ``rate`` under ``placement``."""
+    at = [dataclasses.replace(r, arrival=t) for r, t in zip(trace.reqs, poisson_arrivals(len(trace.reqs), rate, cfg.seed))]
+    return simulate_cluster(at, trace.preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), cal.policy,
+                            cfg.kv_blocks - 1, cal.sim_latency, cal.slo, repredict=trace.predictor.repredict)
 
-    # 2. the engines, once; a gateway per placement
+
+def _default_rate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, console: Console) -> float:
+    """What the calibrated simulator says the fleet sustains at 90% under JSQ (no --rate given)."""
+    with console.status("simulating the fleet's saturation point under JSQ..."):
+        rate = max_rate(lambda r: _simulate(cfg, trace, cal, "jsq", r), 1.0, key="ttft_tpot_attainment")["max_rate_at_90_slo"]
+    if not rate > 0:
+        raise ValueError("the calibrated simulator finds no rate the fleet sustains; give --rate")
+    return rate
+
+
+def _start_engines(cfg: FleetBenchConfig, dtype: str, work: Path, console: Console) -> tuple[str, Path | None, list]:
+    """2. The engines, once for every placement: (the model they serve, the KV connector's store or None, the processes)."""
+    from serving.gateway.launcher import start_engines
+    from serving.gateway.settings import GatewaySettings
+
     model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
     kv_dir = work / "kv" if cfg.prefill_engines else None  # the connector's store, shared by every engine
     es = GatewaySettings(model=model, engines=cfg.engines, prefill_engines=cfg.prefill_engines, policy=cfg.local_policy,
@@ -219,7 +261,20 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
     console.print(f"[bold]starting {cfg.engines} engines[/]"
                   + (f" behind {cfg.prefill_engines} prefill engine(s)" if cfg.prefill_engines else "")
                   + f" (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
-    procs = start_engines(es, work / "engines")
+    return model, kv_dir, start_engines(es, work / "engines")
+
+
+def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, rate: float, dtype: str, work: Path,
+                       console: Console) -> dict[str, Any]:
+    """3. Each placement in turn: a gateway on the engines, the trace replayed through it, and simulated."""
+    from serving.gateway.launcher import stop_engines, wait_healthy
+
+    reqs = trace.reqs
+    arrivals = poisson_arrivals(len(reqs), rate, cfg.seed)
+    jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, r.output_tokens)
+            for i, (r, t) in enumerate(zip(reqs, arrivals))]
+    limits = [cal.slo.jct_limit(r.output_tokens) for r in reqs]
+    model, kv_dir, procs = _start_engines(cfg, dtype, work, console)
     decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
     results: dict[str, Any] = {}
     try:
@@ -231,72 +286,99 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
                 console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
             if kv_dir:  # the connector's store is a cache too: no replay may find the last one's prompts there
                 shutil.rmtree(kv_dir, ignore_errors=True)
-            port = free_port()
-            args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
-                    "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
-                    "--slo-scale", str(cfg.slo_scale), "--slo-ttft-ms", f"{slo.ttft_s * 1e3:.3f}",
-                    "--slo-tpot-ms", f"{slo.tpot_s * 1e3:.3f}", "--engine-max-num-seqs", str(cfg.max_num_seqs),
-                    "--load-interval", "1", "--model", model, "--log-level", "warning"]
-            if placement in ("aladdin", "lengthwise"):
-                args += ["--latency-profile", str(profile)]
-            for p in decoders:
-                args += ["--engine-url", p.url, "--engine-metrics-url", p.metrics_url]
-            for p in prefillers:
-                args += ["--prefill-url", p.url]
-            log = (work / f"gateway-{placement}.log").open("w")
-            gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                _wait_gateway(f"http://127.0.0.1:{port}", gw)
-                console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
-                res, wall = asyncio.run(_replay(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in preds]))
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
-                hops = _prefill_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) if prefillers else None
-            finally:
-                gw.terminate()
-                gw.wait(30)
-                log.close()
-            m = summarize(policy=placement, records=_records(res, reqs, limits), slo=slo,
+            res, wall, health, hops = _replay_through_gateway(cfg, placement, cal, model, decoders, prefillers, jobs, trace,
+                                                              rate, work, console)
+            m = summarize(policy=placement, records=_records(res, reqs, limits), slo=cal.slo,
                           makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0,
                           kv_allocated=0, forward_size=0, batch_size=0, preemptions=0, pauses=0, hosted=0,
                           sched_us_per_step=0, wall_s=wall, busy_s=0)
-            s = sim(placement, rate)
-            engines = _per_engine(res)
-            results[placement] = {
-                **{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
-                                              "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
-                                              "ttft_p99_s", "tbt_p50_s")},
-                "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
-                "admitted_by_last_arrival": _admitted_by_last_arrival(res),
-                "not_idle_at_start": not_idle, "per_engine_requests": engines,
-                "errors": sorted({r.error for r in res if r.error})[:5],
-                "placement_state": health.get("placement_state"), "prefill_hops": hops,
-                "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
-                                                   "throughput_rps")},
-            }
-            r = results[placement]
+            s = _simulate(cfg, trace, cal, placement, rate)
+            results[placement] = r = _placement_result(m, s, res, not_idle, health, hops)
             console.print(f"  {placement}: TTFT+ATGT attainment {r['ttft_tpot_attainment']:.3f} (simulated "
                           f"{r['sim']['ttft_tpot_attainment']:.3f}), throughput {r['throughput_rps']:.3g} req/s")
     finally:
         stop_engines(procs)
+    return results
+
+
+def _gateway_args(cfg: FleetBenchConfig, placement: str, port: int, cal: _Calibration, model: str, decoders: list,
+                  prefillers: list) -> list[str]:
+    """The ``lengthwise serve`` command line of one placement's gateway, attached to the running engines."""
+    slo = cal.slo
+    args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
+            "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
+            "--slo-scale", str(cfg.slo_scale), "--slo-ttft-ms", f"{slo.ttft_s * 1e3:.3f}",
+            "--slo-tpot-ms", f"{slo.tpot_s * 1e3:.3f}", "--engine-max-num-seqs", str(cfg.max_num_seqs),
+            "--load-interval", "1", "--model", model, "--log-level", "warning"]
+    if placement in ("aladdin", "lengthwise"):
+        args += ["--latency-profile", str(cal.profile)]
+    for p in decoders:
+        args += ["--engine-url", p.url, "--engine-metrics-url", p.metrics_url]
+    for p in prefillers:
+        args += ["--prefill-url", p.url]
+    return args
+
+
+def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibration, model: str, decoders: list,
+                            prefillers: list, jobs: list[ReplayJob], trace: _Trace, rate: float, work: Path,
+                            console: Console) -> tuple[list, float, dict, dict[str, int] | None]:
+    """Start ``placement``'s gateway, replay the trace through it, and stop it: (results, wall seconds, its /health,
+    its prefill hops by outcome or None without prefill engines)."""
+    from serving.gateway.launcher import free_port
+
+    port = free_port()
+    args = _gateway_args(cfg, placement, port, cal, model, decoders, prefillers)
+    log = (work / f"gateway-{placement}.log").open("w")
+    gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_gateway(f"http://127.0.0.1:{port}", gw)
+        console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
+        res, wall = asyncio.run(_replay(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in trace.preds]))
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        hops = _prefill_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) if prefillers else None
+    finally:
+        gw.terminate()
+        gw.wait(30)
+        log.close()
+    return res, wall, health, hops
+
+
+def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | None, health: dict,
+                      hops: dict[str, int] | None) -> dict[str, Any]:
+    """One placement's row of the JSON: the replay's metrics ``m`` beside the simulator's ``s``."""
+    return {
+        **{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
+                                      "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
+                                      "ttft_p99_s", "tbt_p50_s")},
+        "goodput_ttft_atgt_rps": m.ttft_tpot_attainment * m.requests_total / max(m.makespan_s, 1e-9),
+        "admitted_by_last_arrival": _admitted_by_last_arrival(res),
+        "not_idle_at_start": not_idle, "per_engine_requests": _per_engine(res),
+        "errors": sorted({r.error for r in res if r.error})[:5],
+        "placement_state": health.get("placement_state"), "prefill_hops": hops,
+        "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
+                                           "throughput_rps")},
+    }
+
+
+def _compare(results: dict[str, Any]) -> None:
+    """4. Each placement's goodput over round-robin's and JSQ's (None where that baseline did not run)."""
     for base in ("round-robin", "jsq"):
         b = results.get(base)
         for r in results.values():
             r[f"goodput_vs_{base}"] = _ratio(r["goodput_ttft_atgt_rps"], b["goodput_ttft_atgt_rps"]) if b else None
-    out = {"config": cfg.model_dump(), "rate": rate, "requests": len(reqs), "placements": results,
-           "calibration": {"latency_model": lat.describe(), "profile_csv": str(profile),
-                           "slo": {"scale": cfg.slo_scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s,
-                                   "atgt_s": slo.tpot_s}},
-           "work_dir": str(work)}
-    out["past_capacity"] = past = [p for p, r in results.items() if r["admitted_by_last_arrival"] < 0.9]
+
+
+def _write(out: dict[str, Any], json_path: Path, console: Console) -> None:
+    """5. The JSON, the table, and a warning for placements run past the fleet's capacity."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=1, default=float))
-    _table(results, console)
+    _table(out["placements"], console)
+    past = out["past_capacity"]
     if past:
         console.print(f"[yellow]warning[/]: under {', '.join(past)} fewer than 90% of the requests had their first token "
-                      f"when the last one arrived at {rate:.3g} req/s: a backlog grew, the fleet ran past its capacity, where placements differ by noise; run again with a lower --rate (the simulator "
+                      f"when the last one arrived at {out['rate']:.3g} req/s: a backlog grew, the fleet ran past its capacity, where placements differ by noise; run again with a lower --rate (the simulator "
                       "prices the engine core alone, not the HTTP streaming that shares these cores)")
     console.print(f"JSON: {json_path}")
-    return out
 
 
 def _prefill_hops(metrics_text: str) -> dict[str, int]:

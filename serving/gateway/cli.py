@@ -1,4 +1,10 @@
-"""``lengthwise serve``: start (or attach to) vLLM engines with the lengthwise scheduler and serve the gateway."""
+"""``lengthwise serve``: start (or attach to) vLLM engines with the lengthwise scheduler and serve the gateway.
+
+Every flag sets one field of :class:`~serving.gateway.settings.GatewaySettings`, which defines the settings: a flag
+takes its default and, for a value, its type from its field (:func:`_setting`), so the two cannot drift apart (the
+flags' values are all passed on, so a flag's own default would win over the field's). The help texts are the
+command line's own: they name flags and give examples where the fields' descriptions name fields.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,10 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
-from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettings
+from serving.gateway.settings import GatewaySettings
 from serving.policy.registry import policy_help
 
 log = logging.getLogger("serving.gateway")
@@ -57,6 +65,26 @@ endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET 
 """
 
 
+_FLAGS: dict[str, str] = {}  # settings field -> its flag, as _setting adds them: error messages name the flag
+
+
+def _setting(group: argparse._ActionsContainer, flag: str, name: str, **kw: Any) -> None:
+    """Add ``flag``, which sets the settings field ``name``: its default, and the type of its value, are the field's."""
+    field = GatewaySettings.model_fields[name]
+    kw.setdefault("default", field.get_default(call_default_factory=True))
+    if kw.get("action") in (None, "append"):
+        kw.setdefault("type", _value_type(field.annotation))
+    group.add_argument(flag, dest=name, **kw)
+    _FLAGS[name] = flag
+
+
+def _value_type(annotation: Any) -> type | None:
+    """How argparse reads one value of a field annotated so (a list's: each item; ``X | None``: X); None: a string."""
+    if get_origin(annotation) in (list, Union, UnionType):
+        annotation = next(t for t in get_args(annotation) if t is not type(None))
+    return annotation if annotation in (int, float, Path) else None
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible gateway over vLLM engines that schedule by predicted response length",
@@ -66,92 +94,92 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "SLO deadline, both passed to the engine's scheduler in vllm_xargs; engines are chosen by load; a "
                     "request an engine dropped before answering is retried on another.")
     e = p.add_argument_group("engines")
-    e.add_argument("--model", metavar="PATH_OR_NAME",
-                   help="model the engines serve (required unless --engine-url); a local directory also gives the gateway "
-                        "the tokenizer it counts prompt tokens with")
-    e.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                   help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
-    e.add_argument("--prefill-url", action="append", default=[], metavar="URL",
-                   help="disaggregated prefill: a running vLLM server that prefills each prompt first (max_tokens 1, "
-                        "kv_transfer_params for a remote decode), repeatable; the --engine-url engines then only decode, "
-                        "with the KV their KV-transfer connector brings (every engine needs --kv-transfer-config). "
-                        "Placement then prices the decode engines as a decode pool")
-    e.add_argument("--prefill-engines", type=int, default=0, metavar="K",
-                   help="disaggregated prefill on this machine: start K more engines that only prefill (the --engines "
-                        "ones then only decode); needs a connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
-                        "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\" (default: %(default)s)")
-    e.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
-                   help="the scheduler plug-in's metrics endpoint of each --engine-url, in the same order (engines run "
-                        "with '{\"lengthwise\": {\"metrics_port\": PORT}}' in --additional-config); re-exported on "
-                        "/metrics with an engine label. Engines started here get one automatically")
-    e.add_argument("--engines", type=int, default=1, metavar="N", help="engines to start (default: %(default)s)")
-    e.add_argument("--policy", default="lengthwise",
-                   help=f"scheduling policy of the engines started here: {policy_help()} (default: %(default)s)")
-    e.add_argument("--scheduler-config", default="{}", metavar="JSON",
-                   help="more plug-in settings for the engines started here, e.g. '{\"knobs\": {\"padding\": 0.2}, "
-                        "\"default_pred_len\": 128}'")
-    e.add_argument("--engine-arg", action="append", default=[], metavar="ARGS",
-                   help="extra vLLM arguments for each engine started here, repeatable, e.g. --engine-arg=--enforce-eager "
-                        "--engine-arg=\"--max-num-seqs 64\"")
-    e.add_argument("--engine-log-dir", type=Path, metavar="DIR", help="engine logs (default: a new temporary directory)")
-    e.add_argument("--engine-start-timeout", type=float, default=900.0, metavar="S",
-                   help="seconds engines may take to become healthy (default: %(default)s)")
+    _setting(e, "--model", "model", metavar="PATH_OR_NAME",
+             help="model the engines serve (required unless --engine-url); a local directory also gives the gateway "
+                  "the tokenizer it counts prompt tokens with")
+    _setting(e, "--engine-url", "engine_urls", action="append", metavar="URL",
+             help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
+    _setting(e, "--prefill-url", "prefill_urls", action="append", metavar="URL",
+             help="disaggregated prefill: a running vLLM server that prefills each prompt first (max_tokens 1, "
+                  "kv_transfer_params for a remote decode), repeatable; the --engine-url engines then only decode, "
+                  "with the KV their KV-transfer connector brings (every engine needs --kv-transfer-config). "
+                  "Placement then prices the decode engines as a decode pool")
+    _setting(e, "--prefill-engines", "prefill_engines", metavar="K",
+             help="disaggregated prefill on this machine: start K more engines that only prefill (the --engines "
+                  "ones then only decode); needs a connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
+                  "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\" (default: %(default)s)")
+    _setting(e, "--engine-metrics-url", "engine_metrics_urls", action="append", metavar="URL",
+             help="the scheduler plug-in's metrics endpoint of each --engine-url, in the same order (engines run "
+                  "with '{\"lengthwise\": {\"metrics_port\": PORT}}' in --additional-config); re-exported on "
+                  "/metrics with an engine label. Engines started here get one automatically")
+    _setting(e, "--engines", "engines", metavar="N", help="engines to start (default: %(default)s)")
+    _setting(e, "--policy", "policy",
+             help=f"scheduling policy of the engines started here: {policy_help()} (default: %(default)s)")
+    _setting(e, "--scheduler-config", "scheduler_config", default="{}", metavar="JSON",
+             help="more plug-in settings for the engines started here, e.g. '{\"knobs\": {\"padding\": 0.2}, "
+                  "\"default_pred_len\": 128}'")
+    _setting(e, "--engine-arg", "engine_args", action="append", metavar="ARGS",
+             help="extra vLLM arguments for each engine started here, repeatable, e.g. --engine-arg=--enforce-eager "
+                  "--engine-arg=\"--max-num-seqs 64\"")
+    _setting(e, "--engine-log-dir", "engine_log_dir", metavar="DIR", help="engine logs (default: a new temporary directory)")
+    _setting(e, "--engine-start-timeout", "engine_start_timeout_s", metavar="S",
+             help="seconds engines may take to become healthy (default: %(default)s)")
     pl = p.add_argument_group("placement (which engine gets a request; see 'placement' below)")
-    pl.add_argument("--placement", default="jsq", metavar="NAME",
-                    help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, lengthwise-pack or lengthwise "
-                         "(default: %(default)s)")
-    pl.add_argument("--engine-max-num-seqs", type=int, metavar="N",
-                    help="the engines' --max-num-seqs: placement's batch limit (default: the --engine-arg value for "
-                         "engines started here, else 256)")
-    pl.add_argument("--latency-profile", type=Path, metavar="CSV",
-                    help="a step profile (step_profile.csv of 'lengthwise bench engine') fitted into the latency model of "
-                         "aladdin/lengthwise/lengthwise-pack: adds the TTFT and ATGT limits (default: none, only KV and batch limits)")
-    pl.add_argument("--slo-ttft-ms", type=float, metavar="MS",
-                    help="placement's TTFT target with --latency-profile (default: slo-scale x t-p)")
-    pl.add_argument("--slo-tpot-ms", type=float, metavar="MS",
-                    help="placement's ATGT (time per output token) target with --latency-profile (default: slo-scale x t-g)")
-    pl.add_argument("--load-interval", type=float, default=2.0, metavar="S",
-                    help="seconds between reads of each engine's vLLM /metrics (running, waiting, KV); a read older than "
-                         "3 intervals makes aladdin/lengthwise/lengthwise-pack/p2c decide by JSQ (default: %(default)s)")
-    pl.add_argument("--replicas", type=int, default=1, metavar="G",
-                    help="gateway replicas sharing these engines; with lengthwise-pack each replica fills its own share "
-                         "of the engines first (the i-th --engine-url for i %% G == --replica-index), so replicas do not "
-                         "all pack the same engine between metrics reads. Every replica must list the engines in the same "
-                         "order (default: %(default)s)")
-    pl.add_argument("--replica-index", type=int, default=0, metavar="I",
-                    help="this replica's index, 0 to G-1, e.g. a StatefulSet pod's ordinal (default: %(default)s)")
+    _setting(pl, "--placement", "placement", metavar="NAME",
+             help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, lengthwise-pack or lengthwise "
+                  "(default: %(default)s)")
+    _setting(pl, "--engine-max-num-seqs", "engine_max_num_seqs", metavar="N",
+             help="the engines' --max-num-seqs: placement's batch limit (default: the --engine-arg value for "
+                  "engines started here, else 256)")
+    _setting(pl, "--latency-profile", "latency_profile", metavar="CSV",
+             help="a step profile (step_profile.csv of 'lengthwise bench engine') fitted into the latency model of "
+                  "aladdin/lengthwise/lengthwise-pack: adds the TTFT and ATGT limits (default: none, only KV and batch limits)")
+    _setting(pl, "--slo-ttft-ms", "slo_ttft_ms", metavar="MS",
+             help="placement's TTFT target with --latency-profile (default: slo-scale x t-p)")
+    _setting(pl, "--slo-tpot-ms", "slo_tpot_ms", metavar="MS",
+             help="placement's ATGT (time per output token) target with --latency-profile (default: slo-scale x t-g)")
+    _setting(pl, "--load-interval", "load_interval_s", metavar="S",
+             help="seconds between reads of each engine's vLLM /metrics (running, waiting, KV); a read older than "
+                  "3 intervals makes aladdin/lengthwise/lengthwise-pack/p2c decide by JSQ (default: %(default)s)")
+    _setting(pl, "--replicas", "replicas", metavar="G",
+             help="gateway replicas sharing these engines; with lengthwise-pack each replica fills its own share "
+                  "of the engines first (the i-th --engine-url for i %% G == --replica-index), so replicas do not "
+                  "all pack the same engine between metrics reads. Every replica must list the engines in the same "
+                  "order (default: %(default)s)")
+    _setting(pl, "--replica-index", "replica_index", metavar="I",
+             help="this replica's index, 0 to G-1, e.g. a StatefulSet pod's ordinal (default: %(default)s)")
     pr = p.add_argument_group("prediction and SLO")
-    pr.add_argument("--predictor-url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
-    pr.add_argument("--predictor-timeout-ms", type=float, default=50.0, help="fall back when slower (default: %(default)s)")
-    pr.add_argument("--fallback-tokens", type=int, default=256,
-                    help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
-    pr.add_argument("--no-feedback", action="store_true", help="do not post actual lengths to the sidecar's /v1/feedback")
-    pr.add_argument("--trust-client-predictions", action="store_true",
-                    help="a request's x-lengthwise-pred-len header (output tokens) replaces the sidecar's prediction: for a "
-                         "router in front that already predicted, and for benchmarks that control prediction quality. "
-                         "Only behind a trusted client: a low number moves a request up every length-ordered queue")
-    pr.add_argument("--slo-scale", type=float, default=None, help="JCT SLO multiplier (default: the policy config's, 2.0)")
-    pr.add_argument("--t-p", type=float, default=DEFAULT_T_P_S, metavar="S",
-                    help="prefill time of a lone request, seconds (default: %(default)s)")
-    pr.add_argument("--t-g", type=float, default=DEFAULT_T_G_S, metavar="S",
-                    help="decode time per token of a lone request, seconds (default: %(default)s)")
+    _setting(pr, "--predictor-url", "predictor_url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
+    _setting(pr, "--predictor-timeout-ms", "predictor_timeout_ms", help="fall back when slower (default: %(default)s)")
+    _setting(pr, "--fallback-tokens", "fallback_tokens",
+             help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
+    _setting(pr, "--no-feedback", "feedback", action="store_false", help="do not post actual lengths to the sidecar's /v1/feedback")
+    _setting(pr, "--trust-client-predictions", "trust_client_predictions", action="store_true",
+             help="a request's x-lengthwise-pred-len header (output tokens) replaces the sidecar's prediction: for a "
+                  "router in front that already predicted, and for benchmarks that control prediction quality. "
+                  "Only behind a trusted client: a low number moves a request up every length-ordered queue")
+    _setting(pr, "--slo-scale", "slo_scale", help="JCT SLO multiplier (default: the policy config's, %(default)s)")
+    _setting(pr, "--t-p", "t_p_s", metavar="S",
+             help="prefill time of a lone request, seconds (default: %(default)s)")
+    _setting(pr, "--t-g", "t_g_s", metavar="S",
+             help="decode time per token of a lone request, seconds (default: %(default)s)")
     g = p.add_argument_group("gateway")
-    g.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8000, help="listen port (default: %(default)s)")
-    g.add_argument("--max-attempts", type=int, default=3, help="engines one request may try (default: %(default)s)")
-    g.add_argument("--transient-retries", type=int, default=2, metavar="N",
-                   help="once every engine was tried, N more tries on an engine that failed the request only as a live "
-                        "engine can (connect timeout, connection dropped or reset before any answer) and passes a "
-                        "health probe now, after 0.5 s, then 1 s, ... (default: %(default)s)")
-    g.add_argument("--connect-timeout", type=float, default=3.0, metavar="S",
-                   help="TCP connect timeout to an engine; raise it where engines share starved cores (default: %(default)s)")
-    g.add_argument("--engine-timeout", type=float, default=600.0, metavar="S",
-                   help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
-    g.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="engine probe interval (default: %(default)s)")
-    g.add_argument("--health-timeout", type=float, default=5.0, metavar="S",
-                   help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
-                        "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _setting(g, "--host", "host", help="listen address (default: %(default)s)")
+    _setting(g, "--port", "port", help="listen port (default: %(default)s)")
+    _setting(g, "--max-attempts", "max_attempts", help="engines one request may try (default: %(default)s)")
+    _setting(g, "--transient-retries", "transient_retries", metavar="N",
+             help="once every engine was tried, N more tries on an engine that failed the request only as a live "
+                  "engine can (connect timeout, connection dropped or reset before any answer) and passes a "
+                  "health probe now, after 0.5 s, then 1 s, ... (default: %(default)s)")
+    _setting(g, "--connect-timeout", "connect_timeout_s", metavar="S",
+             help="TCP connect timeout to an engine; raise it where engines share starved cores (default: %(default)s)")
+    _setting(g, "--engine-timeout", "engine_timeout_s", metavar="S",
+             help="longest wait for an answer, or for the next chunk of a stream (default: %(default)s)")
+    _setting(g, "--health-interval", "health_interval_s", metavar="S", help="engine probe interval (default: %(default)s)")
+    _setting(g, "--health-timeout", "health_timeout_s", metavar="S",
+             help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
+                  "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
+    _setting(g, "--log-level", "log_level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
 
@@ -164,11 +192,6 @@ class _Stop(BaseException):
     """SIGTERM or SIGINT: stop serving, stop the engines, exit 0."""
 
 
-_FLAGS = {"engine_urls": "--engine-url", "prefill_urls": "--prefill-url", "engine_metrics_urls": "--engine-metrics-url", "engine_args": "--engine-arg", "engine_start_timeout_s": "--engine-start-timeout",
-          "feedback": "--no-feedback", "t_p_s": "--t-p", "t_g_s": "--t-g", "engine_timeout_s": "--engine-timeout", "connect_timeout_s": "--connect-timeout",
-          "health_interval_s": "--health-interval", "health_timeout_s": "--health-timeout", "load_interval_s": "--load-interval"}
-
-
 def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     """Build and validate the settings; a bad value becomes one readable line."""
     from pydantic import ValidationError
@@ -179,17 +202,8 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         raise UsageError(f"--scheduler-config is not valid JSON ({exc.msg}), e.g. '{{\"knobs\": {{\"padding\": 0.2}}}}'") from None
     if not isinstance(sched, dict):
         raise UsageError("--scheduler-config must be a JSON object")
-    fields = {
-        "model": a.model, "engine_urls": a.engine_url, "prefill_urls": a.prefill_url, "prefill_engines": a.prefill_engines, "engine_metrics_urls": a.engine_metrics_url, "engines": a.engines, "policy": a.policy, "scheduler_config": sched,
-        "engine_args": a.engine_arg, "engine_log_dir": a.engine_log_dir, "engine_start_timeout_s": a.engine_start_timeout,
-        "placement": a.placement, "engine_max_num_seqs": a.engine_max_num_seqs, "latency_profile": a.latency_profile,
-        "slo_ttft_ms": a.slo_ttft_ms, "slo_tpot_ms": a.slo_tpot_ms, "load_interval_s": a.load_interval, "replicas": a.replicas, "replica_index": a.replica_index, "predictor_url": a.predictor_url, "predictor_timeout_ms": a.predictor_timeout_ms,
-        "fallback_tokens": a.fallback_tokens, "trust_client_predictions": a.trust_client_predictions, "feedback": not a.no_feedback, "t_p_s": a.t_p, "t_g_s": a.t_g,
-        "host": a.host, "port": a.port, "max_attempts": a.max_attempts, "transient_retries": a.transient_retries,
-        "connect_timeout_s": a.connect_timeout, "engine_timeout_s": a.engine_timeout,
-        "health_interval_s": a.health_interval, "health_timeout_s": a.health_timeout, "log_level": a.log_level}
-    if a.slo_scale is not None:
-        fields["slo_scale"] = a.slo_scale
+    fields = {name: getattr(a, name) for name in _FLAGS}  # every flag sets its field
+    fields["scheduler_config"] = sched
     try:
         settings = GatewaySettings(**fields)
     except ValidationError as exc:

@@ -93,7 +93,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "OpenAI-compatible API in front of them. Each request gets a predicted length from the sidecar and an "
                     "SLO deadline, both passed to the engine's scheduler in vllm_xargs; engines are chosen by load; a "
                     "request an engine dropped before answering is retried on another.")
-    e = p.add_argument_group("engines")
+    _engine_flags(p.add_argument_group("engines"))
+    _placement_flags(p.add_argument_group("placement (which engine gets a request; see 'placement' below)"))
+    _prediction_flags(p.add_argument_group("prediction and SLO"))
+    _gateway_flags(p.add_argument_group("gateway"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _engine_flags(e: argparse._ActionsContainer) -> None:
     _setting(e, "--model", "model", metavar="PATH_OR_NAME",
              help="model the engines serve (required unless --engine-url); a local directory also gives the gateway "
                   "the tokenizer it counts prompt tokens with")
@@ -124,7 +132,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _setting(e, "--engine-log-dir", "engine_log_dir", metavar="DIR", help="engine logs (default: a new temporary directory)")
     _setting(e, "--engine-start-timeout", "engine_start_timeout_s", metavar="S",
              help="seconds engines may take to become healthy (default: %(default)s)")
-    pl = p.add_argument_group("placement (which engine gets a request; see 'placement' below)")
+
+
+def _placement_flags(pl: argparse._ActionsContainer) -> None:
     _setting(pl, "--placement", "placement", metavar="NAME",
              help="round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, lengthwise-pack or lengthwise "
                   "(default: %(default)s)")
@@ -148,7 +158,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                   "order (default: %(default)s)")
     _setting(pl, "--replica-index", "replica_index", metavar="I",
              help="this replica's index, 0 to G-1, e.g. a StatefulSet pod's ordinal (default: %(default)s)")
-    pr = p.add_argument_group("prediction and SLO")
+
+
+def _prediction_flags(pr: argparse._ActionsContainer) -> None:
     _setting(pr, "--predictor-url", "predictor_url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     _setting(pr, "--predictor-timeout-ms", "predictor_timeout_ms", help="fall back when slower (default: %(default)s)")
     _setting(pr, "--fallback-tokens", "fallback_tokens",
@@ -163,7 +175,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
              help="prefill time of a lone request, seconds (default: %(default)s)")
     _setting(pr, "--t-g", "t_g_s", metavar="S",
              help="decode time per token of a lone request, seconds (default: %(default)s)")
-    g = p.add_argument_group("gateway")
+
+
+def _gateway_flags(g: argparse._ActionsContainer) -> None:
     _setting(g, "--host", "host", help="listen address (default: %(default)s)")
     _setting(g, "--port", "port", help="listen port (default: %(default)s)")
     _setting(g, "--max-attempts", "max_attempts", help="engines one request may try (default: %(default)s)")
@@ -180,8 +194,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
              help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
                   "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
     _setting(g, "--log-level", "log_level", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=run)
-    return p
 
 
 class UsageError(ValueError):

@@ -34,8 +34,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from serving.replay import Job, Plan
 
 EPILOG = """\
 examples:
@@ -328,21 +334,51 @@ def run(a: argparse.Namespace) -> int:
     return 0 if report["replay"]["summary"]["requests"]["completed"] else 1
 
 
-def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Children, timings: dict, con) -> dict:
-    from rich.console import Console
+@dataclass
+class Gateway:
+    """``lengthwise serve`` once started: the trace is loaded while its engine starts, so the step that waits for it
+    needs when it started as well as where it listens."""
 
-    from serving.replay import (
-        ReplayError,
-        Settings,
-        build_report,
-        plan_jobs,
-        poisson_arrivals,
-        report_table,
-        run_with_progress,
-    )
+    child: Child
+    url: str
+    cores: str  # VLLM_CPU_OMP_THREADS_BIND of its engine
+    started: float  # time.monotonic() at its start: the trace's load and the engine's start-up are timed from it
 
-    bin_dir = Path(sys.executable).parent
-    # 1. the model
+
+@dataclass
+class Calibration:
+    """The lone-request times on this machine (EcoServe's t_p and t_g, in seconds) and the SLO headers they give."""
+
+    t_p: float
+    t_g: float
+    scale: float
+    requests: list  # the calibration requests' results (serving.replay.Result)
+
+    @property
+    def slo_ttft_ms(self) -> float:
+        return self.scale * self.t_p * 1000
+
+    @property
+    def slo_tpot_ms(self) -> float:
+        return self.scale * self.t_g * 1000
+
+
+def _run(a: argparse.Namespace, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Children, timings: dict,
+         con: Console) -> dict:
+    """The demo's story, one call a step; returns what ``demo.json`` reports (:func:`run` adds the timings)."""
+    model_dir = _model(gguf, work, timings, con)
+    sidecar_url, sidecar_model = _sidecar(a, logs, children, timings, con)
+    gateway = _start_gateway(a, model_dir, sidecar_url, logs, children)
+    plan, calib_jobs = _load_trace(a, sharegpt, model_dir, gateway, timings, con)
+    _gateway_ready(a, gateway, logs, len(plan.jobs), timings, con)
+    calibration = _calibrate_slo(a, gateway.url, model_dir, calib_jobs, timings, con)
+    report = _replay(a, gateway.url, model_dir, plan, calibration, work, timings, con)
+    return _demo_report(a, model_dir, sidecar_model, gateway, calibration, report, _gateway_metrics(gateway.url))
+
+
+def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
+    """1. The model: vLLM serves a HF directory, not a GGUF, so convert it once into the work dir; a second run finds
+    it there and skips the conversion (and the torch import it needs)."""
     model_dir = work / gguf.name.split(".")[0]
     cached = (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
     t = time.monotonic()
@@ -354,12 +390,16 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
     timings["convert_s"] = time.monotonic() - t
     how = "cached" if cached else f"converted in {timings['convert_s']:.0f} s"
     con.print(f"[1/5] model: {model_dir} ({how})")
+    return model_dir
 
-    # 2. the sidecar
+
+def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dict, con: Console) -> tuple[str, dict]:
+    """2. The sidecar: the gateway asks it for each request's predicted length, so it must be ready before the gateway
+    starts; returns its URL and what its ``/ready`` says it serves (the report names the predictor's version)."""
     sc_port = free_port()
     sidecar = children.start("predictor-sidecar", [
-        str(bin_dir / "predictor-sidecar"), "--model", a.predictor, "--host", "127.0.0.1", "--port", str(sc_port),
-        "--threads", str(a.sidecar_threads), "--reload-interval", "0"], logs / "sidecar.log")
+        str(Path(sys.executable).parent / "predictor-sidecar"), "--model", a.predictor, "--host", "127.0.0.1",
+        "--port", str(sc_port), "--threads", str(a.sidecar_threads), "--reload-interval", "0"], logs / "sidecar.log")
     sc_url = f"http://127.0.0.1:{sc_port}"
     t = time.monotonic()
     with con.status(f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
@@ -368,24 +408,34 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
     ready = httpx.get(sc_url + "/ready", timeout=10).json()
     con.print(f"[2/5] predictor-sidecar: {ready.get('model_name')} v{ready.get('model_version')} on {sc_url}, "
               f"ready in {timings['sidecar_ready_s']:.0f} s (log {sidecar.log})")
+    return sc_url, ready
 
-    # 3. the gateway and its engine
+
+def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, logs: Path, children: Children) -> Gateway:
+    """3. The gateway and its engine: started without waiting, since the engine takes about a minute and the trace
+    can be loaded meanwhile (:func:`_load_trace`, then :func:`_gateway_ready`)."""
     gw_port = free_port()
     bind = engine_cores(a.engine_cores)
     gateway = children.start("lengthwise serve", [
-        str(bin_dir / "lengthwise"), "serve", "--model", str(model_dir), "--engines", "1", "--policy", a.policy,
-        "--predictor-url", sc_url, "--predictor-timeout-ms", f"{a.predictor_timeout_ms:g}", "--port", str(gw_port),
-        "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", f"{a.start_timeout:g}",
+        str(Path(sys.executable).parent / "lengthwise"), "serve", "--model", str(model_dir), "--engines", "1",
+        "--policy", a.policy, "--predictor-url", sidecar_url, "--predictor-timeout-ms", f"{a.predictor_timeout_ms:g}",
+        "--port", str(gw_port), "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", f"{a.start_timeout:g}",
         "--engine-arg=--dtype float32", f"--engine-arg=--max-model-len {a.max_model_len}",
         *([] if a.engine_compile else ["--engine-arg=--enforce-eager"]),
         *[f"--engine-arg={x}" for x in a.engine_arg]],
         logs / "gateway.log", grace_s=60.0,
         env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-    gw_url = f"http://127.0.0.1:{gw_port}"
-    t_gw = time.monotonic()
+    return Gateway(gateway, f"http://127.0.0.1:{gw_port}", bind, time.monotonic())
 
-    # ... and the trace, loaded while the engine starts
+
+def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway: Gateway, timings: dict,
+                con: Console) -> tuple[Plan, list[Job]]:
+    """... and the trace, loaded while the engine starts: ``--requests`` prompts with Poisson arrivals to replay, and
+    a few more, outside the trace, for the calibration; tokens are counted with the served model's tokenizer so that
+    prompts too long for its context are left out before sending."""
+    from serving.replay import ReplayError, plan_jobs, poisson_arrivals
+
     with con.status("loading the ShareGPT trace while the engine starts ..."):
         try:
             plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=a.max_tokens_cap,
@@ -397,26 +447,45 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
         raise DemoError(f"the ShareGPT file holds fewer than {a.requests + CALIBRATION_REQUESTS} usable prompts")
     for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), a.rate, a.seed)):
         j.arrival = arrival
-    timings["load_trace_s"] = time.monotonic() - t_gw
-    with con.status(f"starting lengthwise serve with one vLLM engine on cores {bind} (about a minute) ..."):
-        wait_http(gateway, gw_url + "/health", a.start_timeout + 60, "serving")
-    timings["engine_ready_s"] = time.monotonic() - t_gw
-    con.print(f"[3/5] lengthwise serve on {gw_url}: one engine ({a.policy}, cores {bind}, KV {a.kv_cache_gib:g} GiB), "
-              f"ready in {timings['engine_ready_s']:.0f} s (logs {gateway.log}, {logs / 'engines'}); "
-              f"{len(plan.jobs)} prompts loaded meanwhile in {timings['load_trace_s']:.0f} s")
+    timings["load_trace_s"] = time.monotonic() - gateway.started
+    return plan, calib_jobs
 
-    # 4. the SLO, from lone requests
+
+def _gateway_ready(a: argparse.Namespace, gateway: Gateway, logs: Path, n_jobs: int, timings: dict, con: Console) -> None:
+    """Wait for the gateway's ``/health``: it answers once its engine serves (a minute more than the engine's own
+    start-up timeout, for the gateway's)."""
+    with con.status(f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ..."):
+        wait_http(gateway.child, gateway.url + "/health", a.start_timeout + 60, "serving")
+    timings["engine_ready_s"] = time.monotonic() - gateway.started
+    con.print(f"[3/5] lengthwise serve on {gateway.url}: one engine ({a.policy}, cores {gateway.cores}, "
+              f"KV {a.kv_cache_gib:g} GiB), ready in {timings['engine_ready_s']:.0f} s (logs {gateway.child.log}, "
+              f"{logs / 'engines'}); {n_jobs} prompts loaded meanwhile in {timings['load_trace_s']:.0f} s")
+
+
+def _calibrate_slo(a: argparse.Namespace, gw_url: str, model_dir: Path, calib_jobs: list[Job], timings: dict,
+                   con: Console) -> Calibration:
+    """4. The SLO, from lone requests: a deadline means something only relative to what this machine does with no
+    queue, so t_p and t_g are measured here (and warm the engine up) before the replay's headers are set from them."""
     t = time.monotonic()
-    model = str(model_dir)
     with con.status(f"calibrating: {len(calib_jobs)} requests alone ..."):
-        t_p, t_g, calib = calibrate(gw_url, model, calib_jobs, len(calib_jobs), CALIBRATION_TOKENS)
+        t_p, t_g, calib = calibrate(gw_url, str(model_dir), calib_jobs, len(calib_jobs), CALIBRATION_TOKENS)
     timings["calibrate_s"] = time.monotonic() - t
-    slo_ttft_ms, slo_tpot_ms = a.slo_scale * t_p * 1000, a.slo_scale * t_g * 1000
+    c = Calibration(t_p, t_g, a.slo_scale, calib)
     con.print(f"[4/5] lone request here: t_p {t_p * 1000:.0f} ms to the first token, t_g {t_g * 1000:.1f} ms per token; "
-              f"SLO headers x-slo-ttft-ms {slo_ttft_ms:.0f}, x-slo-tpot-ms {slo_tpot_ms:.1f} (scale {a.slo_scale:g})")
+              f"SLO headers x-slo-ttft-ms {c.slo_ttft_ms:.0f}, x-slo-tpot-ms {c.slo_tpot_ms:.1f} (scale {a.slo_scale:g})")
+    return c
 
-    # 5. the replay
-    s = Settings(gw_url, model, slo_ttft_ms=round(slo_ttft_ms, 1), slo_tpot_ms=round(slo_tpot_ms, 2), timeout_s=600)
+
+def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, calibration: Calibration, work: Path,
+            timings: dict, con: Console) -> dict:
+    """5. The replay: the trace through the endpoint as ``lengthwise replay`` sends it, every request carrying the SLO
+    headers; writes ``replay.json``, prints its table and returns the report."""
+    from rich.console import Console
+
+    from serving.replay import Settings, build_report, report_table, run_with_progress
+
+    s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),
+                 slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600)
     con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {a.rate:g} req/s (Poisson, seed {a.seed}), "
               f"max_tokens = min(real answer length, {a.max_tokens_cap})")
     t = time.monotonic()
@@ -425,17 +494,29 @@ def _run(a, gguf: Path, sharegpt: Path, work: Path, logs: Path, children: Childr
     report = build_report(plan, s, a.rate, a.seed, a.max_tokens_cap, results, duration)
     (work / "replay.json").write_text(json.dumps(report, indent=1))
     Console().print(report_table(report["summary"], "lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve"))
-    try:  # what the gateway counted, beside what the client saw
+    return report
+
+
+def _gateway_metrics(gw_url: str) -> list[str]:
+    """What the gateway counted, beside what the client saw: its own metric lines (no latency histogram buckets);
+    none when it does not answer, since the replay's report stands without them."""
+    try:
         metrics = httpx.get(gw_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         metrics = ""
-    return {"model": str(model_dir), "predictor": a.predictor, "predictor_model": ready, "policy": a.policy,
-            "engine_cores": bind, "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
-            "calibration": {"t_p_s": t_p, "t_g_s": t_g, "slo_scale": a.slo_scale,
+    return [ln for ln in metrics.splitlines() if ln.startswith("lengthwise_gateway_")
+            and not ln.startswith("lengthwise_gateway_request_latency_seconds_bucket")]
+
+
+def _demo_report(a: argparse.Namespace, model_dir: Path, sidecar_model: dict, gateway: Gateway, calibration: Calibration,
+                 report: dict, gateway_metrics: list[str]) -> dict:
+    """``demo.json`` but its timings: how the run was set up, the calibration it measured and the replay's report."""
+    return {"model": str(model_dir), "predictor": a.predictor, "predictor_model": sidecar_model, "policy": a.policy,
+            "engine_cores": gateway.cores, "kv_cache_gib": a.kv_cache_gib, "max_model_len": a.max_model_len,
+            "calibration": {"t_p_s": calibration.t_p, "t_g_s": calibration.t_g, "slo_scale": calibration.scale,
                             "requests": [{k: getattr(r, k) for k in ("prompt_tokens", "output_tokens", "ttft", "jct")}
-                                         for r in calib]},
-            "replay": report, "gateway_metrics": [ln for ln in metrics.splitlines() if ln.startswith("lengthwise_gateway_")
-                                                  and not ln.startswith("lengthwise_gateway_request_latency_seconds_bucket")]}
+                                         for r in calibration.requests]},
+            "replay": report, "gateway_metrics": gateway_metrics}
 
 
 def _print_timings(timings: dict, work: Path) -> None:

@@ -1,0 +1,151 @@
+"""``lengthwise bench engine``'s steps (calibrate, replay at each rate, compare with the simulator, report) without an
+engine: the engine runs are stand-ins whose step profile follows a known linear cost, over a small synthetic trace.
+
+The real bench (tests/test_engine_bench.py) takes minutes; these pin, in a second, what ``run_bench`` asks the engines
+to run, what it prints and what it reports, which splitting it into its steps must keep.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from serving.enginebench import bench
+from serving.enginebench.bench import EngineBenchConfig, run_bench
+
+pytestmark = pytest.mark.unit
+
+C0, C1, C2 = 2e-3, 4e-6, 3e-5  # the stand-in engine's step: 2 ms + 4 µs a prefill token + 30 µs a decoded sequence
+GAP = 1e-3  # its loop between two steps: the bench fits the cycle, step + gap
+
+
+def _trace(path: Path, n: int = 16) -> Path:
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 18:17:{i:02d}.0000000,{40 + 37 * i % 300},{10 + 173 * i % 700}" for i in range(n)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _profile(n_steps: int) -> list[dict[str, float]]:
+    rows, t = [], 0.0
+    for i in range(n_steps):
+        prefill, decode = (64 * (i % 5) if i % 3 == 0 else 0), 1 + i % 7
+        step = C0 + C1 * prefill + C2 * decode
+        rows.append({"start_s": t, "step_s": step, "prefill_tokens": prefill, "decode_tokens": decode,
+                     "kv_read_tokens": 50 * (i % 4), "num_seqs": decode + (prefill > 0), "prefill_seqs": int(prefill > 0),
+                     "sched_s": 1e-4})
+        t += step + GAP
+    return rows
+
+
+class Engines:
+    """Stands in for ``run_engines``: records every job; stock answers each request in 5 ms a token, the plug-in in 4."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[dict]] = []
+
+    def __call__(self, jobs: list[dict], work: Path, console: Console) -> list[dict]:
+        self.calls.append(jobs)
+        outs = []
+        for job in jobs:
+            per_token = 0.005 if job["scheduler"] == "stock" else 0.004
+            recs = [{"id": r["id"], "first": r["arrival"] + 0.01, "finished": r["arrival"] + 0.01 + per_token * r["output_tokens"],
+                     "tokens": r["output_tokens"]} for r in job["requests"]]
+            plugin = {} if job["scheduler"] == "stock" else {"requests": len(recs), "pauses": 1, "hosted": 2}
+            outs.append({"profile": _profile(40), "records": recs, "preemptions": 0, "plugin_stats": plugin,
+                         "wall_s": max(r["finished"] for r in recs)})
+        return outs
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=400, color_system=None, force_terminal=False), buf
+
+
+@pytest.fixture
+def engines(monkeypatch) -> Engines:
+    e = Engines()
+    monkeypatch.setattr(bench, "run_engines", e)
+    return e
+
+
+def _cfg(tmp_path: Path, **kw) -> EngineBenchConfig:
+    return EngineBenchConfig(workload=str(_trace(tmp_path / "trace.csv")), max_requests=12, calibration_requests=8,
+                             tokenizer=str(tmp_path / "unused-tokenizer.json"), **kw)
+
+
+def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, tmp_path):
+    con, buf = _console()
+    out_json = tmp_path / "out" / "engine.json"
+    result = run_bench(_cfg(tmp_path, rates=[2.0, 4.0]), out_json, tmp_path / "out" / "engine.png", con)
+    text = buf.getvalue()
+
+    calibration, *runs = engines.calls
+    assert [j["scheduler"] for j in calibration] == ["stock"] and calibration[0]["tag"] == "calibration"
+    burst = calibration[0]["requests"]
+    assert len(burst) == 8 and [r["arrival"] for r in burst] == pytest.approx([0.05 * i for i in range(8)])
+    assert set(burst[0]) == {"id", "arrival", "prompt_tokens", "output_tokens"}
+    assert calibration[0]["engine"] == {"shape": "tiny", "max_model_len": 2048, "block_size": 32, "max_num_seqs": 256,
+                                        "max_num_batched_tokens": 2048, "kv_blocks": 128, "threads": 1}
+    assert [[(j["scheduler"], j["tag"]) for j in r] for r in runs] == [[("stock", "r2"), ("lengthwise", "r2")],
+                                                                      [("stock", "r4"), ("lengthwise", "r4")]]
+    tfs = result["calibration"]["tfs"]
+    for pair in runs:
+        for job in pair:
+            assert len(job["requests"]) == 12 and job["plugin"] == {"tfs": tfs}
+            assert all("pred_len" in r["extra_args"] and r["slo_s"] > 0 for r in job["requests"])
+        assert pair[0]["requests"] == pair[1]["requests"]  # same arrivals, same predictions
+
+    lat = result["calibration"]["latency_model"]
+    assert lat["n_rows"] == 40
+    assert lat["c0_s"] == pytest.approx(C0 + GAP, rel=1e-6) and lat["c1_s_per_prefill_token"] == pytest.approx(C1, rel=1e-6)
+    assert lat["c2_s_per_decode_token"] == pytest.approx(C2, rel=1e-6) and lat["c3_s_per_kv_token"] == pytest.approx(0, abs=1e-12)
+    assert Path(result["calibration"]["profile_csv"]).name == "step_profile.csv"
+    assert result["calibration"]["sim_max_rate_at_90_slo"] == {}  # rates given: no saturation sweep
+    assert set(result) == {"config", "device", "stock", "lengthwise", "goodput_ratio", "rate", "headline_rule", "points",
+                           "capacity", "calibration", "work_dir"}
+    assert [p["rate"] for p in result["points"]] == [2.0, 4.0]
+    for p in result["points"]:
+        for lab in ("stock", "lengthwise"):
+            assert p[lab]["requests_completed"] == 12 and p[lab]["extra"]["wrong_or_lost"] == 0
+            assert set(p[lab]["extra"]["sim_error"]) == {"jct_mean_s", "jct_p50_s", "throughput_rps"}
+            assert math.isfinite(p[lab]["extra"]["sim"]["jct_mean_s"])
+        assert p["goodput_ratio"] == pytest.approx(p["lengthwise"]["goodput_rps"] / p["stock"]["goodput_rps"])
+    assert result["points"][1]["lengthwise"]["extra"]["plugin"] == {"requests": 12, "pauses": 1, "hosted": 2}
+    assert result["capacity"]["target_attainment"] == bench.SLO_TARGET
+    assert set(result["calibration"]["sim_error"]["stock"]) == {"rate_2", "rate_4"}
+    assert result["headline_rule"] in text and result["config"]["rates"] == [2.0, 4.0]
+
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks)"
+    assert lines[1].startswith("fitted step model: 3.00 ms + 4.0 µs/prefill token + 30.0 µs/decode token + 0.0 ns/KV token")
+    assert lines[2] == "replaying at 2, 4 req/s"
+    assert lines[3] == "stock and lengthwise, side by side, at 2 req/s (12 requests each)"
+    assert sum(ln.startswith("real engine: stock vLLM vs lengthwise") for ln in lines) == 2  # the table after each rate
+    assert any(ln.startswith("headline: ") and "max rate at >= 90% SLO: stock " in ln for ln in lines)
+    assert lines[-2:] == [f"wrote {out_json}", f"wrote {tmp_path / 'out' / 'engine.png'}"]
+    assert json.loads(out_json.read_text())["points"][0]["rate"] == 2.0
+    assert (tmp_path / "out" / "engine.png").stat().st_size > 0
+
+
+def test_default_rates_are_factors_of_the_simulated_stock_capacity(engines, tmp_path, monkeypatch):
+    swept = []
+
+    def sweep(setup, name):
+        swept.append(name)
+        return {"max_rate_at_90_slo": {"vllm": 1.5, "lengthwise": 2.25}[name]}
+
+    monkeypatch.setattr(bench, "sweep_policy", sweep)
+    con, buf = _console()
+    result = run_bench(_cfg(tmp_path), None, None, con)
+    assert swept == ["vllm", "lengthwise"]
+    assert [p["rate"] for p in result["points"]] == [round(1.5 * f, 3) for f in bench.DEFAULT_RATE_FACTORS]
+    assert result["calibration"]["sim_max_rate_at_90_slo"] == {"vllm": 1.5, "lengthwise": 2.25}
+    text = buf.getvalue()
+    assert "simulated max rate at 90% SLO: stock 1.50 req/s, lengthwise 2.25 req/s" in text
+    assert "replaying at 1.5, 1.875, 2.25, 3 req/s" in text and "wrote" not in text

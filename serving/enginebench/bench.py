@@ -35,12 +35,13 @@ from rich.table import Table
 
 from serving.perf.latency import FittedLatency
 from serving.perf.slo import derive_slo
+from serving.policy.request import Prediction
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
-from serving.sim.predictions import make_predictor
+from serving.sim.predictions import LengthOracle, make_predictor
 from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
 from serving.sim.sweep import sweep_policy
-from serving.sim.workload import TraceRequest, load_workload
+from serving.sim.workload import TraceRequest, Workload, load_workload
 
 SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this bench's capacity threshold)
 DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
@@ -225,19 +226,39 @@ def _rel(sim: float, real: float) -> float:
 
 
 def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None, console: Console) -> dict[str, Any]:
-    from serving.policy.config import PolicyConfig
-
+    """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
+    ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
-    sc = _scenario(cfg)
+    setup, csv_path = _calibrate(cfg, *_trace_and_predictions(cfg, console), work, console)
+    rates, sim_cap = _rates(cfg, setup, console)
+    points = []
+    for rate in rates:
+        points.append(_replay_at(cfg, setup, rate, work, console))
+        _table(points, console)
+    result = _result(cfg, setup, csv_path, sim_cap, points, work, console)
+    _write(result, json_path, png_path, console)
+    return result
+
+
+def _trace_and_predictions(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, LengthOracle, list[Prediction]]:
+    """The trace (Poisson arrivals are drawn again for each rate) and each request's predicted length, made once so
+    that stock vLLM, the plug-in and the simulator all see the same predictions."""
     tok = cfg.tokenizer or str(data_path("tokenizers/gpt2/tokenizer.json"))
     with console.status("loading the trace..."):
         wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests, seed=cfg.seed,
                            max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
-    reqs = wl.requests
     predictor = make_predictor(cfg.predictor, seed=cfg.seed)
-    preds = predictor.predict(reqs)
+    return wl, predictor, predictor.predict(wl.requests)
 
-    # 1. calibration: a burst of the trace's first requests through stock vLLM, every step recorded
+
+def _calibrate(cfg: EngineBenchConfig, wl: Workload, predictor: LengthOracle, preds: list[Prediction], work: Path,
+               console: Console) -> tuple[Setup, Path]:
+    """1. Calibrate: a burst of the trace's first requests through stock vLLM, every step recorded, and the simulator's
+    step model fitted to them; that fit sets the SLO (t_p, t_g) and the TFS, so every later run is judged against what
+    this machine does. Returns the simulator's :class:`Setup` for every later step and the profile CSV it was fitted to."""
+    from serving.policy.config import PolicyConfig
+
+    reqs = wl.requests
     k = min(cfg.calibration_requests, len(reqs))
     burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
     console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
@@ -256,8 +277,13 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
                   f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
                   f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
                   f"scale {scale}; TFS {tfs}")
+    return Setup(_scenario(cfg), wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed), csv_path
 
-    setup = Setup(sc, wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed)
+
+def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list[float], dict[str, float]]:
+    """The rates to replay at: ``cfg.rates``, else factors of the rate the calibrated simulator says stock vLLM sustains
+    at 90% SLO, so that the sweep straddles where scheduling starts to matter on this machine. Returns them and the
+    simulated capacities (none when the rates were given)."""
     sim_cap: dict[str, float] = {}
     if cfg.rates is None:
         with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
@@ -267,25 +293,40 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
                       f"{sim_cap[cfg.policy]:.2f} req/s")
     rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in DEFAULT_RATE_FACTORS]
     console.print(f"replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
+    return rates, sim_cap
 
-    points = []
-    for rate in rates:
-        at = setup.at_rate(rate)
-        point: dict[str, Any] = {"rate": rate}
-        runs = (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy))
-        console.print(f"[bold]stock and {cfg.policy}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
-        outs = run_engines([_job(sched, cfg, at, preds, slo, f"r{rate:g}", tfs) for _, sched, _ in runs], work, console)
-        for (label, _sched, sim_policy), out in zip(runs, outs):
-            m = summarize_run(out, at, slo, label)
-            s = simulate(at, preds, sim_policy, pc, cfg.kv_blocks - 1, lat, slo, repredict=predictor.repredict)
-            m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
-                                                          "slo_attainment", "goodput_rps", "preemptions")}
-            m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s",
-                                                                                   "throughput_rps")}
-            point[label] = {"rate": rate, **{k: v for k, v in m.to_dict().items()}}
-        point["goodput_ratio"] = _ratio(point["lengthwise"]["goodput_rps"], point["stock"]["goodput_rps"])
-        points.append(point)
-        _table(points, console)
+
+def _replay_at(cfg: EngineBenchConfig, setup: Setup, rate: float, work: Path, console: Console) -> dict[str, Any]:
+    """2. Replay at one rate: stock vLLM and the plug-in side by side (same arrivals, same predictions), each run then
+    set beside its simulation (:func:`_compared`); the point holds both and their goodput ratio."""
+    at = setup.at_rate(rate)
+    point: dict[str, Any] = {"rate": rate}
+    runs = (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy))
+    console.print(f"[bold]stock and {cfg.policy}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
+    outs = run_engines([_job(sched, cfg, at, setup.predictions, setup.slo, f"r{rate:g}", setup.config.tfs)
+                        for _, sched, _ in runs], work, console)
+    for (label, _sched, sim_policy), out in zip(runs, outs):
+        point[label] = {"rate": rate, **_compared(out, at, setup, label, sim_policy).to_dict()}
+    point["goodput_ratio"] = _ratio(point["lengthwise"]["goodput_rps"], point["stock"]["goodput_rps"])
+    return point
+
+
+def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str) -> RunMetrics:
+    """3. Compare one engine run with the simulator on the same trace, policy and rate: the relative error in JCT and
+    throughput is the simulator's calibration error, which says how far its sweeps can be trusted."""
+    m = summarize_run(out, at, setup.slo, label)
+    s = simulate(at, setup.predictions, sim_policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                 repredict=setup.predictor.repredict)
+    m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
+                                                  "slo_attainment", "goodput_rps", "preemptions")}
+    m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s", "throughput_rps")}
+    return m
+
+
+def _result(cfg: EngineBenchConfig, setup: Setup, csv_path: Path, sim_cap: dict[str, float], points: list[dict],
+            work: Path, console: Console) -> dict[str, Any]:
+    """The result: the headline point (:func:`headline`, chosen by stock's attainment alone), each scheduler's max rate
+    at the SLO target, every point, and how the calibration was made, so that a result says how it was obtained."""
     head, rule = headline(points)
     capacity = {lab: max_rate_at(points, lab) for lab in ("stock", "lengthwise")}
     cap_ratio = (capacity["lengthwise"]["rate"] / capacity["stock"]["rate"]
@@ -294,17 +335,22 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
                   f"{'n/a' if head['goodput_ratio'] is None else format(head['goodput_ratio'], '.2f') + 'x'}; "
                   f"max rate at >= {SLO_TARGET:.0%} SLO: stock {_cap_text(capacity['stock'])}, "
                   f"{cfg.policy} {_cap_text(capacity['lengthwise'])}")
-    result = {
+    return {
         "config": cfg.model_dump(), "device": "cpu", "stock": head["stock"], "lengthwise": head["lengthwise"],
         "goodput_ratio": head["goodput_ratio"], "rate": head["rate"], "headline_rule": rule, "points": points,
         "capacity": {**capacity, "ratio": cap_ratio, "target_attainment": SLO_TARGET},
-        "calibration": {"latency_model": lat.describe(), "profile_csv": str(csv_path), "tfs": tfs,
-                        "slo": {"scale": scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g},
+        "calibration": {"latency_model": setup.latency.describe(), "profile_csv": str(csv_path), "tfs": setup.config.tfs,
+                        "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
                         "sim_max_rate_at_90_slo": sim_cap,
                         "sim_error": {lab: {f"rate_{p['rate']:g}": p[lab]["extra"]["sim_error"] for p in points}
                                       for lab in ("stock", "lengthwise")}},
         "work_dir": str(work),
     }
+
+
+def _write(result: dict[str, Any], json_path: Path | None, png_path: Path | None, console: Console) -> None:
+    """The result where asked for: the JSON keeps every point and how the run was made; the plot shows goodput, SLO
+    attainment and p99 JCT against the rate, real beside simulated."""
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2, default=float))
@@ -312,7 +358,6 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     if png_path:
         plot_engine(result, png_path)
         console.print(f"wrote {png_path}")
-    return result
 
 
 def headline(points: list[dict]) -> tuple[dict, str]:

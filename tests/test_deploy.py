@@ -167,8 +167,9 @@ def gateway_routes() -> set[str]:
 
 @pytest.fixture(scope="module")
 def sidecar_routes() -> set[str]:
-    from predictor.sidecar.app import SidecarSettings, create_app
+    from predictor.sidecar.app import create_app
     from predictor.sidecar.cache import ResolvedModel, parse_uri
+    from predictor.sidecar.settings import SidecarSettings
 
     ref = parse_uri("models:/length-predictor@champion")
     app = create_app(SidecarSettings(), ref, ResolvedModel(Path("/nonexistent"), "length-predictor", "1", ref.uri))
@@ -292,8 +293,8 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
 
 # --- the sidecar ------------------------------------------------------------------------------------
 def test_sidecar_command_line_parses_with_predictor_sidecar(objects, sidecar_routes, capsys):
-    from predictor.sidecar.app import _check, build_parser
     from predictor.sidecar.cache import parse_uri
+    from predictor.sidecar.cli import _check, build_parser
 
     w, c, argv = find(objects, ["predictor-sidecar"])
     assert w["kind"] == "Deployment"
@@ -414,7 +415,7 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_readme_commands_parse(capsys):
-    from predictor.sidecar.app import build_parser
+    from predictor.sidecar.cli import build_parser
     from serving.engine.settings import SchedulerSettings
     from serving.gateway.launcher import PLUGIN, VLLM_SERVER
 

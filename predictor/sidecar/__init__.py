@@ -1,7 +1,9 @@
 """``predictor-sidecar``: the length predictor as an HTTP service beside the engines.
 
 Sits above the registry (it resolves ``models:/`` URIs and reports online error windows to MLflow) and the
-predictor core (the ONNX runtime). One module per job: ``schemas`` (the HTTP contract), ``cache`` (resolving and
-caching a model reference), ``batcher`` (micro-batching), ``metrics`` (Prometheus), ``app`` (the FastAPI app and
-its state; ``python -m predictor.sidecar`` runs it). Its benchmark is ``training/bench_sidecar.py``.
+predictor core (the ONNX runtime). One module per job: ``settings`` (every setting, validated), ``schemas`` (the
+HTTP contract), ``cache`` (resolving and caching a model reference), ``loading`` (opening and running one model
+version), ``batcher`` (micro-batching), ``state`` (the serving version, hot reload, feedback windows), ``metrics``
+(Prometheus), ``app`` (the FastAPI routes and middleware) and ``cli`` (the flags, derived from the settings;
+``python -m predictor.sidecar`` runs it). Its benchmark is ``training/bench_sidecar.py``.
 """

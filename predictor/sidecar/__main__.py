@@ -1,3 +1,3 @@
-from predictor.sidecar.app import main
+from predictor.sidecar.cli import main
 
 raise SystemExit(main())

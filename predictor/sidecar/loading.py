@@ -1,0 +1,84 @@
+"""One model version in the sidecar: open it (an onnxruntime session per worker, warmed up) and run a micro-batch on it.
+
+Kept apart from the state that decides *which* version serves (predictor/sidecar/state.py), so loading and
+inference can be reasoned about, and timed, without the swapping, feedback and monitoring around them.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from predictor.runtime import OnnxLengthPredictor, softmax
+from predictor.sidecar.cache import ResolvedModel
+from predictor.sidecar.settings import SidecarSettings
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One loaded version: an onnxruntime session per inference worker (sessions are not shared between
+    concurrent batches, so each runs single-owner at full speed)."""
+
+    sessions: queue.SimpleQueue
+    predictor: OnnxLengthPredictor  # the first session; scheme, tokenizer and input format are the same in all
+    resolved: ResolvedModel
+
+    @property
+    def name(self) -> str:
+        return self.resolved.name
+
+    @property
+    def version(self) -> str:
+        return self.resolved.version
+
+
+@dataclass(frozen=True)
+class PredictItem:
+    """One conversation to predict, with the quantile its caller asked for."""
+
+    turns: list[tuple[str, str]]
+    quantile: float
+
+
+def load_served(resolved: ResolvedModel, settings: SidecarSettings) -> ServedModel:
+    """Open one ONNX session per worker and run a warm-up prediction on each, so no request pays for it."""
+    sessions: queue.SimpleQueue = queue.SimpleQueue()
+    preds = [OnnxLengthPredictor(resolved.path, threads=settings.threads, batch_size=settings.max_batch,
+                                 token_budget=settings.token_budget, spin=settings.ort_spin, precision=settings.precision)
+             for _ in range(settings.workers)]
+    for pred in preds:
+        pred.predict(["warm-up"])
+        sessions.put(pred)
+    return ServedModel(sessions, preds[0], resolved)
+
+
+def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[dict[str, Any], ServedModel]]:
+    """One micro-batch: tokenise each prompt once, one onnxruntime pass (grouped by length), per-item quantiles."""
+    pred = model.sessions.get()  # at most `workers` batches run at once, so one is always free
+    try:
+        encoded = pred.encode([it.turns for it in items])
+        probs = softmax(pred.logits_encoded([e.ids for e in encoded]).astype(np.float64))
+    finally:
+        model.sessions.put(pred)
+    scheme = pred.scheme
+    expected = scheme.expected(probs)
+    buckets = probs.argmax(1)
+    qs = np.array([it.quantile for it in items])
+    quant = np.empty(len(items))
+    for q in np.unique(qs):
+        sel = qs == q
+        quant[sel] = scheme.quantile(probs[sel], float(q))
+    upper = scheme.upper()
+    out = []
+    for i, e in enumerate(encoded):
+        b = int(buckets[i])
+        out.append(({
+            "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(),
+            "expected_tokens": float(expected[i]), "quantile": float(qs[i]), "quantile_tokens": float(quant[i]),
+            "truncated": bool(e.truncated), "prompt_tokens": len(e.ids), "model_name": model.name,
+            "model_version": model.version,
+        }, model))
+    return out

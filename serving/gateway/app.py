@@ -4,7 +4,7 @@ A thin adapter: the routes call a :class:`~serving.gateway.gateway.Gateway`, whi
 one method per step of the request path below; the app adds what is HTTP's alone (reading the body within its limit,
 noticing a client that leaves, the lifespan, the error handlers for everything that is not an OpenAI error).
 
-Per request (SPEC §2): validate → predict (sidecar or fallback) → deadline → hints into ``vllm_xargs`` →
+Per request (docs/architecture.md): validate → predict (sidecar or fallback) → deadline → hints into ``vllm_xargs`` →
 count the prompt's tokens → place on an engine (the placement core over each engine's view) → forward (streaming or not, retried while nothing was sent) → feedback in the
 background. The response carries the engine's body unchanged plus headers saying what the gateway
 decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,

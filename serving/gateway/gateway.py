@@ -1,6 +1,6 @@
 """The gateway's request path as one object, one method per step, with no HTTP server in it.
 
-Per request (SPEC §2), in :meth:`Gateway.serve`: :meth:`~Gateway.validate` → :meth:`~Gateway.slo_terms` (the
+Per request (docs/architecture.md), in :meth:`Gateway.serve`: :meth:`~Gateway.validate` → :meth:`~Gateway.slo_terms` (the
 client's ``x-slo-*`` headers, read before the prediction so that a malformed one costs no sidecar call) →
 :meth:`~Gateway.predict` (sidecar or fallback) → :meth:`~Gateway.deadline` → :meth:`~Gateway.hints` (into
 ``vllm_xargs``) → :meth:`~Gateway.engine_headers` → :meth:`~Gateway.job` (count the prompt's tokens, the request

@@ -3,6 +3,8 @@
 One request's path (docs/architecture.md), one module per step:
 
 ========================= ===========================================================================
+``gateway.py``            the path itself: one :class:`~serving.gateway.gateway.Gateway` method per step below,
+                          testable without HTTP (``app.py`` is its FastAPI adapter)
 ``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)
 ``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
 ``slo.py``                the deadline: ``x-slo-ttft-ms``/``x-slo-tpot-ms`` or EcoServe's JCT SLO

@@ -49,7 +49,8 @@ def dispatch(a: argparse.Namespace) -> int:
                 t.add_column(c)
             for v in sorted(versions, key=lambda v: int(v.version)):
                 t.add_row(str(v.version), ",".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
-                          v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""), v.run_id or "")
+                          v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""),
+                          v.run_id or "")
             Console(width=max(Console().width, 160)).print(t)
         elif a.registry_cmd == "promote":
             print(store.promote(a.name, a.version, a.alias, a.force))

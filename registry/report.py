@@ -35,7 +35,8 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
     offline = {k: float(mv.tags[k]) for k in store.COMPARED_METRICS if k in mv.tags}
     run_id, rows = online.window_history(name, str(version))
     total = online.merge_windows(rows)
-    title = f"online error: {name} version {version}" + (f" (@{alias})" if alias and version == _alias_version(name, alias) else "")
+    title = f"online error: {name} version {version}" + (f" (@{alias})" if alias and version == _alias_version(name, alias)
+                                                         else "")
     if not rows:
         console.print(f"{title}: no online feedback logged yet (monitoring experiment '{online.MONITORING_EXPERIMENT}' "
                       f"at {store.tracking_uri()})")

@@ -85,7 +85,8 @@ def _bench_sim(a: argparse.Namespace) -> int:
 
         specs = [s.strip() for s in a.predictors.split(",") if s.strip()]
         if a.scenario == "all" or len(specs) < 2:
-            raise ValueError("--predictors needs one --scenario and at least two predictor specs, e.g. oracle,noise:0.7,noise:0.5")
+            raise ValueError("--predictors needs one --scenario and at least two predictor specs, "
+                             "e.g. oracle,noise:0.7,noise:0.5")
         setups = {}
         for spec in specs:
             a.predictor = spec
@@ -133,7 +134,8 @@ def _registry(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="lengthwise", description="Response-length-aware LLM serving: the serving endpoint, simulation, benchmarks and registry tools.")
+    p = OneLineParser(prog="lengthwise", description="Response-length-aware LLM serving: the serving endpoint, simulation, "
+                                                     "benchmarks and registry tools.")
     sub = p.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
@@ -194,17 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
                "  lengthwise simulate --workload $LENGTHWISE_DATA/traces/AzureLLMInferenceTrace_code_2023.csv --policy vllm "
                "--arrival trace --model llama-3.1-8b --gpu a100-80gb --latency-model blis --kv-blocks 29205 --block-size 16 "
                "--max-model-len 8192 --predictor noise:0.6\n"
-               "  lengthwise simulate --workload $LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz "
+               "  lengthwise simulate --workload "
+               "$LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz "
                "--policy ecoserve --rate 2 --max-requests 1000 --json run.json")
     sm.add_argument("--policy", required=True, help="scheduling policy name (see below)")
-    sm.add_argument("--arrival", choices=["trace", "poisson"], help="file timestamps (rescaled to --rate if given) or Poisson at --rate")
+    sm.add_argument("--arrival", choices=["trace", "poisson"],
+                    help="file timestamps (rescaled to --rate if given) or Poisson at --rate")
     sm.add_argument("--rate", type=float, help="requests per second")
     sm.add_argument("--json", help="write the run's metrics here")
     _add_sim_options(sm, workload_required=True)
     sm.set_defaults(func=_simulate)
 
     add_scale_parser(sub)
-    cv = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
+    cv = sub.add_parser("convert-gguf",
+                        help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
     cv.add_argument("gguf")
     cv.add_argument("out")
     cv.set_defaults(func=lambda a: __import__("predictor.convert", fromlist=["main"]).main([a.gguf, a.out]))
@@ -234,7 +239,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
-    return (WorkloadError, PredictorSpecError, PolicyError, LatencyError, HardwareError, ValidationError, ValueError, FileNotFoundError)
+    return (WorkloadError, PredictorSpecError, PolicyError, LatencyError, HardwareError, ValidationError, ValueError,
+            FileNotFoundError)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -492,7 +492,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals at R requests/s (default: all at once)")
     p.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS, metavar="N",
                    help="replay the first N prompts that fit the context (default: %(default)s)")
-    p.add_argument("--max-tokens-cap", type=int, metavar="N", help="ask for at most N output tokens per request (default: no cap)")
+    p.add_argument("--max-tokens-cap", type=int, metavar="N",
+                   help="ask for at most N output tokens per request (default: no cap)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="chat completions with the prompt as the user message (default); --no-chat: /v1/completions")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -507,7 +508,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, metavar="MS", help="sent as x-slo-ttft-ms: the gateway's deadline uses it")
     p.add_argument("--slo-tpot-ms", type=float, metavar="MS", help="sent as x-slo-tpot-ms: the gateway's deadline uses it")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="longest wait for an answer or, streaming, for its next chunk (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="longest wait for an answer or, streaming, for its next chunk (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the report (config, summary, every request) here")
     p.set_defaults(func=run)
     return p

@@ -52,8 +52,9 @@ def pressure(policy: str, blocks: int) -> dict:
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {"scheduler": type(sched).__name__, "wants": wants, "metrics": metrics, "got": [len(o.outputs[0].token_ids) for o in outs],
-            "ids": [o.request_id for o in outs], "stats": sched.lengthwise_stats()}
+    return {"scheduler": type(sched).__name__, "wants": wants, "metrics": metrics,
+            "got": [len(o.outputs[0].token_ids) for o in outs], "ids": [o.request_id for o in outs],
+            "stats": sched.lengthwise_stats()}
 
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a KV cache is in one sentence."]

@@ -88,7 +88,8 @@ def start_gateway(log_dir: Path, *args: str, env: dict | None = None, wait: floa
     return gw
 
 
-PLUGIN_STATS = re.compile(r"lengthwise\[(?P<policy>[\w-]+)\]: live (?P<live>\d+),.*fallback predictions (?P<fallback>\d+)/(?P<requests>\d+)")
+PLUGIN_STATS = re.compile(r"lengthwise\[(?P<policy>[\w-]+)\]: live (?P<live>\d+),"
+                          r".*fallback predictions (?P<fallback>\d+)/(?P<requests>\d+)")
 
 
 def plugin_stats(engine_log: Path) -> dict | None:

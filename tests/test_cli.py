@@ -9,7 +9,8 @@ from tests.conftest import SHAREGPT
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "training.cli", *args], capture_output=True, text=True, timeout=300, env=env, check=False)
+    return subprocess.run([sys.executable, "-m", "training.cli", *args], capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
 
 
 @pytest.fixture(scope="module")

@@ -153,7 +153,8 @@ def test_fleet_calls_a_run_past_capacity_by_its_backlog_not_by_the_drain_of_long
     from serving.replay import Result
 
     def run(ttfts: list[float | None], jct: float) -> list[Result]:
-        return [Result(i, float(i), 64, 64, 32, ok=t is not None, sent=float(i), ttft=t, jct=None if t is None else jct) for i, t in enumerate(ttfts)]
+        return [Result(i, float(i), 64, 64, 32, ok=t is not None, sent=float(i), ttft=t, jct=None if t is None else jct)
+                for i, t in enumerate(ttfts)]
 
     # every request starts at once and the last ones run 60 s: completions over the makespan would read as overload
     assert _admitted_by_last_arrival(run([0.2] * 100, 60.0)) == 0.99  # only the last arrival starts after itself

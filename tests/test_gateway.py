@@ -163,7 +163,8 @@ def _client(gw: Gateway, **kw) -> openai.OpenAI:
 def test_deadline_is_ecoserve_jct_slo_and_headers_replace_its_terms():
     s = GatewaySettings(engine_urls=["http://127.0.0.1:1"], slo_scale=3.0, t_p_s=0.1, t_g_s=0.01)
     slo = default_slo(s)
-    assert deadline(100.0, 50, (None, None), slo) == pytest.approx(100.0 + slo.jct_limit(50)) == pytest.approx(100 + 3 * (0.1 + 0.5))
+    assert deadline(100.0, 50, (None, None), slo) == pytest.approx(100.0 + slo.jct_limit(50)) == \
+        pytest.approx(100 + 3 * (0.1 + 0.5))
     assert deadline(100.0, 50, (0.4, 0.02), slo) == pytest.approx(100.0 + 0.4 + 0.02 * 50)
     assert deadline(100.0, 50, (0.4, None), slo) == pytest.approx(100.0 + 0.4 + 3 * 0.01 * 50)  # a missing header keeps its term
 
@@ -200,12 +201,14 @@ CLI_ERRORS = {
                            "no engine answered /health within 1 s"),
     "latency profile unreadable": (["--model", "MODEL", "--placement", "aladdin", "--latency-profile", "/nonexistent.csv"],
                                    "--latency-profile: /nonexistent.csv: cannot read"),
-    "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"], "aladdin, lengthwise-pack or lengthwise only"),
+    "latency profile for jsq": (["--model", "MODEL", "--latency-profile", "p.csv"],
+                                "aladdin, lengthwise-pack or lengthwise only"),
     "negative timeout": (["--model", "MODEL", "--predictor-timeout-ms", "-1"], "--predictor-timeout-ms"),
     "replica index past the replicas": (["--model", "MODEL", "--replicas", "2", "--replica-index", "2"],
                                         "--replica-index 2 is not one of --replicas 2"),
     "prefill engines for engines started here": (["--model", "MODEL", "--prefill-url", "http://127.0.0.1:9"],
-                                                 "--prefill-url needs the decode engines as --engine-url; to start both kinds here, use --prefill-engines"),
+                                                 ("--prefill-url needs the decode engines as --engine-url; "
+                                                  "to start both kinds here, use --prefill-engines")),
     "prefill engines without a connector": (["--model", "MODEL", "--prefill-engines", "1"],
                                             "--prefill-engines needs a KV-transfer connector on every engine"),
     "prefill URL also a decode URL": (["--prefill-url", "http://127.0.0.1:9", "--engine-url", "http://127.0.0.1:9"],
@@ -362,7 +365,8 @@ def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
         extra_body={"ignore_eos": True, "vllm_xargs": {"pred_len": 1, "deadline": 0, "note": "kept"}})
     t1 = time.time()
     assert raw.parse().usage.completion_tokens == 12
-    rid, pred, dl = raw.headers["x-lengthwise-request-id"], int(raw.headers["x-lengthwise-pred-len"]), float(raw.headers["x-lengthwise-deadline"])
+    rid, pred, dl = (raw.headers["x-lengthwise-request-id"], int(raw.headers["x-lengthwise-pred-len"]),
+                     float(raw.headers["x-lengthwise-deadline"]))
     assert raw.parse().id.endswith(rid)  # the engine's request id is ours
     assert pred == 12  # no sidecar: the fallback (256) clamped to max_tokens
     assert t0 + 0.4 + 0.02 * 12 - 1e-3 <= dl <= t1 + 0.4 + 0.02 * 12 + 1e-3
@@ -407,11 +411,13 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(fleet)
                 answer = conn.recv(2000)
             except OSError as why:
                 answer = repr(why)
-            raise AssertionError(f"{exc}: the gateway answered {answer!r}; views {fleet.get('/health').json()['engines']}") from None
+            raise AssertionError(f"{exc}: the gateway answered {answer!r}; "
+                                 f"views {fleet.get('/health').json()['engines']}") from None
     line = wait_for(lambda: next((ln for ln in fleet.log.read_text().splitlines() if "the client went away" in ln), None),
                     timeout=30, what="the gateway to notice the client leaving")
     rid = re.search(r"request (lw-\w+)", line)[1]
-    wait_for(lambda: any("Aborted request" in ln and rid in ln for p in fleet.engine_logs for ln in p.read_text(errors="replace").splitlines()),
+    wait_for(lambda: any("Aborted request" in ln and rid in ln
+                         for p in fleet.engine_logs for ln in p.read_text(errors="replace").splitlines()),
              timeout=30, what=f"the engine to abort {rid}")
     assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="499") == gone0 + 1
     wait_for(lambda: sum(e["outstanding"] for e in fleet.get("/health").json()["engines"]) == 0, timeout=30,
@@ -428,16 +434,20 @@ MALFORMED = {
     "missing prompt": ("completions", {"model": "M"}, 400, "prompt", "missing_required_parameter"),
     "prompt wrong type": ("completions", {"model": "M", "prompt": 5}, 400, "prompt", "invalid_type"),
     "negative max_tokens": ("completions", {"model": "M", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
-    "max_tokens not an int": ("completions", {"model": "M", "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    "max_tokens not an int": ("completions", {"model": "M", "prompt": "a", "max_tokens": "ten"}, 400, "max_tokens",
+                              "invalid_type"),
     "max_tokens float": ("completions", {"model": "M", "prompt": "a", "max_tokens": 1.5}, 400, "max_tokens", "invalid_type"),
     "stream not a bool": ("completions", {"model": "M", "prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
     "n zero": ("completions", {"model": "M", "prompt": "a", "n": 0}, 400, "n", "invalid_value"),
-    "vllm_xargs not an object": ("completions", {"model": "M", "prompt": "a", "vllm_xargs": [1]}, 400, "vllm_xargs", "invalid_type"),
+    "vllm_xargs not an object": ("completions", {"model": "M", "prompt": "a", "vllm_xargs": [1]}, 400, "vllm_xargs",
+                                 "invalid_type"),
     "missing messages": ("chat", {"model": "M"}, 400, "messages", "missing_required_parameter"),
     "messages not a list": ("chat", {"model": "M", "messages": "hi"}, 400, "messages", "invalid_type"),
     "message without role": ("chat", {"model": "M", "messages": [{"content": "hi"}]}, 400, "messages[0].role", "invalid_type"),
-    "content wrong type": ("chat", {"model": "M", "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content", "invalid_type"),
-    "bad SLO header": ("chat", {"model": "M", "messages": [{"role": "user", "content": "hi"}]}, 400, "x-slo-ttft-ms", "invalid_header"),
+    "content wrong type": ("chat", {"model": "M", "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content",
+                           "invalid_type"),
+    "bad SLO header": ("chat", {"model": "M", "messages": [{"role": "user", "content": "hi"}]}, 400, "x-slo-ttft-ms",
+                       "invalid_header"),
     # checked by the engine, passed through: still a 4xx with an OpenAI-style body
     "temperature not a number": ("completions", {"model": "M", "prompt": "a", "temperature": "hot"}, 400, None, None),
     "max_tokens beyond the context": ("completions", {"model": "M", "prompt": "a", "max_tokens": 5000}, 400, None, None),
@@ -608,11 +618,13 @@ def _diagnose(fleet: Gateway, gw: Gateway, victim: str) -> str:
 
     engines = {u: parse_report(HTTP.get(u + "/metrics", timeout=10).text) for u in fleet.engines}
     h, f = gw.get("/health").json(), fleet.get("/health").json()
+    views = [(e["name"], e["healthy"], e["outstanding"], e["other_requests"], e["load_report_age_s"]) for e in h["engines"]]
+    counters = ("lengthwise_gateway_placement_fallbacks_total", "lengthwise_gateway_engine_load_scrape_errors_total")
     return (f"victim {victim}; engines (running, waiting): {[(r.running, r.waiting) for r in engines.values()]}; "
             f"fleet views {[(e['name'], e['outstanding'], e['other_requests']) for e in f['engines']]}; "
-            f"gateway views {[(e['name'], e['healthy'], e['outstanding'], e['other_requests'], e['load_report_age_s']) for e in h['engines']]}; "
+            f"gateway views {views}; "
             f"placement stats {h['placement_state']['stats']}; "
-            f"{[ln for ln in gw.get('/metrics').text.splitlines() if ln.startswith(('lengthwise_gateway_placement_fallbacks_total', 'lengthwise_gateway_engine_load_scrape_errors_total'))]}")
+            f"{[ln for ln in gw.get('/metrics').text.splitlines() if ln.startswith(counters)]}")
 
 
 def _engine_group(fleet: Gateway, url: str) -> int:
@@ -797,7 +809,8 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     # the aladdin gateway's view of the dead engine is empty; nothing it placed is left anywhere
     a_h = gw_aladdin.get("/health").json()
     assert a_h["healthy_engines"] == 1
-    assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"] if e["name"] == victim_name] == [(False, 0, 0)]
+    assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"]
+            if e["name"] == victim_name] == [(False, 0, 0)]
     assert sum(e["outstanding"] for e in a_h["engines"]) == 0
 
     # stopping the gateway stops the engine it started; a gateway attached to dead engines answers 503, fast

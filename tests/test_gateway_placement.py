@@ -29,11 +29,14 @@ vllm:num_requests_running{engine="0",model_name="/tmp/lwp/model"} 4.0
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="/tmp/lwp/model"} 2.0
-# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for\
+ scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all\
+ reasons equals vllm:num_requests_waiting.
 # TYPE vllm:num_requests_waiting_by_reason gauge
 vllm:num_requests_waiting_by_reason{engine="0",model_name="/tmp/lwp/model",reason="capacity"} 2.0
 vllm:num_requests_waiting_by_reason{engine="0",model_name="/tmp/lwp/model",reason="deferred"} 0.0
-# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
+# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake;\
+ weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
 # TYPE vllm:engine_sleep_state gauge
 vllm:engine_sleep_state{engine="0",model_name="/tmp/lwp/model",sleep_state="awake"} 1.0
 vllm:engine_sleep_state{engine="0",model_name="/tmp/lwp/model",sleep_state="weights_offloaded"} 0.0
@@ -46,7 +49,16 @@ vllm:kv_cache_usage_perc{engine="0",model_name="/tmp/lwp/model"} 0.0029300451715
 vllm:prefix_cache_queries_total{engine="0",model_name="/tmp/lwp/model"} 56.0
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",cache_hit_alignment_tokens="None",effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency="128.0",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="262144",kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",num_cpu_blocks="None",num_gpu_blocks="8192",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",user_specified_block_size="True"} 1.0
+vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",cache_hit_alignment_tokens="None",\
+effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",\
+kv_cache_layout="None",kv_cache_max_concurrency="128.0",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="262144",\
+kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",\
+mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",\
+num_cpu_blocks="None",num_gpu_blocks="8192",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",\
+prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",\
+sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",\
+user_specified_block_size="True"} 1.0
 """
 
 
@@ -226,7 +238,8 @@ def test_a_request_on_a_view_from_placement_to_finish_drop_and_take_out():
 def test_latency_profile_adds_the_atgt_limit(tmp_path):
     # a profile as `lengthwise bench engine` writes it: 20 ms a step plus 1 ms per decoded sequence
     rows = ["prefill_tokens,decode_tokens,kv_read_tokens,step_s"]
-    rows += [f"{pf},{d},{d * 100},{0.02 + 0.001 * d + 0.00001 * pf:.6f}" for pf, d in [(0, 1), (0, 4), (512, 2), (0, 8), (256, 0), (0, 16)]]
+    rows += [f"{pf},{d},{d * 100},{0.02 + 0.001 * d + 0.00001 * pf:.6f}"
+             for pf, d in [(0, 1), (0, 4), (512, 2), (0, 8), (256, 0), (0, 16)]]
     (tmp_path / "p.csv").write_text("\n".join(rows) + "\n")
     s = GatewaySettings(engine_urls=["http://127.0.0.1:1"], placement="aladdin", latency_profile=tmp_path / "p.csv",
                         slo_tpot_ms=22.5, slo_ttft_ms=500)
@@ -279,7 +292,8 @@ def test_prompt_tokens_without_a_tokenizer_and_streamed_token_counts():
     assert c.method == "estimate"
     assert c.count(validate("completion", {"model": "m", "prompt": "x" * 41, "n": 2}, set())) == (22, "estimate")
     assert c.count(validate("completion", {"model": "m", "prompt": [[1, 2], [3]]}, set())) == (3, "token_ids")
-    assert c.count(validate("chat", {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}]}, set())) == (2, "estimate")
+    assert c.count(validate("chat", {"model": "m", "messages": [{"role": "user", "content": "abcdefgh"}]},
+                            set())) == (2, "estimate")
     relay = StreamRelay(False)
     relay.relay('{"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}')
     relay.relay('{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}')  # no output: not a token

@@ -19,7 +19,8 @@ from training.evaluate import Predictions, compute_metrics
 SCHEME = BucketScheme.equal_width(200, 2048)
 
 
-def _feedbacks(n: int, seed: int = 0, version: str = "1", name: str = "lp-unit") -> tuple[list[online.Feedback], np.ndarray, np.ndarray]:
+def _feedbacks(n: int, seed: int = 0, version: str = "1",
+               name: str = "lp-unit") -> tuple[list[online.Feedback], np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     actual = rng.integers(0, 2000, n)
     expected = np.clip(actual + rng.normal(0, 250, n), 0, 2047)
@@ -55,12 +56,14 @@ def test_windows_close_by_count_and_by_time():
 def test_alarm_when_online_accuracy_drops_below_offline(caplog):
     agg = online.WindowAggregator(window_size=20, window_seconds=3600, alarm_margin=0.1)
     agg.set_offline_accuracy("lp-unit", "1", 0.9)
-    wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None, actual_tokens=1000)
+    wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None,
+                            actual_tokens=1000)
     with caplog.at_level(logging.WARNING, logger="registry.online"):
         closed = [w for _ in range(20) for w in agg.add(wrong)]
     assert closed[0].alarm and closed[0].metrics()["accuracy_alarm"] == 1.0
     assert "online accuracy alarm" in caplog.text
-    right = online.Feedback("lp-unit", "1", bucket=5, true_bucket=5, expected_tokens=1000.0, quantile_tokens=None, actual_tokens=1000)
+    right = online.Feedback("lp-unit", "1", bucket=5, true_bucket=5, expected_tokens=1000.0, quantile_tokens=None,
+                            actual_tokens=1000)
     closed = [w for _ in range(20) for w in agg.add(right)]
     assert len(closed) == 1 and not closed[0].alarm
 

@@ -24,7 +24,8 @@ LAT = make_latency_model("blis", "llama-3.1-8b", "a100-80gb")
 
 
 def lengthwise(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def brute_peak(jobs: list[Job], bs: int) -> float:
@@ -37,7 +38,8 @@ jobs_st = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200), st.intege
 
 
 def make_jobs(rows) -> list[Job]:
-    return [Job(i, p, float(pred), generated=g, started=g > 0, first_token_at=0.0 if g else None) for i, (p, pred, g) in enumerate(rows)]
+    return [Job(i, p, float(pred), generated=g, started=g > 0, first_token_at=0.0 if g else None)
+            for i, (p, pred, g) in enumerate(rows)]
 
 
 @pytest.mark.unit
@@ -225,8 +227,8 @@ def test_cluster_of_one_is_the_single_instance_simulator(setup):
 
 
 @pytest.mark.parametrize("name,gateways,local", [("aladdin", 1, "vllm"), ("lengthwise", 1, "lengthwise"), ("p2c", 1, "vllm"),
-                                                  ("lengthwise-pack", 1, "vllm"), ("lengthwise-pack", 3, "vllm"), ("aladdin", 3, "vllm"),
-                                                  ("jsq", 2, "sjf")])
+                                                  ("lengthwise-pack", 1, "vllm"), ("lengthwise-pack", 3, "vllm"),
+                                                  ("aladdin", 3, "vllm"), ("jsq", 2, "sjf")])
 def test_cluster_places_every_request_once_and_is_deterministic(setup, name, gateways, local):
     reqs = setup.at_rate(5.0)
     cc = ClusterConfig(3, name, local, gateways=gateways, refresh_s=0.5, rebalance_s=0.25)
@@ -334,7 +336,8 @@ def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(da
     pool = build_placement_setup("sharegpt-decode", max_requests=40)
     assert isinstance(pool.latency, DecodePoolLatency) and not isinstance(colocated.latency, DecodePoolLatency)
     assert (pool.slo.ttft_s, pool.slo.tpot_s) == (colocated.slo.ttft_s, colocated.slo.tpot_s)
-    assert pool.kv_blocks == colocated.kv_blocks and [r.prompt_tokens for r in pool.requests] == [r.prompt_tokens for r in colocated.requests]
+    assert pool.kv_blocks == colocated.kv_blocks and \
+        [r.prompt_tokens for r in pool.requests] == [r.prompt_tokens for r in colocated.requests]
     chunk = StepShape.of(prefill_chunks=[(0, 2048)], decode_contexts=[500] * 8)
     assert pool.latency.step_time(chunk) < colocated.latency.step_time(chunk) / 2
     assert "decode pool" in pool.scenario.description

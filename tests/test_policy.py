@@ -24,8 +24,8 @@ from serving.policy.request import Phase, Prediction, Request
 
 pytestmark = pytest.mark.unit
 
-POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "ecoserve-DP",
-            "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"]
+POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO",
+            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"]
 VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 
@@ -347,7 +347,8 @@ def test_orca_batch_cap_and_whole_prompts():
     assert orca.trace[0].tokens == {0: 40, 1: 40}  # ORCA runs a prompt whole, not in chunks
     chunked = drive(make_policy("fcfs-max-alloc", c, 200), [(req(rid, 40, 3), 3) for rid in range(5)])
     assert chunked.trace[0].tokens == {0: 8}     # fcfs-max-alloc chunks prompts within the token budget
-    wide = drive(make_policy("fcfs-max-alloc", cfg(orca_batch_size=2, max_model_len=64), 200), [(req(rid, 40, 3), 3) for rid in range(5)])
+    wide = drive(make_policy("fcfs-max-alloc", cfg(orca_batch_size=2, max_model_len=64), 200),
+                 [(req(rid, 40, 3), 3) for rid in range(5)])
     assert wide.max_batch == 5                   # control: the cap of 2 is ORCA's, not the KV's
 
 
@@ -556,7 +557,8 @@ def workloads(draw):
 
 
 def _random_specs(rng: random.Random, n: int, cap: int) -> list[tuple]:
-    """``n`` requests ``(rid, arrival step, prompt, predicted RL, bucket distribution?, deadline, true RL)`` fitting ``cap`` tokens.
+    """``n`` requests ``(rid, arrival step, prompt, predicted RL, bucket distribution?, deadline, true RL)`` fitting
+    ``cap`` tokens.
 
     Output lengths are uniform or bimodal (short answers among long ones, what KVC pipelining feeds on); predictions
     are exact, off by a factor 0.3-2, or unrelated.

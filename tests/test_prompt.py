@@ -43,7 +43,8 @@ def test_long_latest_turn_keeps_head_and_tail():
 def test_short_prompt_untouched_and_messages():
     tok = _tok()
     fmt = InputFormat(64, (101,), (102,), 0)
-    turns = messages_to_turns([{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    turns = messages_to_turns([{"role": "system", "content": "be brief"},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     (enc,) = encode_turns(tok, fmt, [turns])
     assert not enc.truncated and tok.decode(enc.ids) == "system : be brief user : hi"
 

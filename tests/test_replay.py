@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
-REPORT_FIELDS = {"requests", "duration_s", "throughput", "ttft_s", "jct_s", "tpot_s", "output_tokens", "slo", "prediction", "errors"}
+REPORT_FIELDS = {"requests", "duration_s", "throughput", "ttft_s", "jct_s", "tpot_s", "output_tokens", "slo", "prediction",
+                 "errors"}
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def test_predict_contract(sidecar, trained, package):
     assert len(out["predictions"]) == 2 and out["model_version"] == trained["registered_version"]
     local = OnnxLengthPredictor(package).predict(prompts)
     for i, p in enumerate(out["predictions"]):
-        assert isinstance(p["bucket"], int) and p["range"] == [edges[p["bucket"]], (edges + [trained["buckets"]["max_tokens"]])[p["bucket"] + 1]]
+        assert isinstance(p["bucket"], int) and p["range"] == [edges[p["bucket"]],
+                                                               (edges + [trained["buckets"]["max_tokens"]])[p["bucket"] + 1]]
         assert len(p["probs"]) == len(edges) and sum(p["probs"]) == pytest.approx(1.0, abs=1e-6)
         assert p["model_version"] == trained["registered_version"] and p["prediction_id"] and p["latency_ms"] > 0
         assert p["truncated"] is False and p["quantile"] == 0.9
@@ -60,7 +61,8 @@ def test_predict_contract(sidecar, trained, package):
         assert p["expected_tokens"] == pytest.approx(local.expected[i], rel=1e-5)
         assert p["quantile_tokens"] == pytest.approx(local.quantile[i], rel=1e-5)
     one = _predict(sidecar, {"prompt": prompts[0], "quantile": 0.5, "request_id": "req-1"})["predictions"]
-    assert len(one) == 1 and one[0]["prediction_id"] == "req-1" and one[0]["probs"] == pytest.approx(out["predictions"][0]["probs"])
+    assert len(one) == 1 and one[0]["prediction_id"] == "req-1" and \
+        one[0]["probs"] == pytest.approx(out["predictions"][0]["probs"])
     assert one[0]["quantile_tokens"] <= out["predictions"][0]["quantile_tokens"]
     many = _predict(sidecar, {"prompts": prompts, "request_id": "req-2"})["predictions"]
     assert [p["prediction_id"] for p in many] == ["req-2/0", "req-2/1"]
@@ -68,7 +70,8 @@ def test_predict_contract(sidecar, trained, package):
 
 def test_messages_and_truncation_match_training(sidecar, package):
     """A conversation is encoded exactly as in training (latest turn kept); an overlong prompt says truncated."""
-    turns = [("user", "Tell me about Rome. " * 40), ("assistant", "Rome is old. " * 80), ("user", "Now list ten facts about Paris.")]
+    turns = [("user", "Tell me about Rome. " * 40), ("assistant", "Rome is old. " * 80),
+             ("user", "Now list ten facts about Paris.")]
     msgs = [{"role": r, "content": t} for r, t in turns]
     msgs[-1] = {"role": "user", "content": [{"type": "text", "text": turns[-1][1]}]}  # content parts are accepted too
     p = _predict(sidecar, {"messages": msgs})["predictions"]
@@ -157,7 +160,8 @@ def test_feedback(sidecar, trained):
     inline = sidecar.post("/v1/feedback", json={"request_id": "never-served", "actual_tokens": 10,
                                                 "prediction": {"expected_tokens": 300.0}})
     assert inline.status_code == 200 and inline.json()["source"] == "inline" and inline.json()["predicted_bucket"] == 1
-    bad = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1, "bucket": 999}})
+    bad = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10,
+                                             "prediction": {"expected_tokens": 1, "bucket": 999}})
     assert bad.status_code == 422 and "out of range" in bad.json()["detail"]
     huge = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1e8}})
     assert huge.status_code == 422 and "exceeds" in huge.json()["detail"]
@@ -182,7 +186,8 @@ def test_hot_reload(sidecar, trained, package, tmp_path):
     old = trained["registered_version"]
     broken = _register_copy(package, trained, tmp_path, break_it=True)
     store.set_alias(NAME, ALIAS, broken)
-    wait_for(lambda: (sidecar.metric("lengthwise_sidecar_model_reloads_total", result="failed") or 0) >= 1, what="a failed reload")
+    wait_for(lambda: (sidecar.metric("lengthwise_sidecar_model_reloads_total", result="failed") or 0) >= 1,
+             what="a failed reload")
     assert _predict(sidecar, {"prompt": "hi"})["model_version"] == old
 
     new = _register_copy(package, trained, tmp_path)
@@ -332,6 +337,7 @@ def test_cache_follows_the_registry_it_was_resolved_from(trained, package, mlflo
     assert reg.version == "1"
     remote = resolve(f"models:/{NAME}/1")
     assert remote.path == local.path and not remote.from_cache_only
-    assert json.loads((remote.path / REGISTRY_FILE).read_text())["run_id"] == mlflow.MlflowClient().get_model_version(NAME, "1").run_id
+    assert json.loads((remote.path / REGISTRY_FILE).read_text())["run_id"] == \
+        mlflow.MlflowClient().get_model_version(NAME, "1").run_id
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     store.configure()

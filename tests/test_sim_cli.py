@@ -22,7 +22,8 @@ CONTRACT = ("policy", "requests_total", "requests_completed", "slo_attainment", 
 
 
 def lengthwise(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, "-m", "serving.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def test_simulate_writes_the_json_contract_and_is_deterministic(data, tmp_path):

@@ -225,8 +225,10 @@ def test_fitted_never_negative(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("prefill_tokens,decode_tokens,step_s\n1,2,0.1\n", r"missing column\(s\) kv_read_tokens"),
     ("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n1,2,3,0.1\n2,2,3,0.1\n", r"2 data row\(s\); need at least 4"),
-    ("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n1,2,3,0.1\n1,x,3,0.1\n1,2,3,0.1\n1,2,3,0.1\n", "line 3 has a non-numeric"),
-    ("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n1,2,3,0.1\n1,2,3,-0.1\n1,2,3,0.1\n1,2,3,0.1\n", "line 3 has a negative"),
+    ("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n1,2,3,0.1\n1,x,3,0.1\n1,2,3,0.1\n1,2,3,0.1\n",
+     "line 3 has a non-numeric"),
+    ("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n1,2,3,0.1\n1,2,3,-0.1\n1,2,3,0.1\n1,2,3,0.1\n",
+     "line 3 has a negative"),
     ("", "missing column"),
 ])
 def test_bad_csv_messages(tmp_path, content, message):

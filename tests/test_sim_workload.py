@@ -233,7 +233,8 @@ def test_missing_file_and_directory(tmp_path):
 def test_zero_lengths_are_dropped_and_timestamps_sorted(tmp_path):
     p = tmp_path / "mc.jsonl"
     rows = [(3000, 5, 3), (1000, 0, 3), (2000, 7, 0), (1500, 9, 4)]
-    p.write_text("".join(f'{{"timestamp": {t}, "input_length": {i}, "output_length": {o}, "hash_ids": []}}\n' for t, i, o in rows))
+    p.write_text("".join(f'{{"timestamp": {t}, "input_length": {i}, "output_length": {o}, "hash_ids": []}}\n'
+                         for t, i, o in rows))
     w = load_workload(p)
     assert w.dropped == 2
     assert [(r.arrival, r.prompt_tokens) for r in w.requests] == [(0.0, 9), (1.5, 5)]

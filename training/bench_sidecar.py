@@ -317,8 +317,8 @@ def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(width=max(Console().width, 140))
-    extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads), ("--workers", a.workers),
-                                            ("--token-budget", a.token_budget), ("--precision", a.precision))
+    extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
+                               ("--workers", a.workers), ("--token-budget", a.token_budget), ("--precision", a.precision))
              if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else [])
     try:
         levels = parse_levels(a.levels)

@@ -24,7 +24,8 @@ def input_format_for(tokenizer: Tokenizer, max_tokens: int, pad_id: int | None, 
     start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
     prefix, suffix = full[:start], full[start + len(plain) :]
     if pad_id is None:
-        pad_id = next((tokenizer.token_to_id(t) for t in ("[PAD]", "<pad>", "<|endoftext|>") if tokenizer.token_to_id(t) is not None), 0)
+        pad_id = next((tokenizer.token_to_id(t) for t in ("[PAD]", "<pad>", "<|endoftext|>")
+                       if tokenizer.token_to_id(t) is not None), 0)
     return InputFormat(max_tokens, tuple(prefix), tuple(suffix), int(pad_id), length_hints)
 
 
@@ -59,7 +60,8 @@ def export_package(model: LengthClassifier, out_dir: Path, base_model: Path, sch
     return out_dir
 
 
-def parity_max_abs_diff(model: LengthClassifier, predictor: OnnxLengthPredictor, ids: Sequence[Sequence[int]], batch: int = 32) -> float:
+def parity_max_abs_diff(model: LengthClassifier, predictor: OnnxLengthPredictor, ids: Sequence[Sequence[int]],
+                        batch: int = 32) -> float:
     """Largest |logit(torch) − logit(onnxruntime)| over the given encoded prompts (padded batches)."""
     model = model.eval()
     onnx_logits = predictor.logits_encoded(ids)

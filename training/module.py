@@ -64,7 +64,8 @@ class LengthGroupedBatches(Sampler[list[int]]):
 
 
 
-def make_loader(ids: Sequence[list[int]], labels: Sequence[int], pad_id: int, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
+def make_loader(ids: Sequence[list[int]], labels: Sequence[int], pad_id: int, batch_size: int, shuffle: bool,
+                seed: int) -> DataLoader:
     def collate(items):
         x, m = pad_ids([i for i, _ in items], pad_id)
         return torch.from_numpy(x), torch.from_numpy(m), torch.tensor([y for _, y in items], dtype=torch.long)

@@ -1,8 +1,8 @@
 """Dummy-weight Llama directories for the benchmarks: a config (weights come from ``load_format="dummy"``).
 
-``micro`` starts and serves fastest (smoke runs, tests); ``tiny`` replays hundreds of requests in minutes on this CPU; ``smollm2`` has SmolLM2-135M's shape (30
-layers, hidden 576), the real model this machine serves. With a tokenizer (an HTTP server needs one to
-read text prompts) the vocabulary is GPT-2's, rounded up; without, 4,096 ids for token-id prompts.
+``micro`` starts and serves fastest (smoke runs, tests); ``tiny`` replays hundreds of requests in minutes on this CPU;
+``smollm2`` has SmolLM2-135M's shape (30 layers, hidden 576), the real model this machine serves. With a tokenizer (an
+HTTP server needs one to read text prompts) the vocabulary is GPT-2's, rounded up; without, 4,096 ids for token-id prompts.
 """
 
 from __future__ import annotations

@@ -33,10 +33,11 @@ def _engine(job: dict[str, Any]):
     e = job["engine"]
     if job["scheduler"] != "stock":
         os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
-    llm = LLM(model=dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")), load_format="dummy", skip_tokenizer_init=True,
-              dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0, gpu_memory_utilization=0.2, block_size=e["block_size"],
-              max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
-              max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],
+    llm = LLM(model=dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")), load_format="dummy",
+              skip_tokenizer_init=True, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
+              gpu_memory_utilization=0.2, block_size=e["block_size"], max_model_len=e["max_model_len"],
+              max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
+              num_gpu_blocks_override=e["kv_blocks"],
               enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
     return llm.llm_engine
 

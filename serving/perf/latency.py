@@ -377,7 +377,8 @@ def make_latency_model(spec: str, model: str | None = None, gpu: str | None = No
         except ValueError:
             vals = []
         if len(vals) not in (3, 4):
-            raise LatencyError(f"latency spec {spec!r}: write linear:b0,b1,b2[,b3] with numbers in µs, e.g. linear:16441,47.8,18.2")
+            raise LatencyError(f"latency spec {spec!r}: write linear:b0,b1,b2[,b3] with numbers in µs, "
+                               "e.g. linear:16441,47.8,18.2")
         return LinearLatency(*vals, name=f"linear:{rest.strip()}")
     if kind == "fitted":
         if not rest.strip():

@@ -19,8 +19,8 @@ constraint that rejected each candidate).
   instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
   colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
   decode pool with long contexts best fit (``lengthwise-pack``) serves more: packing keeps instances free
-  for them (docs/results/placement.md, "Aladdin's best fit and lengthwise-pack on the whole trace"); ``lengthwise bench placement`` measures which
-  wins.
+  for them (docs/results/placement.md, "Aladdin's best fit and lengthwise-pack on the whole trace");
+  ``lengthwise bench placement`` measures which wins.
 """
 
 from __future__ import annotations

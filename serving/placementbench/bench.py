@@ -129,7 +129,8 @@ def _brief(m: RunMetrics) -> dict:
     keep = ("slo_attainment", "ttft_tpot_attainment", "throughput_rps", "goodput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
             "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "preemptions", "kv_utilization", "batch_size", "makespan_s", "wall_s")
     out = {k: d[k] for k in keep}
-    out.update({k: m.extra[k] for k in ("instances", "instances_used", "per_instance_requests", "moves", "placement_stats", "gateways")})
+    out.update({k: m.extra[k] for k in ("instances", "instances_used", "per_instance_requests", "moves", "placement_stats",
+                                        "gateways")})
     return out
 
 
@@ -195,8 +196,9 @@ def bench_scenario(setup: Setup, cfg: PlacementBenchConfig, console: Console, pr
         except ValueError as exc:
             scaling[p] = {"error": str(exc), "points": [{"rate": r, "instances": n} for r, n in pts]}
     meta = {**describe_setup(setup), "local_policy": cfg.local_policy, "attainment": cfg.slo, "target_a": cfg.target_a,
-            "target_b": cfg.target_b, "measures": list(cfg.measures), "instances": cfg.instances, "rate_a": rate_a, "single_instance_max_rate": r1,
-            "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways), "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
+            "target_b": cfg.target_b, "measures": list(cfg.measures), "instances": cfg.instances, "rate_a": rate_a,
+            "single_instance_max_rate": r1, "trace_native_rate": native if native > 0 else None, "gateways": list(cfg.gateways),
+            "refresh_s": cfg.refresh_s, "wall_s": time.perf_counter() - t0}
     return {"policies": policies, "scaling": scaling, "floor": floor, "_meta": meta}
 
 
@@ -215,9 +217,9 @@ def print_scenario(name: str, res: dict, console: Console) -> None:
     meta = res["_meta"]
     gws = [g for g in meta["gateways"] if g != 1]
     t = Table(title=f"{name}: (a) fewest instances at >= {meta['target_a']:.0%} {meta['attainment']} attainment at "
-                    f"{meta['rate_a']:.3g} req/s; (b) max req/s {meta['instances']} instances sustain at >= {meta['target_b']:.0%} "
-                    f"(one instance: {meta['single_instance_max_rate']:.3g} req/s; local policy {meta['local_policy']}; "
-                    f"{meta['requests']} requests)")
+                    f"{meta['rate_a']:.3g} req/s; (b) max req/s {meta['instances']} instances sustain at "
+                    f">= {meta['target_b']:.0%} (one instance: {meta['single_instance_max_rate']:.3g} req/s; "
+                    f"local policy {meta['local_policy']}; {meta['requests']} requests)")
     cols = ["placement", "(a) instances", "used", "vs JSQ", "attain.", "p99 JCT (s)", "p99 TTFT (s)", "(b) max req/s", "b vs JSQ",
             *(f"{g} gw: inst." for g in gws), "moves", "would open"]
     for c in cols:
@@ -237,8 +239,9 @@ def print_scenario(name: str, res: dict, console: Console) -> None:
     Console(width=max(console.width, 180)).print(t)
     if fl := res.get("floor"):
         over = ", ".join(f"{p} {r['over_floor']:.2f}x" for p, r in pol.items() if r.get("over_floor"))
-        console.print(f"  fluid floor at {fl['rate']:.3g} req/s (any placement, free migration): mean {fl['mean']:.2f} instances, "
-                      f"peak over a {fl['window_s']:.2g} s decode {fl['peak']:.2f}; (a) over the mean: {over or '-'}")
+        console.print(f"  fluid floor at {fl['rate']:.3g} req/s (any placement, free migration): "
+                      f"mean {fl['mean']:.2f} instances, peak over a {fl['window_s']:.2g} s decode {fl['peak']:.2f}; "
+                      f"(a) over the mean: {over or '-'}")
     for p, s in res["scaling"].items():
         if "k5" in s:
             pts = ", ".join(f"{q['rate']:.3g}/s->{q['instances']}" for q in s["points"])

@@ -17,7 +17,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         "placement", help="placement policies on a simulated fleet: instances needed, and the rate N instances sustain",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Simulate a fleet of engine instances, each running a local scheduling policy, behind a placement "
-                    "policy (round-robin, JSQ, TetriInfer's power-of-two, Aladdin's best fit, ours: lengthwise and lengthwise-pack). For each scenario: "
+                    "policy (round-robin, JSQ, TetriInfer's power-of-two, Aladdin's best fit, ours: lengthwise and "
+                    "lengthwise-pack). For each scenario: "
                     "(a) the fewest instances that keep >= 99%% attainment at one fleet-wide rate (Aladdin's metric), "
                     "(b) the highest rate N instances sustain at >= 90%%, the same with several gateway replicas sharing "
                     "the fleet, and Aladdin's Eq. 7 scaling fit. Prints a table, writes JSON and a PNG per scenario.",
@@ -40,7 +41,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--gateways", type=comma_list(int, "1,2,4"), default=[1], metavar="G,G,...",
                    help="gateway replicas sharing the fleet, each with its own view (default: 1)")
-    p.add_argument("--refresh-s", type=float, default=1.0, help="how often a gateway reads the engines' metrics (default: %(default)s)")
+    p.add_argument("--refresh-s", type=float, default=1.0,
+                   help="how often a gateway reads the engines' metrics (default: %(default)s)")
     p.add_argument("--predictor", default=None, metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle | models:/NAME@ALIAS "
                                                                      "(default: the scenario's, noise:0.55)")
     p.add_argument("--max-requests", type=int, help="requests per run (default: the scenario's)")
@@ -88,8 +90,8 @@ def run_cli(a: argparse.Namespace) -> int:
         if not a.refresh_s > 0:
             raise ValueError(f"--refresh-s must be positive, got {a.refresh_s}")
         cfg = PlacementBenchConfig(placements=placements, instances=a.instances, rate=a.rate, local_policy=a.local_policy,
-                                   slo=a.slo, gateways=sorted(set(a.gateways)), refresh_s=a.refresh_s, measures=a.measures or MEASURES,
-                                   seed=a.seed)
+                                   slo=a.slo, gateways=sorted(set(a.gateways)), refresh_s=a.refresh_s,
+                                   measures=a.measures or MEASURES, seed=a.seed)
         names = list(PLACEMENT_SCENARIOS) if a.scenario == "all" else [a.scenario]
         json_path = Path(a.json) if a.json else Path(a.out_dir) / "bench_placement.json"
         results = {}
@@ -131,7 +133,8 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                     "the same predictions (x-lengthwise-pred-len, --trust-client-predictions). A calibration burst "
                     "through every engine at once (stock vLLM) first fits the step model: the SLO, Aladdin's latency "
                     "profile and the default rate come from it, and each replay is simulated beside the measurement.",
-        epilog="examples:\n  lengthwise bench fleet\n  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
+        epilog="examples:\n  lengthwise bench fleet\n"
+               "  lengthwise bench fleet --placements jsq,aladdin --rate 3 --max-requests 240\n\n"
                "Each placement replays the trace in real time (requests / rate seconds), after about a minute of engine start.")
     p.add_argument("--placements", type=comma_list(str, "jsq,aladdin"), default=list(PLACEMENTS), metavar="P,P,...",
                    help=f"(default: {','.join(PLACEMENTS)})")
@@ -148,7 +151,8 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                    help="the dummy model's shape: tiny (4 layers) replays fastest; smollm2 (SmolLM2-135M's 30 layers) makes "
                         "each engine step long beside the HTTP streaming that shares this machine's cores (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--predictor", default="noise:0.55", metavar="SPEC", help="noise:ACC | gauss:SIGMA | oracle (default: %(default)s)")
+    p.add_argument("--predictor", default="noise:0.55", metavar="SPEC",
+                   help="noise:ACC | gauss:SIGMA | oracle (default: %(default)s)")
     p.add_argument("--calibration-requests", type=int, default=64,
                    help="requests in the burst that fits the step model (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -250,7 +254,8 @@ def run_scale(a: argparse.Namespace) -> int:
             if not s or "k5" not in s:
                 why = s.get("error") if s else "no fit for it"
                 raise ValueError(f"{path}: placement {a.placement!r} has no Eq. 7 fit ({why})")
-            fit = ScalingFit(s["k5"], s["c5"], s.get("min_rate", 0.0), tuple((p["rate"], p["instances"]) for p in s["points"]), s.get("r2"))
+            fit = ScalingFit(s["k5"], s["c5"], s.get("min_rate", 0.0), tuple((p["rate"], p["instances"]) for p in s["points"]),
+                             s.get("r2"))
         n = fit.recommend(a.rate)
     except ValueError as exc:
         print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -48,8 +48,8 @@ PLACEMENT_SCENARIOS: dict[str, PlacementScenario] = {
         PlacementScenario("sharegpt-decode", "sharegpt's fleet as a disaggregated decode pool (prefill elsewhere; Aladdin "
                                              "counts decode GPUs)", "ecoserve-paper",
                           {"kv_bytes": 0.9 * 80e9 - 26e9, "block_size": 16, "max_model_len": 4096}, 3000, decode_pool=True),
-        PlacementScenario("mooncake-decode", "mooncake's fleet as a disaggregated decode pool (prefill elsewhere)", "long-context",
-                          {}, 1000, decode_pool=True),
+        PlacementScenario("mooncake-decode", "mooncake's fleet as a disaggregated decode pool (prefill elsewhere)",
+                          "long-context", {}, 1000, decode_pool=True),
         PlacementScenario("mooncake-synthetic-decode", "Mooncake's synthetic trace (prompts from public long-document "
                                                        "datasets, 15k tokens on average, short answers, Poisson arrivals) "
                                                        "on mooncake's fleet as a decode pool",
@@ -71,5 +71,6 @@ def build_placement_setup(name: str, *, max_requests: int | None = None, predict
     setup = build_setup(base, workload=str(data_path(workload)) if workload else None, arrival=arrival, predictor=predictor,
                         max_requests=max_requests or ps.max_requests, seed=seed, **hw)
     if ps.decode_pool:  # the SLO stays the colocated one, derived above with prefill priced
-        setup = replace(setup, latency=DecodePoolLatency(setup.latency), scenario=replace(setup.scenario, description=ps.description))
+        setup = replace(setup, latency=DecodePoolLatency(setup.latency),
+                        scenario=replace(setup.scenario, description=ps.description))
     return setup

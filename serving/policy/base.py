@@ -121,7 +121,8 @@ class Policy(ABC):
 
     def plan_rl(self, req: Request, total_rl: float) -> int:
         """Set the RL the policy plans for: a prediction, clamped to what the request can still produce."""
-        req.planned_rl = int(min(max(req.generated + 1, round(total_rl)), max(req.generated + 1, self.max_seq_len(req) - req.prompt_len)))
+        req.planned_rl = int(min(max(req.generated + 1, round(total_rl)),
+                                 max(req.generated + 1, self.max_seq_len(req) - req.prompt_len)))
         return req.planned_rl
 
     @property

@@ -192,7 +192,8 @@ class VLLMV0Policy(VLLMPolicy):
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.peek()
             n = req.uncomputed
-            if n > budget or blocks_for(req.computed + n, bs) - self.kv.of(req.rid) > self.kv.free - (watermark if self.running else 0):
+            if n > budget or (blocks_for(req.computed + n, bs) - self.kv.of(req.rid)
+                              > self.kv.free - (watermark if self.running else 0)):
                 break
             self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs))
             self.waiting.pop()

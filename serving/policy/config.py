@@ -14,10 +14,14 @@ class PolicyConfig(BaseModel):
     max_num_seqs: int = Field(256, gt=0, description="most requests in one step (vLLM max_num_seqs)")
     max_num_batched_tokens: int = Field(2048, gt=0, description="token budget per step (vLLM max_num_batched_tokens)")
     max_model_len: int = Field(2048, gt=0, description="context limit; max-allocation policies reserve this much")
-    tfs: int = Field(2048, gt=0, description="target forward size: tokens per step that saturate the accelerator (EcoServe, Sarathi)")
-    padding: float = Field(0.15, ge=0, description="exact allocation pads the predicted RL by this fraction (EcoServe §2.3: 10/15/20%)")
-    reserve: float = Field(0.03, ge=0, lt=1, description="fraction of KV blocks GTs may not take, kept for PTs and overruns (1.2-5%)")
-    buffer: float = Field(0.15, ge=0, lt=0.5, description="KVC pipelining buffer b as a fraction of the host's predicted RL (10-15%)")
+    tfs: int = Field(2048, gt=0, description="target forward size: tokens per step that saturate the accelerator "
+                                             "(EcoServe, Sarathi)")
+    padding: float = Field(0.15, ge=0, description="exact allocation pads the predicted RL by this fraction "
+                                                   "(EcoServe §2.3: 10/15/20%)")
+    reserve: float = Field(0.03, ge=0, lt=1, description="fraction of KV blocks GTs may not take, kept for PTs "
+                                                         "and overruns (1.2-5%)")
+    buffer: float = Field(0.15, ge=0, lt=0.5, description="KVC pipelining buffer b as a fraction of the host's "
+                                                          "predicted RL (10-15%)")
     slo_scale: float = Field(2.0, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x RL) (EcoServe §4)")
     deadline_bin_s: float = Field(0.5, gt=0, description="ordering: width of a deadline range in seconds")
     kv_bin_tokens: int = Field(128, gt=0, description="ordering: width of an occupied-KV range in tokens")
@@ -25,5 +29,6 @@ class PolicyConfig(BaseModel):
     aging_s: float = Field(60.0, gt=0, description="sjf: a request waiting this long outranks any new arrival")
     late_margin: float = Field(1.0, gt=0, description="lengthwise: a waiting request is late when now + margin x (its "
                                                       "steps to go x measured TBT) passes its deadline")
-    group_tokens: int = Field(32, gt=0, description="time-synced batching: GTs whose remaining predicted RL rounds up to the same multiple form one group")
+    group_tokens: int = Field(32, gt=0, description="time-synced batching: GTs whose remaining predicted RL rounds up to "
+                                                    "the same multiple form one group")
     pipeline_depth: int = Field(4, ge=1, description="KVC pipelining: nesting levels (halves, quarters, ...)")

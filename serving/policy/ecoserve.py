@@ -143,7 +143,9 @@ class EcoServe(Policy):
         lend = self.host_of.get(r.rid)
         own = self.kv.of(r.rid)
         # a hosted GT's written tokens live in its host's span: moving out means owning all of them
-        if not self.kv.grow_to(r.rid, target if lend is None else max(target, own + blocks_for(r.computed - self.origin[r.rid] + self._padded(rem), self.cfg.block_size))):
+        if not self.kv.grow_to(r.rid, target if lend is None else
+                               max(target, own + blocks_for(r.computed - self.origin[r.rid] + self._padded(rem),
+                                                            self.cfg.block_size))):
             return False
         if lend is not None:
             self._release_lends(r)

@@ -40,9 +40,10 @@ def simulate_once(setup: Setup, policy: str, rate: float | None, json_path: str 
     t = Table(title=f"{policy} on {Path(setup.workload.source).name} at {rate:.3g} req/s ({len(setup.requests)} requests)")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("requests_completed", "slo_attainment", "ttft_tpot_attainment", "throughput_rps", "goodput_rps", "normalized_latency_s",
-              "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "tbt_p50_s", "kv_utilization", "kv_allocated",
-              "forward_size", "batch_size", "preemptions", "pauses", "hosted", "sched_us_per_step", "sim_requests_per_s"):
+    for k in ("requests_completed", "slo_attainment", "ttft_tpot_attainment", "throughput_rps", "goodput_rps",
+              "normalized_latency_s", "jct_p50_s", "jct_p90_s", "jct_p99_s", "ttft_p50_s", "tbt_p50_s", "kv_utilization",
+              "kv_allocated", "forward_size", "batch_size", "preemptions", "pauses", "hosted", "sched_us_per_step",
+              "sim_requests_per_s"):
         v = d[k]
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(t)
@@ -75,8 +76,8 @@ def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path
     base = results.get("vllm", {}).get("max_rate_at_90_slo") or None
     table = Table(title=f"{setup.scenario.name}: max rate at >= 90% SLO attainment ({len(setup.requests)} requests, "
                         f"predictor {setup.predictor.spec})")
-    for col in ("policy", "max req/s", "x vllm", "peak thr.", "SLO att.", "norm. lat. (s/tok)", "p99 JCT (s)", "preempt", "pauses", "hosted",
-                "KV used", "KV alloc", "sched us/step", "sim req/s"):
+    for col in ("policy", "max req/s", "x vllm", "peak thr.", "SLO att.", "norm. lat. (s/tok)", "p99 JCT (s)", "preempt",
+                "pauses", "hosted", "KV used", "KV alloc", "sched us/step", "sim req/s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for p, r in results.items():
         best = _point_at(r["curve"], r["max_rate_at_90_slo"])

@@ -230,7 +230,8 @@ class ModelPredictor:
         q = self.quantile if self.quantile is not None else 0.9
         chunk = 256
         buckets, probs, lengths = [], [], []
-        with tqdm(total=len(prompts), desc=f"predicting ({self.spec})", unit="prompt", disable=len(prompts) <= PROGRESS_MIN) as bar:
+        with tqdm(total=len(prompts), desc=f"predicting ({self.spec})", unit="prompt",
+                  disable=len(prompts) <= PROGRESS_MIN) as bar:
             for i in range(0, len(prompts), chunk):
                 out = self.predictor.predict(prompts[i : i + chunk], quantile=q)
                 buckets.append(np.asarray(out.buckets))
@@ -285,7 +286,8 @@ def _load_model(spec: str):
     try:
         return OnnxLengthPredictor(d)
     except Exception as exc:  # noqa: BLE001 - onnxruntime/tokenizers raise their own types on bad files
-        raise PredictorSpecError(f"cannot load predictor package {d}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise PredictorSpecError(f"cannot load predictor package {d}: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> LengthOracle:

@@ -1,7 +1,7 @@
 """Serving workloads for the simulator: who arrives when, with how many prompt and output tokens.
 
-One loader reads the public traces and prompt sets in ``$LENGTHWISE_DATA`` (what each file is: the data directory's own README) and tells
-the format from the file's content, not its name, so a renamed or compressed copy still loads:
+One loader reads the public traces and prompt sets in ``$LENGTHWISE_DATA`` (what each file is: the data directory's own
+README) and tells the format from the file's content, not its name, so a renamed or compressed copy still loads:
 
 * ``azure`` — Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), wall clock;
 * ``mooncake`` — Mooncake JSONL (``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``);
@@ -225,7 +225,8 @@ def _load_azure(p: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if getattr(ts.dt, "tz", None) is not None:
         ts = ts.dt.tz_convert("UTC").dt.tz_localize(None)
     secs = (ts - ts.min()).dt.total_seconds().to_numpy(dtype=np.float64)
-    return secs, _int_column(df["ContextTokens"], "ContextTokens", p, lines), _int_column(df["GeneratedTokens"], "GeneratedTokens", p, lines)
+    return (secs, _int_column(df["ContextTokens"], "ContextTokens", p, lines),
+            _int_column(df["GeneratedTokens"], "GeneratedTokens", p, lines))
 
 
 def _load_lengths(p: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -282,7 +283,8 @@ def _load_examples(p: Path, kind: str, generator: str | None) -> tuple[list, str
         if kind == "alpaca-eval":
             gen = generator or DEFAULT_GENERATOR
             if _compression(p) != ("xz" if p.suffix == ".xz" else ""):
-                raise WorkloadError(f"{p}: compression does not match the file name; AlpacaEval files must be plain JSONL or xz named *.xz")
+                raise WorkloadError(f"{p}: compression does not match the file name; "
+                                    "AlpacaEval files must be plain JSONL or xz named *.xz")
             return load_alpaca_eval(p, gen), gen
         if _head(p, 4096).lstrip().startswith("["):
             try:
@@ -404,7 +406,8 @@ def load_workload(path: str | os.PathLike, *, arrival: str = "auto", rate: float
     ``"auto"`` uses the trace when it has timestamps and no ``rate`` is given. Rows with a zero prompt
     or output, or with ``prompt + output > max_prompt_tokens`` (the served model's context), are skipped
     and counted in ``dropped``; ``max_requests`` then keeps the first N in arrival (file) order.
-    ``tokenizer`` counts tokens of text sources (ignored where the file gives counts), default ``$LENGTHWISE_DATA/tokenizers/gpt2/tokenizer.json``;
+    ``tokenizer`` counts tokens of text sources (ignored where the file gives counts), default
+    ``$LENGTHWISE_DATA/tokenizers/gpt2/tokenizer.json``;
     ``generator`` picks whose AlpacaEval answers are the outputs (default ``gpt4_1106_preview``).
     """
     p = _check_path(path)
@@ -420,7 +423,8 @@ def load_workload(path: str | os.PathLike, *, arrival: str = "auto", rate: float
     try:
         prompt, out, times, turns, dropped, gen = _load_rows(p, kind, max_requests, tokenizer, max_prompt_tokens, generator)
     except _READ_ERRORS as exc:
-        raise WorkloadError(f"{p}: unreadable or truncated {kind} file ({type(exc).__name__}: {exc}); re-download or fix it") from None
+        raise WorkloadError(f"{p}: unreadable or truncated {kind} file ({type(exc).__name__}: {exc}); "
+                            "re-download or fix it") from None
 
     n = len(prompt)
     if mode == "trace":

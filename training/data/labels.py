@@ -82,7 +82,8 @@ def load_counter(path: str | os.PathLike) -> TokenCounter:
     """Open a tokenizer file or directory for counting; :class:`DataError` if it cannot be used."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"tokenizer not found: {p} (give a tokenizer.json, a SentencePiece/tiktoken tokenizer.model, or a HF tokenizer directory)")
+        raise DataError(f"tokenizer not found: {p} (give a tokenizer.json, a SentencePiece/tiktoken tokenizer.model, "
+                        "or a HF tokenizer directory)")
     try:
         if p.is_dir():
             if (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
@@ -97,7 +98,8 @@ def load_counter(path: str | os.PathLike) -> TokenCounter:
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - any load failure is a bad --tokenizer
-        raise DataError(f"unknown or unreadable tokenizer {p}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise DataError(f"unknown or unreadable tokenizer {p}: "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 def attach_labels(examples: list[Example], counter: TokenCounter, batch: int = 2048) -> list[Example]:

@@ -182,6 +182,7 @@ def sidecar_routes() -> set[str]:
 
 
 # --- manifests as Kubernetes objects ----------------------------------------------------------------
+@pytest.mark.unit
 def test_every_manifest_is_a_kubernetes_object(objects):
     seen = set()
     for o in objects:
@@ -196,12 +197,14 @@ def test_every_manifest_is_a_kubernetes_object(objects):
             assert all(isinstance(v, str) for v in o.get("data", {}).values()), f"{where}: ConfigMap values must be strings"
 
 
+@pytest.mark.unit
 def test_kustomization_lists_every_manifest():
     k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert k["kind"] == "Kustomization"
     assert sorted(k["resources"]) == [p.name for p in manifest_files()]
 
 
+@pytest.mark.unit
 def test_workloads_select_their_pods_and_probe_their_own_ports(objects):
     images = set()
     for w in workloads(objects):
@@ -228,6 +231,7 @@ def test_workloads_select_their_pods_and_probe_their_own_ports(objects):
         assert svc["spec"]["selector"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
 
 
+@pytest.mark.unit
 def test_services_reach_container_ports(objects):
     for svc in of_kind(objects, "Service"):
         where = f"Service {svc['metadata']['name']}"
@@ -241,6 +245,7 @@ def test_services_reach_container_ports(objects):
             assert owners, f"{where}: port {p['port']} targets {target!r}, which no container of {pods[0]['metadata']['name']} has"
 
 
+@pytest.mark.unit
 def test_prometheus_annotations_point_at_metrics_endpoints(objects):
     scraped = 0
     for w in workloads(objects):
@@ -260,6 +265,7 @@ def test_prometheus_annotations_point_at_metrics_endpoints(objects):
 
 
 # --- the gateway ------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_routes, capsys):
     w, c, argv = find(objects, ["lengthwise", "serve"])
     assert w["kind"] == "Deployment" and w["spec"]["replicas"] >= 2, "gateways: a Deployment of 2 or more replicas"
@@ -292,6 +298,7 @@ def test_gateway_command_line_parses_with_lengthwise_serve(objects, gateway_rout
 
 
 # --- the sidecar ------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_sidecar_command_line_parses_with_predictor_sidecar(objects, sidecar_routes, capsys):
     from predictor.sidecar.cache import parse_uri
     from predictor.sidecar.cli import _check, build_parser
@@ -319,6 +326,7 @@ def engine(objects):
     return find(objects, ["python", "-m", VLLM_SERVER])
 
 
+@pytest.mark.unit
 def test_engine_runs_the_launchers_command_line(objects):
     """The flags lengthwise serve gives the engines it starts (launcher.engine_command), on the pod's address."""
     from serving.engine.settings import SchedulerSettings
@@ -378,6 +386,7 @@ def test_engine_command_line_parses_with_vllm(objects, capsys):
 
 
 # --- the image --------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_dockerfile_installs_this_package_with_the_cuda_extra(objects):
     text = (DEPLOY / "Dockerfile").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -414,6 +423,7 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
+@pytest.mark.unit
 def test_readme_commands_parse(capsys):
     from predictor.sidecar.cli import build_parser
     from serving.engine.settings import SchedulerSettings

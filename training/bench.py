@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor.common import default_sharegpt, default_tokenizer
-from training.pipeline import TrainConfig
+from training.config import TrainConfig
 
 
 def onnx_latency(predictor, prompts: list[str], batch_sizes=(1, 32), repeats: int = 3) -> dict:

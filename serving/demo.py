@@ -230,7 +230,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "replay a short real ShareGPT trace through the endpoint, print the report and stop every process.")
     p.add_argument("--work-dir", type=Path, default=Path("demo-results/serving"),
                    help="converted model, logs and reports (default: %(default)s)")
-    p.add_argument("--gguf", type=Path, help="the GGUF to serve (default: $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    p.add_argument("--gguf", type=Path,
+                   help="the GGUF to serve (default: $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf)")
     p.add_argument("--predictor", default="models:/length-predictor@champion", metavar="URI",
                    help="what the sidecar serves (default: %(default)s)")
     p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
@@ -527,7 +528,8 @@ def _print_timings(timings: dict, work: Path) -> None:
     t.add_column("step")
     t.add_column("seconds", justify="right")
     names = {"convert_s": "convert the GGUF (cached after the first run)", "sidecar_ready_s": "predictor-sidecar ready",
-             "engine_ready_s": "lengthwise serve + vLLM engine ready", "load_trace_s": "load the trace (tokens counted with SmolLM2's tokenizer)",
+             "engine_ready_s": "lengthwise serve + vLLM engine ready",
+             "load_trace_s": "load the trace (tokens counted with SmolLM2's tokenizer)",
              "calibrate_s": "calibrate the SLO (requests alone)",
              "replay_s": "replay", "stop_s": "stop every process", "total_s": "total"}
     for k, label in names.items():

@@ -225,8 +225,9 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert report["replay"] == replay_json
     assert report["gateway_metrics"] == ["lengthwise_gateway_requests_total 4", "lengthwise_gateway_inflight 0"]
     # one clock reading a second: every step's time is the number of readings between its start and its end
-    assert list(report["timings"].items()) == list({"convert_s": 1.0, "sidecar_ready_s": 1.0, "load_trace_s": 1.0, "engine_ready_s": 2.0,
-                                 "calibrate_s": 1.0, "replay_s": 1.0, "stop_s": 1.0, "total_s": 14.0}.items())
+    assert list(report["timings"].items()) == list({"convert_s": 1.0, "sidecar_ready_s": 1.0, "load_trace_s": 1.0,
+                                                    "engine_ready_s": 2.0, "calibrate_s": 1.0, "replay_s": 1.0, "stop_s": 1.0,
+                                                    "total_s": 14.0}.items())
 
 
 def test_an_uncached_model_is_converted_and_engine_options_reach_the_gateway(world, tmp_path, capsys):

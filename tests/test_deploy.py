@@ -65,7 +65,8 @@ def container_env(c: dict, objects) -> dict[str, str]:
             env[e["name"]] = str(e["value"])
         elif ref := e.get("valueFrom", {}).get("configMapKeyRef"):
             assert ref["name"] in maps, f"{c['name']}: env {e['name']} reads ConfigMap {ref['name']}, which no manifest defines"
-            assert ref["key"] in maps[ref["name"]], f"{c['name']}: env {e['name']}: no key {ref['key']} in ConfigMap {ref['name']}"
+            assert ref["key"] in maps[ref["name"]], (f"{c['name']}: env {e['name']}: no key {ref['key']} "
+                                                     f"in ConfigMap {ref['name']}")
             env[e["name"]] = str(maps[ref["name"]][ref["key"]])
     return env
 
@@ -242,7 +243,8 @@ def test_services_reach_container_ports(objects):
         for p in svc["spec"]["ports"]:
             target = p.get("targetPort", p["port"])
             owners = [c for c in cs if target in ports(c) or target in ports(c).values()]
-            assert owners, f"{where}: port {p['port']} targets {target!r}, which no container of {pods[0]['metadata']['name']} has"
+            assert owners, (f"{where}: port {p['port']} targets {target!r}, "
+                            f"which no container of {pods[0]['metadata']['name']} has")
 
 
 @pytest.mark.unit
@@ -259,7 +261,8 @@ def test_prometheus_annotations_point_at_metrics_endpoints(objects):
             port = ann["prometheus.io/port"]
             assert isinstance(port, str) and port.isdigit(), "annotation values must be strings of digits"
             cs = wl["spec"]["template"]["spec"]["containers"]
-            assert any(int(port) in ports(c).values() for c in cs), f"{wl['metadata']['name']}: scrape port {port} is not a container port"
+            assert any(int(port) in ports(c).values() for c in cs), (f"{wl['metadata']['name']}: scrape port {port} "
+                                                                      "is not a container port")
             assert ann.get("prometheus.io/path", "/metrics") == "/metrics"
     assert scraped >= 4  # gateway, sidecar, vLLM, plug-in
 
@@ -442,4 +445,5 @@ def test_readme_commands_parse(capsys):
         else:
             continue
         seen.add(argv[0])
-    assert seen == {"lengthwise", "predictor-sidecar", "python"}, f"expected the three roles' commands in the README, found {cmds}"
+    assert seen == {"lengthwise", "predictor-sidecar", "python"}, ("expected the three roles' commands in the README, "
+                                                                   f"found {cmds}")

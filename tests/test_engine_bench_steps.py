@@ -54,8 +54,9 @@ class Engines:
         outs = []
         for job in jobs:
             per_token = 0.005 if job["scheduler"] == "stock" else 0.004
-            recs = [{"id": r["id"], "first": r["arrival"] + 0.01, "finished": r["arrival"] + 0.01 + per_token * r["output_tokens"],
-                     "tokens": r["output_tokens"]} for r in job["requests"]]
+            recs = [{"id": r["id"], "first": r["arrival"] + 0.01,
+                     "finished": r["arrival"] + 0.01 + per_token * r["output_tokens"], "tokens": r["output_tokens"]}
+                    for r in job["requests"]]
             plugin = {} if job["scheduler"] == "stock" else {"requests": len(recs), "pauses": 1, "hosted": 2}
             outs.append({"profile": _profile(40), "records": recs, "preemptions": 0, "plugin_stats": plugin,
                          "wall_s": max(r["finished"] for r in recs)})

@@ -80,7 +80,8 @@ def test_validate_refuses_a_bad_body_with_an_openai_error(make, raw, status, cod
 
 def test_validate_takes_any_model_until_the_engines_said_which_they_serve(make):
     req = make().validate("chat", json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode())
-    assert (req.kind, req.model, req.outputs, req.predict_input) == ("chat", "x", 2, {"messages": [{"role": "user", "content": "hi"}]})
+    assert (req.kind, req.model, req.outputs, req.predict_input) == ("chat", "x", 2,
+                                                                     {"messages": [{"role": "user", "content": "hi"}]})
 
 
 # --- predict --------------------------------------------------------------------------------------------
@@ -105,7 +106,8 @@ def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make):
 def test_a_client_prediction_counts_only_when_trusted(make):
     headers = {"x-lengthwise-pred-len": "12"}
     untrusted = make()
-    assert asyncio.run(untrusted.predict(Call("completion"), untrusted.validate("completion", body()), headers)).source == "fallback"
+    assert asyncio.run(untrusted.predict(Call("completion"), untrusted.validate("completion", body()),
+                                         headers)).source == "fallback"
     gw = make(trust_client_predictions=True)
     req = gw.validate("completion", body())
     pred = asyncio.run(gw.predict(Call("completion"), req, headers))
@@ -219,8 +221,8 @@ def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make):
     async def left(answer) -> None:  # the client went away: the adapter cancels the engine call and answers nothing
         answer.close()
 
-    resp = asyncio.run(gw.serve(Call("chat"), json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                                {}, left))
+    resp = asyncio.run(gw.serve(Call("chat"),
+                                json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(), {}, left))
     assert resp.status_code == 499 and value(gw.metrics.requests, "/v1/chat/completions", "499") == 1
     streamed = asyncio.run(gw.serve(Call("completion"), body(stream=True), {}, left))  # a stream has no waiter
     assert streamed.status_code == 200
@@ -256,7 +258,8 @@ def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make):
     try:
         call = Call("completion")
         resp = asyncio.run(gw.serve(call, body(), {}, passthrough))
-        assert resp.headers["x-lengthwise-prompt-tokens"] == "42:prefill" and resp.headers["x-lengthwise-prefill-engine"] == "prefill-0"
+        assert (resp.headers["x-lengthwise-prompt-tokens"] == "42:prefill"
+                and resp.headers["x-lengthwise-prefill-engine"] == "prefill-0")
         assert resp.headers["x-lengthwise-prefill-ms"] == "250.0"
         ((sent, _, job),) = engine.sent
         assert sent == {"model": "m", "kv_transfer_params": {"k": 1}} and job.prompt_len == 42

@@ -34,12 +34,15 @@ class SidecarMetrics:
         self.feedback = Counter(p + "feedback", "feedback received by source", ["source"], registry=r)
         self.online = {k: Gauge(f"lengthwise_online_{k}", f"online {k} since start, from feedback", ["model_version"], registry=r)
                        for k in ONLINE}
-        self.online_n = Gauge("lengthwise_online_feedback_n", "feedbacks counted in the online metrics", ["model_version"], registry=r)
+        self.online_n = Gauge("lengthwise_online_feedback_n", "feedbacks counted in the online metrics", ["model_version"],
+                              registry=r)
         self.online_alarm = Gauge("lengthwise_online_accuracy_alarm",
                                   "1 when the last closed window's accuracy fell below offline accuracy minus the margin",
                                   ["model_version"], registry=r)
-        self.windows_buffered = Gauge("lengthwise_online_windows_buffered", "closed windows waiting to be logged to MLflow", registry=r)
-        self.windows_dropped = Gauge("lengthwise_online_windows_dropped", "windows dropped because the MLflow buffer was full", registry=r)
+        self.windows_buffered = Gauge("lengthwise_online_windows_buffered", "closed windows waiting to be logged to MLflow",
+                                      registry=r)
+        self.windows_dropped = Gauge("lengthwise_online_windows_dropped", "windows dropped because the MLflow buffer was full",
+                                     registry=r)
         self._served: tuple[str, str] | None = None
 
     def set_model(self, name: str, version: str) -> None:

@@ -58,10 +58,12 @@ class PredictRequest(BaseModel):
     prompts: list[Text] | SkipJsonSchema[None] = Field(None, min_length=1, max_length=MAX_PROMPTS,
                                                        description="several independent prompts")
     messages: list[Message] | SkipJsonSchema[None] = Field(None, min_length=1, max_length=MAX_MESSAGES,
-                                                           description="one OpenAI-style conversation; the last turn is the request")
+                                                           description="one OpenAI-style conversation; the last turn is "
+                                                                       "the request")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="CDF level of quantile_tokens (padded KV reservation)")
     request_id: str | None = Field(None, min_length=1, max_length=256,
-                                   description="your id for this request; becomes the prediction_id (with /<i> per prompt when several)")
+                                   description="your id for this request; becomes the prediction_id (with /<i> per prompt "
+                                               "when several)")
 
     @model_validator(mode="before")
     @classmethod
@@ -128,7 +130,8 @@ class FeedbackRequest(BaseModel):
     model_config = ConfigDict(strict=True)
     request_id: str = Field(min_length=1, max_length=256, description="a prediction_id returned by /v1/predict")
     actual_tokens: int = Field(ge=0, le=10_000_000, description="output tokens the engine actually generated")
-    prediction: InlinePrediction | None = Field(None, description="needed only when the id is unknown (expired or another replica)")
+    prediction: InlinePrediction | None = Field(None,
+                                                description="needed only when the id is unknown (expired or another replica)")
 
 
 class FeedbackResponse(BaseModel):

@@ -64,8 +64,8 @@ class EngineBenchConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     threads: int = Field(1, ge=1, description="torch threads of the engine; more than the idle cores makes every step "
                                                "wait for a descheduled thread")
-    rates: list[float] | None = Field(None, description="req/s; default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains at "
-                                                        "90% SLO, as the calibrated simulator predicts")
+    rates: list[float] | None = Field(None, description="req/s; default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains "
+                                                        "at 90% SLO, as the calibrated simulator predicts")
     slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
     calibration_requests: int = Field(96, ge=8)
     seed: int = 0

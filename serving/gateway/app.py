@@ -5,9 +5,9 @@ one method per step of the request path below; the app adds what is HTTP's alone
 noticing a client that leaves, the lifespan, the error handlers for everything that is not an OpenAI error).
 
 Per request (docs/architecture.md): validate → predict (sidecar or fallback) → deadline → hints into ``vllm_xargs`` →
-count the prompt's tokens → place on an engine (the placement core over each engine's view) → forward (streaming or not, retried while nothing was sent) → feedback in the
-background. The response carries the engine's body unchanged plus headers saying what the gateway
-decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
+count the prompt's tokens → place on an engine (the placement core over each engine's view) → forward (streaming or not,
+retried while nothing was sent) → feedback in the background. The response carries the engine's body unchanged plus headers
+saying what the gateway decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
 ``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar`` or ``fallback:<reason>``),
 ``x-lengthwise-deadline`` (Unix seconds) and ``x-lengthwise-prompt-tokens`` (``<count>:<method>``, what
 placement used). With ``--prefill-url`` a prefill engine computes the prompt's KV first (:mod:`serving.gateway.prefill`)

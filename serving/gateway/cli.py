@@ -161,11 +161,13 @@ def _placement_flags(pl: argparse._ActionsContainer) -> None:
 
 
 def _prediction_flags(pr: argparse._ActionsContainer) -> None:
-    _setting(pr, "--predictor-url", "predictor_url", metavar="URL", help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
+    _setting(pr, "--predictor-url", "predictor_url", metavar="URL",
+             help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     _setting(pr, "--predictor-timeout-ms", "predictor_timeout_ms", help="fall back when slower (default: %(default)s)")
     _setting(pr, "--fallback-tokens", "fallback_tokens",
              help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
-    _setting(pr, "--no-feedback", "feedback", action="store_false", help="do not post actual lengths to the sidecar's /v1/feedback")
+    _setting(pr, "--no-feedback", "feedback", action="store_false",
+             help="do not post actual lengths to the sidecar's /v1/feedback")
     _setting(pr, "--trust-client-predictions", "trust_client_predictions", action="store_true",
              help="a request's x-lengthwise-pred-len header (output tokens) replaces the sidecar's prediction: for a "
                   "router in front that already predicted, and for benchmarks that control prediction quality. "
@@ -211,7 +213,8 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     try:
         sched = json.loads(a.scheduler_config)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"--scheduler-config is not valid JSON ({exc.msg}), e.g. '{{\"knobs\": {{\"padding\": 0.2}}}}'") from None
+        raise UsageError(f"--scheduler-config is not valid JSON ({exc.msg}), "
+                         "e.g. '{\"knobs\": {\"padding\": 0.2}}'") from None
     if not isinstance(sched, dict):
         raise UsageError("--scheduler-config must be a JSON object")
     fields = {name: getattr(a, name) for name in _FLAGS}  # every flag sets its field
@@ -287,7 +290,8 @@ def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
         try:
             socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         except (OSError, UnicodeError, ValueError) as exc:
-            raise UsageError(f"{flag} {url}: cannot resolve {parts.hostname!r} ({getattr(exc, 'strerror', None) or exc})") from None
+            raise UsageError(f"{flag} {url}: cannot resolve {parts.hostname!r} "
+                             f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
@@ -338,7 +342,8 @@ def run(a: argparse.Namespace) -> int:
             prefill_urls = [p.url for p in procs[settings.engines:]]
             plugin_metrics = {p.url: p.metrics_url for p in procs if p.metrics_url}
             log.info("starting %d engine(s)%s with policy %s; logs in %s", settings.engines,
-                     f" and {settings.prefill_engines} prefill engine(s)" if settings.prefill_engines else "", settings.policy, log_dir)
+                     f" and {settings.prefill_engines} prefill engine(s)" if settings.prefill_engines else "",
+                     settings.policy, log_dir)
             wait_healthy([p.url for p in procs], settings.engine_start_timeout_s, procs)
         else:
             urls, prefill_urls = settings.engine_urls, settings.prefill_urls

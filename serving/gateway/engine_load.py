@@ -68,7 +68,8 @@ def _int_label(value: str | None) -> int | None:
 
 def parse_report(text: str, at: float | None = None) -> LoadReport:
     """The load in one ``/metrics`` exposition; ValueError when it has no vLLM request gauges (not a vLLM server)."""
-    lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(_WANTED) or ln.startswith(tuple(f"# TYPE {w} " for w in _WANTED)))
+    lines = "\n".join(ln for ln in text.splitlines()
+                      if ln.startswith(_WANTED) or ln.startswith(tuple(f"# TYPE {w} " for w in _WANTED)))
     running = waiting = 0
     seen = False
     usage: list[float] = []

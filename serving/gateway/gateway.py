@@ -90,7 +90,8 @@ class Gateway:
         self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
         self.forwarder = Forwarder(self.pool, settings, metrics)
         prefill_urls = prefill_urls or settings.prefill_urls
-        self.hop = PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls else None
+        self.hop = (PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls
+                    else None)
         names = {e.url: e.name for e in [*self.pool.engines, *(self.hop.pool.engines if self.hop else [])]}
         self.plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
         self.slo = default_slo(settings)

@@ -47,7 +47,8 @@ class GatewayMetrics:
                                             ["engine"], registry=r)
         self.feedback = Counter(p + "feedback", "actual-length reports to the sidecar, by outcome", ["outcome"], registry=r)
         self.placement_fallbacks = Counter(p + "placement_fallbacks", "placement decisions made by JSQ instead of the "
-                                           "configured placement, by reason (no_capacity, no_report, stale)", ["reason"], registry=r)
+                                           "configured placement, by reason (no_capacity, no_report, stale)",
+                                           ["reason"], registry=r)
         self.prompt_token_counts = Counter(p + "prompt_token_counts", "requests whose prompt tokens were counted, by method "
                                            "(tokenizer, estimate, token_ids)", ["method"], registry=r)
         self.load_scrape_errors = Counter(p + "engine_load_scrape_errors", "failed reads of an engine's vLLM /metrics "

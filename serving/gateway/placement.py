@@ -30,8 +30,8 @@ is one per fleet). ``max_num_seqs``, the chunk size, the latency model (a profil
 and the TTFT/ATGT targets come from settings; without a latency model only the KV and batch limits
 apply.
 
-**Fallback to JSQ.** ``aladdin``, ``lengthwise``, ``lengthwise-pack``, ``least-kv`` and ``p2c`` decide on the engines' reports. A decision
-whose candidate engines do not all have a report younger than ``stale_after_s`` (or before any engine
+**Fallback to JSQ.** ``aladdin``, ``lengthwise``, ``lengthwise-pack``, ``least-kv`` and ``p2c`` decide on the engines'
+reports. A decision whose candidate engines do not all have a report younger than ``stale_after_s`` (or before any engine
 reported its KV capacity) is made by JSQ on the gateway's own jobs instead, counted by reason
 (``no_capacity``, ``no_report``, ``stale``); a stale report's synthetic jobs are dropped at once.
 """
@@ -46,7 +46,8 @@ from serving.gateway.engine_load import LoadReport
 from serving.perf.latency import LatencyModel
 from serving.placement import Instance, Job, LengthHistory, Limits, Placement, make_placement
 
-LOAD_AWARE = frozenset({"least-kv", "p2c", "aladdin", "lengthwise-pack", "lengthwise"})  # placements that decide on the engines' reports
+# placements that decide on the engines' reports
+LOAD_AWARE = frozenset({"least-kv", "p2c", "aladdin", "lengthwise-pack", "lengthwise"})
 _PROBE = Limits(kv_tokens=1)
 
 

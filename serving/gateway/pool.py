@@ -8,8 +8,8 @@ working: if any of its calls received bytes within the time its failing probes t
 server streaming many answers on a shared core can take seconds to answer ``/health``), and taking it out
 would cut answers that are flowing; the probe is counted as ``engine_busy_probes``. A hung engine sends
 nothing, so it is taken out at most that long after its last byte. And a request that cannot connect, or
-loses its connection, asks for a probe at once, so a crashed engine is skipped within milliseconds rather than a probe interval. When an engine
-is taken out, its calls in flight are cancelled: requests that had not sent anything to their client
+loses its connection, asks for a probe at once, so a crashed engine is skipped within milliseconds rather than a probe
+interval. When an engine is taken out, its calls in flight are cancelled: requests that had not sent anything to their client
 are then retried elsewhere instead of waiting on an engine that may never answer (a hung process keeps
 its sockets open).
 

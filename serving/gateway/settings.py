@@ -42,8 +42,8 @@ class GatewaySettings(BaseModel):
     engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
     engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
-    placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), least-kv, p2c, aladdin, "
-                           "lengthwise-pack, lengthwise")
+    placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), least-kv, p2c, "
+                           "aladdin, lengthwise-pack, lengthwise")
     engine_max_num_seqs: int | None = Field(None, ge=1, description="the engines' --max-num-seqs, for placement's batch "
                                             "limit (default: the --engine-arg value for engines started here, else 256)")
     latency_profile: Path | None = Field(None, description="step profile CSV (lengthwise bench engine) fitted into the "
@@ -60,7 +60,8 @@ class GatewaySettings(BaseModel):
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")
     connect_timeout_s: float = Field(3.0, gt=0, description="TCP connect timeout to an engine")
     engine_timeout_s: float = Field(600.0, gt=0,
-                                    description="longest wait for an engine's answer (non-streaming) or its next chunk (streaming)")
+                                    description="longest wait for an engine's answer (non-streaming) or its next chunk "
+                                                "(streaming)")
     max_attempts: int = Field(3, ge=1, description="engines one request may be sent to (each at most once)")
     transient_retries: int = Field(2, ge=0, description="once every engine was tried: more tries on an engine that failed "
                                    "the request only by a connect timeout or a connection dropped or reset before any "
@@ -119,10 +120,12 @@ class GatewaySettings(BaseModel):
         if self.prefill_engines and self.engine_urls:
             raise ValueError("--prefill-engines starts prefill engines here; with --engine-url give them as --prefill-url")
         if self.prefill_engines and self.engine_arg("--kv-transfer-config") is None:
-            raise ValueError("--prefill-engines needs a KV-transfer connector on every engine, e.g. --engine-arg=\"--kv-transfer-config "
+            raise ValueError("--prefill-engines needs a KV-transfer connector on every engine, "
+                             "e.g. --engine-arg=\"--kv-transfer-config "
                              "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'\"")
         if self.replica_index >= self.replicas:
-            raise ValueError(f"--replica-index {self.replica_index} is not one of --replicas {self.replicas} (0 to {self.replicas - 1})")
+            raise ValueError(f"--replica-index {self.replica_index} is not one of --replicas {self.replicas} "
+                             f"(0 to {self.replicas - 1})")
         if self.latency_profile is not None:
             from serving.placement import PLACEMENTS
 
@@ -171,7 +174,8 @@ class GatewaySettings(BaseModel):
             from serving.perf.latency import FittedLatency
 
             latency = FittedLatency.from_csv(self.latency_profile)
-            if self.prefill_urls or self.prefill_engines:  # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
+            # the decode engines only decode: a prompt's KV arrives, its compute is elsewhere
+            if self.prefill_urls or self.prefill_engines:
                 from serving.perf.latency import DecodePoolLatency
 
                 latency = DecodePoolLatency(latency)

@@ -3,9 +3,9 @@
 Why count here and not ask the engine: the count is needed before the engine is chosen, on every request.
 With the served model's tokenizer on this machine (``--model`` is a local Hugging Face directory), the
 count is exact; it is loaded with ``local_files_only`` from that directory and never from a hub, in a
-background thread (the gateway serves meanwhile, estimating). Without one (an attached fleet, a hub name) the length is estimated as
-characters / 4, the usual English ratio for BPE vocabularies. Token-id prompts are counted as they are. Which method ran is counted in
-``lengthwise_gateway_prompt_token_counts_total{method}``.
+background thread (the gateway serves meanwhile, estimating). Without one (an attached fleet, a hub name) the length is
+estimated as characters / 4, the usual English ratio for BPE vocabularies. Token-id prompts are counted as they are. Which
+method ran is counted in ``lengthwise_gateway_prompt_token_counts_total{method}``.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def test_fleet_bench_steps_with_faked_engines(monkeypatch, tmp_path):
     out, gateways, printed, json_path = run_fake_fleet(monkeypatch, tmp_path, max_requests=40, rate=2.0,
                                                        placements=["round-robin", "jsq", "aladdin", "lengthwise"])
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(out, default=float))
-    assert out["rate"] == 2.0 and out["requests"] == 40 and list(out["placements"]) == ["round-robin", "jsq", "aladdin", "lengthwise"]
+    assert out["rate"] == 2.0 and out["requests"] == 40
+    assert list(out["placements"]) == ["round-robin", "jsq", "aladdin", "lengthwise"]
     cal = out["calibration"]
     assert cal["latency_model"] and Path(cal["profile_csv"]).name == "step_profile.csv"
     assert 0 < cal["slo"]["ttft_s"] and 0 < cal["slo"]["atgt_s"]

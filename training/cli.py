@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", help="target model tokenizer for labels: tokenizer.json, SentencePiece/tiktoken "
                    "tokenizer.model, or HF dir (default: GPT-2 from the data dir)")
     d.add_argument("--generator", help=_help("generator", False))
-    d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"), help=_help("first_turn_only", False))
-    d.add_argument("--max-samples", type=int, default=_default("max_samples"), help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
+    d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"),
+                   help=_help("first_turn_only", False))
+    d.add_argument("--max-samples", type=int, default=_default("max_samples"),
+                   help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
     b = p.add_argument_group("buckets")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--bucket-width", type=int, help=f"equal-width buckets of N tokens (default {_default('bucket_width')})")
@@ -81,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-register", action="store_true", help="log the run but register no version")
     r.add_argument("--alias", default=_default("alias"), help="alias for the new version (default: %(default)s; '' for none)")
     r.add_argument("--promote", action="store_true", default=_default("promote"), help=_help("promote", False))
-    r.add_argument("--force", action="store_true", default=_default("force"), help="with --promote: promote even if worse or not comparable")
+    r.add_argument("--force", action="store_true", default=_default("force"),
+                   help="with --promote: promote even if worse or not comparable")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", help=_help("output_json", False))
     o.add_argument("--work-dir", help="keep checkpoints, the ONNX package and plots here (default: a temp dir)")
@@ -98,7 +101,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags ask for (a flag left out keeps the field's default)."""
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
-        bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")), edges=a.edges, max_tokens=a.max_tokens,
+        bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")),
+        edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,
         max_prompt_tokens=a.max_prompt_tokens, length_hints=a.length_hints, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,

@@ -125,7 +125,8 @@ def run(cfg: TrainConfig) -> dict:
             onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
             epochs_run=trained.epochs_run, best_epoch_val_acc=trained.best_val_acc,
             n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test), eval_split=splits.fingerprint(),
-            buckets=prep.scheme.to_dict(), base_model=str(inputs.base), run_id=run_.info.run_id, tracking_uri=store.tracking_uri(),
+            buckets=prep.scheme.to_dict(), base_model=str(inputs.base), run_id=run_.info.run_id,
+            tracking_uri=store.tracking_uri(),
         )
         _log_results(report, parity, trained.train_seconds, work)
         report["model_uri"] = f"runs:/{run_.info.run_id}/length_predictor"

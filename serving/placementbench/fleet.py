@@ -104,7 +104,8 @@ def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) 
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
             f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
     if kv_dir is not None:
-        kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
+        kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
         args.append(f"--kv-transfer-config '{json.dumps(kv)}'")
     return args
 
@@ -376,7 +377,8 @@ def _write(out: dict[str, Any], json_path: Path, console: Console) -> None:
     past = out["past_capacity"]
     if past:
         console.print(f"[yellow]warning[/]: under {', '.join(past)} fewer than 90% of the requests had their first token "
-                      f"when the last one arrived at {out['rate']:.3g} req/s: a backlog grew, the fleet ran past its capacity, where placements differ by noise; run again with a lower --rate (the simulator "
+                      f"when the last one arrived at {out['rate']:.3g} req/s: a backlog grew, the fleet ran past its capacity, "
+                      "where placements differ by noise; run again with a lower --rate (the simulator "
                       "prices the engine core alone, not the HTTP streaming that shares these cores)")
     console.print(f"JSON: {json_path}")
 

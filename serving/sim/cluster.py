@@ -67,7 +67,8 @@ class _Gateway:
         self.views = [Instance(f"instance-{i}") for i in range(cc.instances)]
         self.synthetic = 0  # jobs standing for other gateways' load, from the last metrics read
 
-    def refresh(self, truth: Sequence[dict[int, Job]], owner: dict[int, int], me: int, history: LengthHistory, now: float) -> None:
+    def refresh(self, truth: Sequence[dict[int, Job]], owner: dict[int, int], me: int, history: LengthHistory,
+                now: float) -> None:
         """Replace the stand-ins for other gateways' jobs with what the engines report now.
 
         An engine's metrics give its running and waiting counts and its KV in use, not predictions: each
@@ -144,7 +145,8 @@ class _ClusterRun:
         while True:
             t_end = self.ends[0][0] if self.ends else math.inf
             t_arr = self.order[self.nxt].arrival if self.nxt < len(self.order) else math.inf
-            busy = self.nxt < len(self.order) or bool(self.ends) or any(inst.has_work for inst in self.fleet)  # a running step is work
+            # a running step is work
+            busy = self.nxt < len(self.order) or bool(self.ends) or any(inst.has_work for inst in self.fleet)
             t_beat = min(self.next_beat, self.next_refresh) if busy else math.inf
             t = min(t_end, t_arr, t_beat)
             if t == math.inf:
@@ -199,7 +201,8 @@ class _ClusterRun:
         gw.views[i].add(job)
         self.truth_jobs[i][tr.rid] = job
         self.jobs[tr.rid], self.where[tr.rid], self.owner[tr.rid] = job, i, g
-        self.records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens, slo.jct_limit(tr.output_tokens))
+        self.records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens,
+                                             slo.jct_limit(tr.output_tokens))
         self.fleet[i].inbox.append(new_request(tr, pred, slo.jct_limit))
         self.dirty.add(i)
 

@@ -1,4 +1,4 @@
-"""Several engine instances behind one or more gateways: the simulator for placement (SPEC §6–§7).
+"""Several engine instances behind one or more gateways: the simulator for placement.
 
 Each instance runs its own local policy (any of the policy core's) on its own KV pool; a global
 placement (serving.placement, the same objects the gateway uses) picks an instance for each arrival.

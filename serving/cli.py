@@ -140,6 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    _add_bench_predictor(bsub)
+    _add_bench_sim(bsub)
+    from serving.enginebench.cli import add_parser as add_bench_engine
+    from serving.placementbench.cli import add_fleet_parser, add_scale_parser
+    from serving.placementbench.cli import add_parser as add_bench_placement
+    from training.bench_sidecar import add_parser as add_bench_sidecar
+
+    add_bench_sidecar(bsub)
+    add_bench_engine(bsub)
+    add_bench_placement(bsub)
+    add_fleet_parser(bsub)
+
+    _add_simulate(sub)
+    add_scale_parser(sub)
+    _add_convert_gguf(sub)
+    from serving.gateway.cli import add_parser as add_serve
+
+    add_serve(sub)
+    from serving.replay import add_parser as add_replay
+
+    add_replay(sub)
+    from serving.demo import add_parser as add_demo
+
+    add_demo(sub)
+
+    from registry.cli import add_parser as add_registry
+
+    add_registry(sub).set_defaults(func=_registry)
+    return p
+
+
+def _add_bench_predictor(bsub) -> None:
+    """``lengthwise bench predictor``: the predictor trained, evaluated against the baselines and timed."""
     bp = bsub.add_parser("predictor", help="train on ShareGPT, compare with baselines, time ONNX inference",
                          description="Train the length predictor on the ShareGPT slice in $LENGTHWISE_DATA, evaluate it "
                          "against the baselines on a held-out split, register and promote it, and time onnxruntime "
@@ -156,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("-v", "--verbose", action="store_true")
     bp.set_defaults(func=_bench_predictor)
 
+
+def _add_bench_sim(bsub) -> None:
+    """``lengthwise bench sim``: every scheduling policy's max rate at >= 90% SLO in the simulator."""
     bs = bsub.add_parser(
         "sim", help="rate sweep of every scheduling policy in the simulator",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -175,18 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. oracle,noise:0.85,noise:0.7,noise:0.55,noise:0.4); writes bench_quality_<scenario>.json/.png")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
-    from training.bench_sidecar import add_parser as add_bench_sidecar
 
-    add_bench_sidecar(bsub)
-    from serving.enginebench.cli import add_parser as add_bench_engine
 
-    add_bench_engine(bsub)
-    from serving.placementbench.cli import add_fleet_parser, add_scale_parser
-    from serving.placementbench.cli import add_parser as add_bench_placement
-
-    add_bench_placement(bsub)
-    add_fleet_parser(bsub)
-
+def _add_simulate(sub) -> None:
+    """``lengthwise simulate``: one workload through one policy in the discrete-event simulator."""
     sm = sub.add_parser(
         "simulate", help="replay a workload through one scheduling policy in the discrete-event simulator",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -207,27 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_options(sm, workload_required=True)
     sm.set_defaults(func=_simulate)
 
-    add_scale_parser(sub)
+
+def _add_convert_gguf(sub) -> None:
+    """``lengthwise convert-gguf``: a GGUF checkpoint to a Hugging Face directory vLLM can load."""
     cv = sub.add_parser("convert-gguf",
                         help="convert a GGUF checkpoint (e.g. SmolLM2) to a HF directory for vLLM and --base-model")
     cv.add_argument("gguf")
     cv.add_argument("out")
     cv.set_defaults(func=lambda a: __import__("predictor.convert", fromlist=["main"]).main([a.gguf, a.out]))
-
-    from serving.gateway.cli import add_parser as add_serve
-
-    add_serve(sub)
-    from serving.replay import add_parser as add_replay
-
-    add_replay(sub)
-    from serving.demo import add_parser as add_demo
-
-    add_demo(sub)
-
-    from registry.cli import add_parser as add_registry
-
-    add_registry(sub).set_defaults(func=_registry)
-    return p
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

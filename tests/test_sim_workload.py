@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lzma
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -270,19 +271,25 @@ def test_noise_hits_accuracy(lengths, acc):
     assert again == preds
 
 
-def test_noise_is_per_request_and_repredicts_deterministically(lengths):
+def test_noise_is_per_request(lengths):
     o = make_predictor("noise:0.55", seed=2)
     assert isinstance(o, LogNormalNoise)
-    with pytest.raises(RuntimeError, match="predict"):
-        o.repredict(lengths.requests[0], 10, Prediction(5.0))
     full = o.predict(lengths.requests)
-    r, p = lengths.requests[5], full[5]
-    x = o.repredict(r, 50, p)
-    assert x == o.repredict(r, 50, p) and x >= 1
-    assert x != o.repredict(r, 51, p)
     other = make_predictor("noise:0.55", seed=3)
-    other.predict(lengths.requests)
     assert other.predict(lengths.requests) != full
+
+
+@pytest.mark.parametrize("spec", ["noise:0.55", "gauss:0.3"])
+def test_noisy_predictors_repredict_from_the_first_prediction_alone(lengths, spec):
+    """As the engine must: the true remaining length never enters a re-prediction (only the oracle sees it)."""
+    o = make_predictor(spec, seed=2)
+    o.predict(lengths.requests)
+    short, long = (replace(lengths.requests[0], output_tokens=n) for n in (120, 1900))
+    point = Prediction(100.0)
+    assert o.repredict(short, 110, point) == o.repredict(long, 110, point) == point.remaining_after(110) == 100.0
+    dist = Prediction(150.0, edges=(200, 400), probs=(0.5, 0.3, 0.2))
+    assert o.repredict(short, 250, dist) == o.repredict(long, 250, dist) == pytest.approx(dist.remaining_after(250))
+    assert dist.remaining_after(250) == pytest.approx((0.3 * (250 + 400) / 2 + 0.2 * (400 + 800) / 2) / 0.5 - 250)
 
 
 def test_noise_unreachable_accuracy_is_explained(data):

@@ -34,7 +34,6 @@ PROGRESS_MIN = 500  # show a progress bar when the real model predicts more prom
 _VALID = ("oracle, noise:ACC (0 < ACC <= 1, e.g. noise:0.55), gauss:SIGMA (SIGMA >= 0, e.g. gauss:0.2), "
           "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, or a predictor package directory")
 _SALT_PREDICT = 0
-_SALT_REPREDICT = 1
 
 
 class PredictorSpecError(ValueError):
@@ -133,6 +132,16 @@ def _truth(requests: list[TraceRequest]) -> tuple[np.ndarray, np.ndarray]:
             np.array([r.rid for r in requests], dtype=np.int64))
 
 
+def _as_the_engine_does(prediction: Prediction, generated: int) -> float:
+    """Re-predict a request that outlived its prediction from the first prediction alone, as the plug-in must.
+
+    The engine never learns a request's true remaining length, so neither does the simulator: the conditional
+    remaining length under the first prediction's bucket distribution when it has one, doubling when it has none
+    (:meth:`Prediction.remaining_after`). Only :class:`ExactOracle`, the upper bound by design, sees the truth.
+    """
+    return float(prediction.remaining_after(generated))
+
+
 # --- predictors ----------------------------------------------------------------------------------------
 
 
@@ -174,11 +183,7 @@ class LogNormalNoise:
         return [_point(p) for p in pred]
 
     def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
-        if self.sigma is None:
-            raise RuntimeError("call predict() on the workload before repredict(): σ is calibrated there")
-        remaining = max(1, request.output_tokens - generated)
-        z = standard_normal(self.seed, request.rid, _SALT_REPREDICT + max(0, generated))[0]
-        return float(max(1.0, remaining * math.exp(self.sigma * z)))
+        return _as_the_engine_does(prediction, generated)
 
 
 class GaussianNoise:
@@ -197,9 +202,7 @@ class GaussianNoise:
         return [_point(p) for p in pred]
 
     def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
-        remaining = max(1, request.output_tokens - generated)
-        z = standard_normal(self.seed, request.rid, _SALT_REPREDICT + max(0, generated))[0]
-        return float(max(1.0, remaining * (1.0 + self.sigma * z)))
+        return _as_the_engine_does(prediction, generated)
 
 
 class ModelPredictor:
@@ -248,7 +251,7 @@ class ModelPredictor:
         ]
 
     def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
-        return float(prediction.remaining_after(generated))
+        return _as_the_engine_does(prediction, generated)
 
 
 def _turn_pairs(turns) -> list[tuple[str, str]]:

@@ -55,6 +55,7 @@ def test_predict_contract(sidecar, trained, package):
         assert isinstance(p["bucket"], int) and p["range"] == [edges[p["bucket"]],
                                                                (edges + [trained["buckets"]["max_tokens"]])[p["bucket"] + 1]]
         assert len(p["probs"]) == len(edges) and sum(p["probs"]) == pytest.approx(1.0, abs=1e-6)
+        assert p["edges"] == edges[1:]  # the bucket tops but the last, as the gateway sends them on in pred_edges
         assert p["model_version"] == trained["registered_version"] and p["prediction_id"] and p["latency_ms"] > 0
         assert p["truncated"] is False and p["quantile"] == 0.9
         np.testing.assert_allclose(p["probs"], local.probs[i], atol=1e-5)  # same encoding and model as training's export

@@ -72,11 +72,12 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
         sel = qs == q
         quant[sel] = scheme.quantile(probs[sel], float(q))
     upper = scheme.upper()
+    inner = [int(e) for e in scheme.edges[1:]]  # the bucket tops but the last (open) one: len(probs) - 1 of them
     out = []
     for i, e in enumerate(encoded):
         b = int(buckets[i])
         out.append(({
-            "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(),
+            "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(), "edges": list(inner),
             "expected_tokens": float(expected[i]), "quantile": float(qs[i]), "quantile_tokens": float(quant[i]),
             "truncated": bool(e.truncated), "prompt_tokens": len(e.ids), "model_name": model.name,
             "model_version": model.version,

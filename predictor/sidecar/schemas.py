@@ -1,7 +1,8 @@
 """The sidecar's HTTP contract (pydantic models; FastAPI turns them into ``/openapi.json``).
 
 Scripts outside the project rely on ``POST /v1/predict {"prompts": [...]}`` returning
-``{"predictions": [{"bucket", "range", "probs", "expected_tokens", "quantile_tokens", "model_version", ...}]}``;
+``{"predictions": [{"bucket", "range", "probs", "expected_tokens", "quantile_tokens", "model_version", ...}]}``
+(``edges``, the bucket boundaries ``probs`` refer to, is newer and optional: a client must not require it);
 ``{"prompt": ...}`` and ``{"messages": [...]}`` return the same list with one item. Constraints live in
 the schema itself (non-blank text, list sizes, exactly one input field) so a client, the validator
 and a schema-driven fuzzer all agree on what is valid.
@@ -97,6 +98,10 @@ class Prediction(BaseModel):
     bucket: int = Field(description="index of the most likely length bucket")
     range: tuple[int, int] = Field(description="[lo, hi) of that bucket in output tokens")
     probs: list[float] = Field(description="probability of each bucket")
+    edges: list[int] | None = Field(None, description="the bucket boundaries in output tokens: the top of every bucket "
+                                    "but the last, open one (the model's bucket edges without the leading 0): bucket 0 is "
+                                    "[0, edges[0]), bucket i [edges[i-1], edges[i]), the last from edges[-1] up, so "
+                                    "len(probs) == len(edges) + 1; absent from sidecars older than this field")
     expected_tokens: float = Field(description="expected output length under probs")
     quantile: float
     quantile_tokens: float = Field(description="output length at the requested CDF level")

@@ -256,6 +256,7 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
     assert pred == round(want["expected_tokens"])
     xargs = wait_for(lambda: engine_extra_args(fleet.engine_logs, rid), timeout=30, what="the engine's request log")
     assert xargs["pred_len"] == pred and xargs["pred_hi"] == want["range"][1] and xargs["pred_bucket"] == want["bucket"]
+    assert xargs["pred_edges"] == want["edges"] and xargs["pred_probs"] == pytest.approx(want["probs"], abs=1e-6)
     assert xargs["deadline"] == pytest.approx(dl, abs=1e-3)
     # feedback: the actual length of a completed request reaches the sidecar's online metrics
     n0 = sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0
@@ -269,6 +270,7 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
              what="the gateway to count its feedback post as sent")
     assert gw_sidecar.metric("lengthwise_gateway_predictions_total", source="sidecar") == 2
     assert gw_sidecar.metric("lengthwise_gateway_prediction_fallbacks_total") == 0
+    assert gw_sidecar.metric("lengthwise_gateway_prediction_distributions_dropped_total") == 0
     assert gw_sidecar.metric("lengthwise_gateway_predictor_latency_seconds_count") == 2
 
 

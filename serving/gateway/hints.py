@@ -21,8 +21,8 @@ from serving.policy.hints import HINT_KEYS, SchedulingHints
 
 
 def our_xargs(pred: LengthPrediction, deadline: float) -> dict[str, Any]:
-    return SchedulingHints(pred_len=pred.tokens, pred_hi=pred.hi, pred_bucket=pred.bucket,
-                           deadline=round(deadline, 3)).xargs()
+    return SchedulingHints(pred_len=pred.tokens, pred_hi=pred.hi, pred_bucket=pred.bucket, pred_edges=pred.edges,
+                           pred_probs=pred.probs, deadline=round(deadline, 3)).xargs()
 
 
 def engine_body(req: ClientRequest, pred: LengthPrediction, deadline: float) -> tuple[dict[str, Any], list[str]]:

@@ -29,6 +29,9 @@ class GatewayMetrics:
         self.predictions = Counter(p + "predictions", "requests by prediction source (sidecar, fallback)", ["source"], registry=r)
         self.prediction_fallbacks = Counter(p + "prediction_fallbacks", "requests that ran on the fallback length, by reason",
                                             ["reason"], registry=r)
+        self.distributions_dropped = Counter(p + "prediction_distributions_dropped", "sidecar predictions sent to the engine "
+                                             "without their bucket distribution, by reason (absent, invalid)", ["reason"],
+                                             registry=r)
         self.predictor_latency = Histogram(p + "predictor_latency_seconds", "sidecar /v1/predict round trips (timeouts included)",
                                            buckets=PREDICT_BUCKETS, registry=r)
         self.client_hints_dropped = Counter(p + "client_hints_dropped", "client vllm_xargs keys replaced by the gateway's",

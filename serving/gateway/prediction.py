@@ -4,6 +4,11 @@ Why a hard time limit: the prediction sits on every request's critical path. A s
 slow or confused must cost at most ``predictor_timeout_ms`` and never an error: the request then runs
 on the fallback length (``fallback_tokens``, clamped to ``max_tokens``), and the reason is counted in
 ``lengthwise_gateway_prediction_fallbacks_total`` so an operator sees how much traffic ran blind.
+
+A sidecar prediction also carries the bucket distribution (``edges``, ``probs``), by which the engine re-predicts a
+request that outlives its prediction. It is checked here as the plug-in checks it
+(:class:`~serving.policy.hints.SchedulingHints`); one that is absent (an older sidecar) or malformed is dropped, counted
+in ``lengthwise_gateway_prediction_distributions_dropped_total``, and the request keeps its point prediction.
 """
 
 from __future__ import annotations
@@ -15,17 +20,19 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from pydantic import ValidationError
 
 from serving.gateway.errors import ApiError
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.requests import ClientRequest
+from serving.policy.hints import SchedulingHints
 
 log = logging.getLogger("serving.gateway")
 
 
 @dataclass(frozen=True, slots=True)
 class LengthPrediction:
-    """What the scheduler plug-in receives (``tokens``, ``hi``, ``bucket``) and what feedback needs."""
+    """What the scheduler plug-in receives (``tokens``, ``hi``, ``bucket``, ``edges``, ``probs``) and what feedback needs."""
 
     tokens: int  # predicted output tokens, clamped to [1, max_tokens]
     source: str  # "sidecar", "fallback" or "client" (--trust-client-predictions)
@@ -37,6 +44,8 @@ class LengthPrediction:
     prediction_id: str | None = None
     model_name: str | None = None
     model_version: str | None = None
+    edges: tuple[int, ...] | None = None  # the sidecar's bucket distribution (checked): tops of all buckets but the last
+    probs: tuple[float, ...] | None = None  # and one probability per bucket, len(edges) + 1
 
 
 def clamp(tokens: float, max_tokens: int | None) -> int:
@@ -97,18 +106,34 @@ class Predictor:
         self.metrics.predictor_latency.observe(time.perf_counter() - t0)
         return self.fallback(req, reason)
 
-    @staticmethod
-    def _parse(data: dict, req: ClientRequest) -> LengthPrediction:
+    def _parse(self, data: dict, req: ClientRequest) -> LengthPrediction:
         """One prediction per prompt; several prompts (a completions batch) share the longest one's."""
         preds = data["predictions"]
         p = max(preds, key=lambda x: float(x["expected_tokens"]))
         expected = float(p["expected_tokens"])
         if not math.isfinite(expected) or expected < 0:
             raise ValueError(f"expected_tokens {expected}")
-        hi = int(p["range"][1])
+        hi, bucket = int(p["range"][1]), int(p["bucket"])
+        qtok = float(p["quantile_tokens"]) if p.get("quantile_tokens") is not None else None
         one = len(preds) == 1
+        edges, probs = self._distribution(p)  # last: counted only for an answer that is used
         return LengthPrediction(
-            clamp(expected, req.max_tokens), "sidecar", None, hi=hi, bucket=int(p["bucket"]), expected_tokens=expected,
-            quantile_tokens=float(p["quantile_tokens"]) if p.get("quantile_tokens") is not None else None,
+            clamp(expected, req.max_tokens), "sidecar", hi=hi, bucket=bucket, expected_tokens=expected, quantile_tokens=qtok,
             prediction_id=str(p["prediction_id"]) if one and p.get("prediction_id") else None,
-            model_name=p.get("model_name"), model_version=str(p["model_version"]) if p.get("model_version") else None)
+            model_name=p.get("model_name"), model_version=str(p["model_version"]) if p.get("model_version") else None,
+            edges=edges, probs=probs)
+
+    def _distribution(self, p: dict) -> tuple[tuple[int, ...] | None, tuple[float, ...] | None]:
+        """The bucket distribution of the sidecar's prediction ``p`` as the plug-in reads it; none (counted) when the
+        sidecar sent none or one the plug-in would refuse (not finite, negative, not summing to 1, edges not strictly
+        increasing, ``len(probs) != len(edges) + 1``): a bad distribution never costs the request its prediction."""
+        if p.get("edges") is None:
+            self.metrics.distributions_dropped.labels("absent").inc()
+            return None, None
+        try:
+            hints = SchedulingHints(pred_edges=p["edges"], pred_probs=p.get("probs"))
+        except (ValidationError, TypeError) as exc:
+            self.metrics.distributions_dropped.labels("invalid").inc()
+            log.debug("sidecar distribution dropped: %s", exc)
+            return None, None
+        return hints.pred_edges, hints.pred_probs

@@ -8,7 +8,9 @@ writes them (``serving/gateway/hints.py``) and the plug-in reads them (``serving
 ``pred_len``    predicted output length in tokens (the point the policy allocates and groups by)
 ``pred_hi``     upper bound of the predicted bucket (tokens)
 ``pred_bucket`` predicted bucket index
-``pred_edges``  bucket edges (tokens) and ``pred_probs`` the probability per bucket, for re-prediction
+``pred_edges``  bucket edges (tokens): the top of every bucket but the last, open one (strictly increasing, >= 1)
+``pred_probs``  the probability of each bucket, ``len(pred_edges) + 1`` of them (finite, >= 0, summing to 1);
+                with ``pred_edges`` the distribution a request that outlived ``pred_len`` is re-predicted by
 ``deadline``    absolute deadline, Unix seconds (``time.time()`` clock, as vLLM's ``arrival_time``)
 ``slo_s``       alternatively, the deadline relative to arrival, seconds
 =============== ======================================================================================
@@ -16,9 +18,15 @@ writes them (``serving/gateway/hints.py``) and the plug-in reads them (``serving
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import math
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROBS_SUM_TOLERANCE = 1e-3  # |sum(pred_probs) - 1| allowed: a softmax in float32 and a JSON round trip stay far within it
+_Edge = Annotated[int, Field(ge=1)]
+_Prob = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class SchedulingHints(BaseModel):
@@ -29,8 +37,8 @@ class SchedulingHints(BaseModel):
     pred_len: int | float | None = Field(None, ge=0, allow_inf_nan=False)
     pred_hi: int | float | None = Field(None, ge=0, allow_inf_nan=False)
     pred_bucket: int | None = Field(None, ge=0)
-    pred_edges: tuple[int, ...] | None = None
-    pred_probs: tuple[float, ...] | None = None
+    pred_edges: tuple[_Edge, ...] | None = None
+    pred_probs: tuple[_Prob, ...] | None = None
     deadline: float | None = Field(None, allow_inf_nan=False)
     slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
@@ -38,8 +46,16 @@ class SchedulingHints(BaseModel):
     def _distribution(self) -> SchedulingHints:
         if (self.pred_edges is None) != (self.pred_probs is None):
             raise ValueError("pred_edges and pred_probs go together")
-        if self.pred_edges is not None and len(self.pred_probs) != len(self.pred_edges) + 1:
+        if self.pred_edges is None or self.pred_probs is None:
+            return self
+        if not self.pred_edges:
+            raise ValueError("pred_edges needs at least one edge (two buckets)")
+        if len(self.pred_probs) != len(self.pred_edges) + 1:
             raise ValueError("pred_probs needs one entry per bucket: len(pred_edges) + 1")
+        if any(b <= a for a, b in itertools.pairwise(self.pred_edges)):
+            raise ValueError("pred_edges must be strictly increasing")
+        if abs(math.fsum(self.pred_probs) - 1.0) > PROBS_SUM_TOLERANCE:
+            raise ValueError(f"pred_probs must sum to 1, not {math.fsum(self.pred_probs):.6g}")
         return self
 
     def xargs(self) -> dict[str, Any]:

@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.request import RequestStatus
 
 from serving.engine.inputs import parse_inputs
 from serving.engine.scheduler import LengthwiseScheduler
 from serving.engine.settings import ENV, SchedulerSettings
-from tests.vllm_harness import expected_tokens, make_request, make_scheduler, run_to_completion
+from tests.vllm_harness import (
+    ForeignBlocks,
+    check_queues,
+    expected_tokens,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step_full,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -156,3 +166,182 @@ def test_parse_inputs_distribution_and_deadline():
     assert x.prediction.edges == (100, 200) and x.deadline == 99.0 and not x.fallback_prediction
     y = parse_inputs({"pred_len": 10, "pred_edges": [100], "pred_probs": [1.0]}, arrival=1.0, max_tokens=5, default_pred_len=256)
     assert y.invalid and y.fallback_prediction and y.prediction.length == 5
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KV pressure the plan did not foresee: vLLM's own preemption must never take what the plan holds
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _undershooting_workload(seed: int, n: int) -> tuple[list, dict]:
+    """Predictions at 20-60% of the true length: the policies pause (ecoserve) or re-predict under pressure."""
+    rng = random.Random(seed)
+    reqs, arrivals = [], {}
+    for i in range(n):
+        prompt, out = rng.randint(8, 40), rng.randint(20, 80)
+        pred = max(1, round(out * rng.uniform(0.2, 0.6)))
+        reqs.append(make_request(f"r{i}", prompt, out, extra_args={"pred_len": pred}, priority=rng.randint(0, 3)))
+        arrivals[f"r{i}"] = rng.randint(0, 20)
+    return reqs, arrivals
+
+
+def pressure_run(scheduler_cls, policy: str, tfs: int | None, foreign: bool, vllm_policy: str, pipelined: bool,
+                 seed: int = 4):
+    """A tight pool (15 blocks of 16 tokens for 14 requests), under-shooting predictions, and optionally KV held
+    outside the ledger's view; every step checks that no request is lost or duplicated between vLLM's queues."""
+    settings = {"policy": policy, "knobs": {"padding": 0.0, "reserve": 0.0}, "default_pred_len": 32}
+    if tfs:
+        settings["tfs"] = tfs
+    s = make_scheduler(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=64, scheduler_cls=scheduler_cls,
+                       policy=vllm_policy, additional_config={"lengthwise": settings})
+    reqs, arrivals = _undershooting_workload(seed, 14)
+    hold = ForeignBlocks(k=3, period=40) if foreign else None
+
+    def before_step(sched, i):
+        check_queues(sched)
+        if hold is not None:
+            hold(sched, i)
+
+    run = run_to_completion(s, reqs, arrivals=arrivals, max_steps=5000, pipelined=pipelined, before_step=before_step)
+    return s, reqs, run
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("vllm_policy", ["fcfs", "priority"])
+@pytest.mark.parametrize(("policy", "tfs", "foreign"), [("ecoserve", None, False), ("ecoserve", None, True),
+                                                        ("lengthwise", 8, True)],
+                         ids=["ecoserve-pipelining", "ecoserve-foreign-kv", "lengthwise-foreign-kv"])
+def test_vllm_never_preempts_a_request_the_plan_holds(policy, tfs, foreign, vllm_policy, pipelined, record_property):
+    """When vLLM's allocation fails mid-step (EcoServe's KVC pipelining lends spans in tokens, while a hosted GT
+    needs whole blocks of its own; or KV held outside the ledger), vLLM preempts on its own: its victim is the
+    request the plan lets go first, never one the plan holds out of the step with its KV (a paused or waiting
+    GT), and the policy is told, so it does not keep planning for KV that is gone."""
+    s, reqs, run = pressure_run(LengthwiseScheduler, policy, tfs, foreign, vllm_policy, pipelined)
+    _assert_exact(run, reqs)
+    st = s.lengthwise_stats()
+    for key in ("vllm_preemptions", "vllm_preempted_held", "plan_mismatch_steps", "steps", "held_request_steps"):
+        record_property(key, st[key])
+    assert st["vllm_preemptions"] > 0  # not trivial: vLLM had to choose a victim
+    assert st["vllm_preempted_held"] == 0
+    if policy == "ecoserve":
+        assert st["pauses"] > 0 and st["held_request_steps"] > 0
+    assert not s.lw_policy.requests and s.lw_policy.kv.used == 0
+
+
+@pytest.mark.parametrize("vllm_policy", ["fcfs", "priority"])
+def test_vllm_victim_is_the_plans_last_request_not_a_held_one(monkeypatch, vllm_policy):
+    """The lever itself: c is held by the plan and is vLLM's natural victim (last in ``running`` and, under the
+    priority policy, the worst priority); a needs a block that is not there. vLLM preempts b, the plan's last."""
+    _configure(monkeypatch, "vllm")
+    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, scheduler_cls=LengthwiseScheduler, policy=vllm_policy)
+    a, b, c = (make_request(k, n, 6, extra_args={"pred_len": 6}, priority=p)
+               for k, n, p in (("a", 16, 0), ("b", 8, 1), ("c", 8, 2)))
+    for r in (a, b, c):
+        s.add_request(r)
+    step_full(s)  # the three prompts: 3 of the 4 blocks
+    assert [r.request_id for r in s.running] == ["a", "b", "c"]
+    foreign = s.kv_cache_manager.block_pool.get_new_blocks(1)  # the 4th block, outside the plan's view
+    real, rid_c = s.lw_policy.schedule, s._rid_of["c"]
+
+    def hold_c(now):
+        plan = real(now)
+        plan.tokens.pop(rid_c, None)
+        return plan
+
+    s.lw_policy.schedule = hold_c
+    rec = step_full(s)  # a's first decode needs a second block
+    s.lw_policy.schedule = real
+    assert rec.preempted_ids == {"b"} and rec.num_scheduled_tokens == {"a": 1}
+    assert c.status == RequestStatus.RUNNING and c.num_computed_tokens == 8  # c keeps its KV
+    assert s.lw_stats["vllm_preemptions"] == 1 and s.lw_stats["vllm_preempted_held"] == 0
+    twin_b = s.lw_policy.requests[s._rid_of["b"]]
+    assert twin_b.computed == 0 and twin_b in s.lw_policy.waiting  # the policy knows b's KV is gone
+    s.kv_cache_manager.block_pool.free_blocks(foreign)
+    run_to_completion(s, [])
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(r.output_token_ids) == expected_tokens(6)
+               for r in (a, b, c))
+
+
+def test_kv_holding_waiting_is_gated_by_the_plan(monkeypatch):
+    """vLLM drains ``kv_holding_waiting`` (requests that hold KV while waiting: a KV connector's finished load,
+    a streaming session) before ``waiting``. The plug-in presents it holding only what the plan admits, and
+    puts the rest back: here the plan gives the whole budget to b, which came first."""
+    _configure(monkeypatch, "vllm")
+    s = make_scheduler(num_blocks=100, max_num_batched_tokens=32, scheduler_cls=LengthwiseScheduler)
+    b = make_request("b", 40, 4, extra_args={"pred_len": 4})
+    a = make_request("a", 40, 4, extra_args={"pred_len": 4})
+    s.add_request(b)
+    # a arrives with KV for 16 prompt tokens, the state a connector's async load leaves it in (WAITING,
+    # num_computed_tokens > 0): vLLM queues it in kv_holding_waiting
+    assert s.kv_cache_manager.allocate_slots(a, 16) is not None
+    a.num_computed_tokens = 16
+    s.add_request(a)
+    assert list(s.kv_holding_waiting) == [a] and list(s.waiting) == [b]
+    rec = step_full(s)
+    assert rec.num_scheduled_tokens == {"b": 32}
+    assert list(s.kv_holding_waiting) == [a] and a.num_computed_tokens == 16 and s.lw_stats["plan_mismatch_steps"] == 0
+    check_queues(s)
+    rec = step_full(s)  # b's last 8 prompt tokens, then a's 24 as the plan admits it
+    assert rec.num_scheduled_tokens == {"b": 8, "a": 24} and not s.kv_holding_waiting
+    run_to_completion(s, [])
+    for r in (a, b):
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(r.output_token_ids) == expected_tokens(4)
+    assert s.lw_stats["plan_mismatch_steps"] == 0
+
+
+def test_speculative_decoding_is_refused_at_start(monkeypatch):
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    from tests.vllm_harness import tiny_model_dir
+
+    _configure(monkeypatch, "lengthwise")
+    target = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=4096)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=1,
+                             target_model_config=target, target_parallel_config=ParallelConfig())
+    with pytest.raises(ValueError, match="speculative decoding .* not supported; drop --speculative-config") as err:
+        make_scheduler(scheduler_cls=LengthwiseScheduler, speculative_config=spec, async_scheduling=False)
+    assert "\n" not in str(err.value)
+    stock = make_scheduler(scheduler_cls=AsyncScheduler, speculative_config=spec, async_scheduling=False)
+    assert stock.num_spec_tokens == 2  # the configuration itself is valid: stock vLLM takes it
+
+
+def test_policy_preemption_is_stamped_on_vllms_clock(monkeypatch):
+    """A preemption the policy chooses is recorded (request events, log_stats) on the clock vLLM's own schedule()
+    passes to _preempt_request: time.monotonic(), not time.time()."""
+    _configure(monkeypatch, "vllm")
+    s = make_scheduler(num_blocks=8, max_num_batched_tokens=256, scheduler_cls=LengthwiseScheduler, log_stats=True)
+    reqs = [make_request(f"p{i}", 30, 30, extra_args={"pred_len": 30}) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    stamps = []
+    while not stamps:
+        t0 = time.monotonic()
+        rec = step_full(s)
+        t1 = time.monotonic()
+        for rid in rec.preempted_ids:
+            stamps += [(t0, e.timestamp, t1) for e in s.requests[rid].events if e.type.name == "PREEMPTED"]
+    assert s.lw_stats["policy_preemptions"] == 1 and s.lw_stats["vllm_preemptions"] == 0
+    assert all(t0 <= t <= t1 for t0, t, t1 in stamps), stamps
+    _assert_exact(run_to_completion(s, []), [])
+
+
+@pytest.mark.parametrize("policy", ["ecoserve", "lengthwise"])
+def test_preemptions_between_steps_reach_the_policy_before_it_plans(monkeypatch, policy):
+    """``reset_prefix_cache(reset_running_requests=True)`` preempts every running request outside schedule(): the
+    policy learns it before its next plan (nothing planned for KV that is gone) and every request still ends exactly."""
+    _configure(monkeypatch, policy, padding=0.15, reserve=0.03)
+    s = make_scheduler(num_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, scheduler_cls=LengthwiseScheduler,
+                       enable_prefix_caching=True)
+    reqs = [make_request(f"r{i}", 20, 30, extra_args={"pred_len": 30}) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(6):
+        step_full(s)
+    dropped = {r.request_id for r in s.running}
+    assert dropped and s.reset_prefix_cache(reset_running_requests=True)
+    step_full(s)
+    assert all(s.lw_policy.requests[s._rid_of[req_id]].preemptions == 1 for req_id in dropped)
+    assert s.lw_stats["vllm_preemptions"] == len(dropped)
+    assert s.lw_stats["plan_mismatch_steps"] == 0  # the plan already had them recompute from scratch
+    run_to_completion(s, [])
+    assert all(list(r.output_token_ids) == expected_tokens(30) for r in reqs)
+    assert not s.lw_policy.requests and s.lw_policy.kv.used == 0

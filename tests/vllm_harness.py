@@ -72,10 +72,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 __all__ = [
     "EOS_TOKEN_ID",
+    "ForeignBlocks",
     "RequestResult",
     "RunResult",
     "StepRecord",
     "block_ids",
+    "check_queues",
     "drain",
     "expected_tokens",
     "fabricate_output",
@@ -164,6 +166,8 @@ def make_scheduler(
     policy: str = "fcfs",
     log_stats: bool = False,
     use_v2_model_runner: bool | None = None,
+    speculative_config=None,
+    additional_config: dict | None = None,
 ) -> Scheduler:
     """Build a real vLLM scheduler over ``num_blocks`` KV blocks.
 
@@ -176,6 +180,8 @@ def make_scheduler(
     ``use_v2_model_runner`` overrides the scheduler's cached flag (on CPU it is
     False because Triton is missing; GPU deployments of 0.32 default to True,
     which makes AsyncScheduler write ``next_decode_eligible_step``).
+    ``speculative_config``: a ``vllm.config.SpeculativeConfig`` (e.g. method "ngram", no draft model).
+    ``additional_config``: vLLM's ``--additional-config`` (a scheduler plug-in's own settings).
     """
     if async_scheduling is None:
         async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
@@ -210,6 +216,8 @@ def make_scheduler(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        speculative_config=speculative_config,
+        additional_config=additional_config or {},
     )
     # The CPU platform hook resets async_scheduling to False; restore the
     # requested value so derived properties match a GPU deployment.
@@ -461,6 +469,37 @@ def drain(scheduler: Scheduler) -> list[StepRecord]:
         old_step, old_so, old_mro = queue.pop()
         records.append(_record(None, (old_step, _apply(scheduler, old_so, old_mro))))
     return records
+
+
+def check_queues(scheduler: Scheduler) -> None:
+    """Every unfinished request is in exactly one of ``running``, ``waiting``, ``kv_holding_waiting``."""
+    seen: dict[str, int] = {}
+    for queue in (scheduler.running, scheduler.waiting, scheduler.kv_holding_waiting):
+        for r in queue:
+            seen[r.request_id] = seen.get(r.request_id, 0) + 1
+    live = {rid for rid, r in scheduler.requests.items() if not r.is_finished()}
+    assert set(seen) == live and all(n == 1 for n in seen.values()), (sorted(live), seen)
+
+
+class ForeignBlocks:
+    """KV blocks held outside the scheduler's view (as a KV connector's transfers hold them), for ``before_step``.
+
+    Every ``period`` iterations, from a quarter to three quarters of the period, up to ``k`` free blocks of
+    the scheduler's pool are held here, so a plan that counts the whole pool over-promises and vLLM's own
+    allocation fails mid-step.
+    """
+
+    def __init__(self, k: int = 3, period: int = 40) -> None:
+        self.k, self.period, self.held = k, period, []
+
+    def __call__(self, scheduler: Scheduler, i: int) -> None:
+        pool = scheduler.kv_cache_manager.block_pool
+        phase = i % self.period
+        if phase == self.period // 4 and not self.held:
+            self.held = pool.get_new_blocks(min(self.k, pool.get_num_free_blocks()))
+        elif phase == 3 * self.period // 4 and self.held:
+            pool.free_blocks(self.held)
+            self.held = []
 
 
 def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:

@@ -28,6 +28,7 @@ SERIES: dict[str, tuple[str, str, bool]] = {
     "steps": ("steps", "engine steps scheduled", True),
     "policy_preemptions": ("policy_preemptions", "recompute preemptions the policy chose", True),
     "vllm_preemptions": ("vllm_preemptions", "preemptions vLLM made on its own (KV ran out mid-step)", True),
+    "vllm_preempted_held": ("vllm_preempted_held", "of those, requests the plan held out of the step with their KV", True),
     "held_request_steps": ("held_request_steps", "request-steps a running request was held (paused or decoupled)", True),
     "plan_mismatch_steps": ("plan_mismatch_steps", "steps where vLLM scheduled other tokens than the plan", True),
     "pauses": ("pauses", "under-predicted requests paused for re-prediction", True),

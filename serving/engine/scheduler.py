@@ -16,27 +16,36 @@ Each step:
 3. **Apply through vLLM's levers**: the policy's preemptions go through ``_preempt_request``;
    running requests the plan leaves out (paused GTs, decoupled GTs waiting for their slot, held PTs)
    are skipped this step with ``next_decode_eligible_step``, keeping their KV; ``running`` is ordered
-   as the plan orders the batch (who gets budget first, who is vLLM's preemption victim); ``waiting``
-   is presented holding only the requests the plan admits, in its order; the step's token budget is
-   the plan's total.
+   held requests first, then the plan's batch order (who gets budget first), so vLLM's own victim
+   when a block allocation fails (``running[-1]``; under vLLM's priority policy the largest
+   ``(priority, arrival)``, so there priorities are set to the same ranks for the step) is the
+   request the plan would let go first and never one it holds; ``waiting`` and
+   ``kv_holding_waiting`` are presented holding only the requests the plan admits, in its order;
+   the step's token budget is the plan's total.
 4. **Execute**: ``AsyncScheduler.schedule()`` allocates blocks, handles chunking, prefix caching and
-   async placeholders exactly as stock vLLM does; the waiting queue is merged back (nobody lost).
-5. **Read back**: what vLLM actually scheduled updates the policy; finished and aborted requests
-   leave the policy through ``_free_request``, the one place vLLM frees every request.
+   async placeholders exactly as stock vLLM does; both waiting queues are merged back and priorities
+   restored (nobody lost).
+5. **Read back**: what vLLM actually scheduled updates the policy; a request vLLM preempted on its own
+   is reported to the policy (``Policy.host_preempted``), which queues it again for recompute; finished
+   and aborted requests leave the policy through ``_free_request``, the one place vLLM frees every
+   request.
 
 The policy's block ledger is sized to vLLM's pool, so its exact allocation and KVC pipelining are
-reservations over vLLM's blocks: vLLM still allocates physical blocks on demand.
+reservations over vLLM's blocks: vLLM still allocates physical blocks on demand. Speculative decoding
+is refused at start: the policy core advances a request by one token per step.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, RequestQueue, SchedulingPolicy
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
@@ -49,13 +58,36 @@ from serving.policy.request import Request
 
 logger = init_logger(__name__)
 
-_NEVER = 1 << 62
+
+@dataclass(slots=True)
+class _Levers:
+    """What ``_apply`` changed in vLLM's scheduler for one step, for ``_restore`` and the counters."""
+
+    budget: int
+    waiting: RequestQueue
+    kv_holding: RequestQueue
+    held: list[tuple[VllmRequest, int]] = field(default_factory=list)  # (request, its own next_decode_eligible_step)
+    held_ids: set[str] = field(default_factory=set)
+    priorities: list[tuple[VllmRequest, int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # preempted by the adapter for the plan
+
+
+def _view(queue: RequestQueue, members: list[VllmRequest]) -> FCFSRequestQueue:
+    """Take ``members`` out of ``queue`` into a queue vLLM pops in exactly this order (whatever its policy)."""
+    if members:
+        queue.remove_requests(members)
+    return FCFSRequestQueue(members)
 
 
 class LengthwiseScheduler(AsyncScheduler):
     """vLLM's AsyncScheduler, steered step by step by a lengthwise policy (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        spec = getattr(vllm_config, "speculative_config", None)
+        if spec is not None:  # update() inside schedule() applies one token per request per step
+            raise ValueError(f"lengthwise scheduler: speculative decoding ({spec.method}, {spec.num_speculative_tokens} "
+                             "tokens per step) is not supported; drop --speculative-config, or run without --scheduler-cls")
         super().__init__(*args, **kwargs)
         self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
         budget = self.max_num_scheduled_tokens
@@ -71,7 +103,8 @@ class LengthwiseScheduler(AsyncScheduler):
         self._ids = itertools.count()
         self.lw_stats: dict[str, float] = dict.fromkeys((
             "requests", "fallback_predictions", "invalid_inputs", "rejected", "finished", "aborted", "steps",
-            "held_request_steps", "policy_preemptions", "vllm_preemptions", "plan_mismatch_steps", "adapter_s"), 0)
+            "held_request_steps", "policy_preemptions", "vllm_preemptions", "vllm_preempted_held", "plan_mismatch_steps",
+            "adapter_s"), 0)
         self._last_log = time.monotonic()
         self.metrics_server = None
         if self.lw_settings.metrics_port:
@@ -125,32 +158,37 @@ class LengthwiseScheduler(AsyncScheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         t0 = time.perf_counter()
         now = time.time()
+        between = set(self.reset_preempted_req_ids)  # preempted by vLLM since the last step (reset_prefix_cache)
+        self._host_preempted(between, now)
         self._mirror()
         plan = self.lw_policy.schedule(now)
-        saved_budget, saved_waiting, held, admitted = self._apply(plan)
+        levers = self._apply(plan)
         t1 = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
         finally:
             t2 = time.perf_counter()
-            self.max_num_scheduled_tokens = saved_budget
-            for v, old in held:
-                v.next_decode_eligible_step = old
-            rest = [v for v in saved_waiting if v not in admitted]
-            merged = type(saved_waiting)()
-            for v in [*self.waiting, *rest]:  # vLLM prepends what it preempts or skips to the queue it saw
-                merged.add_request(v)
-            self.waiting = merged
+            self._restore(levers)
         actual = StepPlan(tokens={self._rid_of[k]: n for k, n in out.num_scheduled_tokens.items() if k in self._rid_of})
         if actual.tokens != plan.tokens:
             self.lw_stats["plan_mismatch_steps"] += 1
-        self.lw_stats["vllm_preemptions"] += max(0, len(out.preempted_req_ids or ()) - len(plan.preempted))
+        by_vllm = set(out.preempted_req_ids or ()) - levers.preempted
+        self.lw_stats["vllm_preemptions"] += len(by_vllm)
+        self.lw_stats["vllm_preempted_held"] += len(by_vllm & levers.held_ids)
+        self._host_preempted(by_vllm - between, now)
         self.lw_policy.update(actual, (), now)
         self.lw_stats["steps"] += 1
         self.lw_stats["adapter_s"] += (t1 - t0) + (time.perf_counter() - t2)
         if time.monotonic() - self._last_log >= self.lw_settings.log_every_s:
             self._log_stats()
         return out
+
+    def _host_preempted(self, req_ids: set[str], now: float) -> None:
+        """Tell the policy which requests vLLM preempted on its own, so it does not keep planning KV that is gone."""
+        for req_id in req_ids:
+            rid = self._rid_of.get(req_id)
+            if rid is not None:
+                self.lw_policy.host_preempted(rid, now)
 
     def _mirror(self) -> None:
         """Copy vLLM's truth into the policy's twins: computed tokens, and outputs including in-flight ones."""
@@ -160,37 +198,59 @@ class LengthwiseScheduler(AsyncScheduler):
                 twin.computed = v.num_computed_tokens
                 twin.generated = v.num_output_tokens + v.num_output_placeholders
 
-    def _apply(self, plan: StepPlan):
-        now = time.time()
+    def _apply(self, plan: StepPlan) -> _Levers:
+        """Set vLLM's levers for this step (see the module docstring); ``_restore`` undoes what is not a decision."""
+        levers = _Levers(budget=self.max_num_scheduled_tokens, waiting=self.waiting, kv_holding=self.kv_holding_waiting)
+        timestamp = time.monotonic()  # the clock vLLM's own schedule() passes to _preempt_request (request events)
         for rid in plan.preempted:
             v = self._vreq_of.get(rid)
             if v is not None and v.status == RequestStatus.RUNNING:
                 self.running.remove(v)
-                self._preempt_request(v, now)
+                self._preempt_request(v, timestamp)
+                levers.preempted.add(v.request_id)
                 self.lw_stats["policy_preemptions"] += 1
         planned = plan.tokens
+        rank = {rid: i for i, rid in enumerate(planned)}
+        rid_of = self._rid_of
         this_step = self.current_step + 1  # schedule() increments current_step before it looks
-        held = []
         for v in self.running:
-            if self._rid_of.get(v.request_id) not in planned:
-                held.append((v, v.next_decode_eligible_step))
+            if rid_of.get(v.request_id) not in rank:
+                levers.held.append((v, v.next_decode_eligible_step))
+                levers.held_ids.add(v.request_id)
                 v.next_decode_eligible_step = this_step + 1
-        self.lw_stats["held_request_steps"] += len(held)
-        pos = {rid: i for i, rid in enumerate(planned)}
-        self.running.sort(key=lambda v: pos.get(self._rid_of.get(v.request_id), _NEVER))
-        admitted = []
-        for rid in planned:
-            v = self._vreq_of[rid]
-            if v.status != RequestStatus.RUNNING:
-                admitted.append(v)
-        saved_waiting = self.waiting
-        chosen = type(saved_waiting)()
-        for v in admitted:
-            chosen.add_request(v)
-        self.waiting = chosen
-        saved_budget = self.max_num_scheduled_tokens
-        self.max_num_scheduled_tokens = min(saved_budget, sum(planned.values()))
-        return saved_budget, saved_waiting, held, set(admitted)
+        self.lw_stats["held_request_steps"] += len(levers.held)
+        # Held requests first (skipped, so they take no budget), then the plan's batch order. When a block
+        # allocation fails, vLLM's victim is running[-1] (FCFS) or the largest (priority, arrival_time)
+        # (PRIORITY, set to the same ranks for this step): the request the plan would let go first, never
+        # one it holds, and never one already scheduled this step.
+        self.running.sort(key=lambda v: rank.get(rid_of.get(v.request_id), -1))
+        if self.policy == SchedulingPolicy.PRIORITY:
+            for i, v in enumerate(self.running):
+                levers.priorities.append((v, v.priority))
+                v.priority = i
+        admitted = [v for rid in planned if (v := self._vreq_of[rid]).status != RequestStatus.RUNNING]
+        # Every request vLLM holds that is not running sits in one of its two waiting queues; each is
+        # presented holding only the admitted requests it has, in the plan's order.
+        kv_holding = set(levers.kv_holding) if levers.kv_holding else ()
+        self.kv_holding_waiting = _view(levers.kv_holding, [v for v in admitted if v in kv_holding])
+        self.waiting = _view(levers.waiting, [v for v in admitted if v not in kv_holding])
+        self.max_num_scheduled_tokens = min(levers.budget, sum(planned.values()))
+        return levers
+
+    def _restore(self, levers: _Levers) -> None:
+        """Undo the step's levers: budget, eligibility and priorities back; both queues whole again."""
+        self.max_num_scheduled_tokens = levers.budget
+        for v, old in levers.held:
+            v.next_decode_eligible_step = old
+        for v, old in levers.priorities:  # before the queues: a priority heap orders by them
+            v.priority = old
+        # what vLLM did not take from a view, plus what it put there (requests it preempted or skipped),
+        # goes back to the front of the real queue, in the view's order
+        for name, real in (("waiting", levers.waiting), ("kv_holding_waiting", levers.kv_holding)):
+            left = list(getattr(self, name))
+            if left:
+                real.prepend_requests(reversed(left))  # FCFS prepend_requests reverses; a heap orders itself
+            setattr(self, name, real)
 
     def shutdown(self) -> None:
         if self.metrics_server is not None:
@@ -217,10 +277,10 @@ class LengthwiseScheduler(AsyncScheduler):
         self._last_log = time.monotonic()
         s = self.lengthwise_stats()
         logger.info(
-            "lengthwise[%s]: live %d, ledger %d/%d blocks, preemptions policy %d vllm %d, pauses %d, hosted %d, "
-            "fallback predictions %d/%d, plan mismatches %d/%d steps, scheduling %.0f+%.0f us/step",
+            "lengthwise[%s]: live %d, ledger %d/%d blocks, preemptions policy %d vllm %d (of held %d), pauses %d, "
+            "hosted %d, fallback predictions %d/%d, plan mismatches %d/%d steps, scheduling %.0f+%.0f us/step",
             s["policy"], s["live"], s["ledger_blocks_used"], s["ledger_blocks_total"], s["policy_preemptions"],
-            s["vllm_preemptions"], s["pauses"], s["hosted"], s["fallback_predictions"], s["requests"],
+            s["vllm_preemptions"], s["vllm_preempted_held"], s["pauses"], s["hosted"], s["fallback_predictions"], s["requests"],
             s["plan_mismatch_steps"], s["steps"], s["policy_sched_us_per_step"], s["adapter_us_per_step"])
 
 

@@ -114,6 +114,18 @@ class Policy(ABC):
         self.kv.release(rid)
         return True
 
+    def host_preempted(self, rid: int, now: float) -> bool:
+        """The host dropped ``rid``'s KV on its own (vLLM's recompute preemption when a block allocation failed).
+
+        The request leaves the batch with its ledger blocks released and queues again for recompute, as after
+        the policy's own preemption. Returns False for an unknown or finished id.
+        """
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        self._on_host_preempt(req, now)
+        return True
+
     def max_seq_len(self, req: Request) -> int:
         """The longest ``req`` can grow: the context limit, or prompt + max_tokens when set."""
         limit = self.cfg.max_model_len
@@ -146,6 +158,15 @@ class Policy(ABC):
     def _on_abort(self, req: Request, now: float) -> None:
         """Remove an aborted ``req`` from every queue it may be in (running or not)."""
         self._on_finish(req, now)
+
+    def _on_host_preempt(self, req: Request, now: float) -> None:
+        """Default for ``host_preempted``: out of every queue as on abort, KV gone, queued again as on arrival."""
+        self._on_abort(req, now)
+        self.kv.release(req.rid)
+        req.computed = 0
+        req.preemptions += 1
+        req.phase = Phase.WAITING
+        self._enqueue_new(req, now)
 
     def _after_step(self, plan: StepPlan, finished: set[int], now: float) -> None:
         """Per-step bookkeeping after tokens were applied."""

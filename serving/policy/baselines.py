@@ -122,6 +122,14 @@ class VLLMPolicy(Policy):
                 budget -= n
         return plan
 
+    def _on_host_preempt(self, req: Request, now: float) -> None:
+        if req in self.waiting:  # not admitted here: only its KV goes
+            self.kv.release(req.rid)
+            req.computed = 0
+            return
+        self.running.remove(req)
+        self._preempt(req, StepPlan())  # where the policy's own victims go (vLLM's queue head, or by priority)
+
     def _admissible(self, req: Request) -> bool:
         """Extra admission test for subclasses (vLLM itself only needs the whole sequence to fit)."""
         return True

@@ -376,6 +376,15 @@ class EcoServe(Policy):
             else:
                 self._start_gt(r, self._own_cap(r))
 
+    def _on_host_preempt(self, r: Request, now: float) -> None:
+        if r in self.pt_queue:  # not admitted here: only its KV goes
+            self.kv.release(r.rid)
+            r.computed = 0
+            return
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        self._preempt(r, StepPlan())  # lends, ledger and queues as for the policy's own preemption (a resumed PT)
+
     def _on_abort(self, r: Request, now: float) -> None:
         if r in self.pt_queue:
             self.pt_queue.remove(r)

@@ -31,8 +31,9 @@ class SimulationError(RuntimeError):
 def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name: str, config: PolicyConfig,
              kv_blocks: int, latency: LatencyModel, slo: SLO,
              repredict: Callable[[object, int, Prediction], float] | None = None,
-             check: bool = False, max_steps: int = 50_000_000) -> RunMetrics:
-    """Run ``requests`` (objects with rid, arrival, prompt_tokens, output_tokens) through one policy."""
+             check: bool = False, max_steps: int = 50_000_000, max_tokens: int | None = None) -> RunMetrics:
+    """Run ``requests`` (objects with rid, arrival, prompt_tokens, output_tokens) through one policy; ``max_tokens``
+    is every request's cap, as an engine would get it (see :func:`~serving.sim.instance.new_request`)."""
     by_rid = {r.rid: r for r in requests}
     preds = {r.rid: p for r, p in zip(requests, predictions)}
     policy = make_policy(policy_name, config, kv_blocks, repredict_hook(repredict, by_rid, preds))
@@ -45,7 +46,7 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
     while nxt < len(order) or inst.has_work:
         while nxt < len(order) and order[nxt].arrival <= now:
             tr = order[nxt]
-            inst.inbox.append(new_request(tr, preds[tr.rid], slo.jct_limit))
+            inst.inbox.append(new_request(tr, preds[tr.rid], slo.jct_limit, max_tokens))
             records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens,
                                             slo.jct_limit(tr.output_tokens))
             nxt += 1

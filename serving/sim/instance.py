@@ -8,6 +8,7 @@ to ``busy_until``, when ``end()`` applies it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,13 @@ class SimInstance:
         return StepResult(now, first, emitted, finished, plan.preempted)
 
 
-def new_request(tr, pred, jct_limit: Callable[[float], float]) -> Request:
-    """The policy's view of a trace request: its prediction and EcoServe's deadline from the predicted RL."""
-    return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=tr.arrival + jct_limit(max(1.0, pred.length)))
+def new_request(tr, pred, jct_limit: Callable[[float], float], max_tokens: int | None = None) -> Request:
+    """The policy's view of a trace request: its prediction and EcoServe's deadline from the predicted RL.
+
+    With ``max_tokens`` (the request's cap) the policy holds it and sees the predicted length clamped to it, as the
+    scheduler plug-in does with a request's ``max_tokens`` (``serving/engine/inputs.py``); the deadline stays the one
+    the gateway sets, from the prediction as made."""
+    deadline = tr.arrival + jct_limit(max(1.0, pred.length))
+    if max_tokens is not None:
+        pred = dataclasses.replace(pred, length=max(1.0, min(pred.length, float(max_tokens))))
+    return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=deadline, max_tokens=max_tokens)

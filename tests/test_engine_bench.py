@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -114,6 +115,13 @@ def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
     assert d["goodput_ratio"] == (pytest.approx(ours / stock) if stock > 0 else None)
     assert d["calibration"]["latency_model"]["n_rows"] > 4
     assert out.with_suffix(".png").stat().st_size > 0
+    cap = d["config"]["max_tokens"]  # one cap for every request, none cut: the logits processor ended each one
+    assert cap % 256 == 0
+    runs = sorted(Path(d["work_dir"]).glob("*.out.json"))
+    assert len(runs) == 3  # the calibration, then stock and the plug-in at the one rate
+    for run in runs:
+        recs = json.loads(run.read_text())["records"]
+        assert recs and all(r["max_tokens"] == cap and r["finish_reason"] == "stop" for r in recs)
 
 
 def _pt(rate, stock, ours):

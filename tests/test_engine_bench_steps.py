@@ -91,6 +91,8 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     burst = calibration[0]["requests"]
     assert len(burst) == 8 and [r["arrival"] for r in burst] == pytest.approx([0.05 * i for i in range(8)])
     assert set(burst[0]) == {"id", "arrival", "prompt_tokens", "output_tokens"}
+    cap = result["config"]["max_tokens"]  # the trace's longest response rounded up to a multiple of 256
+    assert cap == 768 and all(job["max_tokens"] == cap for jobs in engines.calls for job in jobs)
     assert calibration[0]["engine"] == {"shape": "tiny", "max_model_len": 2048, "block_size": 32, "max_num_seqs": 256,
                                         "max_num_batched_tokens": 2048, "kv_blocks": 128, "threads": 1}
     assert [[(j["scheduler"], j["tag"]) for j in r] for r in runs] == [[("stock", "r2"), ("lengthwise", "r2")],
@@ -123,7 +125,7 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     assert result["headline_rule"] in text and result["config"]["rates"] == [2.0, 4.0]
 
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks)"
+    assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks, max_tokens 768)"
     assert lines[1].startswith("fitted step model: 3.00 ms + 4.0 µs/prefill token + 30.0 µs/decode token + 0.0 ns/KV token")
     assert lines[2] == "replaying at 2, 4 req/s"
     assert lines[3] == "stock and lengthwise, side by side, at 2 req/s (12 requests each)"

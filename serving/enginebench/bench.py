@@ -7,9 +7,12 @@ Steps, each in its own engine process:
    fit gives the SLO its per-token times (EcoServe's t_p, t_g of a request running alone) and lets the
    simulator predict where stock vLLM saturates, which picks the default rates.
 2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
-   predictions, dummy weights and ``ignore_eos`` so every request produces exactly its real length),
-   both engines at once, each on its own core, so background load on a shared machine hits both alike.
-3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model;
+   predictions, dummy weights), both engines at once, each on its own core, so background load on a
+   shared machine hits both alike. Every request asks for the same ``max_tokens`` (the bench's cap,
+   :func:`trace_max_tokens` unless given), and a logits processor in the sampler ends it at exactly its
+   real length (:mod:`serving.enginebench.exactlen`), so neither scheduler learns a length from the request.
+3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model and
+   the same cap (each request's ``max_tokens``, predictions clamped to it as the plug-in clamps them);
    the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
 
 KV pressure comes from ``num_gpu_blocks_override``, which vLLM honours on the CPU backend.
@@ -45,6 +48,17 @@ from serving.sim.workload import TraceRequest, Workload, load_workload
 
 SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this bench's capacity threshold)
 DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
+MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
+
+
+def trace_max_tokens(lengths: list[int], step: int = MAX_TOKENS_STEP) -> int:
+    """The default ``max_tokens`` of every request: the trace's longest response rounded up to a multiple of ``step``.
+
+    Not a fixed 1024: ShareGPT answers run longer (2 of the default 200 requests, 11 of 1,000, above 1,024 GPT-2 tokens)
+    and a cap below a true length would cut that request, so the bench would no longer replay the trace. One value for
+    all requests, it tells a scheduler nothing about any one of them.
+    """
+    return step * max(1, -(-max(lengths) // step))
 
 
 class EngineBenchConfig(BaseModel):
@@ -68,6 +82,8 @@ class EngineBenchConfig(BaseModel):
                                                         "at 90% SLO, as the calibrated simulator predicts")
     slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
     calibration_requests: int = Field(96, ge=8)
+    max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, stock and plug-in alike; default "
+                                                           "the trace's longest response rounded up to a multiple of 256")
     seed: int = 0
     tokenizer: str | None = None
 
@@ -217,7 +233,7 @@ def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds
             xargs["pred_bucket"] = int(p.bucket)
         items.append({"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                       "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, p.length))})
-    return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "requests": items,
+    return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens, "requests": items,
             "plugin": {"tfs": tfs}}
 
 
@@ -229,7 +245,9 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
     ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
-    setup, csv_path = _calibrate(cfg, *_trace_and_predictions(cfg, console), work, console)
+    wl, predictor, preds = _trace_and_predictions(cfg, console)
+    cfg = _with_cap(cfg, wl)
+    setup, csv_path = _calibrate(cfg, wl, predictor, preds, work, console)
     rates, sim_cap = _rates(cfg, setup, console)
     points = []
     for rate in rates:
@@ -251,6 +269,17 @@ def _trace_and_predictions(cfg: EngineBenchConfig, console: Console) -> tuple[Wo
     return wl, predictor, predictor.predict(wl.requests)
 
 
+def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
+    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`."""
+    longest = max(r.output_tokens for r in wl.requests)
+    if cfg.max_tokens is None:
+        return cfg.model_copy(update={"max_tokens": trace_max_tokens([r.output_tokens for r in wl.requests])})
+    if cfg.max_tokens < longest:
+        raise ValueError(f"--max-tokens {cfg.max_tokens} is below the trace's longest response ({longest} tokens); every "
+                         f"request must end at its own length: raise it or leave it out")
+    return cfg
+
+
 def _calibrate(cfg: EngineBenchConfig, wl: Workload, predictor: LengthOracle, preds: list[Prediction], work: Path,
                console: Console) -> tuple[Setup, Path]:
     """1. Calibrate: a burst of the trace's first requests through stock vLLM, every step recorded, and the simulator's
@@ -261,8 +290,9 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, predictor: LengthOracle, pr
     reqs = wl.requests
     k = min(cfg.calibration_requests, len(reqs))
     burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
-    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
-    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg),
+    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks, "
+                  f"max_tokens {cfg.max_tokens})")
+    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
                          "requests": [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens,
                                        "output_tokens": r.output_tokens} for r in burst]}], work, console)
     csv_path = profile_to_csv(cal["profile"], work / "step_profile.csv")
@@ -306,17 +336,18 @@ def _replay_at(cfg: EngineBenchConfig, setup: Setup, rate: float, work: Path, co
     outs = run_engines([_job(sched, cfg, at, setup.predictions, setup.slo, f"r{rate:g}", setup.config.tfs)
                         for _, sched, _ in runs], work, console)
     for (label, _sched, sim_policy), out in zip(runs, outs):
-        point[label] = {"rate": rate, **_compared(out, at, setup, label, sim_policy).to_dict()}
+        point[label] = {"rate": rate, **_compared(out, at, setup, label, sim_policy, cfg.max_tokens).to_dict()}
     point["goodput_ratio"] = _ratio(point["lengthwise"]["goodput_rps"], point["stock"]["goodput_rps"])
     return point
 
 
-def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str) -> RunMetrics:
-    """3. Compare one engine run with the simulator on the same trace, policy and rate: the relative error in JCT and
-    throughput is the simulator's calibration error, which says how far its sweeps can be trusted."""
+def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str,
+              max_tokens: int | None) -> RunMetrics:
+    """3. Compare one engine run with the simulator on the same trace, policy, rate and ``max_tokens``: the relative
+    error in JCT and throughput is the simulator's calibration error, which says how far its sweeps can be trusted."""
     m = summarize_run(out, at, setup.slo, label)
     s = simulate(at, setup.predictions, sim_policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
-                 repredict=setup.predictor.repredict)
+                 repredict=setup.predictor.repredict, max_tokens=max_tokens)
     m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
                                                   "slo_attainment", "goodput_rps", "preemptions")}
     m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s", "throughput_rps")}

@@ -16,9 +16,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Replay one trace (ShareGPT prompts, their real response lengths, Poisson arrivals) through a real "
                     "vLLM engine twice per rate: stock scheduling, then the lengthwise plug-in, with a KV pool small "
-                    "enough to create memory pressure. Random weights and ignore_eos make every request produce exactly "
-                    "its real length. A calibration run first fits the simulator's step-latency model to the engine; "
-                    "the same trace is then simulated and the simulator's error against the engine is reported. "
+                    "enough to create memory pressure. Random weights; every request asks for the same max_tokens "
+                    "(--max-tokens), and a logits processor ends it at exactly its real length, out of both schedulers' "
+                    "sight. A calibration run first fits the simulator's step-latency model to the engine; the same "
+                    "trace is then simulated with the same cap and the simulator's error against the engine is reported. "
                     "Prints a table, writes JSON and a PNG.",
         epilog="examples:\n  lengthwise bench engine\n"
                "  lengthwise bench engine --max-requests 300 --rates 2,3 --kv-blocks 192 --json /tmp/engine.json\n"
@@ -46,6 +47,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine (default: %(default)s; more only on cores nothing else uses)")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="max_tokens of every request, the same for stock vLLM and the plug-in (which clamps predictions "
+                        "to it); no request may need more (default: the trace's longest response rounded up to a multiple "
+                        "of 256, e.g. 1536 for the default 200 ShareGPT requests: a fixed 1024 would cut ShareGPT's longer "
+                        "answers). Each request's true length is enforced by a logits processor, never by max_tokens")
     p.add_argument("--calibration-requests", type=int, default=96,
                    help="requests in the calibration burst that fits the step model (default: %(default)s)")
     p.add_argument("--slo-scale", type=float, help="EcoServe's SLO scale (default: the policy config's)")
@@ -69,7 +75,8 @@ def run_cli(a: argparse.Namespace) -> int:
 
     try:
         make_policy(a.policy, PolicyConfig(), 64)
-        kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale)) if v is not None}
+        kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale), ("max_tokens", a.max_tokens))
+              if v is not None}
         cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=a.rates,
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,

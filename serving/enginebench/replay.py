@@ -4,8 +4,11 @@ Run as ``python -m serving.enginebench.replay JOB.json OUT.json`` (one engine pe
 process-wide state). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
 below is an online server's: between steps it admits the requests whose arrival time has passed, so a
 request arriving mid-step waits for the step boundary exactly as it would behind ``vllm serve``.
-Weights are random (``load_format="dummy"``) and ``ignore_eos`` with ``max_tokens`` = the trace's
-output length replays real lengths, as vLLM's own serving benchmarks do.
+Weights are random (``load_format="dummy"``). Every request has the same ``max_tokens``, the job's cap, with stock
+scheduling and with the plug-in; its true length is enforced by a logits processor in the sampler
+(:mod:`serving.enginebench.exactlen`) that ends it with a stop token at exactly that length, out of the scheduler's
+sight. Each record says what vLLM and the plug-in saw of the request (``max_tokens``, the plug-in's predicted length
+and cap) and why it finished.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# The length processor (serving.enginebench.exactlen) has vLLM's V1 logits-processor interface, which the V2 model runner
+# (vLLM 0.32's default on CUDA with Triton) refuses at load; the CPU build, without Triton, runs the V1 runner anyway.
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from serving.enginebench.model import dummy_model
 
@@ -28,6 +34,7 @@ OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
 def _engine(job: dict[str, Any]):
     from vllm import LLM
 
+    from serving.enginebench.exactlen import ExactLengthLogitsProcessor
     from serving.enginebench.model import bench_dtype
 
     e = job["engine"]
@@ -38,8 +45,22 @@ def _engine(job: dict[str, Any]):
               gpu_memory_utilization=0.2, block_size=e["block_size"], max_model_len=e["max_model_len"],
               max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
               num_gpu_blocks_override=e["kv_blocks"],
-              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
+              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS,
+              logits_processors=[ExactLengthLogitsProcessor])
     return llm.llm_engine
+
+
+def _seen(sched, request_id: str) -> dict[str, Any]:
+    """What the scheduler got of a request just added: vLLM's ``max_tokens``, and with the plug-in the predicted length
+    and the cap its policy holds (read from the plug-in's own maps: the bench checks that the truth never reaches it).
+    A request the plug-in rejected on arrival (it can never fit the KV pool) is gone already: nothing seen."""
+    vreq = sched.requests.get(request_id)
+    seen: dict[str, Any] = {"max_tokens": None if vreq is None else vreq.max_tokens}
+    rid = getattr(sched, "_rid_of", {}).get(request_id)
+    if rid is not None:
+        twin = sched.lw_policy.requests[rid]
+        seen.update(policy_pred_len=twin.pred.length, policy_max_tokens=twin.max_tokens)
+    return seen
 
 
 def _prompt(i: int, n: int) -> dict:
@@ -59,9 +80,11 @@ def _warm(engine, n: int = 4) -> None:
 
 
 def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s) on one engine."""
-    from vllm import SamplingParams
+    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s) on one engine, every
+    request with ``max_tokens`` = ``job["max_tokens"]`` and ending at its ``output_tokens``."""
+    from serving.enginebench.exactlen import exact_length_params
 
+    cap = int(job["max_tokens"])
     engine = _engine(job)
     sched = engine.engine_core.engine_core.scheduler
     _warm(engine)
@@ -83,11 +106,10 @@ def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
             xargs = dict(r.get("extra_args") or {})
             if r.get("slo_s") is not None:
                 xargs["deadline"] = t0 + r["arrival"] + r["slo_s"]  # the absolute deadline the gateway would set
-            params = SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0.0,
-                                    extra_args=xargs or None)
-            engine.add_request(str(r["id"]), _prompt(int(r["id"]), r["prompt_tokens"]), params)
+            params = exact_length_params(r["output_tokens"], cap, xargs)
+            iid = engine.add_request(str(r["id"]), _prompt(int(r["id"]), r["prompt_tokens"]), params)
             rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
-                                 "tokens": 0}
+                                 "tokens": 0, **_seen(sched, iid)}
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, reqs[nxt]["arrival"] - (time.time() - t0)))
@@ -102,6 +124,7 @@ def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
             r["tokens"] = n
             if o.finished:
                 r["finished"] = t
+                r["finish_reason"], r["stop_reason"] = o.outputs[0].finish_reason, o.outputs[0].stop_reason
                 done += 1
         if progress and time.time() - last_print > 5:
             last_print = time.time()

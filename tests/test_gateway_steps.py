@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 from starlette.responses import Response
@@ -21,15 +20,9 @@ from serving.gateway.gateway import Call, Gateway
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.prefill import Prefilled
 from serving.gateway.settings import GatewaySettings
+from tests.conftest import free_port  # a port nothing listens on: connections are refused at once
 
 pytestmark = pytest.mark.unit
-
-
-def closed_port() -> int:
-    """A local port nothing listens on: connections to it are refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -38,7 +31,7 @@ def make():
     made: list[Gateway] = []
 
     def _make(**settings) -> Gateway:
-        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{closed_port()}"], **settings))
+        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"], **settings))
         made.append(gw)
         return gw
 
@@ -95,7 +88,7 @@ def test_without_a_sidecar_every_request_runs_on_the_fallback_clamped_to_max_tok
 
 
 def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make):
-    gw = make(predictor_url=f"http://127.0.0.1:{closed_port()}", predictor_timeout_ms=5000, fallback_tokens=40)
+    gw = make(predictor_url=f"http://127.0.0.1:{free_port()}", predictor_timeout_ms=5000, fallback_tokens=40)
     req = gw.validate("completion", body())
     pred = asyncio.run(gw.predict(Call("completion"), req, {}))
     assert (pred.tokens, pred.source, pred.reason) == (40, "fallback", "unreachable")
@@ -229,7 +222,7 @@ def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make):
 
 
 def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make):
-    gw = make(predictor_url=f"http://127.0.0.1:{closed_port()}")
+    gw = make(predictor_url=f"http://127.0.0.1:{free_port()}")
     req = gw.validate("completion", body())
     call = Call("completion", pred=LengthPrediction(10, "sidecar", bucket=1, expected_tokens=9.5, prediction_id="p1"))
 
@@ -245,8 +238,8 @@ def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make):
 
 
 def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make):
-    gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{closed_port()}"]),
-                 prefill_urls=[f"http://127.0.0.1:{closed_port()}"])
+    gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"]),
+                 prefill_urls=[f"http://127.0.0.1:{free_port()}"])
     gw.forwarder.forward = (engine := FakeEngine()).forward
     answers: list[Prefilled | Response] = [Prefilled({"model": "m", "kv_transfer_params": {"k": 1}}, "prefill-0", 0.25, 42),
                                            Response(b"{}", status_code=400)]

@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import queue
-import socket
 from types import SimpleNamespace
 
 import httpx
@@ -28,6 +27,7 @@ from serving.engine.inputs import parse_inputs
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.settings import GatewaySettings
 from serving.policy.request import Prediction
+from tests.conftest import free_port  # a port nothing listens on: connections are refused at once
 
 pytestmark = pytest.mark.unit
 
@@ -59,12 +59,6 @@ def sidecar_answer() -> dict:
                                            "latency_ms": 1.0}).model_dump(mode="json")
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def make():
     """Gateways over an engine that is never contacted, closed after the test; ``answer`` is the sidecar's reply."""
@@ -73,7 +67,7 @@ def make():
     def _make(answer: dict | None = None, **settings) -> Gateway:
         if answer is not None:
             settings = {"predictor_url": "http://sidecar.test", "predictor_timeout_ms": 5000, **settings}
-        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{closed_port()}"], **settings))
+        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"], **settings))
         made.append(gw)
         if answer is not None:
             own = gw.predictor.client

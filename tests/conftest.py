@@ -81,6 +81,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def make_gateway():
+    """In-process gateways (``serving.gateway.gateway.Gateway``) over an engine that is never contacted, closed after
+    the test. With ``answer``, the sidecar is a stand-in that replies with that JSON to every prediction."""
+    import asyncio
+
+    from serving.gateway.gateway import Gateway
+    from serving.gateway.settings import GatewaySettings
+
+    made = []
+
+    def _make(answer: dict | None = None, **settings) -> Gateway:
+        if answer is not None:
+            settings = {"predictor_url": "http://sidecar.test", "predictor_timeout_ms": 5000, **settings}
+        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"], **settings))
+        made.append(gw)
+        if answer is not None:
+            own = gw.predictor.client
+            raw = json.dumps(answer).encode()  # Python's JSON: a nan or inf goes through as a buggy sidecar would send it
+            gw.predictor.client = httpx.AsyncClient(transport=httpx.MockTransport(
+                lambda r: httpx.Response(200, content=raw, headers={"content-type": "application/json"})))
+            asyncio.run(own.aclose())
+        return gw
+
+    yield _make
+
+    async def close() -> None:
+        for gw in made:
+            await gw.aclose()
+
+    asyncio.run(close())
+
+
 @pytest.fixture()
 def mlflow_server(tmp_path):
     """A real `mlflow server` process on 127.0.0.1 with its own SQLite store; stopped after the test."""

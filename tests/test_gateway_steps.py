@@ -25,23 +25,6 @@ from tests.conftest import free_port  # a port nothing listens on: connections a
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def make():
-    """Gateways over an engine that is never contacted, closed after the test."""
-    made: list[Gateway] = []
-
-    def _make(**settings) -> Gateway:
-        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"], **settings))
-        made.append(gw)
-        return gw
-
-    yield _make
-
-    async def close() -> None:
-        for gw in made:
-            await gw.aclose()
-
-    asyncio.run(close())
 
 
 def value(metric, *labels: str) -> float:
@@ -63,23 +46,24 @@ def body(**fields) -> bytes:
     (body(vllm_xargs=[1]), 400, "invalid_type"),
     (body(model="other"), 404, "model_not_found"),
 ])
-def test_validate_refuses_a_bad_body_with_an_openai_error(make, raw, status, code):
-    gw = make()
+def test_validate_refuses_a_bad_body_with_an_openai_error(make_gateway, raw, status, code):
+    gw = make_gateway()
     gw.pool.known_models |= {"m"}  # what the engines reported
     with pytest.raises(ApiError) as err:
         gw.validate("completion", raw)
     assert (err.value.status, err.value.code) == (status, code)
 
 
-def test_validate_takes_any_model_until_the_engines_said_which_they_serve(make):
-    req = make().validate("chat", json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode())
+def test_validate_takes_any_model_until_the_engines_said_which_they_serve(make_gateway):
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+    req = make_gateway().validate("chat", json.dumps(body).encode())
     assert (req.kind, req.model, req.outputs, req.predict_input) == ("chat", "x", 2,
                                                                      {"messages": [{"role": "user", "content": "hi"}]})
 
 
 # --- predict --------------------------------------------------------------------------------------------
-def test_without_a_sidecar_every_request_runs_on_the_fallback_clamped_to_max_tokens(make):
-    gw = make(fallback_tokens=300)
+def test_without_a_sidecar_every_request_runs_on_the_fallback_clamped_to_max_tokens(make_gateway):
+    gw = make_gateway(fallback_tokens=300)
     call = Call("completion")
     pred = asyncio.run(gw.predict(call, gw.validate("completion", body()), {}))
     assert (pred.tokens, pred.source, pred.reason) == (100, "fallback", "disabled")
@@ -87,8 +71,8 @@ def test_without_a_sidecar_every_request_runs_on_the_fallback_clamped_to_max_tok
     assert value(gw.metrics.predictions, "fallback") == 1 and value(gw.metrics.prediction_fallbacks, "disabled") == 1
 
 
-def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make):
-    gw = make(predictor_url=f"http://127.0.0.1:{free_port()}", predictor_timeout_ms=5000, fallback_tokens=40)
+def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make_gateway):
+    gw = make_gateway(predictor_url=f"http://127.0.0.1:{free_port()}", predictor_timeout_ms=5000, fallback_tokens=40)
     req = gw.validate("completion", body())
     pred = asyncio.run(gw.predict(Call("completion"), req, {}))
     assert (pred.tokens, pred.source, pred.reason) == (40, "fallback", "unreachable")
@@ -96,12 +80,12 @@ def test_an_unreachable_sidecar_costs_a_fallback_not_an_error(make):
     assert asyncio.run(gw.predict(Call("completion"), token_ids, {})).reason == "token_ids"
 
 
-def test_a_client_prediction_counts_only_when_trusted(make):
+def test_a_client_prediction_counts_only_when_trusted(make_gateway):
     headers = {"x-lengthwise-pred-len": "12"}
-    untrusted = make()
+    untrusted = make_gateway()
     assert asyncio.run(untrusted.predict(Call("completion"), untrusted.validate("completion", body()),
                                          headers)).source == "fallback"
-    gw = make(trust_client_predictions=True)
+    gw = make_gateway(trust_client_predictions=True)
     req = gw.validate("completion", body())
     pred = asyncio.run(gw.predict(Call("completion"), req, headers))
     assert (pred.tokens, pred.source) == (12, "client")
@@ -112,8 +96,8 @@ def test_a_client_prediction_counts_only_when_trusted(make):
 
 
 # --- deadline ---------------------------------------------------------------------------------------------
-def test_the_deadline_is_the_jct_slo_unless_the_client_states_its_own(make):
-    gw = make(slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
+def test_the_deadline_is_the_jct_slo_unless_the_client_states_its_own(make_gateway):
+    gw = make_gateway(slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
     pred = LengthPrediction(50, "fallback", "disabled")
     call = Call("completion", arrival=1000.0)
     assert gw.deadline(call, pred, gw.slo_terms({})) == pytest.approx(1000.0 + 2.0 * (0.1 + 0.01 * 50))
@@ -125,15 +109,15 @@ def test_the_deadline_is_the_jct_slo_unless_the_client_states_its_own(make):
 
 @pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
 @pytest.mark.parametrize("raw", ["soon", "0", "-5", "nan", "inf"])
-def test_a_malformed_slo_header_is_a_400(make, header, raw):
+def test_a_malformed_slo_header_is_a_400(make_gateway, header, raw):
     with pytest.raises(ApiError) as err:
-        make().slo_terms({header: raw})
+        make_gateway().slo_terms({header: raw})
     assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_header", header)
 
 
 # --- hints, engine headers, job ------------------------------------------------------------------------
-def test_our_hints_replace_the_clients_own_and_the_rest_of_its_xargs_travel(make):
-    gw = make()
+def test_our_hints_replace_the_clients_own_and_the_rest_of_its_xargs_travel(make_gateway):
+    gw = make_gateway()
     client_xargs = {"pred_len": 1, "deadline": 0.0, "pred_bucket": 0, "my_key": "kept"}
     req = gw.validate("completion", body(vllm_xargs=client_xargs, stream=True))
     pred = LengthPrediction(64, "sidecar", hi=128, bucket=2)
@@ -144,16 +128,16 @@ def test_our_hints_replace_the_clients_own_and_the_rest_of_its_xargs_travel(make
     assert req.body["vllm_xargs"] == client_xargs and "stream_options" not in req.body  # the client's body is left as it was
 
 
-def test_the_engine_gets_our_request_id_and_the_clients_credentials_only(make):
-    gw = make()
+def test_the_engine_gets_our_request_id_and_the_clients_credentials_only(make_gateway):
+    gw = make_gateway()
     call = Call("chat")
     assert gw.engine_headers(call, {"authorization": "Bearer k", "x-other": "no"}) == {"X-Request-Id": call.rid,
                                                                                         "Authorization": "Bearer k"}
     assert call.rid.startswith("lw-") and gw.engine_headers(call, {}) == {"X-Request-Id": call.rid}
 
 
-def test_the_job_carries_the_prompts_tokens_and_the_predicted_output_of_every_sequence(make):
-    gw = make()
+def test_the_job_carries_the_prompts_tokens_and_the_predicted_output_of_every_sequence(make_gateway):
+    gw = make_gateway()
     call = Call("completion")
     req = gw.validate("completion", body(prompt="abcdefgh", n=3))
     job = gw.job(call, req, LengthPrediction(10, "fallback", "disabled"))
@@ -179,8 +163,8 @@ async def passthrough(answer):
     return await answer
 
 
-def test_serve_runs_every_step_and_says_what_it_decided_in_the_headers(make):
-    gw = make(fallback_tokens=32, slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
+def test_serve_runs_every_step_and_says_what_it_decided_in_the_headers(make_gateway):
+    gw = make_gateway(fallback_tokens=32, slo_scale=2.0, t_p_s=0.1, t_g_s=0.01)
     gw.forwarder.forward = (engine := FakeEngine()).forward
     call = Call("completion", arrival=1000.0)
     resp = asyncio.run(gw.serve(call, body(prompt="abcdefgh", vllm_xargs={"pred_len": 1}), {"x-slo-tpot-ms": "10"},
@@ -195,8 +179,8 @@ def test_serve_runs_every_step_and_says_what_it_decided_in_the_headers(make):
     assert value(gw.metrics.requests, "/v1/completions", "200") == 1 and value(gw.metrics.output_tokens) == 7
 
 
-def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make):
-    gw = make()
+def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make_gateway):
+    gw = make_gateway()
     gw.forwarder.forward = (engine := FakeEngine()).forward
     call = Call("completion")
     with pytest.raises(ApiError) as err:
@@ -207,8 +191,8 @@ def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make):
     assert value(gw.metrics.requests, "/v1/completions", "400") == 1
 
 
-def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make):
-    gw = make()
+def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make_gateway):
+    gw = make_gateway()
     gw.forwarder.forward = FakeEngine().forward
 
     async def left(answer) -> None:  # the client went away: the adapter cancels the engine call and answers nothing
@@ -221,8 +205,8 @@ def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make):
     assert streamed.status_code == 200
 
 
-def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make):
-    gw = make(predictor_url=f"http://127.0.0.1:{free_port()}")
+def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make_gateway):
+    gw = make_gateway(predictor_url=f"http://127.0.0.1:{free_port()}")
     req = gw.validate("completion", body())
     call = Call("completion", pred=LengthPrediction(10, "sidecar", bucket=1, expected_tokens=9.5, prediction_id="p1"))
 
@@ -237,7 +221,7 @@ def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make):
     assert value(gw.metrics.output_tokens) == 12 and value(gw.metrics.requests, "/v1/completions", "500") == 1
 
 
-def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make):
+def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make_gateway):
     gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"]),
                  prefill_urls=[f"http://127.0.0.1:{free_port()}"])
     gw.forwarder.forward = (engine := FakeEngine()).forward
@@ -263,8 +247,8 @@ def test_a_prefill_sets_the_decode_body_and_the_exact_prompt_count(make):
         asyncio.run(gw.aclose())
 
 
-def test_health_is_degraded_without_a_healthy_engine(make):
-    gw = make()
+def test_health_is_degraded_without_a_healthy_engine(make_gateway):
+    gw = make_gateway()
     assert gw.health()["status"] == "degraded" and gw.health()["healthy_engines"] == 0
     gw.pool.engines[0].healthy = True
     assert gw.health()["status"] == "ok" and value(gw.metrics.requests, "/health", "200") == 3
@@ -301,16 +285,16 @@ def relayed(gw: Gateway, messages) -> tuple[bytes, FakeStream, list[Outcome]]:
     return asyncio.run(main())
 
 
-def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event_and_drops_the_call(make):
-    gw = make()
+def test_a_stream_that_breaks_after_tokens_ends_with_an_error_event_and_drops_the_call(make_gateway):
+    gw = make_gateway()
     text, call, (out,) = relayed(gw, [_Data('{"choices": [{"text": "a"}]}'), _Failed("broken", "connection lost")])
     assert text.startswith(b'data: {"choices": [{"text": "a"}]}\n\n') and b"connection lost" in text
     assert text.endswith(b"data: [DONE]\n\n") and call.released == (None, False)
     assert out.status == 200 and value(gw.metrics.stream_errors, "engine-0") == 1
 
 
-def test_a_complete_stream_finishes_the_call_with_its_usage_and_ends_with_done(make):
-    gw = make()
+def test_a_complete_stream_finishes_the_call_with_its_usage_and_ends_with_done(make_gateway):
+    gw = make_gateway()
     usage = '{"choices": [], "usage": {"completion_tokens": 3}}'  # asked for by the gateway only: not relayed
     text, call, (out,) = relayed(gw, [_Data('{"choices": [{"text": "a"}]}'), _Data(usage), _End()])
     assert text == b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
@@ -322,8 +306,8 @@ def test_a_complete_stream_finishes_the_call_with_its_usage_and_ends_with_done(m
 @pytest.mark.parametrize("first,expect", [
     (("status", 400), 400), (("status", 503), "status_503"), (("end",), "empty"), (("failed", "timeout"), 504),
     (("failed", "reset"), "reset"), (("failed", "engine_down"), "engine_down")])
-def test_a_stream_that_did_not_start_passes_the_engines_answer_on_or_is_retried(make, first, expect):
-    gw = make()
+def test_a_stream_that_did_not_start_passes_the_engines_answer_on_or_is_retried(make_gateway, first, expect):
+    gw = make_gateway()
     msg = {"status": lambda: _Status(first[-1], b'{"error": {}}'), "end": _End,
            "failed": lambda: _Failed(first[-1], "what happened")}[first[0]]()
     done: list[Outcome] = []

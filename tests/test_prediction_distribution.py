@@ -15,7 +15,6 @@ import math
 import queue
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import pytest
 
@@ -25,9 +24,7 @@ from predictor.sidecar.loading import PredictItem, ServedModel, predict_items
 from predictor.sidecar.schemas import PredictResponse
 from serving.engine.inputs import parse_inputs
 from serving.gateway.gateway import Call, Gateway
-from serving.gateway.settings import GatewaySettings
 from serving.policy.request import Prediction
-from tests.conftest import free_port  # a port nothing listens on: connections are refused at once
 
 pytestmark = pytest.mark.unit
 
@@ -59,31 +56,6 @@ def sidecar_answer() -> dict:
                                            "latency_ms": 1.0}).model_dump(mode="json")
 
 
-@pytest.fixture
-def make():
-    """Gateways over an engine that is never contacted, closed after the test; ``answer`` is the sidecar's reply."""
-    made: list[Gateway] = []
-
-    def _make(answer: dict | None = None, **settings) -> Gateway:
-        if answer is not None:
-            settings = {"predictor_url": "http://sidecar.test", "predictor_timeout_ms": 5000, **settings}
-        gw = Gateway(GatewaySettings(engine_urls=[f"http://127.0.0.1:{free_port()}"], **settings))
-        made.append(gw)
-        if answer is not None:
-            own = gw.predictor.client
-            raw = json.dumps(answer).encode()  # Python's JSON: a nan or inf goes through as a buggy sidecar would send it
-            gw.predictor.client = httpx.AsyncClient(transport=httpx.MockTransport(
-                lambda r: httpx.Response(200, content=raw, headers={"content-type": "application/json"})))
-            asyncio.run(own.aclose())
-        return gw
-
-    yield _make
-
-    async def close() -> None:
-        for gw in made:
-            await gw.aclose()
-
-    asyncio.run(close())
 
 
 def engine_xargs(gw: Gateway, headers: dict | None = None) -> dict:
@@ -112,8 +84,8 @@ def test_the_sidecar_sends_the_bucket_tops_but_the_last_with_one_probability_per
 
 
 # --- the gateway: sidecar answer → hints ------------------------------------------------------------------------
-def test_the_sidecars_distribution_goes_to_the_engine_with_the_prediction(make):
-    gw = make(sidecar_answer())
+def test_the_sidecars_distribution_goes_to_the_engine_with_the_prediction(make_gateway):
+    gw = make_gateway(sidecar_answer())
     xargs = engine_xargs(gw)
     assert set(xargs) == {"pred_len", "pred_hi", "pred_bucket", "pred_edges", "pred_probs", "deadline"}
     assert (xargs["pred_len"], xargs["pred_hi"], xargs["pred_bucket"]) == (185, 100, 0)
@@ -121,10 +93,10 @@ def test_the_sidecars_distribution_goes_to_the_engine_with_the_prediction(make):
     assert dropped(gw) == {} and gw.metrics.predictions.labels("sidecar")._value.get() == 1
 
 
-def test_a_sidecar_without_the_distribution_still_predicts_and_the_absence_is_counted(make):
+def test_a_sidecar_without_the_distribution_still_predicts_and_the_absence_is_counted(make_gateway):
     answer = sidecar_answer()
     del answer["predictions"][0]["edges"]
-    gw = make(answer)
+    gw = make_gateway(answer)
     xargs = engine_xargs(gw)
     assert set(xargs) == {"pred_len", "pred_hi", "pred_bucket", "deadline"} and xargs["pred_len"] == 185
     assert dropped(gw) == {"absent": 1}
@@ -146,26 +118,26 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-def test_a_malformed_distribution_is_dropped_and_counted_never_the_request(make, case):
+def test_a_malformed_distribution_is_dropped_and_counted_never_the_request(make_gateway, case):
     answer = sidecar_answer()
     answer["predictions"][0].update(MALFORMED[case])
-    gw = make(answer)
+    gw = make_gateway(answer)
     xargs = engine_xargs(gw)
     assert set(xargs) == {"pred_len", "pred_hi", "pred_bucket", "deadline"} and xargs["pred_len"] == 185
     assert dropped(gw) == {"invalid": 1}
     assert gw.metrics.predictions.labels("sidecar")._value.get() == 1  # the point prediction is the sidecar's still
 
 
-def test_fallback_and_client_predictions_send_no_distribution(make):
-    assert set(engine_xargs(make())) == {"pred_len", "deadline"}  # no sidecar: the fallback
-    trusting = make(sidecar_answer(), trust_client_predictions=True)
+def test_fallback_and_client_predictions_send_no_distribution(make_gateway):
+    assert set(engine_xargs(make_gateway())) == {"pred_len", "deadline"}  # no sidecar: the fallback
+    trusting = make_gateway(sidecar_answer(), trust_client_predictions=True)
     client = engine_xargs(trusting, {"x-lengthwise-pred-len": "300"})
     assert set(client) == {"pred_len", "deadline"} and client["pred_len"] == 300 and dropped(trusting) == {}
 
 
 # --- the plug-in: parse_inputs and re-prediction ---------------------------------------------------------------
-def test_parse_inputs_reads_the_gateways_distribution_into_the_prediction(make):
-    x = parse_inputs(engine_xargs(make(sidecar_answer())), arrival=1000.0, max_tokens=1000, default_pred_len=256)
+def test_parse_inputs_reads_the_gateways_distribution_into_the_prediction(make_gateway):
+    x = parse_inputs(engine_xargs(make_gateway(sidecar_answer())), arrival=1000.0, max_tokens=1000, default_pred_len=256)
     assert x.invalid is None and not x.fallback_prediction
     assert x.prediction.length == 185 and x.prediction.hi == 100 and x.prediction.bucket == 0
     assert x.prediction.edges == (100, 200, 400) and x.prediction.probs == pytest.approx(tuple(PROBS))
@@ -185,8 +157,8 @@ def test_remaining_after_is_the_conditional_remaining_length_with_a_distribution
     assert Prediction(length=40).remaining_after(150) == 40
 
 
-def test_a_request_that_outlived_the_sidecars_prediction_is_re_predicted_by_its_distribution(make):
-    pred = parse_inputs(engine_xargs(make(sidecar_answer())), arrival=1000.0, max_tokens=1000,
+def test_a_request_that_outlived_the_sidecars_prediction_is_re_predicted_by_its_distribution(make_gateway):
+    pred = parse_inputs(engine_xargs(make_gateway(sidecar_answer())), arrival=1000.0, max_tokens=1000,
                         default_pred_len=256).prediction
     # 250 generated, past the 185 predicted: [250,400) (centre 325, mass 0.2) and [400,800) (centre 600, mass 0.1)
     assert pred.remaining_after(250) == pytest.approx((0.2 * 325 + 0.1 * 600) / 0.3 - 250)  # 166.7, not 185 again

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from serving.policy.hints import SchedulingHints
-from serving.policy.request import Prediction
+from serving.policy.request import Prediction, capped_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +42,11 @@ def parse_inputs(extra_args: dict[str, Any] | None, *, arrival: float, max_token
         err = exc.errors()[0]
         invalid = f"{'.'.join(str(p) for p in err['loc']) or 'extra_args'}: {err['msg']}"
         x = SchedulingHints()
-    cap = float(max_tokens) if max_tokens else math.inf
     if x.pred_len is None:
-        pred = Prediction(length=max(1.0, min(default_pred_len, cap)))
+        pred = Prediction(length=capped_length(default_pred_len, max_tokens))
         fallback = True
     else:
-        pred = Prediction(length=max(1.0, min(x.pred_len, cap)), hi=x.pred_hi, bucket=x.pred_bucket,
+        pred = Prediction(length=capped_length(x.pred_len, max_tokens), hi=x.pred_hi, bucket=x.pred_bucket,
                           edges=x.pred_edges, probs=x.pred_probs)
         fallback = False
     if x.deadline is not None:

@@ -23,6 +23,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+def capped_length(length: float, max_tokens: int | None) -> float:
+    """A predicted length as a host hands it to the policy: at least one token, at most the request's ``max_tokens``
+    (no cap when it is unset). The plug-in and the simulator both cap through here, so they agree."""
+    return max(1.0, min(float(length), float(max_tokens) if max_tokens else math.inf))
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """A response-length prediction.

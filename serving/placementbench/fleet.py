@@ -1,11 +1,20 @@
 """``lengthwise bench fleet``: placement policies on real vLLM engines behind the real gateway, same trace.
 
-Two vLLM-CPU engine processes (one core each, dummy weights, ``ignore_eos`` with ``max_tokens`` = the
-real response length, prefix caching off so no run warms the next) run our scheduler plug-in; for each
-placement a ``lengthwise serve`` gateway attaches to them and the same ShareGPT trace is replayed
-through it. Predictions (``noise:ACC`` by default, the quality of our trained predictor) reach the
-gateway in ``x-lengthwise-pred-len`` with ``--trust-client-predictions``, so every placement sees the
-same predictions and the simulator can run the same trace.
+Two vLLM-CPU engine processes (one core each, dummy weights, prefix caching off so no run warms the next)
+run our scheduler plug-in; for each placement a ``lengthwise serve`` gateway attaches to them and the same
+ShareGPT trace is replayed through it. Predictions (``noise:ACC`` by default, the quality of our trained
+predictor) reach the gateway in ``x-lengthwise-pred-len`` with ``--trust-client-predictions``, so every
+placement sees the same predictions and the simulator can run the same trace.
+
+Each request's true length stays out of the gateway's, the placement's and the scheduler's sight, as in
+``bench engine``: every request asks for the same ``max_tokens`` (the bench's cap, ``--max-tokens``, by default
+the trace's longest response rounded up), because the gateway and the plug-in clamp each prediction to
+``max_tokens``, and a cap equal to the true length would turn every over-prediction into the truth. The true
+length travels in ``vllm_xargs`` under :data:`serving.enginebench.exactlen.TRUE_LEN_KEY`, a key the gateway
+forwards untouched and the plug-in ignores, to the logits processor
+:class:`~serving.enginebench.exactlen.ExactLengthLogitsProcessor` loaded into every engine
+(``--logits-processors``), which ends the request with its stop token at exactly that length. Each placement's
+result counts the requests that did not (``wrong_or_lost``: failed, or a different length).
 
 Before the replays a calibration burst through every engine at once (stock vLLM) fits the simulator's
 step model (as ``bench engine`` does): it gives the SLO terms t_p and t_g, the latency profile Aladdin's
@@ -16,14 +25,17 @@ is then simulated and the simulator's error is reported beside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +45,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
-from serving.enginebench.bench import profile_to_csv, run_engines
+from serving.enginebench.bench import profile_to_csv, run_engines, trace_max_tokens
 from serving.enginebench.model import bench_dtype, dummy_model
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
 from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
-from serving.policy.request import Prediction
+from serving.policy.request import Prediction, capped_length
 from serving.replay import Job as ReplayJob
 from serving.replay import Settings, poisson_arrivals, send_one
 from serving.sim.cluster import ClusterConfig, simulate_cluster
@@ -51,6 +63,8 @@ from serving.sim.workload import TraceRequest, load_workload
 PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
 TOKENIZER = "tokenizers/gpt2/tokenizer.json"
 BLOCK = 32  # tokens per KV block in every engine, the calibration and the simulator (--kv-blocks counts these)
+EXACT_LENGTH_PROCESSOR = "serving.enginebench.exactlen.ExactLengthLogitsProcessor"
+"""The logits processor every engine loads (``--logits-processors``): it ends each request at its true length."""
 
 
 class FleetBenchConfig(BaseModel):
@@ -62,6 +76,9 @@ class FleetBenchConfig(BaseModel):
                                  "decode engines by vLLM's ExampleConnector through a shared directory")
     local_policy: str = Field("lengthwise", description="the plug-in's policy inside each engine")
     max_requests: int = Field(160, ge=8)
+    max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, the same for all so that the "
+                                   "gateway and the plug-in learn no length from it; default: the trace's longest "
+                                   "response rounded up to a multiple of 256 (never below a true length)")
     rate: float | None = Field(None, gt=0, description="req/s; default: what the calibrated simulator says two "
                                                       "instances sustain at 90% under JSQ")
     predictor: str = "noise:0.55"
@@ -83,6 +100,46 @@ def _trace(cfg: FleetBenchConfig):
     return reqs
 
 
+def _with_cap(cfg: FleetBenchConfig, reqs: list[TraceRequest]) -> FleetBenchConfig:
+    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`.
+
+    A cap below a true length would end that request early, so the bench would no longer replay the trace."""
+    lengths = [r.output_tokens for r in reqs]
+    if not lengths:
+        raise ValueError(f"no request of the trace fits max_model_len {cfg.max_model_len}")
+    if cfg.max_tokens is None:
+        return cfg.model_copy(update={"max_tokens": trace_max_tokens(lengths)})
+    if cfg.max_tokens < max(lengths):
+        raise ValueError(f"--max-tokens {cfg.max_tokens} is below the trace's longest response ({max(lengths)} tokens); "
+                         "every request must end at its own length: raise it or leave it out")
+    return cfg
+
+
+def exact_length_fields(true_len: int, max_tokens: int) -> dict[str, Any]:
+    """The body fields that make one request end at exactly ``true_len`` tokens without telling anyone before the sampler.
+
+    ``true_len`` goes only into ``vllm_xargs`` (:data:`~serving.enginebench.exactlen.TRUE_LEN_KEY`), which the
+    gateway forwards as it is and only the engines' exact-length logits processor reads; the processor forces
+    the stop token listed in ``stop_token_ids`` at that length. ``include_stop_str_in_output`` streams that
+    last token's text too, so even a one-token answer has a first token the client sees. ``max_tokens`` is the
+    bench's cap, the same for every request (sent by the caller, checked here to cut nothing)."""
+    from serving.enginebench.exactlen import STOP_TOKEN_ID, TRUE_LEN_KEY  # imports vLLM: not at `lengthwise --help`
+
+    if not 1 <= true_len <= max_tokens:
+        raise ValueError(f"a trace length of {true_len} tokens does not fit max_tokens={max_tokens}")
+    return {"stop_token_ids": [STOP_TOKEN_ID], "include_stop_str_in_output": True,
+            "vllm_xargs": {TRUE_LEN_KEY: int(true_len)}}
+
+
+def request_settings(url: str, model: str, jobs: list[ReplayJob], preds: list[float]) -> list[Settings]:
+    """What the replay sends for each job: greedy, ``ignore_eos``, the job's ``max_tokens`` (the bench's cap), its
+    prediction in the header the gateway trusts, and its true length where only the sampler reads it."""
+    base = Settings(url=url, model=model, chat=False, stream=True, ignore_eos=True, temperature=0.0, timeout_s=900.0)
+    return [dataclasses.replace(base, extra_headers={"x-lengthwise-pred-len": f"{pred:.0f}"},
+                                extra_body=exact_length_fields(job.trace_output_tokens, job.max_tokens))
+            for job, pred in zip(jobs, preds)]
+
+
 def _merge_csv(parts: list[Path], path: Path) -> Path:
     """One CSV of the engines' step profiles (each part's cycles were measured on its own engine)."""
     lines = parts[0].read_text().splitlines()
@@ -97,12 +154,14 @@ def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) 
 
     Blocks of 32 tokens and the calibration's dtype on every build: ``--kv-blocks`` and the fitted step model
     count in them (CUDA vLLM would otherwise use 16-token blocks, half the KV the simulator prices).
+    Every engine loads the exact-length logits processor, which ends each request at its true length.
     Prefix caching stays off: no replay warms the next, and ExampleConnector miscounts a prompt a decode engine
     already caches itself (docs/operations.md, Disaggregated prefill)."""
     args = ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--block-size {BLOCK}", f"--dtype {dtype}",
             f"--max-model-len {cfg.max_model_len}",
             f"--num-gpu-blocks-override {cfg.kv_blocks}", "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
-            f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0"]
+            f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0",
+            f"--logits-processors {EXACT_LENGTH_PROCESSOR}"]
     if kv_dir is not None:
         kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
@@ -122,21 +181,19 @@ def _records(results, reqs, jct_limits) -> list[RequestRecord]:
     return out
 
 
-async def _replay(url: str, model: str, jobs: list[ReplayJob], preds: list[float]) -> tuple[list, float]:
-    """Every job at its arrival time, with its prediction in the header the gateway trusts."""
-    base = Settings(url=url, model=model, chat=False, stream=True, ignore_eos=True, timeout_s=900.0)
+async def _replay(jobs: list[ReplayJob], settings: list[Settings]) -> tuple[list, float]:
+    """Every job at its arrival time, sent as its :func:`request_settings` say."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits) as client:
         t_start = time.perf_counter()
 
-        async def one(job: ReplayJob, pred: float):
+        async def one(job: ReplayJob, s: Settings):
             delay = job.arrival - (time.perf_counter() - t_start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            s = dataclasses.replace(base, extra_headers={"x-lengthwise-pred-len": f"{pred:.0f}"})
             return await send_one(client, job, s, t_start)
 
-        results = await asyncio.gather(*(one(j, p) for j, p in zip(jobs, preds)))
+        results = await asyncio.gather(*(one(j, s) for j, s in zip(jobs, settings)))
         return list(results), time.perf_counter() - t_start
 
 
@@ -184,8 +241,9 @@ class _Trace:
 def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Calibrate, start the engines, replay the trace through a gateway per placement (each replay simulated too),
     compare the placements, and write the JSON; returns what it wrote."""
-    work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-fleet-"))
     reqs = _trace(cfg)
+    cfg = _with_cap(cfg, reqs)  # before anything starts: a cap that would cut a request is the caller's error
+    work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-fleet-"))
     predictor = make_predictor(cfg.predictor, seed=cfg.seed)
     trace = _Trace(reqs, predictor, predictor.predict(reqs))
     dtype = bench_dtype()
@@ -215,11 +273,11 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
            "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_blocks": cfg.kv_blocks, "threads": 1, "dtype": dtype,
            "tokenizer_json": str(data_path(TOKENIZER))}
     console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once "
-                  f"({cfg.shape} model, {cfg.kv_blocks} KV blocks)")
+                  f"({cfg.shape} model, {cfg.kv_blocks} KV blocks, max_tokens {cfg.max_tokens})")
     # every engine at once, as they will serve, so whatever engines sharing a machine cost each other is in
     # the fit (what the HTTP path of the replays costs them is not: the calibration replays in process)
-    cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "requests": burst}
-                        for i in range(cfg.engines)], work, console)
+    cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "max_tokens": cfg.max_tokens,
+                         "requests": burst} for i in range(cfg.engines)], work, console)
     profile = _merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
                          work / "step_profile.csv")
     lat = FittedLatency.from_csv(profile)
@@ -234,9 +292,11 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
 
 
 def _simulate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, placement: str, rate: float) -> RunMetrics:
-    """The calibrated simulator's run of the same trace at ``rate`` under ``placement``."""
+    """The calibrated simulator's run of the same trace at ``rate`` under ``placement``, each prediction capped at the
+    bench's ``max_tokens`` as the gateway caps the one it is sent."""
     at = [dataclasses.replace(r, arrival=t) for r, t in zip(trace.reqs, poisson_arrivals(len(trace.reqs), rate, cfg.seed))]
-    return simulate_cluster(at, trace.preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), cal.policy,
+    preds = [dataclasses.replace(p, length=capped_length(p.length, cfg.max_tokens)) for p in trace.preds]
+    return simulate_cluster(at, preds, ClusterConfig(cfg.engines, placement, cfg.local_policy, seed=cfg.seed), cal.policy,
                             cfg.kv_blocks - 1, cal.sim_latency, cal.slo, repredict=trace.predictor.repredict)
 
 
@@ -262,7 +322,24 @@ def _start_engines(cfg: FleetBenchConfig, dtype: str, work: Path, console: Conso
     console.print(f"[bold]starting {cfg.engines} engines[/]"
                   + (f" behind {cfg.prefill_engines} prefill engine(s)" if cfg.prefill_engines else "")
                   + f" (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
-    return model, kv_dir, start_engines(es, work / "engines")
+    with _v1_model_runner():
+        return model, kv_dir, start_engines(es, work / "engines")
+
+
+@contextlib.contextmanager
+def _v1_model_runner() -> Iterator[None]:
+    """``VLLM_USE_V2_MODEL_RUNNER=0`` (unless set) for the engines started inside: the exact-length processor has vLLM's
+    V1 logits-processor interface, which the V2 model runner (vLLM 0.32's CUDA default with Triton) refuses at load.
+    Restored after, so nothing else in this process sees it."""
+    key = "VLLM_USE_V2_MODEL_RUNNER"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, rate: float, dtype: str, work: Path,
@@ -272,7 +349,7 @@ def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, 
 
     reqs = trace.reqs
     arrivals = poisson_arrivals(len(reqs), rate, cfg.seed)
-    jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, r.output_tokens)
+    jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, cfg.max_tokens)  # the cap, never the truth
             for i, (r, t) in enumerate(zip(reqs, arrivals))]
     limits = [cal.slo.jct_limit(r.output_tokens) for r in reqs]
     model, kv_dir, procs = _start_engines(cfg, dtype, work, console)
@@ -297,6 +374,10 @@ def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, 
             results[placement] = r = _placement_result(m, s, res, not_idle, health, hops)
             console.print(f"  {placement}: TTFT+ATGT attainment {r['ttft_tpot_attainment']:.3f} (simulated "
                           f"{r['sim']['ttft_tpot_attainment']:.3f}), throughput {r['throughput_rps']:.3g} req/s")
+            if r["wrong_or_lost"]:
+                ids = ", ".join(map(str, r["wrong_or_lost_ids"][:10])) + (", ..." if r["wrong_or_lost"] > 10 else "")
+                console.print(f"[yellow]warning[/]: under {placement}, {r['wrong_or_lost']} requests failed or did not end "
+                              f"at exactly their true length (trace indices {ids})")
     finally:
         stop_engines(procs)
     return results
@@ -334,7 +415,8 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
     try:
         _wait_gateway(f"http://127.0.0.1:{port}", gw)
         console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
-        res, wall = asyncio.run(_replay(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in trace.preds]))
+        sends = request_settings(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in trace.preds])
+        res, wall = asyncio.run(_replay(jobs, sends))
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
         hops = _prefill_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) if prefillers else None
     finally:
@@ -346,7 +428,9 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
 
 def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | None, health: dict,
                       hops: dict[str, int] | None) -> dict[str, Any]:
-    """One placement's row of the JSON: the replay's metrics ``m`` beside the simulator's ``s``."""
+    """One placement's row of the JSON: the replay's metrics ``m`` beside the simulator's ``s``, and the requests that
+    failed or did not end at exactly their true length (each by its index in the trace)."""
+    lost = _wrong_or_lost(res)
     return {
         **{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
                                       "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
@@ -355,6 +439,7 @@ def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | N
         "admitted_by_last_arrival": _admitted_by_last_arrival(res),
         "not_idle_at_start": not_idle, "per_engine_requests": _per_engine(res),
         "errors": sorted({r.error for r in res if r.error})[:5],
+        "wrong_or_lost": len(lost), "wrong_or_lost_ids": lost,
         "placement_state": health.get("placement_state"), "prefill_hops": hops,
         "sim": {k: getattr(s, k) for k in ("slo_attainment", "ttft_tpot_attainment", "jct_p50_s", "jct_p99_s",
                                            "throughput_rps")},
@@ -402,6 +487,12 @@ def _admitted_by_last_arrival(results) -> float:
     return started / max(1, len(results))
 
 
+def _wrong_or_lost(results) -> list[int]:
+    """The indices of the requests that failed or whose answer was not exactly their true length (the engine's
+    usage count against the trace's), as ``bench engine`` counts them: the exact-length processor's check."""
+    return [r.index for r in results if not r.ok or r.output_tokens != r.trace_output_tokens]
+
+
 def _per_engine(results) -> dict[str, int]:
     return dict(sorted(Counter(r.engine or "(none)" for r in results).items()))
 
@@ -425,9 +516,10 @@ def _wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
 
 
 def _table(results: dict[str, Any], console: Console) -> None:
-    t = Table(title="placement on real engines behind the gateway (same trace; attainment: TTFT and ATGT within target)")
+    t = Table(title="placement on real engines behind the gateway (same trace; attainment: TTFT and ATGT within target; "
+                    "lost: failed or not ended at its true length)")
     for c in ("placement", "completed", "TTFT+ATGT att.", "JCT SLO att.", "goodput (req/s)", "vs RR", "vs JSQ", "p99 JCT (s)",
-              "p99 TTFT (s)", "per engine", "sim att."):
+              "p99 TTFT (s)", "per engine", "lost", "sim att."):
         t.add_column(c, justify="left" if c == "placement" else "right")
     for p, r in results.items():
         t.add_row(p, f"{r['requests_completed']}/{r['requests_total']}", f"{r['ttft_tpot_attainment']:.3f}",
@@ -435,7 +527,7 @@ def _table(results: dict[str, Any], console: Console) -> None:
                   f"{r['goodput_vs_round-robin']:.2f}x" if r.get("goodput_vs_round-robin") else "-",
                   f"{r['goodput_vs_jsq']:.2f}x" if r.get("goodput_vs_jsq") else "-",
                   f"{r['jct_p99_s']:.2f}", f"{r['ttft_p99_s']:.2f}", " ".join(str(v) for v in r["per_engine_requests"].values()),
-                  f"{r['sim']['ttft_tpot_attainment']:.3f}")
+                  str(r["wrong_or_lost"]), f"{r['sim']['ttft_tpot_attainment']:.3f}")
     Console(width=max(console.width, 170)).print(t)
 
 

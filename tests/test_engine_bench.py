@@ -35,12 +35,12 @@ def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
 
 
 @pytest.mark.unit
-def test_fleet_calibration_merges_each_engines_profile(tmp_path):
-    from serving.placementbench.fleet import _merge_csv
+def test_calibration_merges_each_engines_profile(tmp_path):
+    from serving.enginebench.bench import merge_csv
 
     a = profile_to_csv(_rows([0.0, 0.011, 0.022], [0.010] * 3, [100, 0, 0], [0, 2, 2]), tmp_path / "a.csv")
     b = profile_to_csv(_rows([5.0, 5.02], [0.019] * 2, [0, 0], [4, 4]), tmp_path / "b.csv")
-    merged = _merge_csv([a, b], tmp_path / "m.csv").read_text().splitlines()
+    merged = merge_csv([a, b], tmp_path / "m.csv").read_text().splitlines()
     assert merged[0] == a.read_text().splitlines()[0] and len(merged) == 1 + 3 + 2  # one header, every step
     assert merged[1:4] == a.read_text().splitlines()[1:] and merged[4:] == b.read_text().splitlines()[1:]
     assert FittedLatency.from_csv(tmp_path / "m.csv").n_rows == 5

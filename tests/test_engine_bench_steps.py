@@ -87,16 +87,17 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     text = buf.getvalue()
 
     calibration, *runs = engines.calls
-    assert [j["scheduler"] for j in calibration] == ["stock"] and calibration[0]["tag"] == "calibration"
+    assert [j["scheduler"] for j in calibration] == ["stock"] and calibration[0]["tag"] == "calibration0"
     burst = calibration[0]["requests"]
     assert len(burst) == 8 and [r["arrival"] for r in burst] == pytest.approx([0.05 * i for i in range(8)])
     assert set(burst[0]) == {"id", "arrival", "prompt_tokens", "output_tokens"}
     cap = result["config"]["max_tokens"]  # the trace's longest response rounded up to a multiple of 256
     assert cap == 768 and all(job["max_tokens"] == cap for jobs in engines.calls for job in jobs)
     assert calibration[0]["engine"] == {"shape": "tiny", "max_model_len": 2048, "block_size": 32, "max_num_seqs": 256,
-                                        "max_num_batched_tokens": 2048, "kv_blocks": 128, "threads": 1}
-    assert [[(j["scheduler"], j["tag"]) for j in r] for r in runs] == [[("stock", "r2"), ("lengthwise", "r2")],
-                                                                      [("stock", "r4"), ("lengthwise", "r4")]]
+                                        "max_num_batched_tokens": 2048, "kv_blocks": 128, "threads": 1,
+                                        "model": None}
+    assert [[(j["scheduler"], j["tag"]) for j in r] for r in runs] == [[("stock", "r2-0"), ("lengthwise", "r2-0")],
+                                                                      [("stock", "r4-0"), ("lengthwise", "r4-0")]]
     tfs = result["calibration"]["tfs"]
     for pair in runs:
         for job in pair:
@@ -111,7 +112,10 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     assert Path(result["calibration"]["profile_csv"]).name == "step_profile.csv"
     assert result["calibration"]["sim_max_rate_at_90_slo"] == {}  # rates given: no saturation sweep
     assert set(result) == {"config", "device", "stock", "lengthwise", "goodput_ratio", "rate", "headline_rule", "points",
-                           "capacity", "calibration", "work_dir"}
+                           "capacity", "calibration", "work_dir", "arms", "relabel"}
+    assert result["relabel"] is None and set(result["arms"]) == {"lengthwise"}
+    assert result["arms"]["lengthwise"]["predictor"] == "noise:0.55" and -1 <= result["arms"]["lengthwise"]["quality"][
+        "kendall_tau"] <= 1
     assert [p["rate"] for p in result["points"]] == [2.0, 4.0]
     for p in result["points"]:
         for lab in ("stock", "lengthwise"):
@@ -127,9 +131,10 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks, max_tokens 768)"
     assert lines[1].startswith("fitted step model: 3.00 ms + 4.0 µs/prefill token + 30.0 µs/decode token + 0.0 ns/KV token")
-    assert lines[2] == "replaying at 2, 4 req/s"
-    assert lines[3] == "stock and lengthwise, side by side, at 2 req/s (12 requests each)"
-    assert sum(ln.startswith("real engine: stock vLLM vs lengthwise") for ln in lines) == 2  # the table after each rate
+    assert lines[2].startswith("arm lengthwise: policy lengthwise, predictor noise:0.55: Kendall tau ")
+    assert lines[3] == "replaying at 2, 4 req/s"
+    assert lines[4] == "stock and lengthwise, side by side, at 2 req/s (12 requests each)"
+    assert sum(ln.startswith("real engine: stock vLLM vs the plug-in") for ln in lines) == 2  # the table after each rate
     assert any(ln.startswith("headline: ") and "max rate at >= 90% SLO: stock " in ln for ln in lines)
     assert lines[-2:] == [f"wrote {out_json}", f"wrote {tmp_path / 'out' / 'engine.png'}"]
     assert json.loads(out_json.read_text())["points"][0]["rate"] == 2.0
@@ -152,3 +157,23 @@ def test_default_rates_are_factors_of_the_simulated_stock_capacity(engines, tmp_
     text = buf.getvalue()
     assert "simulated max rate at 90% SLO: stock 1.50 req/s, lengthwise 2.25 req/s" in text
     assert "replaying at 1.5, 1.875, 2.25, 3 req/s" in text and "wrote" not in text
+
+
+def test_each_arm_runs_beside_a_stock_run_of_its_own(engines, tmp_path):
+    """An ablation policy and another predictor are each replayed beside their own stock run, with the same arrivals;
+    the ablation arm sends the main predictions, the predictor arm its own; the top level stays the main arm's."""
+    con, _ = _console()
+    result = run_bench(_cfg(tmp_path, rates=[3.0], ablation=["sarathi"], compare_predictors=["oracle"]), None, None, con)
+    _calibration, *runs = engines.calls
+    assert [[j["scheduler"] for j in pair] for pair in runs] == [["stock", "lengthwise"], ["stock", "sarathi"],
+                                                                 ["stock", "lengthwise"]]
+    xargs = [[r["extra_args"]["pred_len"] for r in pair[1]["requests"]] for pair in runs]
+    assert xargs[0] == xargs[1] and xargs[2] == [float(r["output_tokens"]) for r in runs[2][1]["requests"]]
+    assert all(pair[0]["requests"][i]["arrival"] == runs[0][0]["requests"][i]["arrival"] for pair in runs
+               for i in range(12))
+    point = result["points"][0]
+    assert list(point["arms"]) == ["lengthwise", "sarathi", "lengthwise+oracle"]
+    assert point["lengthwise"] == point["arms"]["lengthwise"]["run"] and point["stock"] == point["arms"]["lengthwise"]["stock"]
+    for pair in point["arms"].values():
+        assert pair["goodput_ratio"] == pytest.approx(pair["run"]["goodput_rps"] / pair["stock"]["goodput_rps"])
+    assert result["arms"]["lengthwise+oracle"]["quality"]["kendall_tau"] == pytest.approx(1.0)

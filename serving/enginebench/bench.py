@@ -7,10 +7,14 @@ Steps, each in its own engine process:
    fit gives the SLO its per-token times (EcoServe's t_p, t_g of a request running alone) and lets the
    simulator predict where stock vLLM saturates, which picks the default rates.
 2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
-   predictions, dummy weights), both engines at once, each on its own core, so background load on a
-   shared machine hits both alike. Every request asks for the same ``max_tokens`` (the bench's cap,
-   :func:`trace_max_tokens` unless given), and a logits processor in the sampler ends it at exactly its
-   real length (:mod:`serving.enginebench.exactlen`), so neither scheduler learns a length from the request.
+   predictions), both engines at once, each on its own core, so background load on a shared machine hits
+   both alike. Every request asks for the same ``max_tokens`` (the bench's cap), so neither scheduler
+   learns a length from the request. With random weights a logits processor in the sampler ends each
+   request at exactly its trace length (:mod:`serving.enginebench.exactlen`); with a real model
+   (:mod:`serving.enginebench.realmodel`) the model ends it, sampled with a seed per request, and the
+   calibration run doubles as the seeded relabel that measures the served lengths. Each further arm (a
+   policy of ``ablation``, a predictor of ``compare_predictors``) is replayed beside a stock run of its own,
+   so every ratio is measured side by side and the stock runs' spread shows the machine's noise.
 3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model and
    the same cap (each request's ``max_tokens``, predictions clamped to it as the plug-in clamps them);
    the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
@@ -36,6 +40,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rich.console import Console
 from rich.table import Table
 
+from serving.enginebench.realmodel import (
+    Sampling,
+    chat_prompt_ids,
+    predictor_quality,
+    request_seed,
+    resolve_model,
+    served_lengths,
+)
 from serving.perf.latency import FittedLatency
 from serving.perf.slo import derive_slo
 from serving.policy.request import Prediction
@@ -49,6 +61,8 @@ from serving.sim.workload import TraceRequest, Workload, load_workload
 SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this bench's capacity threshold)
 DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
 MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
+REAL_MAX_TOKENS = 512  # the default cap with a real model, whose lengths are not known before it runs
+MATCHED_NOISE = "noise:matched"  # noise at the main predictor's measured top-1 accuracy on this trace
 
 
 def trace_max_tokens(lengths: list[int], step: int = MAX_TOKENS_STEP) -> int:
@@ -80,12 +94,23 @@ class EngineBenchConfig(BaseModel):
                                                "wait for a descheduled thread")
     rates: list[float] | None = Field(None, description="req/s; default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains "
                                                         "at 90% SLO, as the calibrated simulator predicts")
+    rate_factors: list[float] = Field(list(DEFAULT_RATE_FACTORS), description="the default rates: these multiples of "
+                                      "the rate the calibrated simulator says stock sustains at 90% SLO")
     slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
     calibration_requests: int = Field(96, ge=8)
     max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, stock and plug-in alike; default "
                                                            "the trace's longest response rounded up to a multiple of 256")
     seed: int = 0
     tokenizer: str | None = None
+    model: str | None = Field(None, description="real weights: a Hugging Face model directory or a GGUF (converted once "
+                                                "into bench-results/models); default random weights of --shape")
+    sampling: Sampling = Field(default_factory=Sampling, description="the real model's served sampling settings")
+    ablation: list[str] = Field(default_factory=list, description="more plug-in policies, each replayed beside its own "
+                                                                 "stock run, with the main predictor")
+    compare_predictors: list[str] = Field(default_factory=list,
+                                          description=f"more predictors for the main policy, each beside its own stock "
+                                                      f"run; {MATCHED_NOISE} is noise at the main predictor's measured "
+                                                      f"top-1 accuracy")
 
     @model_validator(mode="after")
     def _pool_holds_a_request(self) -> EngineBenchConfig:
@@ -95,7 +120,7 @@ class EngineBenchConfig(BaseModel):
                              f"{self.max_model_len}-token request (vLLM refuses to start); use at least {need}")
         return self
 
-    @field_validator("rates")
+    @field_validator("rates", "rate_factors")
     @classmethod
     def _positive(cls, v: list[float] | None) -> list[float] | None:
         if v is not None and (not v or any(not r > 0 or math.isinf(r) for r in v)):
@@ -108,7 +133,8 @@ class EngineBenchError(RuntimeError):
 
 
 def _scenario(cfg: EngineBenchConfig) -> Scenario:
-    return Scenario(name="cpu-engine", description=f"vLLM-CPU engine, dummy {cfg.shape} model", workload=cfg.workload,
+    what = f"model {cfg.model}" if cfg.model else f"dummy {cfg.shape} model"
+    return Scenario(name="cpu-engine", description=f"vLLM-CPU engine, {what}", workload=cfg.workload,
                     arrival="poisson", model="smollm2-135m", gpu="a100-80gb", latency="fitted", block_size=cfg.block_size,
                     max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                     max_num_seqs=cfg.max_num_seqs, start_rate=1.0, kv_blocks=cfg.kv_blocks, predictor=cfg.predictor,
@@ -118,7 +144,16 @@ def _scenario(cfg: EngineBenchConfig) -> Scenario:
 def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
     return {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "kv_blocks": cfg.kv_blocks, "threads": cfg.threads}
+            "kv_blocks": cfg.kv_blocks, "threads": cfg.threads, "model": cfg.model}
+
+
+def merge_csv(parts: list[Path], path: Path) -> Path:
+    """One CSV of several engines' step profiles (each part's cycles were measured on its own engine)."""
+    lines = parts[0].read_text().splitlines()
+    for p in parts[1:]:
+        lines += p.read_text().splitlines()[1:]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _core_sets(n: int, threads: int) -> list[str | None]:
@@ -195,20 +230,24 @@ def profile_to_csv(rows: list[dict[str, float]], path: Path) -> Path:
     return path
 
 
-def _records(out: dict[str, Any], reqs: list[TraceRequest], slo) -> list[RequestRecord]:
+def _records(out: dict[str, Any], reqs: list[TraceRequest], slo, served: bool) -> list[RequestRecord]:
+    """Each request's record, its SLO judged on its true length: the trace's, or with a real model (``served``) the
+    length the model produced in this very run."""
     by_id = {r.rid: r for r in reqs}
     recs = []
     for x in out["records"]:
         tr = by_id[x["id"]]
-        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens, slo.jct_limit(tr.output_tokens),
+        n = max(1, int(x["tokens"])) if served else tr.output_tokens
+        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, n, slo.jct_limit(n),
                             first_token=x["first"], last_token=x["finished"], finished=x["finished"], tokens=x["tokens"])
         recs.append(rec)
     return recs
 
 
-def summarize_run(out: dict[str, Any], reqs: list[TraceRequest], slo, label: str) -> RunMetrics:
+def summarize_run(out: dict[str, Any], reqs: list[TraceRequest], slo, label: str, served: bool = False) -> RunMetrics:
+    """One engine run's metrics; ``served``: a real model's run, where a request's length is what it produced."""
     rows = out["profile"]
-    recs = _records(out, reqs, slo)
+    recs = _records(out, reqs, slo, served)
     n = max(len(rows), 1)
     end = max((r.finished for r in recs if r.finished is not None), default=0.0)
     m = summarize(policy=label, records=recs, slo=slo, makespan=end, steps=len(rows), kv_utilization=float("nan"),
@@ -220,10 +259,16 @@ def summarize_run(out: dict[str, Any], reqs: list[TraceRequest], slo, label: str
                   busy_s=sum(r["step_s"] for r in rows))
     lost = [r.rid for r in recs if r.finished is None or r.tokens != r.output_tokens]
     m.extra.update({"wrong_or_lost": len(lost), "plugin": out["plugin_stats"]})
+    if served:  # how many ended at another length than the seeded relabel (batching's floating-point effects)
+        trace = {r.rid: r.output_tokens for r in reqs}
+        m.extra["relabel_mismatch"] = sum(x["tokens"] != trace[x["id"]] for x in out["records"])
     return m
 
 
-def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds, slo, tag: str, tfs: int) -> dict[str, Any]:
+def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds, slo, tag: str, tfs: int,
+         prompts: dict[int, list[int]] | None) -> dict[str, Any]:
+    """One engine's replay; with a real model (``prompts``: each request's chat-template token ids) every request also
+    carries its prompt and its sampling seed."""
     items = []
     for r, p in zip(reqs, preds):
         xargs = {"pred_len": float(p.length)}
@@ -231,46 +276,76 @@ def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds
             xargs["pred_hi"] = float(p.hi)
         if p.bucket is not None:
             xargs["pred_bucket"] = int(p.bucket)
+        if p.edges and p.probs:  # the bucket distribution, as the gateway forwards the sidecar's
+            xargs["pred_edges"] = [int(e) for e in p.edges]
+            xargs["pred_probs"] = [float(q) for q in p.probs]
         items.append({"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-                      "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, p.length))})
+                      "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, min(p.length, cfg.max_tokens))),
+                      **_real_fields(cfg, r, prompts)})
     return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens, "requests": items,
-            "plugin": {"tfs": tfs}}
+            "plugin": {"tfs": tfs}, "sampling": cfg.sampling.model_dump()}
 
 
-def _rel(sim: float, real: float) -> float:
-    return (sim - real) / real if real else float("nan")
+def _real_fields(cfg: EngineBenchConfig, r: TraceRequest, prompts: dict[int, list[int]] | None) -> dict[str, Any]:
+    return {} if prompts is None else {"prompt_ids": prompts[r.rid], "seed": request_seed(cfg.seed, r.rid)}
+
+
+@dataclasses.dataclass
+class Arm:
+    """One thing compared with stock vLLM: the plug-in with ``policy`` and the predictions of ``predictor``."""
+
+    label: str
+    policy: str
+    predictor: LengthOracle
+    predictions: list[Prediction]
+    quality: dict[str, float] | None = None  # against the real model's served lengths
 
 
 def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None, console: Console) -> dict[str, Any]:
     """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
     ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
-    wl, predictor, preds = _trace_and_predictions(cfg, console)
+    if cfg.model:
+        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models")))})
+    wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
-    setup, csv_path = _calibrate(cfg, wl, predictor, preds, work, console)
+    wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console)
+    setup, arms = _setup(cfg, wl, csv_path, console)
     rates, sim_cap = _rates(cfg, setup, console)
     points = []
     for rate in rates:
-        points.append(_replay_at(cfg, setup, rate, work, console))
+        points.append(_replay_at(cfg, setup, arms, prompts, rate, work, console))
         _table(points, console)
-    result = _result(cfg, setup, csv_path, sim_cap, points, work, console)
+    result = _result(cfg, setup, arms, csv_path, sim_cap, points, relabel, work, console)
     _write(result, json_path, png_path, console)
     return result
 
 
-def _trace_and_predictions(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, LengthOracle, list[Prediction]]:
-    """The trace (Poisson arrivals are drawn again for each rate) and each request's predicted length, made once so
-    that stock vLLM, the plug-in and the simulator all see the same predictions."""
-    tok = cfg.tokenizer or str(data_path("tokenizers/gpt2/tokenizer.json"))
+def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int, list[int]] | None]:
+    """The trace (Poisson arrivals are drawn again for each rate) and, with a real model, each request's prompt as
+    token ids in the model's chat template (requests whose prompt leaves no room for ``max_tokens`` are skipped)."""
+    tok = cfg.tokenizer or (str(Path(cfg.model) / "tokenizer.json") if cfg.model
+                            else str(data_path("tokenizers/gpt2/tokenizer.json")))
     with console.status("loading the trace..."):
-        wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests, seed=cfg.seed,
-                           max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
-    predictor = make_predictor(cfg.predictor, seed=cfg.seed)
-    return wl, predictor, predictor.predict(wl.requests)
+        if not cfg.model:
+            wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests,
+                               seed=cfg.seed, max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
+            return wl, None
+        # the file's answer lengths are another model's: the relabel replaces them, so they filter nothing here
+        wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=2 * cfg.max_requests,
+                           seed=cfg.seed, tokenizer=tok)
+        room = cfg.max_model_len - (cfg.max_tokens or REAL_MAX_TOKENS)
+        ids = chat_prompt_ids(Path(cfg.model), wl.requests)
+        keep = [dataclasses.replace(r, prompt_tokens=len(ids[r.rid])) for r in wl.requests if len(ids[r.rid]) <= room]
+        wl = dataclasses.replace(wl, requests=keep[:cfg.max_requests])
+    return wl, {r.rid: ids[r.rid] for r in wl.requests}
 
 
 def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
-    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`."""
+    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`
+    (with a real model, whose lengths are unknown until it runs: the given cap or :data:`REAL_MAX_TOKENS`)."""
+    if cfg.model:
+        return cfg.model_copy(update={"max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
     longest = max(r.output_tokens for r in wl.requests)
     if cfg.max_tokens is None:
         return cfg.model_copy(update={"max_tokens": trace_max_tokens([r.output_tokens for r in wl.requests])})
@@ -280,22 +355,45 @@ def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
     return cfg
 
 
-def _calibrate(cfg: EngineBenchConfig, wl: Workload, predictor: LengthOracle, preds: list[Prediction], work: Path,
-               console: Console) -> tuple[Setup, Path]:
-    """1. Calibrate: a burst of the trace's first requests through stock vLLM, every step recorded, and the simulator's
-    step model fitted to them; that fit sets the SLO (t_p, t_g) and the TFS, so every later run is judged against what
-    this machine does. Returns the simulator's :class:`Setup` for every later step and the profile CSV it was fitted to."""
+def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int]] | None, work: Path,
+               console: Console) -> tuple[Workload, Path, dict[str, Any] | None]:
+    """1. Calibrate: a burst of the trace through stock vLLM, every step recorded, to fit the simulator's step model
+    (which then sets the SLO's t_p and t_g and the TFS, so every later run is judged against what this machine does).
+    With random weights the burst is the trace's first ``calibration_requests``; with a real model it is the whole
+    trace, split over two engines side by side, and doubles as the seeded relabel: the lengths it measures replace
+    the file's. Returns the workload (with served lengths), the profile CSV and the relabel's summary."""
+    reqs = wl.requests
+    k = len(reqs) if prompts else min(cfg.calibration_requests, len(reqs))
+    burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
+    parts = [burst[0::2], burst[1::2]] if prompts else [burst]
+    what = "the seeded relabel of every request" if prompts else f"{k} requests"
+    console.print(f"[bold]calibrating[/]: {what} through stock vLLM ({cfg.model or cfg.shape + ' model'}, {cfg.kv_blocks} "
+                  f"KV blocks, max_tokens {cfg.max_tokens})")
+    jobs = []
+    for i, part in enumerate(parts):
+        items = [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                  **_real_fields(cfg, r, prompts)} for r in part]
+        jobs.append({"scheduler": "stock", "tag": f"calibration{i}", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
+                     "requests": items, "sampling": cfg.sampling.model_dump()})
+    outs = run_engines(jobs, work, console)
+    csv_path = merge_csv([profile_to_csv(o["profile"], work / f"step_profile-{i}.csv") for i, o in enumerate(outs)],
+                         work / "step_profile.csv")
+    if not prompts:
+        return wl, csv_path, None
+    lengths, relabel = served_lengths(outs, cfg.max_tokens)
+    console.print(f"served lengths (seeded relabel): mean {relabel['mean']:.0f}, median {relabel['median']:.0f}, p90 "
+                  f"{relabel['p90']:.0f} tokens; {relabel['capped']} of {relabel['requests']} ran to max_tokens "
+                  f"({relabel['capped_share']:.0%}, censored)")
+    served = [dataclasses.replace(r, output_tokens=max(1, lengths[r.rid])) for r in reqs]
+    return dataclasses.replace(wl, requests=served), csv_path, relabel
+
+
+def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Console) -> tuple[Setup, list[Arm]]:
+    """The fitted step model, the SLO and TFS it gives, and every arm's predictions (made after the relabel, so that
+    the oracle and the noise are the served model's)."""
     from serving.policy.config import PolicyConfig
 
     reqs = wl.requests
-    k = min(cfg.calibration_requests, len(reqs))
-    burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
-    console.print(f"[bold]calibrating[/]: {k} requests through stock vLLM ({cfg.shape} model, {cfg.kv_blocks} KV blocks, "
-                  f"max_tokens {cfg.max_tokens})")
-    cal, = run_engines([{"scheduler": "stock", "tag": "calibration", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
-                         "requests": [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens,
-                                       "output_tokens": r.output_tokens} for r in burst]}], work, console)
-    csv_path = profile_to_csv(cal["profile"], work / "step_profile.csv")
     lat = FittedLatency.from_csv(csv_path)
     pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
@@ -307,7 +405,40 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, predictor: LengthOracle, pr
                   f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
                   f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
                   f"scale {scale}; TFS {tfs}")
-    return Setup(_scenario(cfg), wl, lat, cfg.kv_blocks - 1, pc, slo, predictor, preds, cfg.seed), csv_path
+    arms = _arms(cfg, reqs, console)
+    main = arms[0]
+    setup = Setup(_scenario(cfg), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor, main.predictions, cfg.seed)
+    return setup, arms
+
+
+def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) -> list[Arm]:
+    """The main arm (``policy`` with ``predictor``), one per ``ablation`` policy (same predictor) and one per
+    ``compare_predictors`` spec (same policy). Every predictor is scored against the trace's lengths (with a real
+    model, the served ones, clamped to ``max_tokens`` as the plug-in clamps them)."""
+    made: dict[str, tuple[LengthOracle, list[Prediction]]] = {}
+
+    def predictions(spec: str) -> tuple[LengthOracle, list[Prediction]]:
+        if spec not in made:
+            if spec == MATCHED_NOISE:
+                acc = predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"]
+                p = make_predictor(f"noise:{max(acc, 0.01):.4f}", seed=cfg.seed)
+            else:
+                p = make_predictor(spec, seed=cfg.seed)
+            made[spec] = (p, p.predict(reqs))
+        return made[spec]
+
+    truth = [r.output_tokens for r in reqs]
+    specs = [("lengthwise", cfg.policy, cfg.predictor)]
+    specs += [(pol, pol, cfg.predictor) for pol in cfg.ablation]
+    specs += [(f"{cfg.policy}+{spec}", cfg.policy, spec) for spec in cfg.compare_predictors]
+    arms = []
+    for label, policy, spec in specs:
+        p, preds = predictions(spec)
+        q = predictor_quality(preds, truth, cfg.max_tokens)
+        arms.append(Arm(label, policy, p, preds, q))
+        console.print(f"arm {label}: policy {policy}, predictor {getattr(p, 'spec', spec)}: Kendall tau "
+                      f"{q['kendall_tau']:.3f}, top-1 {q['top1']:.1%}, MAE {q['mae']:.0f} tokens")
+    return arms
 
 
 def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list[float], dict[str, float]]:
@@ -321,31 +452,43 @@ def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list
                 sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
         console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
                       f"{sim_cap[cfg.policy]:.2f} req/s")
-    rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in DEFAULT_RATE_FACTORS]
+    rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in cfg.rate_factors]
     console.print(f"replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
     return rates, sim_cap
 
 
-def _replay_at(cfg: EngineBenchConfig, setup: Setup, rate: float, work: Path, console: Console) -> dict[str, Any]:
-    """2. Replay at one rate: stock vLLM and the plug-in side by side (same arrivals, same predictions), each run then
-    set beside its simulation (:func:`_compared`); the point holds both and their goodput ratio."""
+def _replay_at(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None, rate: float,
+               work: Path, console: Console) -> dict[str, Any]:
+    """2. Replay at one rate: each arm side by side with a stock run of its own (same arrivals; same predictions for
+    the arm's plug-in), each run then set beside its simulation (:func:`_compared`). The point's ``stock`` and
+    ``lengthwise`` are the main arm's pair; ``arms`` holds every pair and its goodput ratio."""
     at = setup.at_rate(rate)
-    point: dict[str, Any] = {"rate": rate}
-    runs = (("stock", "stock", "vllm"), ("lengthwise", cfg.policy, cfg.policy))
-    console.print(f"[bold]stock and {cfg.policy}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
-    outs = run_engines([_job(sched, cfg, at, setup.predictions, setup.slo, f"r{rate:g}", setup.config.tfs)
-                        for _, sched, _ in runs], work, console)
-    for (label, _sched, sim_policy), out in zip(runs, outs):
-        point[label] = {"rate": rate, **_compared(out, at, setup, label, sim_policy, cfg.max_tokens).to_dict()}
-    point["goodput_ratio"] = _ratio(point["lengthwise"]["goodput_rps"], point["stock"]["goodput_rps"])
+    point: dict[str, Any] = {"rate": rate, "arms": {}}
+    served = prompts is not None
+    for i, arm in enumerate(arms):
+        console.print(f"[bold]stock and {arm.label}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
+        tag = f"r{rate:g}-{i}"
+        stock_job = _job("stock", cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+        arm_job = _job(arm.policy, cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+        out_stock, out_arm = run_engines([stock_job, arm_job], work, console)
+        arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
+        pair = {"stock": {"rate": rate, **_compared(out_stock, at, arm_setup, "stock", "vllm", cfg.max_tokens,
+                                                    served).to_dict()},
+                "run": {"rate": rate, **_compared(out_arm, at, arm_setup, arm.label, arm.policy, cfg.max_tokens,
+                                                  served).to_dict()},
+                "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor)}
+        pair["goodput_ratio"] = _ratio(pair["run"]["goodput_rps"], pair["stock"]["goodput_rps"])
+        point["arms"][arm.label] = pair
+    main = point["arms"][arms[0].label]
+    point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
     return point
 
 
 def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str,
-              max_tokens: int | None) -> RunMetrics:
+              max_tokens: int | None, served: bool = False) -> RunMetrics:
     """3. Compare one engine run with the simulator on the same trace, policy, rate and ``max_tokens``: the relative
     error in JCT and throughput is the simulator's calibration error, which says how far its sweeps can be trusted."""
-    m = summarize_run(out, at, setup.slo, label)
+    m = summarize_run(out, at, setup.slo, label, served)
     s = simulate(at, setup.predictions, sim_policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
                  repredict=setup.predictor.repredict, max_tokens=max_tokens)
     m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
@@ -354,8 +497,12 @@ def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: 
     return m
 
 
-def _result(cfg: EngineBenchConfig, setup: Setup, csv_path: Path, sim_cap: dict[str, float], points: list[dict],
-            work: Path, console: Console) -> dict[str, Any]:
+def _rel(sim: float, real: float) -> float:
+    return (sim - real) / real if real else float("nan")
+
+
+def _result(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], csv_path: Path, sim_cap: dict[str, float],
+            points: list[dict], relabel: dict[str, Any] | None, work: Path, console: Console) -> dict[str, Any]:
     """The result: the headline point (:func:`headline`, chosen by stock's attainment alone), each scheduler's max rate
     at the SLO target, every point, and how the calibration was made, so that a result says how it was obtained."""
     head, rule = headline(points)
@@ -370,6 +517,9 @@ def _result(cfg: EngineBenchConfig, setup: Setup, csv_path: Path, sim_cap: dict[
         "config": cfg.model_dump(), "device": "cpu", "stock": head["stock"], "lengthwise": head["lengthwise"],
         "goodput_ratio": head["goodput_ratio"], "rate": head["rate"], "headline_rule": rule, "points": points,
         "capacity": {**capacity, "ratio": cap_ratio, "target_attainment": SLO_TARGET},
+        "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None), "quality": a.quality}
+                 for a in arms},
+        "relabel": relabel,
         "calibration": {"latency_model": setup.latency.describe(), "profile_csv": str(csv_path), "tfs": setup.config.tfs,
                         "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
                         "sim_max_rate_at_90_slo": sim_cap,
@@ -426,20 +576,22 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _table(points: list[dict], console: Console) -> None:
-    t = Table(title="real engine: stock vLLM vs lengthwise (same trace, same predictions)")
-    for col in ("rate", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
+    t = Table(title="real engine: stock vLLM vs the plug-in (each arm beside its own stock run, same trace)")
+    for col in ("rate", "arm", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
                 "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err", "sim thru err"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
     for p in points:
-        for lab in ("stock", "lengthwise"):
-            m = p[lab]
-            e = m["extra"]["sim_error"]
-            t.add_row(f"{p['rate']:g}", lab, f"{m['goodput_rps']:.3f}", f"{m['throughput_rps']:.3f}",
-                      f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}", f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}",
-                      f"{m['tbt_p50_s'] * 1e3:.1f}", str(m["preemptions"]), f"{m['sched_us_per_step']:.0f}",
-                      str(m["extra"]["wrong_or_lost"]), f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
-        ratio = "n/a" if p["goodput_ratio"] is None else f"{p['goodput_ratio']:.2f}x"
-        t.add_row("", "ratio", ratio, "", "", "", "", "", "", "", "", "", "", "")
+        for label, pair in p["arms"].items():
+            for lab in ("stock", "run"):
+                m = pair[lab]
+                e = m["extra"]["sim_error"]
+                t.add_row(f"{p['rate']:g}", label, "stock" if lab == "stock" else pair["policy"], f"{m['goodput_rps']:.3f}",
+                          f"{m['throughput_rps']:.3f}", f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}",
+                          f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}", f"{m['tbt_p50_s'] * 1e3:.1f}",
+                          str(m["preemptions"]), f"{m['sched_us_per_step']:.0f}", str(m["extra"]["wrong_or_lost"]),
+                          f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
+            ratio = "n/a" if pair["goodput_ratio"] is None else f"{pair['goodput_ratio']:.2f}x"
+            t.add_row("", label, "ratio", ratio, *[""] * 11)
     console.print(t)
 
 

@@ -35,6 +35,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="arrival rates in req/s (default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains at 90%% "
                         "SLO, as the calibrated simulator predicts). The JSON's top level reports the lowest rate at "
                         "which stock attains < 90%% of SLOs (else the highest), and each scheduler's max rate at >= 90%%")
+    p.add_argument("--rate-factors", metavar="F,F,...", type=comma_list(float, "1,1.5"), default=[1.0, 1.25, 1.5, 2.0],
+                   help="without --rates: replay at these multiples of the rate the calibrated simulator says stock vLLM "
+                        "sustains at 90%% SLO (default: 1,1.25,1.5,2)")
     p.add_argument("--kv-blocks", type=int, default=128,
                    help="KV pool in blocks of 32 tokens (default: %(default)s: about 7 ShareGPT requests at once, so stock vLLM "
                         "preempts near its capacity)")
@@ -55,6 +58,22 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--calibration-requests", type=int, default=96,
                    help="requests in the calibration burst that fits the step model (default: %(default)s)")
     p.add_argument("--slo-scale", type=float, help="EcoServe's SLO scale (default: the policy config's)")
+    real = p.add_argument_group("a real model instead of random weights")
+    real.add_argument("--model", metavar="PATH",
+                      help="serve real weights: a Hugging Face model directory, or a GGUF converted once into "
+                           "bench-results/models (e.g. $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf). Requests "
+                           "end where the model ends them (end of sequence or --max-tokens, default 512), sampled with a "
+                           "seed per request; the calibration run is a seeded relabel that measures every request's "
+                           "served length, which the oracle, the noise and the SLO judge use")
+    real.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: %(default)s)")
+    real.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    real.add_argument("--repetition-penalty", type=float, default=1.1, help="(default: %(default)s)")
+    arms = p.add_argument_group("more arms, each replayed beside a stock run of its own")
+    arms.add_argument("--ablation", metavar="POLICY,...", type=comma_list(str, "sarathi,lengthwise-sjf"), default=[],
+                      help="more plug-in policies with the main predictor (e.g. sarathi,lengthwise-fcfs,lengthwise-sjf)")
+    arms.add_argument("--compare-predictors", metavar="SPEC,...", type=comma_list(str, "oracle,noise:matched"), default=[],
+                      help="more predictors for --policy (e.g. oracle,noise:matched; noise:matched is noise at the main "
+                           "predictor's measured top-1 accuracy on this trace)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write results here (default: bench-results/engine/bench_engine.json; PNG beside it)")
     p.set_defaults(func=run_cli)
@@ -74,13 +93,17 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.sim.workload import WorkloadError
 
     try:
-        make_policy(a.policy, PolicyConfig(), 64)
-        kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale), ("max_tokens", a.max_tokens))
-              if v is not None}
+        for policy in (a.policy, *a.ablation):
+            make_policy(policy, PolicyConfig(), 64)
+        kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale), ("max_tokens", a.max_tokens),
+                                ("model", a.model)) if v is not None}
         cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=a.rates,
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
-                                calibration_requests=a.calibration_requests, **kw)
+                                calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
+                                compare_predictors=a.compare_predictors,
+                                sampling={"temperature": a.temperature, "top_p": a.top_p,
+                                          "repetition_penalty": a.repetition_penalty}, **kw)
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")
         console = Console()
         if not console.is_terminal:

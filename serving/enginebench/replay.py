@@ -4,11 +4,13 @@ Run as ``python -m serving.enginebench.replay JOB.json OUT.json`` (one engine pe
 process-wide state). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
 below is an online server's: between steps it admits the requests whose arrival time has passed, so a
 request arriving mid-step waits for the step boundary exactly as it would behind ``vllm serve``.
-Weights are random (``load_format="dummy"``). Every request has the same ``max_tokens``, the job's cap, with stock
-scheduling and with the plug-in; its true length is enforced by a logits processor in the sampler
+Every request has the same ``max_tokens``, the job's cap, with stock scheduling and with the plug-in. With random
+weights (``load_format="dummy"``) its true length is enforced by a logits processor in the sampler
 (:mod:`serving.enginebench.exactlen`) that ends it with a stop token at exactly that length, out of the scheduler's
-sight. Each record says what vLLM and the plug-in saw of the request (``max_tokens``, the plug-in's predicted length
-and cap) and why it finished.
+sight. With a real model (the job's ``engine.model``) a request ends where the model ends it (end of sequence or the
+cap), sampled with the job's settings and the request's own seed, so a seeded relabel reproduces its length. Each
+record says what vLLM and the plug-in saw of the request (``max_tokens``, the plug-in's predicted length and cap) and
+why it finished.
 """
 
 from __future__ import annotations
@@ -34,19 +36,24 @@ OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
 def _engine(job: dict[str, Any]):
     from vllm import LLM
 
+    from serving.engine import seeded
     from serving.enginebench.exactlen import ExactLengthLogitsProcessor
     from serving.enginebench.model import bench_dtype
 
+    seeded.install()  # seeded requests with chunked prompts would kill a vLLM-CPU engine otherwise
     e = job["engine"]
     if job["scheduler"] != "stock":
         os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
-    llm = LLM(model=dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")), load_format="dummy",
-              skip_tokenizer_init=True, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
+    if e.get("model"):  # real weights: the model's own tokenizer knows its end-of-sequence token
+        weights = {"model": e["model"]}
+    else:
+        weights = {"model": dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")),
+                   "load_format": "dummy", "skip_tokenizer_init": True, "logits_processors": [ExactLengthLogitsProcessor]}
+    llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
               gpu_memory_utilization=0.2, block_size=e["block_size"], max_model_len=e["max_model_len"],
               max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
               num_gpu_blocks_override=e["kv_blocks"],
-              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS,
-              logits_processors=[ExactLengthLogitsProcessor])
+              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
     return llm.llm_engine
 
 
@@ -79,12 +86,32 @@ def _warm(engine, n: int = 4) -> None:
         engine.step()
 
 
-def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
-    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s) on one engine, every
-    request with ``max_tokens`` = ``job["max_tokens"]`` and ending at its ``output_tokens``."""
+def _params(job: dict[str, Any], r: dict[str, Any], xargs: dict[str, Any]):
+    """One request's sampling: the real model's served settings with the request's own seed, or (random weights)
+    greedy with its true length enforced out of the scheduler's sight."""
+    from vllm import SamplingParams
+
     from serving.enginebench.exactlen import exact_length_params
 
     cap = int(job["max_tokens"])
+    if "seed" in r:
+        return SamplingParams(max_tokens=cap, seed=int(r["seed"]), extra_args=xargs or None, detokenize=False,
+                              **job["sampling"])
+    return exact_length_params(r["output_tokens"], cap, xargs)
+
+
+def _request_prompt(r: dict[str, Any]):
+    from vllm.inputs import TokensPrompt
+
+    if "prompt_ids" in r:
+        return TokensPrompt(prompt_token_ids=[int(t) for t in r["prompt_ids"]])
+    return _prompt(int(r["id"]), r["prompt_tokens"])
+
+
+def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s; with a real model also
+    prompt_ids and seed) on one engine, every request with ``max_tokens`` = ``job["max_tokens"]``."""
+
     engine = _engine(job)
     sched = engine.engine_core.engine_core.scheduler
     _warm(engine)
@@ -106,8 +133,7 @@ def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
             xargs = dict(r.get("extra_args") or {})
             if r.get("slo_s") is not None:
                 xargs["deadline"] = t0 + r["arrival"] + r["slo_s"]  # the absolute deadline the gateway would set
-            params = exact_length_params(r["output_tokens"], cap, xargs)
-            iid = engine.add_request(str(r["id"]), _prompt(int(r["id"]), r["prompt_tokens"]), params)
+            iid = engine.add_request(str(r["id"]), _request_prompt(r), _params(job, r, xargs))
             rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
                                  "tokens": 0, **_seen(sched, iid)}
             nxt += 1

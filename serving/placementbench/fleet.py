@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
-from serving.enginebench.bench import profile_to_csv, run_engines, trace_max_tokens
+from serving.enginebench.bench import merge_csv, profile_to_csv, run_engines, trace_max_tokens
 from serving.enginebench.model import bench_dtype, dummy_model
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
 from serving.perf.slo import SLO, derive_slo
@@ -138,15 +138,6 @@ def request_settings(url: str, model: str, jobs: list[ReplayJob], preds: list[fl
     return [dataclasses.replace(base, extra_headers={"x-lengthwise-pred-len": f"{pred:.0f}"},
                                 extra_body=exact_length_fields(job.trace_output_tokens, job.max_tokens))
             for job, pred in zip(jobs, preds)]
-
-
-def _merge_csv(parts: list[Path], path: Path) -> Path:
-    """One CSV of the engines' step profiles (each part's cycles were measured on its own engine)."""
-    lines = parts[0].read_text().splitlines()
-    for p in parts[1:]:
-        lines += p.read_text().splitlines()[1:]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) -> list[str]:
@@ -278,7 +269,7 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
     # the fit (what the HTTP path of the replays costs them is not: the calibration replays in process)
     cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "max_tokens": cfg.max_tokens,
                          "requests": burst} for i in range(cfg.engines)], work, console)
-    profile = _merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
+    profile = merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
                          work / "step_profile.csv")
     lat = FittedLatency.from_csv(profile)
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)

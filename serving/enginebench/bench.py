@@ -53,7 +53,7 @@ from serving.perf.slo import derive_slo
 from serving.policy.request import Prediction
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
-from serving.sim.predictions import LengthOracle, make_predictor
+from serving.sim.predictions import LengthOracle, PredictorSpecError, make_predictor
 from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
 from serving.sim.sweep import sweep_policy
 from serving.sim.workload import TraceRequest, Workload, load_workload
@@ -411,6 +411,25 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Consol
     return setup, arms
 
 
+def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig) -> LengthOracle:
+    """``noise:ACC`` whose top-1 accuracy, scored as the main predictor's is (clamped to ``max_tokens``), comes closest to
+    ``top1``. Clamping makes every prediction at or above the cap right for a capped answer, so the accuracy the noise
+    is calibrated to (unclamped) would overshoot on a trace with many capped answers; a grid over ACC finds the match."""
+    truth = [r.output_tokens for r in reqs]
+    best: tuple[float, LengthOracle] | None = None
+    for acc in np.linspace(0.02, 1.0, 50):
+        try:
+            p = make_predictor(f"noise:{acc:.4f}", seed=cfg.seed)
+            got = predictor_quality(p.predict(reqs), truth, cfg.max_tokens)["top1"]
+        except PredictorSpecError:  # that accuracy is out of reach on this trace
+            continue
+        if best is None or abs(got - top1) < best[0]:
+            best = (abs(got - top1), p)
+    if best is None:
+        raise PredictorSpecError(f"{MATCHED_NOISE}: no noise level reaches a top-1 accuracy of {top1:.1%} on this trace")
+    return best[1]
+
+
 def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) -> list[Arm]:
     """The main arm (``policy`` with ``predictor``), one per ``ablation`` policy (same predictor) and one per
     ``compare_predictors`` spec (same policy). Every predictor is scored against the trace's lengths (with a real
@@ -420,8 +439,7 @@ def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) ->
     def predictions(spec: str) -> tuple[LengthOracle, list[Prediction]]:
         if spec not in made:
             if spec == MATCHED_NOISE:
-                acc = predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"]
-                p = make_predictor(f"noise:{max(acc, 0.01):.4f}", seed=cfg.seed)
+                p = _matched_noise(predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"], reqs, cfg)
             else:
                 p = make_predictor(spec, seed=cfg.seed)
             made[spec] = (p, p.predict(reqs))

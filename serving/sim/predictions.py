@@ -8,7 +8,9 @@ A predictor spec names where predictions come from:
   buckets is ``ACC`` on this very workload (our trained predictor reaches about 0.55 on ShareGPT);
 * ``gauss:SIGMA`` — ``truth * (1 + N(0, SIGMA))``, the robustness test of SeaLLM-style papers;
 * ``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/...`` or a predictor package directory —
-  the real ONNX length predictor run on the requests' prompt turns.
+  the real ONNX length predictor run on the requests' prompt turns;
+* ``point:SPEC`` — SPEC's predictions without their bucket distribution (a request that outlives its
+  prediction is then re-predicted by doubling): what the distribution is worth, measured.
 
 Noise is drawn from a hash of ``(seed, rid, generated)``, so a request's prediction does not depend on
 which other requests are in the workload, and re-running gives the same numbers.
@@ -16,6 +18,7 @@ which other requests are in the workload, and re-running gives the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Protocol
@@ -32,7 +35,7 @@ ACCURACY_SCHEME = BucketScheme.equal_width(200, 2048)
 PROGRESS_MIN = 500  # show a progress bar when the real model predicts more prompts than this
 
 _VALID = ("oracle, noise:ACC (0 < ACC <= 1, e.g. noise:0.55), gauss:SIGMA (SIGMA >= 0, e.g. gauss:0.2), "
-          "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, or a predictor package directory")
+          "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, a predictor package directory, or point:SPEC")
 _SALT_PREDICT = 0
 
 
@@ -254,6 +257,20 @@ class ModelPredictor:
         return _as_the_engine_does(prediction, generated)
 
 
+class PointOnly:
+    """Another predictor's point predictions without their bucket distribution, so that re-prediction doubles."""
+
+    def __init__(self, base: LengthOracle) -> None:
+        self.base = base
+        self.spec = f"point:{base.spec}"
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        return [dataclasses.replace(p, edges=None, probs=None) for p in self.base.predict(requests)]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return _as_the_engine_does(prediction, generated)
+
+
 def _turn_pairs(turns) -> list[tuple[str, str]]:
     """``(role, text)`` pairs from tuples or ``training.data.Turn`` objects."""
     return [(t.role, t.text) if hasattr(t, "role") else (t[0], t[1]) for t in turns]
@@ -302,6 +319,8 @@ def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> L
     if not isinstance(spec, str) or not spec.strip():
         raise PredictorSpecError(f"empty predictor spec; valid forms: {_VALID}")
     s = spec.strip()
+    if s.lower().startswith("point:"):
+        return PointOnly(make_predictor(s[len("point:"):], seed, quantile))
     kind, _, value = s.partition(":")
     kind_l = kind.lower()
     is_model = s.startswith(("models:/", "runs:/")) or (

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     add_scale_parser(sub)
     _add_convert_gguf(sub)
+    from serving.relabel import add_parser as add_relabel
+
+    add_relabel(sub)
     from serving.gateway.cli import add_parser as add_serve
 
     add_serve(sub)

@@ -68,6 +68,19 @@ def test_jsonl_csv_and_counts(tmp_path):
 
 
 @pytest.mark.unit
+def test_jsonl_messages_are_the_prompt_turns(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                          {"role": "user", "content": "again"}], "response_tokens": 7, "group": "g1"},
+            {"prompt": "plain", "response_tokens": 3, "group": "g2"},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "response_tokens": 1}]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    ex = load_examples(tmp_path / "m.jsonl", "jsonl")  # the last row ends on an answer: no prompt, skipped
+    assert [(e.group, e.response_tokens, [t.role for t in e.turns]) for e in ex] == [
+        ("g1", 7, ["user", "assistant", "user"]), ("g2", 3, ["user"])]
+    assert ex[0].latest == "again"
+
+
+@pytest.mark.unit
 def test_hf_dataset_from_local_files(tmp_path):
     d = tmp_path / "ds"
     d.mkdir()

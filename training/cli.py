@@ -23,6 +23,11 @@ examples:
   # your own logs: JSONL/CSV with prompt + response (or response_tokens) columns
   train-predictor --data logs.jsonl --format jsonl --tokenizer /models/my-llm --bucket-width 100
 
+  # what the served model itself answers (lengthwise relabel): its file is a jsonl dataset, or with --no-text
+  # the lengths alone, joined back to the prompt set they came from
+  train-predictor --data smollm2.jsonl --format jsonl --max-tokens 1024
+  train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024
+
 Runs and versions go to MLflow: the embedded store under $LENGTHWISE_HOME (default ~/.lengthwise),
 or the server in $MLFLOW_TRACKING_URI. Exit status 2 means bad input; the message says what to fix.
 """
@@ -51,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--generator", help=_help("generator", False))
     d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"),
                    help=_help("first_turn_only", False))
+    d.add_argument("--served-lengths", metavar="FILE", help=_help("served_lengths", False))
     d.add_argument("--max-samples", type=int, default=_default("max_samples"),
                    help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
     b = p.add_argument_group("buckets")
@@ -101,6 +107,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags ask for (a flag left out keeps the field's default)."""
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
+        served_lengths=a.served_lengths,
         bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")),
         edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,

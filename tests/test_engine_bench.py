@@ -87,6 +87,9 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     (["--kv-blocks", "2"], "kv-blocks"),
     (["--kv-blocks", "40"], "cannot hold one 2048-token request"),
     (["--predictor", "noise:7"], "noise"),
+    (["--model", "/nonexistent/model"], "no such file"),  # the real-model mode and the arms
+    (["--ablation", "nope"], "nope"),
+    (["--compare-predictors", "noise:9"], "noise"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
     code = main(["bench", "engine", "--json", str(tmp_path / "x.json"), *argv])

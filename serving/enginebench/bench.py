@@ -75,6 +75,17 @@ def trace_max_tokens(lengths: list[int], step: int = MAX_TOKENS_STEP) -> int:
     return step * max(1, -(-max(lengths) // step))
 
 
+def trace_cap(lengths: list[int], given: int | None) -> int:
+    """The cap every request of a replayed trace asks for: ``given``, checked to cut no request (a cap below a true
+    length would end that request early, and the bench would no longer replay the trace), or :func:`trace_max_tokens`."""
+    if given is None:
+        return trace_max_tokens(lengths)
+    if given < max(lengths):
+        raise ValueError(f"--max-tokens {given} is below the trace's longest response ({max(lengths)} tokens); every "
+                         f"request must end at its own length: raise it or leave it out")
+    return given
+
+
 class EngineBenchConfig(BaseModel):
     """Everything that defines one benchmark run; written into the JSON so a result says how it was made."""
 
@@ -305,8 +316,9 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
     ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
-    if cfg.model:
-        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models")))})
+    if cfg.model:  # a real model's lengths are unknown until it runs: its cap is given or REAL_MAX_TOKENS
+        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models"))),
+                                     "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
     wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
     wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console)
@@ -334,7 +346,7 @@ def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int
         # the file's answer lengths are another model's: the relabel replaces them, so they filter nothing here
         wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=2 * cfg.max_requests,
                            seed=cfg.seed, tokenizer=tok)
-        room = cfg.max_model_len - (cfg.max_tokens or REAL_MAX_TOKENS)
+        room = cfg.max_model_len - cfg.max_tokens
         ids = chat_prompt_ids(Path(cfg.model), wl.requests)
         keep = [dataclasses.replace(r, prompt_tokens=len(ids[r.rid])) for r in wl.requests if len(ids[r.rid]) <= room]
         wl = dataclasses.replace(wl, requests=keep[:cfg.max_requests])
@@ -343,16 +355,10 @@ def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int
 
 def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
     """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`
-    (with a real model, whose lengths are unknown until it runs: the given cap or :data:`REAL_MAX_TOKENS`)."""
+    (a real model's cap is set with the model, in :func:`run_bench`: there are no lengths to check it against)."""
     if cfg.model:
-        return cfg.model_copy(update={"max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
-    longest = max(r.output_tokens for r in wl.requests)
-    if cfg.max_tokens is None:
-        return cfg.model_copy(update={"max_tokens": trace_max_tokens([r.output_tokens for r in wl.requests])})
-    if cfg.max_tokens < longest:
-        raise ValueError(f"--max-tokens {cfg.max_tokens} is below the trace's longest response ({longest} tokens); every "
-                         f"request must end at its own length: raise it or leave it out")
-    return cfg
+        return cfg
+    return cfg.model_copy(update={"max_tokens": trace_cap([r.output_tokens for r in wl.requests], cfg.max_tokens)})
 
 
 def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int]] | None, work: Path,
@@ -411,41 +417,43 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Consol
     return setup, arms
 
 
-def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig) -> LengthOracle:
+def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig) -> tuple[LengthOracle, list[Prediction]]:
     """``noise:ACC`` whose top-1 accuracy, scored as the main predictor's is (clamped to ``max_tokens``), comes closest to
     ``top1``. Clamping makes every prediction at or above the cap right for a capped answer, so the accuracy the noise
     is calibrated to (unclamped) would overshoot on a trace with many capped answers; a grid over ACC finds the match."""
     truth = [r.output_tokens for r in reqs]
-    best: tuple[float, LengthOracle] | None = None
+    best: tuple[float, LengthOracle, list[Prediction]] | None = None
     for acc in np.linspace(0.02, 1.0, 50):
         try:
             p = make_predictor(f"noise:{acc:.4f}", seed=cfg.seed)
-            got = predictor_quality(p.predict(reqs), truth, cfg.max_tokens)["top1"]
+            preds = p.predict(reqs)
         except PredictorSpecError:  # that accuracy is out of reach on this trace
             continue
-        if best is None or abs(got - top1) < best[0]:
-            best = (abs(got - top1), p)
+        miss = abs(predictor_quality(preds, truth, cfg.max_tokens)["top1"] - top1)
+        if best is None or miss < best[0]:
+            best = (miss, p, preds)
     if best is None:
         raise PredictorSpecError(f"{MATCHED_NOISE}: no noise level reaches a top-1 accuracy of {top1:.1%} on this trace")
-    return best[1]
+    return best[1], best[2]
 
 
 def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) -> list[Arm]:
     """The main arm (``policy`` with ``predictor``), one per ``ablation`` policy (same predictor) and one per
     ``compare_predictors`` spec (same policy). Every predictor is scored against the trace's lengths (with a real
     model, the served ones, clamped to ``max_tokens`` as the plug-in clamps them)."""
+    truth = [r.output_tokens for r in reqs]
     made: dict[str, tuple[LengthOracle, list[Prediction]]] = {}
 
     def predictions(spec: str) -> tuple[LengthOracle, list[Prediction]]:
         if spec not in made:
             if spec == MATCHED_NOISE:
-                p = _matched_noise(predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"], reqs, cfg)
+                made[spec] = _matched_noise(predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"],
+                                            reqs, cfg)
             else:
                 p = make_predictor(spec, seed=cfg.seed)
-            made[spec] = (p, p.predict(reqs))
+                made[spec] = (p, p.predict(reqs))
         return made[spec]
 
-    truth = [r.output_tokens for r in reqs]
     specs = [("lengthwise", cfg.policy, cfg.predictor)]
     specs += [(pol, pol, cfg.predictor) for pol in cfg.ablation]
     specs += [(f"{cfg.policy}+{spec}", cfg.policy, spec) for spec in cfg.compare_predictors]

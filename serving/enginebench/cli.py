@@ -58,6 +58,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--calibration-requests", type=int, default=96,
                    help="requests in the calibration burst that fits the step model (default: %(default)s)")
     p.add_argument("--slo-scale", type=float, help="EcoServe's SLO scale (default: the policy config's)")
+    from serving.enginebench.realmodel import Sampling
+
+    served = Sampling.model_fields
     real = p.add_argument_group("a real model instead of random weights")
     real.add_argument("--model", metavar="PATH",
                       help="serve real weights: a Hugging Face model directory, or a GGUF converted once into "
@@ -65,9 +68,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                            "end where the model ends them (end of sequence or --max-tokens, default 512), sampled with a "
                            "seed per request; the calibration run is a seeded relabel that measures every request's "
                            "served length, which the oracle, the noise and the SLO judge use")
-    real.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: %(default)s)")
-    real.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
-    real.add_argument("--repetition-penalty", type=float, default=1.1, help="(default: %(default)s)")
+    real.add_argument("--temperature", type=float, default=served["temperature"].default,
+                      help="sampling temperature (default: %(default)s)")
+    real.add_argument("--top-p", type=float, default=served["top_p"].default, help="(default: %(default)s)")
+    real.add_argument("--repetition-penalty", type=float, default=served["repetition_penalty"].default,
+                      help="(default: %(default)s)")
     arms = p.add_argument_group("more arms, each replayed beside a stock run of its own")
     arms.add_argument("--ablation", metavar="POLICY,...", type=comma_list(str, "sarathi,lengthwise-sjf"), default=[],
                       help="more plug-in policies with the main predictor (e.g. sarathi,lengthwise-fcfs,lengthwise-sjf)")

@@ -83,10 +83,22 @@ def chat_prompt_ids(model_dir: Path, requests: list[TraceRequest]) -> dict[int, 
     return out
 
 
+def stable_seed(*parts: object) -> int:
+    """A 32-bit sampling seed from ``parts`` (a run's seed and what identifies the request): stable across runs,
+    processes and Python versions (sha256, no ``hash()``), so a seeded relabel regenerates it."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
 def request_seed(seed: int, rid: int) -> int:
-    """The sampling seed of request ``rid`` in a bench run seeded ``seed``: stable across runs, processes and Python
-    versions (no ``hash()``), so a relabel with the same bench seed reproduces it."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{rid}".encode()).digest()[:4], "little")
+    """The sampling seed of request ``rid`` in a bench run seeded ``seed``."""
+    return stable_seed(seed, rid)
+
+
+def length_summary(lengths: list[int], capped: int) -> dict[str, Any]:
+    """What a set of served lengths says: how many ran to the cap (censored) and how the lengths spread."""
+    v = np.asarray(lengths, dtype=float)
+    spread = {"mean": float(v.mean()), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))} if len(v) else {}
+    return {"capped": capped, "capped_share": capped / max(len(v), 1), **spread}
 
 
 def served_lengths(outs: list[dict[str, Any]], max_tokens: int) -> tuple[dict[int, int], dict[str, Any]]:
@@ -98,9 +110,7 @@ def served_lengths(outs: list[dict[str, Any]], max_tokens: int) -> tuple[dict[in
                 raise RuntimeError(f"the relabel lost request {x['id']}")
             lengths[int(x["id"])] = int(x["tokens"])
             capped += int(x["tokens"]) >= max_tokens
-    v = np.array(list(lengths.values()))
-    return lengths, {"requests": len(v), "capped": capped, "capped_share": capped / max(len(v), 1),
-                     "mean": float(v.mean()), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))}
+    return lengths, {"requests": len(lengths), **length_summary(list(lengths.values()), capped)}
 
 
 def predictor_quality(preds: list[Prediction], truth: list[int], max_tokens: int) -> dict[str, float]:

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
-from serving.enginebench.bench import merge_csv, profile_to_csv, run_engines, trace_max_tokens
+from serving.enginebench.bench import merge_csv, profile_to_csv, run_engines, trace_cap
 from serving.enginebench.model import bench_dtype, dummy_model
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
 from serving.perf.slo import SLO, derive_slo
@@ -101,18 +101,11 @@ def _trace(cfg: FleetBenchConfig):
 
 
 def _with_cap(cfg: FleetBenchConfig, reqs: list[TraceRequest]) -> FleetBenchConfig:
-    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`.
-
-    A cap below a true length would end that request early, so the bench would no longer replay the trace."""
+    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or the default (:func:`trace_cap`)."""
     lengths = [r.output_tokens for r in reqs]
     if not lengths:
         raise ValueError(f"no request of the trace fits max_model_len {cfg.max_model_len}")
-    if cfg.max_tokens is None:
-        return cfg.model_copy(update={"max_tokens": trace_max_tokens(lengths)})
-    if cfg.max_tokens < max(lengths):
-        raise ValueError(f"--max-tokens {cfg.max_tokens} is below the trace's longest response ({max(lengths)} tokens); "
-                         "every request must end at its own length: raise it or leave it out")
-    return cfg
+    return cfg.model_copy(update={"max_tokens": trace_cap(lengths, cfg.max_tokens)})
 
 
 def exact_length_fields(true_len: int, max_tokens: int) -> dict[str, Any]:

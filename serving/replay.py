@@ -42,7 +42,8 @@ examples:
   lengthwise replay --url http://127.0.0.1:8000 --workload $LENGTHWISE_DATA/prompts/alpaca_eval_model_outputs.62models.jsonl.xz \\
       --rate 1 --slo-ttft-ms 2000 --slo-tpot-ms 200
 
-max_tokens per request = min(the workload's real output length, --max-tokens-cap), counted with --tokenizer (default:
+max_tokens per request = --max-tokens (what a client sends; the model decides where its answer ends), or
+min(the workload's real output length, --max-tokens-cap) (the trace's lengths, counted with --tokenizer, default:
 the served model's own tokenizer when its name is a local directory, else GPT-2). Requests whose prompt and answer do
 not fit the model's context (max_model_len from /v1/models, or --max-model-len) are skipped before sending and counted.
 SLO: met when the answer ended by the x-lengthwise-deadline the gateway returned; without that header (not a
@@ -94,8 +95,14 @@ def poisson_arrivals(n: int, rate: float | None, seed: int) -> list[float]:
 
 
 def plan_jobs(workload: str | Path, *, max_requests: int, max_tokens_cap: int | None, rate: float | None, seed: int,
-              tokenizer: str | Path, max_model_len: int | None) -> Plan:
-    """The first ``max_requests`` prompts of the workload that fit the context, with arrival times and max_tokens."""
+              tokenizer: str | Path, max_model_len: int | None, max_tokens: int | None = None) -> Plan:
+    """The first ``max_requests`` prompts of the workload that fit the context, with arrival times and max_tokens.
+
+    ``max_tokens`` set: every request asks for that many tokens, as a client would, and the answer ends where the
+    served model stops; the trace's own output length (another model's answer) then plays no part. Otherwise a
+    request asks for ``min(trace length, max_tokens_cap)``, which ends every answer at the trace's length: right for
+    replaying a trace's token counts on dummy weights, wrong for judging a length predictor, whose prediction would
+    be clamped to the truth."""
     from serving.sim.workload import WorkloadError, load_workload
 
     if not Path(workload).exists():
@@ -111,7 +118,7 @@ def plan_jobs(workload: str | Path, *, max_requests: int, max_tokens_cap: int | 
                               "use a ShareGPT or AlpacaEval file")
         fits, skipped = [], 0
         for r in wl.requests:
-            want = min(r.output_tokens, max_tokens_cap) if max_tokens_cap else r.output_tokens
+            want = max_tokens or (min(r.output_tokens, max_tokens_cap) if max_tokens_cap else r.output_tokens)
             if max_model_len is not None and r.prompt_tokens + want + CONTEXT_MARGIN > max_model_len:
                 skipped += 1
                 continue
@@ -449,10 +456,11 @@ def report_table(summary: dict[str, Any], title: str):
 
 
 def build_report(plan: Plan, s: Settings, rate: float | None, seed: int, max_tokens_cap: int | None,
-                 results: list[Result], duration_s: float) -> dict[str, Any]:
+                 results: list[Result], duration_s: float, max_tokens: int | None = None) -> dict[str, Any]:
     return {
         "config": {"url": s.url, "model": s.model, "workload": plan.workload, "tokenizer": plan.tokenizer,
-                   "rate": rate, "seed": seed, "max_tokens_cap": max_tokens_cap, "chat": s.chat, "stream": s.stream,
+                   "rate": rate, "seed": seed, "max_tokens_cap": max_tokens_cap, "max_tokens": max_tokens,
+                   "chat": s.chat, "stream": s.stream,
                    "ignore_eos": s.ignore_eos, "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms,
                    "skipped_context": plan.skipped_context},
         "summary": summarize(results, duration_s),
@@ -494,8 +502,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals at R requests/s (default: all at once)")
     p.add_argument("--max-requests", type=int, default=DEFAULT_MAX_REQUESTS, metavar="N",
                    help="replay the first N prompts that fit the context (default: %(default)s)")
-    p.add_argument("--max-tokens-cap", type=int, metavar="N",
-                   help="ask for at most N output tokens per request (default: no cap)")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--max-tokens-cap", type=int, metavar="N",
+                     help="ask for min(the trace's output length, N) tokens per request (default: no cap)")
+    cap.add_argument("--max-tokens", type=int, metavar="N",
+                     help="ask for N tokens per request, as a client would: the answer ends where the model stops, "
+                          "not at the trace's length (use this to judge a length predictor)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="chat completions with the prompt as the user message (default); --no-chat: /v1/completions")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -527,6 +539,7 @@ def check_args(a: argparse.Namespace) -> None:
     positive("--rate", a.rate)
     positive("--max-requests", a.max_requests, True)
     positive("--max-tokens-cap", a.max_tokens_cap, True)
+    positive("--max-tokens", a.max_tokens, True)
     positive("--max-model-len", a.max_model_len, True)
     positive("--timeout", a.timeout)
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -562,7 +575,8 @@ def run(a: argparse.Namespace) -> int:
         tokenizer = Path(a.tokenizer).expanduser() if a.tokenizer else default_tokenizer_for(model)
         with err.status(f"loading {workload.name} (tokens counted with {tokenizer})..."):
             plan = plan_jobs(workload, max_requests=a.max_requests, max_tokens_cap=a.max_tokens_cap, rate=a.rate,
-                             seed=a.seed, tokenizer=tokenizer, max_model_len=a.max_model_len or max_len)
+                             seed=a.seed, tokenizer=tokenizer, max_model_len=a.max_model_len or max_len,
+                             max_tokens=a.max_tokens)
     except ReplayError as exc:
         print(f"lengthwise replay: error: {exc}", file=sys.stderr)
         return 2
@@ -576,7 +590,7 @@ def run(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("lengthwise replay: interrupted", file=sys.stderr)
         return 130
-    report = build_report(plan, s, a.rate, a.seed, a.max_tokens_cap, results, duration)
+    report = build_report(plan, s, a.rate, a.seed, a.max_tokens_cap, results, duration, a.max_tokens)
     Console().print(report_table(report["summary"], f"lengthwise replay: {plan.workload} -> {a.url}"))
     if a.json:
         Path(a.json).expanduser().write_text(json.dumps(report, indent=1))

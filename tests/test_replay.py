@@ -80,6 +80,8 @@ BAD = {
     "zero requests": (["--url", "GW", "--max-requests", "0"], "--max-requests must be a positive integer"),
     "json dir missing": (["--url", "GW", "--json", "/nonexistent/dir/r.json"], "does not exist"),
     "zero slo": (["--url", "GW", "--slo-ttft-ms", "0"], "--slo-ttft-ms must be a positive number"),
+    "zero max tokens": (["--url", "GW", "--max-tokens", "0"], "--max-tokens must be a positive integer"),
+    "cap and max tokens": (["--url", "GW", "--max-tokens", "64", "--max-tokens-cap", "32"], "not allowed with"),
 }
 
 
@@ -95,6 +97,21 @@ def test_bad_input_exits_2_with_one_line(gateway_proc, case):
     args, words = BAD[case]
     _one_line_error(replay(*[a.replace("GW", gateway_proc.url).replace("PORT", str(free_port())) for a in args], timeout=120),
                     words)
+
+
+def test_max_tokens_is_what_a_client_sends_not_the_traces_length(data, tmp_path):
+    """--max-tokens: every request asks for the same cap, whatever the trace's (another model's) answer length, so
+    the served model decides where its answer ends; --max-tokens-cap keeps the trace's lengths."""
+    from serving.replay import plan_jobs
+
+    wl = _sharegpt(tmp_path / "s.json", [f"question {i}?" for i in range(6)])
+    tok = data / "tokenizers/gpt2/tokenizer.json"
+    fixed = plan_jobs(wl, max_requests=6, max_tokens_cap=None, rate=None, seed=0, tokenizer=tok, max_model_len=None,
+                      max_tokens=64)
+    capped = plan_jobs(wl, max_requests=6, max_tokens_cap=8, rate=None, seed=0, tokenizer=tok, max_model_len=None)
+    assert [j.max_tokens for j in fixed.jobs] == [64] * 6
+    assert [j.max_tokens for j in capped.jobs] == [min(j.trace_output_tokens, 8) for j in capped.jobs]
+    assert len({j.trace_output_tokens for j in fixed.jobs}) > 1  # the trace's lengths differ; the asks do not
 
 
 def test_help_has_examples():

@@ -236,8 +236,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="what the sidecar serves (default: %(default)s)")
     p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
     p.add_argument("--rate", type=float, default=0.25, metavar="R", help="Poisson arrivals, requests/s (default: %(default)s)")
-    p.add_argument("--max-tokens-cap", type=int, default=128, metavar="N",
-                   help="max_tokens = min(the trace's real output length, N) (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                   help="every request's max_tokens, as a client would send it: SmolLM2 answers until it stops or "
+                        "reaches N, so the prediction is judged against the served model's own length "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals (default: %(default)s)")
     p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
     p.add_argument("--engine-cores", default="1", metavar="N|all",
@@ -269,7 +271,7 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
     sharegpt = default_sharegpt()
     if not sharegpt.exists():
         raise DemoError(f"ShareGPT prompts not found at {sharegpt}; set LENGTHWISE_DATA")
-    for name in ("requests", "max_tokens_cap", "max_model_len", "sidecar_threads"):
+    for name in ("requests", "max_tokens", "max_model_len", "sidecar_threads"):
         if getattr(a, name) < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     for name in ("rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
@@ -439,7 +441,8 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
 
     with con.status("loading the ShareGPT trace while the engine starts ..."):
         try:
-            plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=a.max_tokens_cap,
+            plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=None,
+                             max_tokens=a.max_tokens,
                              rate=None, seed=a.seed, tokenizer=model_dir, max_model_len=a.max_model_len)
         except ReplayError as exc:
             raise DemoError(str(exc)) from None
@@ -483,16 +486,18 @@ def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, cal
     headers; writes ``replay.json``, prints its table and returns the report."""
     from rich.console import Console
 
+    from serving.enginebench.realmodel import Sampling
     from serving.replay import Settings, build_report, report_table, run_with_progress
 
+    # SmolLM2 sampled as it is served and relabelled (the predictor's labels come from these settings)
     s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),
-                 slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600)
+                 slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600, extra_body=Sampling().model_dump())
     con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {a.rate:g} req/s (Poisson, seed {a.seed}), "
-              f"max_tokens = min(real answer length, {a.max_tokens_cap})")
+              f"max_tokens {a.max_tokens}: each answer ends where SmolLM2 stops")
     t = time.monotonic()
     results, duration = run_with_progress(plan.jobs, s, con)
     timings["replay_s"] = time.monotonic() - t
-    report = build_report(plan, s, a.rate, a.seed, a.max_tokens_cap, results, duration)
+    report = build_report(plan, s, a.rate, a.seed, None, results, duration, a.max_tokens)
     (work / "replay.json").write_text(json.dumps(report, indent=1))
     Console().print(report_table(report["summary"], "lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve"))
     return report

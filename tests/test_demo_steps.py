@@ -54,7 +54,7 @@ class World:
 
 def _args(work: Path, **kw) -> argparse.Namespace:
     a = {"work_dir": work, "gguf": None, "predictor": "models:/length-predictor@champion", "requests": 4, "rate": 0.25,
-         "max_tokens_cap": 128, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
+         "max_tokens": 256, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
          "engine_arg": [], "kv_cache_gib": 1.0, "max_model_len": 2048, "predictor_timeout_ms": 1000.0, "sidecar_threads": 1,
          "slo_scale": 2.0, "start_timeout": 900.0}
     return argparse.Namespace(**(a | kw))
@@ -138,8 +138,8 @@ def world(tmp_path, monkeypatch) -> World:
 
     monkeypatch.setattr(replay, "run_with_progress", run_with_progress)
 
-    def build_report(plan, s, rate, seed, cap, results, duration):
-        w.report_args = (len(plan.jobs), s.url, rate, seed, cap, len(results), duration)
+    def build_report(plan, s, rate, seed, cap, results, duration, max_tokens=None):
+        w.report_args = (len(plan.jobs), s.url, rate, seed, cap, max_tokens, len(results), duration)
         return {"summary": {"requests": {"completed": len(results) if w.completed is None else w.completed}}, "s": s.url}
 
     monkeypatch.setattr(replay, "build_report", build_report)
@@ -184,7 +184,8 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
          f"(logs {logs / 'gateway.log'}, {logs / 'engines'}); 4 prompts loaded meanwhile in 1 s"),
         ("[4/5] lone request here: t_p 250 ms to the first token, t_g 12.5 ms per token; "
          "SLO headers x-slo-ttft-ms 500, x-slo-tpot-ms 25.0 (scale 2)"),
-        "[5/5] replaying 4 ShareGPT first turns at 0.25 req/s (Poisson, seed 0), max_tokens = min(real answer length, 128)",
+        ("[5/5] replaying 4 ShareGPT first turns at 0.25 req/s (Poisson, seed 0), "
+         "max_tokens 256: each answer ends where SmolLM2 stops"),
         f"reports: {work / 'replay.json'}, {work / 'demo.json'}; logs: {logs}",
     ]
     assert "TABLE lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve" in out
@@ -206,12 +207,15 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
                            ("lengthwise serve", gw + "/health", 960.0, "serving")]
     assert world.gets == [sc + "/ready", gw + "/metrics"]
     assert world.plan_args == {"workload": tmp_path / "data" / "sharegpt.json", "max_requests": 4 + demo.CALIBRATION_REQUESTS,
-                               "max_tokens_cap": 128, "rate": None, "seed": 0, "tokenizer": model, "max_model_len": 2048}
+                               "max_tokens_cap": None, "max_tokens": 256, "rate": None, "seed": 0, "tokenizer": model,
+                               "max_model_len": 2048}
     assert world.calibrate_args == (gw, str(model), [4, 5, 6], 3, demo.CALIBRATION_TOKENS)  # prompts outside the trace
     jobs, s = world.replay_args
     assert jobs == [(0, 0.0), (1, 2.0), (2, 4.0), (3, 6.0)]  # the trace, with its Poisson arrivals
     assert (s.url, s.model, s.slo_ttft_ms, s.slo_tpot_ms, s.timeout_s) == (gw, str(model), 500.0, 25.0, 600)
-    assert world.report_args == (4, gw, 0.25, 0, 128, 4, 12.5)
+    # sampled as SmolLM2 is served and relabelled, so the predictor is judged on the lengths it was trained for
+    assert s.extra_body == {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert world.report_args == (4, gw, 0.25, 0, None, 256, 4, 12.5)
 
     replay_json = json.loads((work / "replay.json").read_text())
     assert replay_json == {"summary": {"requests": {"completed": 4}}, "s": gw}

@@ -1,13 +1,15 @@
 """Inference with onnxruntime from a model package directory (what the registry stores and serves).
 
 A package holds ``model.onnx`` (LoRA merged), ``tokenizer.json``, and ``meta.json`` (bucket scheme,
-input format, backbone, evaluation summary). Nothing here imports torch or transformers, so the
+input format, backbone, evaluation summary, and the target: which model's lengths it predicts, see
+:mod:`predictor.target`). Nothing here imports torch or transformers, so the
 sidecar starts fast and stays small.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded, InputFormat, encode_turns
+from predictor.target import check_target
 
+log = logging.getLogger(__name__)
 Prompt = str | Sequence[tuple[str, str]]
 
 MODEL_FILE = "model.onnx"
@@ -109,8 +113,6 @@ def int8_model(package_dir: Path) -> Path:
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-    import logging
-
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     tmp = target.with_suffix(f".tmp{os.getpid()}")
@@ -126,7 +128,11 @@ def int8_model(package_dir: Path) -> Path:
 
 
 class OnnxLengthPredictor:
-    """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime."""
+    """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime.
+
+    ``target`` is the package's target-model description (:mod:`predictor.target`: which model's lengths it learned),
+    None for a package made before targets were recorded.
+    """
 
     def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32,
                  token_budget: int = 2048, spin: bool | None = None, precision: str = "fp32"):
@@ -138,6 +144,7 @@ class OnnxLengthPredictor:
         self.meta = json.loads((d / META_FILE).read_text())
         self.scheme = BucketScheme.from_dict(self.meta["buckets"])
         self.input_format = InputFormat.from_dict(self.meta["input_format"])
+        self.target = self._target(self.meta.get("target"))
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
@@ -145,6 +152,16 @@ class OnnxLengthPredictor:
         self.session = ort.InferenceSession(str(model), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
         self.token_budget = token_budget
+
+    @staticmethod
+    def _target(raw: object) -> dict | None:
+        """The package's target model (:mod:`predictor.target`); None for packages made before targets were recorded,
+        and for a malformed record, which must not stop a predictor from loading: the gateway then calls it unknown."""
+        try:
+            return check_target(raw)  # type: ignore[arg-type]
+        except ValueError as exc:
+            log.warning("the package's target is not understood, so it counts as unknown: %s", exc)
+            return None
 
     @staticmethod
     def _as_turns(p: Prompt) -> Sequence[tuple[str, str]]:

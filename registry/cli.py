@@ -9,7 +9,10 @@ import sys
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("registry", help="inspect and promote registered length predictors")
     rs = p.add_subparsers(dest="registry_cmd", required=True)
-    ls = rs.add_parser("list", help="versions of a registered model with their aliases and test metrics")
+    ls = rs.add_parser("list", help="versions of a registered model with their aliases, test metrics and target model",
+                       description="One row per version: its aliases, test metrics, evaluation split, the model whose "
+                                   "response lengths it predicts (its target: name@hash, 'unknown' for versions "
+                                   "registered before targets were recorded) with the labels' cap, and its run.")
     ls.add_argument("--name", default="length-predictor")
     pr = rs.add_parser("promote", help="point an alias (default champion) at a version, guarded by its evaluation")
     pr.add_argument("version")
@@ -45,12 +48,20 @@ def dispatch(a: argparse.Namespace) -> int:
             for alias in client.get_registered_model(a.name).aliases:
                 aliases.setdefault(str(client.get_model_version_by_alias(a.name, alias).version), []).append(alias)
             t = Table(title=f"{a.name} @ {store.tracking_uri()}")
-            for c in ("version", "aliases", "accuracy", "kendall_tau", "mae_tokens", "eval_split", "run"):
-                t.add_column(c)
+            rows = []
             for v in sorted(versions, key=lambda v: int(v.version)):
-                t.add_row(str(v.version), ",".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
-                          v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""),
-                          v.run_id or "")
+                target = store.tags_target(v.tags) or {}
+                rows.append((str(v.version), ",".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
+                             v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""),
+                             target.get("model") or "unknown", str(target.get("max_tokens") or ""), v.run_id or ""))
+            for c in ("version", "aliases", "accuracy", "kendall_tau", "mae_tokens", "eval_split"):
+                t.add_column(c)
+            # the target model is what an operator matches against the served model: never cut; the run id may fold
+            t.add_column("target_model", no_wrap=True, min_width=max([len(r[6]) for r in rows] + [12]))
+            t.add_column("label_max_tokens")
+            t.add_column("run", overflow="fold")
+            for r in rows:
+                t.add_row(*r)
             Console(width=max(Console().width, 160)).print(t)
         elif a.registry_cmd == "promote":
             print(store.promote(a.name, a.version, a.alias, a.force))

@@ -6,10 +6,16 @@ Default store: an embedded SQLite tracking/registry database plus a local artifa
 
 A registered version is an MLflow pyfunc whose artifact is the ONNX model package, so
 ``models:/length-predictor@champion`` loads with nothing but onnxruntime and the tokenizer.
+
+Each version records which model it predicts for (its target, :mod:`predictor.target`) as tags:
+``lengthwise.target_model`` (``name@hash``), ``lengthwise.label_tokenizer``, ``lengthwise.label_sampling`` (JSON),
+``lengthwise.label_max_tokens`` and ``lengthwise.label_source``; :func:`version_target` reads them back. A version
+registered before targets were recorded has none of them, and its target is unknown (None).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -22,7 +28,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from predictor.runtime import OnnxLengthPredictor
+from predictor.runtime import META_FILE, OnnxLengthPredictor
+from predictor.target import check_target
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,11 @@ CHALLENGER = "challenger"
 TAG_SPLIT = "eval_split"
 TAG_EDGES = "bucket_edges"
 COMPARED_METRICS = ("accuracy", "kendall_tau", "mae_tokens")
+# The target model of a version (predictor.target): target key -> tag.
+TAG_TARGET_MODEL = "lengthwise.target_model"
+TARGET_TAGS = {"model": TAG_TARGET_MODEL, "label_tokenizer": "lengthwise.label_tokenizer",
+               "sampling": "lengthwise.label_sampling", "max_tokens": "lengthwise.label_max_tokens",
+               "source": "lengthwise.label_source"}
 
 
 class PromotionRefused(RuntimeError):
@@ -105,8 +117,14 @@ class Registered:
     model_uri: str  # models:/<name>/<version>
 
 
-def register_package(package_dir: Path, name: str, metrics: dict, split_fingerprint: str, edges: list[int]) -> Registered:
-    """Log the package as a pyfunc model in the active run and register it as a new version of ``name``."""
+def register_package(package_dir: Path, name: str, metrics: dict, split_fingerprint: str, edges: list[int],
+                     target: dict | None = None) -> Registered:
+    """Log the package as a pyfunc model in the active run and register it as a new version of ``name``.
+
+    ``target`` (:mod:`predictor.target`) defaults to the one in the package's ``meta.json``; given both, they must
+    agree (ValueError): the tags would otherwise say one model and the sidecar, which reads the package, another.
+    """
+    target = _package_target(Path(package_dir), check_target(target))
     info = mlflow.pyfunc.log_model(
         name="length_predictor",
         python_model=LengthPredictorModel(),
@@ -119,9 +137,53 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
     client = MlflowClient()
     tags = {TAG_SPLIT: split_fingerprint, TAG_EDGES: ",".join(map(str, edges))}
     tags.update({k: f"{float(metrics[k]):.6f}" for k in COMPARED_METRICS if k in metrics})
+    tags.update(target_tags(target))
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
     return Registered(name, version, f"models:/{name}/{version}")
+
+
+def _package_target(package_dir: Path, given: dict | None) -> dict | None:
+    """The target to record: ``given``, else the package's own; refused when both exist and differ."""
+    meta = package_dir / META_FILE
+    try:
+        own = check_target(json.loads(meta.read_text()).get("target")) if meta.is_file() else None
+    except ValueError:
+        own = None
+    if given is not None and own is not None and given != own:
+        raise ValueError(f"the target given ({given.get('model')}) differs from the package's ({own.get('model')}); "
+                         "export the package with the target it was trained for")
+    return given if given is not None else own
+
+
+def target_tags(target: dict | None) -> dict[str, str]:
+    """The version tags of a target: one per key that has a value (sampling as JSON)."""
+    if target is None:
+        return {}
+    out = {}
+    for key, tag in TARGET_TAGS.items():
+        value = target.get(key)
+        if value is not None:
+            out[tag] = json.dumps(value, sort_keys=True) if key == "sampling" else str(value)
+    return out
+
+
+def version_target(name: str, version: str) -> dict | None:
+    """The target (:mod:`predictor.target`) recorded on a version of ``name``; None when it records none (a version
+    registered before targets were). MlflowException when the version does not exist."""
+    return tags_target(MlflowClient().get_model_version(name, str(version)).tags)
+
+
+def tags_target(tags: dict[str, str]) -> dict | None:
+    """The target recorded in a version's tags, or None (no target tag at all)."""
+    if not any(tag in tags for tag in TARGET_TAGS.values()):
+        return None
+    out: dict = {key: tags.get(tag) for key, tag in TARGET_TAGS.items()}
+    if out["sampling"] is not None:
+        out["sampling"] = json.loads(out["sampling"])
+    if out["max_tokens"] is not None:
+        out["max_tokens"] = int(out["max_tokens"])
+    return out
 
 
 def alias_version(name: str, alias: str) -> str | None:
@@ -139,7 +201,9 @@ def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False)
     """Move ``alias`` to ``version`` unless the current holder is better on the same evaluation split.
 
     Comparison is on top-1 accuracy (ties broken by Kendall tau), and only between versions evaluated
-    on the same test split with the same buckets; anything else needs ``force``. Returns a message.
+    on the same test split with the same buckets, and (where both record one) for the same target model: a
+    predictor for another model is not better or worse, it belongs to another deployment. Anything else needs
+    ``force``. Returns a message.
     """
     client = MlflowClient()
     cand = client.get_model_version(name, str(version))
@@ -155,6 +219,12 @@ def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False)
                     f"version {version} and @{alias} (version {current}) were evaluated on different {what}; "
                     "compare them on the same data or pass --force"
                 )
+        theirs, ours = champ.tags.get(TAG_TARGET_MODEL), cand.tags.get(TAG_TARGET_MODEL)
+        if theirs and ours and theirs != ours:
+            raise PromotionRefused(
+                f"version {version} predicts lengths of {ours}, @{alias} (version {current}) those of {theirs}; "
+                "register it under another --name for that model's deployment, or pass --force"
+            )
         key = lambda v: (float(v.tags.get("accuracy", "nan")), float(v.tags.get("kendall_tau", "nan")))
         if key(cand) < key(champ):
             raise PromotionRefused(

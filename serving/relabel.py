@@ -19,7 +19,6 @@ the served model and learn its lengths. This module does that with vLLM's offlin
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shlex
@@ -29,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from predictor.target import model_id  # the identity a predictor records as its target; the gateway computes it too
 from training.data.example import DataError, Turn
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/lengthwise/models")
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 EPILOG = """\
 how long it takes: about 160 output tokens/s on a 2-core CPU with SmolLM2-135M (measured: 24 prompts x 2 samples at
@@ -94,18 +93,6 @@ def load_prompts(path: str, fmt: str, generator: str | None = None, first_turns_
         if max_prompts is not None and len(out) >= max_prompts:
             break
     return list(out.values())
-
-
-def model_id(model_dir: Path, name: str, load_format: str = "auto") -> str:
-    """``name@hash``: the hash covers the files that decide a length besides the weights (config, generation config,
-    tokenizer, chat template), so two files relabelled by different models never look alike."""
-    h = hashlib.sha256()
-    for f in _MODEL_FILES:
-        if (model_dir / f).is_file():
-            h.update(f.encode() + b"\0" + (model_dir / f).read_bytes())
-    if load_format != "auto":  # dummy weights under a real config are another model
-        h.update(f"load_format={load_format}".encode())
-    return f"{name}@{h.hexdigest()[:12]}"
 
 
 # --- the output file: resume, records, summary --------------------------------------------------------------------

@@ -15,6 +15,7 @@ from predictor.buckets import BucketScheme
 from predictor.model import LengthClassifier, merged_for_export
 from predictor.prompt import InputFormat
 from predictor.runtime import META_FILE, MODEL_FILE, TOKENIZER_FILE, OnnxLengthPredictor, pad_ids
+from predictor.target import check_target
 
 
 def input_format_for(tokenizer: Tokenizer, max_tokens: int, pad_id: int | None, length_hints: bool = False) -> InputFormat:
@@ -40,8 +41,14 @@ def load_backbone_tokenizer(base_model: str | Path) -> Tokenizer:
 
 
 def export_package(model: LengthClassifier, out_dir: Path, base_model: Path, scheme: BucketScheme,
-                   input_format: InputFormat, meta: dict) -> Path:
-    """Write model.onnx (LoRA merged, dynamic batch and sequence axes), tokenizer.json and meta.json."""
+                   input_format: InputFormat, meta: dict, target: dict | None = None) -> Path:
+    """Write model.onnx (LoRA merged, dynamic batch and sequence axes), tokenizer.json and meta.json.
+
+    ``target`` (:mod:`predictor.target`) says which model's lengths the labels are, so the registry and the gateway
+    can tell a predictor for the served model from one for another; it is checked before anything is written (a
+    malformed one is a ValueError) and stored as ``meta.json``'s ``target`` (null when not given).
+    """
+    target = check_target(target)
     out_dir.mkdir(parents=True, exist_ok=True)
     merged = merged_for_export(model)
     ids = torch.tensor([list(input_format.prefix_ids) + [input_format.pad_id + 1] * 7 + list(input_format.suffix_ids)] * 2)
@@ -55,7 +62,7 @@ def export_package(model: LengthClassifier, out_dir: Path, base_model: Path, sch
                           "logits": {0: "batch"}},
         )
     shutil.copyfile(Path(base_model) / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
-    full_meta = dict(meta, buckets=scheme.to_dict(), input_format=input_format.to_dict())
+    full_meta = dict(meta, buckets=scheme.to_dict(), input_format=input_format.to_dict(), target=target)
     (out_dir / META_FILE).write_text(json.dumps(full_meta, indent=2))
     return out_dir
 

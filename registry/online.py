@@ -10,6 +10,23 @@ step of the run's metric history. When a window's accuracy falls more than ``ala
 version's offline accuracy (its ``accuracy`` tag), the window carries ``online_accuracy_alarm = 1`` and
 a warning is logged.
 
+A censored feedback (the engine cut the answer: ``finish_reason`` "length" at max_tokens, "abort", ...) says only
+that the true length T is at least the actual count a. It counts in ``n`` and in ``censored``, and in each metric
+only where that metric's outcome is already decided by T >= a, because counting a as the truth would call every
+capped answer a hit of its cap (a run whose answers were capped once showed a bias of +200 tokens and no
+under-prediction, both false):
+
+- top-1 and within-1: decided when every bucket T can still fall in (the bucket of a, up to the last, open
+  bucket) gives the same answer: the predicted bucket below a's bucket (within-1: more than one below) is known
+  wrong; the last bucket predicted for an answer already in it is known right; otherwise left out;
+- MAE and bias: counted only when the expected length is below a (a known under-prediction), at the smallest
+  error it can have, ``expected - a``; with censored feedback MAE is thus a lower bound and bias an upper bound,
+  and a capped answer never makes bias positive;
+- under-prediction (and the quantile overrun): counted when a already exceeds the padded expected length (the
+  quantile), known under; otherwise left out, since the answer may yet have outgrown it.
+
+Each metric's denominator is logged beside it (``accuracy_n``, ...), so windows merge by what each one counted.
+
 Logging never blocks serving: closed windows go to a bounded buffer that a background thread writes
 to MLflow, retrying with backoff while the tracking server is down (oldest windows are dropped, and
 counted, when the buffer is full).
@@ -32,8 +49,15 @@ TAG_NAME = "lengthwise.model_name"
 TAG_VERSION = "lengthwise.model_version"
 KIND = "online-monitoring"
 # The metric names of a window, in report order; every one is logged with the prefix "online_".
-WINDOW_METRICS = ("n", "accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate",
+WINDOW_METRICS = ("n", "censored", "accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate",
                   "quantile_overrun_rate", "accuracy_alarm")
+# Rates and their denominators: a censored feedback counts only in the metrics its outcome is decided for.
+RATES = {"accuracy": "accuracy_n", "accuracy_within_1": "within_1_n", "mae_tokens": "error_n", "bias_tokens": "error_n",
+         "under_prediction_rate": "under_n", "quantile_overrun_rate": "quantile_n"}
+# Finish reasons (OpenAI's and vLLM's): the model chose to stop, or the answer was cut and its length is a lower bound.
+FINISHED = ("stop", "tool_calls", "function_call")
+CUT = ("length", "abort", "content_filter", "error")
+FINISH_REASONS = FINISHED + CUT
 
 
 @dataclass
@@ -43,10 +67,27 @@ class Feedback:
     model_name: str
     model_version: str
     bucket: int
-    true_bucket: int
+    true_bucket: int  # the bucket of actual_tokens (for a censored answer: the lowest bucket the true length can be in)
     expected_tokens: float
     quantile_tokens: float | None
     actual_tokens: int
+    finish_reason: str | None = None  # None: not reported, taken as finished
+    n_buckets: int | None = None  # the scheme's bucket count: the last bucket is open, so an answer in it stays there
+
+    @property
+    def censored(self) -> bool:
+        """The answer was cut: the true length is at least ``actual_tokens``."""
+        return self.finish_reason in CUT
+
+
+def _within(bucket: int, lowest: int, last: int | None, k: int) -> bool | None:
+    """Whether the true bucket is within ``k`` of ``bucket``, when the true bucket is only known to be ``lowest`` or
+    above (up to ``last``, the open bucket, when known): decided when all those buckets agree, else None."""
+    if bucket + k < lowest:
+        return False  # the answer already outgrew the prediction
+    if last is not None and bucket - k <= lowest and last <= bucket + k:
+        return True  # every bucket the answer can still end in is close enough
+    return None
 
 
 @dataclass
@@ -56,11 +97,16 @@ class WindowStats:
     model_name: str
     model_version: str
     n: int = 0
+    censored: int = 0
     correct: int = 0
+    accuracy_n: int = 0
     within_1: int = 0
+    within_1_n: int = 0
     abs_err: float = 0.0
     err: float = 0.0
+    error_n: int = 0
     under: int = 0
+    under_n: int = 0
     quantile_n: int = 0
     quantile_over: int = 0
     opened: float = field(default_factory=time.time)
@@ -70,38 +116,64 @@ class WindowStats:
 
     def add(self, fb: Feedback, padding: float) -> None:
         self.n += 1
-        self.correct += int(fb.bucket == fb.true_bucket)
-        self.within_1 += int(abs(fb.bucket - fb.true_bucket) <= 1)
         e = fb.expected_tokens - fb.actual_tokens
-        self.abs_err += abs(e)
-        self.err += e
-        self.under += int(fb.actual_tokens > fb.expected_tokens * (1.0 + padding))
-        if fb.quantile_tokens is not None:
+        under = fb.actual_tokens > fb.expected_tokens * (1.0 + padding)
+        over_q = fb.quantile_tokens is not None and fb.actual_tokens > fb.quantile_tokens
+        if not fb.censored:
+            self._count(fb.bucket == fb.true_bucket, abs(fb.bucket - fb.true_bucket) <= 1, e, under,
+                        over_q if fb.quantile_tokens is not None else None)
+            return
+        self.censored += 1
+        last = None if fb.n_buckets is None else fb.n_buckets - 1
+        self._count(_within(fb.bucket, fb.true_bucket, last, 0), _within(fb.bucket, fb.true_bucket, last, 1),
+                    e if e < 0 else None, True if under else None,
+                    True if over_q else None)
+
+    def _count(self, correct: bool | None, within_1: bool | None, err: float | None, under: bool | None,
+               over_q: bool | None) -> None:
+        """Fold in the outcomes that are known (None: undecided, left out of that metric)."""
+        if correct is not None:
+            self.accuracy_n += 1
+            self.correct += int(correct)
+        if within_1 is not None:
+            self.within_1_n += 1
+            self.within_1 += int(within_1)
+        if err is not None:
+            self.error_n += 1
+            self.abs_err += abs(err)
+            self.err += err
+        if under is not None:
+            self.under_n += 1
+            self.under += int(under)
+        if over_q is not None:
             self.quantile_n += 1
-            self.quantile_over += int(fb.actual_tokens > fb.quantile_tokens)
+            self.quantile_over += int(over_q)
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.accuracy_n if self.accuracy_n else None
 
     @property
     def alarm(self) -> bool:
-        """Online accuracy more than the margin below offline, on enough feedback to mean something."""
-        return (self.offline_accuracy is not None and self.n >= self.min_alarm_n
-                and self.correct / self.n < self.offline_accuracy - self.alarm_margin)
+        """Online accuracy more than the margin below offline, on enough decided feedback to mean something."""
+        return (self.offline_accuracy is not None and self.accuracy_n >= self.min_alarm_n
+                and self.correct / self.accuracy_n < self.offline_accuracy - self.alarm_margin)
 
     def metrics(self) -> dict[str, float]:
         if not self.n:
             return {"n": 0.0}
-        out = {
-            "n": float(self.n),
-            "accuracy": self.correct / self.n,
-            "accuracy_within_1": self.within_1 / self.n,
-            "mae_tokens": self.abs_err / self.n,
-            "bias_tokens": self.err / self.n,
-            "under_prediction_rate": self.under / self.n,
-            "accuracy_alarm": float(self.alarm),
-        }
-        if self.quantile_n:
-            out["quantile_overrun_rate"] = self.quantile_over / self.quantile_n
+        out = {"n": float(self.n), "censored": float(self.censored)}
+        sums = {"accuracy": self.correct, "accuracy_within_1": self.within_1, "mae_tokens": self.abs_err,
+                "bias_tokens": self.err, "under_prediction_rate": self.under, "quantile_overrun_rate": self.quantile_over}
+        for k, total in sums.items():
+            denom = getattr(self, RATES[k])
+            out[RATES[k]] = float(denom)
+            if denom:
+                out[k] = total / denom
+        out["accuracy_alarm"] = float(self.alarm)
         if self.offline_accuracy is not None:
             out["offline_accuracy"] = self.offline_accuracy
+            out["alarm_margin"] = self.alarm_margin
         return out
 
 
@@ -156,9 +228,9 @@ class WindowAggregator:
                 del self._open[key]
         for win in closed:
             if win.alarm:
-                log.warning("online accuracy alarm: %s version %s: %.3f on the last %d feedbacks, offline %.3f (margin %.2f)",
-                            win.model_name, win.model_version, win.correct / win.n, win.n, win.offline_accuracy,
-                            win.alarm_margin)
+                log.warning("online accuracy alarm: %s version %s: %.3f on the last %d feedbacks (%d censored), offline %.3f "
+                            "(margin %.2f)", win.model_name, win.model_version, win.accuracy, win.n, win.censored,
+                            win.offline_accuracy, win.alarm_margin)
         return closed
 
 
@@ -297,15 +369,31 @@ def window_history(name: str, version: str) -> tuple[str | None, list[dict]]:
 
 
 def merge_windows(rows: list[dict]) -> dict[str, float]:
-    """Feedback-weighted totals over logged windows (what all the windows together say)."""
+    """Totals over logged windows (what all the windows together say): each rate weighted by the feedback it counted
+    (its denominator, ``n`` for windows logged before censoring was tracked)."""
     n = sum(r.get("n", 0) for r in rows)
     if not n:
         return {"n": 0.0}
-    out = {"n": float(n)}
-    for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate", "quantile_overrun_rate"):
-        have = [r for r in rows if k in r]
-        w = sum(r["n"] for r in have)
+    out = {"n": float(n), "censored": float(sum(r.get("censored", 0.0) for r in rows))}
+    for k, denom in RATES.items():
+        have = [(r[k], r.get(denom, r["n"])) for r in rows if k in r]
+        w = sum(d for _, d in have)
         if w:
-            out[k] = sum(r[k] * r["n"] for r in have) / w
+            out[k] = sum(v * d for v, d in have) / w
     out["alarm_windows"] = float(sum(r.get("accuracy_alarm", 0.0) for r in rows))
     return out
+
+
+def drift_state(rows: list[dict]) -> dict:
+    """The alarm as the logged windows leave it: ``{"alarm", "window_accuracy", "offline_accuracy", "margin",
+    "since"}`` from the last window; ``since`` (ms) is when the run of alarming windows that ends there began."""
+    if not rows:
+        return {"alarm": False, "window_accuracy": None, "offline_accuracy": None, "margin": None, "since": None}
+    last = rows[-1]
+    since = None
+    for r in reversed(rows):
+        if not r.get("accuracy_alarm"):
+            break
+        since = r["timestamp"]
+    return {"alarm": bool(last.get("accuracy_alarm")), "window_accuracy": last.get("accuracy"),
+            "offline_accuracy": last.get("offline_accuracy"), "margin": last.get("alarm_margin"), "since": since}

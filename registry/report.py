@@ -1,7 +1,10 @@
 """``lengthwise registry report``: a version's online prediction error, read back from MLflow.
 
 Shows the windows the sidecar logged (newest last) and their feedback-weighted total next to the
-offline test metrics the version was registered with, so drift reads as one comparison.
+offline test metrics the version was registered with, so drift reads as one comparison, and one line with the drift
+alarm as the last window leaves it (on since when, or off). ``censored`` counts answers cut short (capped at
+max_tokens, aborted): they are lower bounds, counted in a metric only where its outcome is already decided
+(registry/online.py says how).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from rich.table import Table
 
 from registry import online, store
 
-_COLUMNS = (("n", "feedback", "{:.0f}"), ("accuracy", "top-1", "{:.3f}"), ("accuracy_within_1", "within-1", "{:.3f}"),
+_COLUMNS = (("n", "feedback", "{:.0f}"), ("censored", "censored", "{:.0f}"), ("accuracy", "top-1", "{:.3f}"),
+            ("accuracy_within_1", "within-1", "{:.3f}"),
             ("mae_tokens", "MAE tok", "{:.1f}"), ("bias_tokens", "bias tok", "{:+.1f}"),
             ("under_prediction_rate", "under-pred", "{:.3f}"), ("quantile_overrun_rate", "> quantile", "{:.3f}"))
 
@@ -23,7 +27,7 @@ def _fmt(row: dict, key: str, f: str) -> str:
 
 
 def print_report(name: str, version: str | None, alias: str | None, last: int = 20, console: Console | None = None) -> dict:
-    """Print the report; returns ``{"version", "run_id", "windows", "total", "offline"}`` for callers and tests."""
+    """Print the report; returns ``{"version", "run_id", "windows", "total", "offline", "drift"}`` for callers and tests."""
     from mlflow import MlflowClient
 
     console = console or Console(width=max(Console().width, 120))
@@ -35,12 +39,14 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
     offline = {k: float(mv.tags[k]) for k in store.COMPARED_METRICS if k in mv.tags}
     run_id, rows = online.window_history(name, str(version))
     total = online.merge_windows(rows)
+    drift = online.drift_state(rows)
     title = f"online error: {name} version {version}" + (f" (@{alias})" if alias and version == _alias_version(name, alias)
                                                          else "")
     if not rows:
         console.print(f"{title}: no online feedback logged yet (monitoring experiment '{online.MONITORING_EXPERIMENT}' "
                       f"at {store.tracking_uri()})")
-        return {"version": str(version), "run_id": run_id, "windows": [], "total": total, "offline": offline}
+        return {"version": str(version), "run_id": run_id, "windows": [], "total": total, "offline": offline,
+                "drift": drift}
     t = Table(title=title, caption=f"monitoring run {run_id}; alarm = window top-1 below offline minus the sidecar's margin")
     t.add_column("window", justify="right")
     t.add_column("closed (UTC)", no_wrap=True)
@@ -61,7 +67,22 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
     if "accuracy" in total and "accuracy" in offline:
         console.print(f"online top-1 {total['accuracy']:.3f} vs offline {offline['accuracy']:.3f} "
                       f"({total['accuracy'] - offline['accuracy']:+.3f}) over {total['n']:.0f} feedbacks")
-    return {"version": str(version), "run_id": run_id, "windows": rows, "total": total, "offline": offline}
+    console.print(drift_line(name, str(version), drift))
+    return {"version": str(version), "run_id": run_id, "windows": rows, "total": total, "offline": offline,
+            "drift": drift}
+
+
+def drift_line(name: str, version: str, drift: dict) -> str:
+    """One line: the version's drift alarm as its last logged window leaves it."""
+    acc = drift.get("window_accuracy")
+    where = (f"last window top-1 {acc:.3f}" if acc is not None else "last window had no decided feedback")
+    if drift.get("offline_accuracy") is not None and drift.get("margin") is not None:
+        where += f", alarm below {drift['offline_accuracy'] - drift['margin']:.3f} " \
+                 f"(offline {drift['offline_accuracy']:.3f} - margin {drift['margin']:.2f})"
+    if not drift.get("alarm"):
+        return f"drift alarm: off for {name} version {version} ({where})"
+    since = dt.datetime.fromtimestamp(drift["since"] / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"[red]drift alarm: ON[/red] for {name} version {version} since {since} ({where})"
 
 
 def _alias_version(name: str, alias: str) -> str | None:

@@ -31,6 +31,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.errors import ApiError, sse_error
+from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pool import Engine, EnginePool
 from serving.gateway.requests import ClientRequest
@@ -56,6 +57,7 @@ class Outcome:
     status: int
     engine: str | None
     completion_tokens: int | None = None
+    finish_reason: str | None = None  # the engine's, for feedback: "length" means the answer was capped
     first_token_at: float | None = None  # time.perf_counter() when the first generated token passed (streams)
 
 
@@ -190,7 +192,9 @@ class Forwarder:
         out = Outcome(r.status_code, engine.name)
         if r.status_code == 200:
             try:
-                out.completion_tokens = int(r.json()["usage"]["completion_tokens"])
+                answer = r.json()
+                out.finish_reason = finish_reason_of(answer)
+                out.completion_tokens = int(answer["usage"]["completion_tokens"])
             except (ValueError, KeyError, TypeError):
                 pass
             self.pool.finish(engine, job, out.completion_tokens)
@@ -265,6 +269,7 @@ class Forwarder:
         finally:
             call.release(relay.completion_tokens, complete)
             out.completion_tokens = relay.completion_tokens
+            out.finish_reason = relay.finish_reason
             out.first_token_at = relay.first_token_at
             on_done(out)
 

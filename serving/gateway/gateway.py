@@ -43,6 +43,8 @@ from serving.gateway.requests import validate as validate_request
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import client_slo, default_slo
 from serving.gateway.slo import deadline as slo_deadline
+from serving.gateway.target import TargetCheck, TargetWatch, served_model
+from serving.gateway.target import check as check_target
 from serving.gateway.tokens import PromptCounter
 from serving.placement import Job
 
@@ -78,11 +80,14 @@ class Gateway:
 
     ``engine_urls`` default to ``settings.engine_urls`` and ``prefill_urls`` to ``settings.prefill_urls``; engines must
     already be starting or up. ``plugin_metrics`` maps an engine URL to its scheduler plug-in's metrics URL, re-exported
-    on ``/metrics``. Nothing is contacted before :meth:`start`; :meth:`aclose` releases what it holds.
+    on ``/metrics``. ``predictor_target`` is the command line's verdict on the sidecar's target model, already announced
+    (:mod:`serving.gateway.target`); without one the gateway checks at :meth:`start`. Nothing is contacted before
+    :meth:`start`; :meth:`aclose` releases what it holds.
     """
 
     def __init__(self, settings: GatewaySettings, engine_urls: list[str] | None = None,
-                 plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None) -> None:
+                 plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
+                 predictor_target: TargetCheck | None = None) -> None:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
         self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
@@ -98,12 +103,21 @@ class Gateway:
         self.prompts = PromptCounter()
         self.rids = itertools.count()
         self._tokenizer: asyncio.Task | None = None
+        served = served_model(settings)
+        if predictor_target is None and not settings.predictor_url:
+            predictor_target = TargetCheck("unchecked", served, detail="no --predictor-url: no predictor to check")
+        self.target = TargetWatch(served, settings.allow_predictor_for_other_model, metrics.predictor_target_mismatch.set,
+                                  predictor_target)
+        self._target_task: asyncio.Task | None = None
 
     # --- life ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the tokenizer in the background and take in the engines (the CLI waited for their /health)."""
+        """Load the tokenizer and watch the predictor's target model in the background, and take in the engines (the
+        CLI waited for their /health)."""
         s, hop = self.settings, self.hop
         self._tokenizer = asyncio.get_running_loop().create_task(self.prompts.load(s.model))
+        if s.predictor_url:
+            self._target_task = asyncio.get_running_loop().create_task(self._watch_target())
         await asyncio.gather(self.pool.start(), *([hop.pool.start()] if hop else []))
         if s.model and self.pool.models and s.model not in self.pool.models:
             log.warning("--model %s is not among the models the engines serve (%s)", s.model, ", ".join(sorted(self.pool.models)))
@@ -111,9 +125,24 @@ class Gateway:
                  f" decoding after {len(hop.pool.engines)} prefill engine(s)" if hop else "",
                  s.predictor_url or "none (fallback only)", s.placement, self.prompts.method)
 
+    async def _watch_target(self) -> None:
+        """Check which model the sidecar's predictor is for now (unless the command line just did), then every
+        ``predictor_check_interval_s``: a sidecar that was down at start, or whose alias moved, is judged when it
+        answers."""
+        import httpx
+
+        checked = self.target.current.state != "unchecked" and not self.target.current.pending
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+            while True:
+                if not checked:
+                    self.target.update(await check_target(self.settings.predictor_url, self.target.served, client))
+                checked = False
+                await asyncio.sleep(self.settings.predictor_check_interval_s)
+
     async def aclose(self) -> None:
-        if self._tokenizer is not None:
-            self._tokenizer.cancel()
+        for task in (self._tokenizer, self._target_task):
+            if task is not None:
+                task.cancel()
         await self.feedback.aclose()
         await self.pool.aclose()
         await self.forwarder.aclose()
@@ -156,9 +185,17 @@ class Gateway:
 
     async def predict(self, call: Call, req: ClientRequest, headers: Mapping[str, str]) -> LengthPrediction:
         """The predicted length: a trusted client's header, else the sidecar's, else the fallback (never an error but
-        a malformed trusted header)."""
+        a malformed trusted header). A sidecar whose predictor is for another model is not asked, unless the operator
+        allowed it (then each of its predictions is counted)."""
         hint = headers.get(PRED_LEN_HEADER) if self.settings.trust_client_predictions else None
-        pred = self.predictor.from_client(req, hint) if hint is not None else await self.predictor.predict(req, call.rid)
+        if hint is not None:
+            pred = self.predictor.from_client(req, hint)
+        elif self.target.refuses:
+            pred = self.predictor.fallback(req, "other_model")
+        else:
+            pred = await self.predictor.predict(req, call.rid)
+            if pred.source == "sidecar" and self.target.other_model:
+                self.metrics.other_model_predictions.inc()
         self.metrics.predictions.labels(pred.source).inc()
         call.pred = pred
         return pred
@@ -224,7 +261,7 @@ class Gateway:
         if out.status == 200 and out.completion_tokens is not None:
             self.metrics.output_tokens.inc(out.completion_tokens)
             assert call.pred is not None
-            self.feedback.submit(call.pred, out.completion_tokens, req.outputs)
+            self.feedback.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason)
 
     def decorate(self, call: Call, resp: Response) -> Response:
         """The engine's response with the headers that say what the gateway decided."""
@@ -275,7 +312,8 @@ class Gateway:
         extra = {"prefill_engines": hop.pool.status()} if hop else {}
         serving = up and (hop is None or any(e.healthy for e in hop.pool.engines))
         return {"status": "ok" if serving else "degraded", "healthy_engines": up, "engines": pool.status(), **extra,
-                "predictor_url": s.predictor_url, "placement": s.placement,
+                "predictor_url": s.predictor_url,
+                "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
                 "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method}
 
     async def exposition(self) -> bytes:

@@ -11,6 +11,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from serving.gateway.feedback import finish_reason_of
+
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
     """The ``data`` payload of each event (multi-line data joined with newlines, as the SSE spec says)."""
@@ -46,6 +48,7 @@ class StreamRelay:
     def __init__(self, wants_usage: bool):
         self.wants_usage = wants_usage
         self.completion_tokens: int | None = None
+        self.finish_reason: str | None = None  # the engine's, from the chunk that ends the answer
         self.first_token_at: float | None = None
         self.token_events = 0  # choices with output seen so far: the tokens generated, as the stream tells them
         self.events = 0
@@ -66,6 +69,7 @@ class StreamRelay:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.completion_tokens = usage["completion_tokens"]
         choices = obj.get("choices")
+        self.finish_reason = finish_reason_of(obj) or self.finish_reason
         texts = _texts(choices) if isinstance(choices, list) else 0
         if texts:
             self.token_events += texts

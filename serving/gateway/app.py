@@ -30,6 +30,7 @@ from serving.gateway.errors import ApiError, error_body
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.requests import Kind
 from serving.gateway.settings import GatewaySettings
+from serving.gateway.target import TargetCheck
 
 log = logging.getLogger("serving.gateway")
 
@@ -78,10 +79,11 @@ async def unless_client_leaves(request: Request, call: Coroutine[Any, Any, Respo
 
 
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
-               plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None) -> FastAPI:
+               plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
+               predictor_target: TargetCheck | None = None) -> FastAPI:
     """The app over a :class:`~serving.gateway.gateway.Gateway` with these arguments (see there); its routes call the
     gateway's methods, and the app adds the lifespan, the error handlers and the HTTP around each request."""
-    gw = Gateway(settings, engine_urls, plugin_metrics, prefill_urls)
+    gw = Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,7 +130,7 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     async def models() -> Response:
         return await gw.models()
 
-    @app.get("/health", summary="the gateway is up; engine health in the body")
+    @app.get("/health", summary="the gateway is up; engine health and the predictor's target model in the body")
     async def health() -> Response:
         return JSONResponse(gw.health())
 

@@ -17,10 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
 
 from serving.gateway.settings import GatewaySettings
 from serving.policy.registry import policy_help
+
+if TYPE_CHECKING:
+    from serving.gateway.target import TargetCheck
 
 log = logging.getLogger("serving.gateway")
 
@@ -46,6 +49,11 @@ deadline per request: now + x-slo-ttft-ms + x-slo-tpot-ms x predicted length whe
 else slo_scale x (t_p + t_g x predicted length) (EcoServe's JCT SLO). Without --predictor-url, or when the
 sidecar does not answer within --predictor-timeout-ms, the request runs on --fallback-tokens (counted in
 lengthwise_gateway_prediction_fallbacks_total on /metrics).
+
+which model the predictor is for: at start the gateway reads the sidecar's target model (the model whose lengths
+its predictor learned, name@hash) and compares it with --model (name@hash of a local directory, else the name). A
+predictor for another model is an error (exit 2) unless --allow-predictor-for-other-model; one that records no target
+is a warning. The verdict is on /health (predictor_target) and re-checked every --predictor-check-interval s.
 
 placement: each engine has a view of its requests (prompt tokens, predicted and generated tokens), plus
 the requests other gateways sent, read with its KV capacity from the engine's vLLM /metrics every
@@ -172,6 +180,13 @@ def _prediction_flags(pr: argparse._ActionsContainer) -> None:
              help="a request's x-lengthwise-pred-len header (output tokens) replaces the sidecar's prediction: for a "
                   "router in front that already predicted, and for benchmarks that control prediction quality. "
                   "Only behind a trusted client: a low number moves a request up every length-ordered queue")
+    _setting(pr, "--allow-predictor-for-other-model", "allow_predictor_for_other_model", action="store_true",
+             help="schedule by a predictor whose target model is not the served model (its predictions are counted in "
+                  "lengthwise_gateway_predictions_for_other_model_total and /health says so) instead of refusing to "
+                  "start; better: train one on the served model's lengths with 'lengthwise relabel'")
+    _setting(pr, "--predictor-check-interval", "predictor_check_interval_s", metavar="S",
+             help="seconds between checks of the sidecar's target model, so a sidecar down at start or a moved alias "
+                  "is judged when it answers (default: %(default)s)")
     _setting(pr, "--slo-scale", "slo_scale", help="JCT SLO multiplier (default: the policy config's, %(default)s)")
     _setting(pr, "--t-p", "t_p_s", metavar="S",
              help="prefill time of a lone request, seconds (default: %(default)s)")
@@ -240,6 +255,27 @@ def _check_placement(settings: GatewaySettings) -> None:
         raise UsageError(f"--latency-profile: {exc}") from None
     except ValueError as exc:
         raise UsageError(f"--engine-arg: --max-num-seqs and --max-num-batched-tokens must be integers ({exc})") from None
+
+
+def _check_predictor(settings: GatewaySettings) -> TargetCheck:
+    """Which model the sidecar's predictor is for, against the served one (:mod:`serving.gateway.target`): another
+    model's is a UsageError unless allowed; any other verdict is logged and returned for the gateway to keep."""
+    import asyncio
+
+    import httpx
+
+    from serving.gateway.target import announce, check, refusal, served_model
+
+    async def ask() -> TargetCheck:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+            return await check(settings.predictor_url, served_model(settings), client)
+
+    found = asyncio.run(ask())
+    if found.state == "mismatch" and not settings.allow_predictor_for_other_model:
+        raise UsageError(refusal(found, settings.predictor_url))
+    if settings.predictor_url:
+        announce(found, settings.allow_predictor_for_other_model)
+    return found
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -322,6 +358,11 @@ def run(a: argparse.Namespace) -> int:
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
+        target = _check_predictor(settings)  # before minutes of engine start-up: a predictor for another model fails now
+    except UsageError as exc:
+        print(f"lengthwise serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         sock = _listen(settings.host, settings.port)  # before minutes of engine start-up: a busy port fails now
     except (OSError, OverflowError) as exc:
         print(f"lengthwise serve: error: cannot listen on {settings.host}:{settings.port}: "
@@ -351,11 +392,13 @@ def run(a: argparse.Namespace) -> int:
             _attach(urls, settings.engine_start_timeout_s)
             if prefill_urls:
                 _attach(prefill_urls, settings.engine_start_timeout_s, prefill=True)
+        if target.pending:  # the sidecar was not up or still loading: it may be by now
+            target = _check_predictor(settings)
         import uvicorn
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls, plugin_metrics, prefill_urls)
+        app = create_app(settings, urls, plugin_metrics, prefill_urls, target)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])

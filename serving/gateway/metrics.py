@@ -61,6 +61,11 @@ class GatewayMetrics:
                                     ["outcome"], registry=r)
         self.prefill_latency = Histogram(p + "prefill_latency_seconds", "successful prefill hops, send to answer",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.predictor_target_mismatch = Gauge(p + "predictor_target_mismatch", "1 while the sidecar's predictor was "
+                                               "made for another model than the one served (see /health predictor_target)",
+                                               registry=r)
+        self.other_model_predictions = Counter(p + "predictions_for_other_model", "requests scheduled by a predictor made "
+                                               "for another model (--allow-predictor-for-other-model)", registry=r)
         self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "
                                    "(its last load report)", ["engine"], registry=r)
 

@@ -76,6 +76,12 @@ class GatewaySettings(BaseModel):
     trust_client_predictions: bool = Field(False, description="take a client's x-lengthwise-pred-len header as the prediction "
                                                               "(an upstream router that already predicted; benchmarks)")
     feedback: bool = Field(True, description="post actual output lengths to the sidecar's /v1/feedback")
+    allow_predictor_for_other_model: bool = Field(False, description="schedule by a predictor whose target model is not "
+                                                  "the served model (logged, counted, shown in /health) instead of "
+                                                  "refusing to start")
+    predictor_check_interval_s: float = Field(30.0, gt=0, description="seconds between checks of which model the "
+                                              "sidecar's predictor is for (a sidecar that was not up at start, an "
+                                              "alias moved to another version)")
     # SLO
     slo_scale: float = Field(PolicyConfig().slo_scale, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x predicted length)")
     t_p_s: float = Field(DEFAULT_T_P_S, ge=0, description="prefill time of a request running alone, seconds")

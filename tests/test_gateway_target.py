@@ -1,9 +1,10 @@
 """The gateway checks that its predictor was made for the model it serves (serving/gateway/target.py).
 
-Real parts: ``lengthwise serve`` runs as a real process against a sidecar over real HTTP (a small uvicorn app that
-answers ``/ready``, ``/health`` and ``/v1/predict`` as the sidecar does, with a target the test sets), and the in-process
-gateway talks to that same server. No engine is needed: a mismatch stops the command before it attaches to engines,
-and the other verdicts are read from its log before it gives up on an engine that is not there.
+Real parts: ``lengthwise serve`` runs as a real process against a sidecar over real HTTP: the real ``predictor-sidecar``
+serving a tiny exported package for the end-to-end case, and for the matrix of verdicts a small uvicorn app that
+answers ``/ready``, ``/health`` and ``/v1/predict`` as the sidecar does with a target the test sets (and can stop and
+start); the in-process gateway talks to that same server. No engine is needed: a mismatch stops the command before it
+attaches to engines, and the other verdicts are read from its log before it gives up on an engine that is not there.
 """
 
 from __future__ import annotations
@@ -257,3 +258,28 @@ async def _until(cond, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.02)
+
+
+# --- the real sidecar -----------------------------------------------------------------------------------------------
+def test_the_real_sidecar_serving_a_package_for_another_model_stops_the_gateway(data, served, tmp_path):
+    """End to end: a package exported with its target, served by ``predictor-sidecar``, judged by ``lengthwise serve``."""
+    from tests.sidecar_proc import start_sidecar
+    from tests.tiny_package import tiny_packages
+
+    model_dir, me = served
+    pkgs = tiny_packages(tmp_path, data / "tokenizers/gpt2/tokenizer.json", {"other": target_for(OTHER),
+                                                                               "mine": target_for(me)})
+    env = {"LENGTHWISE_HOME": str(tmp_path / "home")}
+    sc = start_sidecar(tmp_path, "--model", str(pkgs["other"]), env=env)
+    try:
+        r = _serve("--model", str(model_dir), "--predictor-url", sc.url)
+    finally:
+        sc.stop()
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and OTHER in lines[0] and me in lines[0], r.stderr
+    sc = start_sidecar(tmp_path, "--model", str(pkgs["mine"]), env=env)
+    try:
+        r = _serve("--model", str(model_dir), "--predictor-url", sc.url)
+    finally:
+        sc.stop()
+    assert r.returncode == 2 and "no engine answered" in r.stderr and f"predicts lengths of {me}" in r.stderr, r.stderr

@@ -63,32 +63,13 @@ def test_a_target_is_checked_and_described():
 
 
 # --- the package: export and read back ----------------------------------------------------------------------------
-def _tiny_base(path: Path, tokenizer_json: Path) -> Path:
-    """A one-layer BERT with random weights and the GPT-2 tokenizer: a real backbone, small enough to export fast."""
-    import shutil
-
-    from transformers import BertConfig, BertModel
-
-    BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=128)).save_pretrained(path)
-    shutil.copyfile(tokenizer_json, path / "tokenizer.json")
-    return path
-
-
 @pytest.fixture(scope="module")
 def packages(data, tmp_path_factory) -> dict[str, Path]:
     """The same tiny classifier exported twice: with the target and without one (as before targets were recorded)."""
-    from predictor.buckets import BucketScheme
-    from predictor.model import build_classifier
-    from training.export import export_package, input_format_for, load_backbone_tokenizer
+    from tests.tiny_package import tiny_packages
 
-    base = _tiny_base(tmp_path_factory.mktemp("tiny-bert"), data / "tokenizers/gpt2/tokenizer.json")
-    scheme = BucketScheme.from_edges([64, 256], max_tokens=1024)
-    model = build_classifier(base, scheme.n, lora=None)
-    fmt = input_format_for(load_backbone_tokenizer(base), 32, None)
-    out = tmp_path_factory.mktemp("packages")
-    return {"with": export_package(model, out / "with", base, scheme, fmt, {"backbone": "tiny"}, target=TARGET),
-            "without": export_package(model, out / "without", base, scheme, fmt, {"backbone": "tiny"})}
+    return tiny_packages(tmp_path_factory.mktemp("packages"), data / "tokenizers/gpt2/tokenizer.json",
+                         {"with": TARGET, "without": None})
 
 
 def test_the_target_goes_into_the_package_and_comes_back(packages, tmp_path):

@@ -1,0 +1,31 @@
+"""A real ONNX length-predictor package, small enough to export in seconds: a one-layer BERT with random weights and
+the GPT-2 tokenizer, three buckets (tests of what a package carries, not of what it predicts)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def tiny_base(path: Path, tokenizer_json: Path) -> Path:
+    """The backbone directory: config, random weights and ``tokenizer.json`` (vocabulary rounded up past the pad id)."""
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=128)).save_pretrained(path)
+    shutil.copyfile(tokenizer_json, path / "tokenizer.json")
+    return path
+
+
+def tiny_packages(work: Path, tokenizer_json: Path, targets: dict[str, dict | None]) -> dict[str, Path]:
+    """One classifier exported once per entry of ``targets`` (name -> target), into ``work/<name>``."""
+    from predictor.buckets import BucketScheme
+    from predictor.model import build_classifier
+    from training.export import export_package, input_format_for, load_backbone_tokenizer
+
+    base = tiny_base(work / "base", tokenizer_json)
+    scheme = BucketScheme.from_edges([64, 256], max_tokens=1024)
+    model = build_classifier(base, scheme.n, lora=None)
+    fmt = input_format_for(load_backbone_tokenizer(base), 32, None)
+    return {name: export_package(model, work / name, base, scheme, fmt, {"backbone": "tiny"}, target=target)
+            for name, target in targets.items()}

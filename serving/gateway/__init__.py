@@ -7,6 +7,7 @@ One request's path (docs/architecture.md), one module per step:
                           testable without HTTP (``app.py`` is its FastAPI adapter)
 ``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)
 ``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
+``target.py``             is the sidecar's predictor made for the served model? (checked at start and while serving)
 ``slo.py``                the deadline: ``x-slo-ttft-ms``/``x-slo-tpot-ms`` or EcoServe's JCT SLO
 ``hints.py``              put the prediction and the deadline into ``vllm_xargs`` for the plug-in
 ``tokens.py``             count the prompt's tokens (the local model's tokenizer, else characters / 4)

@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     from registry.cli import add_parser as add_registry
 
     add_registry(sub).set_defaults(func=_registry)
+    from training.retrain import add_parser as add_retrain
+
+    add_retrain(sub)
     return p
 
 

@@ -28,6 +28,13 @@ examples:
   train-predictor --data smollm2.jsonl --format jsonl --max-tokens 1024
   train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024
 
+  # the same, each prompt trained once on the histogram of its K samples, with a ranking term in the loss
+  train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024 \\
+      --label soft --rank-loss-weight 0.5
+
+The report gives every metric for first turns, later turns and all, for the model and each baseline (each fitted
+per slice), and names the predictor to ship per slice (by pairwise ranking accuracy).
+
 Runs and versions go to MLflow: the embedded store under $LENGTHWISE_HOME (default ~/.lengthwise),
 or the server in $MLFLOW_TRACKING_URI. Exit status 2 means bad input; the message says what to fix.
 """
@@ -44,6 +51,16 @@ def _help(name: str, show_default: bool = True) -> str:
     return text + " (default: %(default)s)" if show_default else text
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train-predictor", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"),
                    help=_help("first_turn_only", False))
     d.add_argument("--served-lengths", metavar="FILE", help=_help("served_lengths", False))
+    d.add_argument("--label", choices=("single", "soft"), default=_default("label"),
+                   help="with --served-lengths: single = one example per sample; soft = each prompt once, trained on the "
+                   "bucket histogram of its K samples (default: %(default)s). Either way the test split is scored "
+                   "against every sample of the held-out prompts")
     d.add_argument("--max-samples", type=int, default=_default("max_samples"),
                    help="cap on examples, whole conversations kept (default: %(default)s; 0 = all)")
     b = p.add_argument_group("buckets")
@@ -74,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--patience", type=int, default=_default("patience"), help=_help("patience"))
     m.add_argument("--lr", type=float, default=_default("lr"), help=_help("lr"))
     m.add_argument("--batch-size", type=int, default=_default("batch_size"), help=_help("batch_size"))
+    m.add_argument("--rank-loss-weight", type=_non_negative, default=_default("rank_loss_weight"), metavar="W",
+                   help=_help("rank_loss_weight"))
     m.add_argument("--lora-rank", type=int, default=_default("lora_rank"), help=_help("lora_rank"))
     m.add_argument("--lora-alpha", type=int, default=_default("lora_alpha"), help=_help("lora_alpha"))
     m.add_argument("--lora-dropout", type=float, default=_default("lora_dropout"), help=_help("lora_dropout"))
@@ -107,7 +130,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags ask for (a flag left out keeps the field's default)."""
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
-        served_lengths=a.served_lengths,
+        served_lengths=a.served_lengths, label=a.label, rank_loss_weight=a.rank_loss_weight,
         bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")),
         edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,

@@ -8,6 +8,7 @@ importing the pipeline's data stack; training.pipeline re-exports it.
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +31,8 @@ class TrainConfig(BaseModel):
     first_turn_only: bool = Field(False, description="sharegpt: only the first human turn of each conversation")
     served_lengths: str | None = Field(None, description="labels from `lengthwise relabel --no-text`: the served model's "
                                        "lengths of these prompts, joined by prompt hash (None: count the data's responses)")
+    label: Literal["single", "soft"] = Field("single", description="with served_lengths: single trains one example per "
+                                             "sample; soft trains each prompt once on the bucket histogram of its samples")
     bucket_width: int | None = Field(200, description="equal-width buckets of N tokens (None: 200, unless edges are given)")
     edges: str | None = Field(None, description="explicit bucket edges, e.g. 64,128,256,512 (a bucket starts at 0)")
     max_tokens: int = Field(2048, description="generation cap closing the last bucket")
@@ -38,6 +41,8 @@ class TrainConfig(BaseModel):
     epochs: int = Field(4, description="max epochs; early stopping on validation accuracy")
     lr: float = Field(2e-3, description="peak learning rate, one-cycle schedule")
     batch_size: int = Field(32, description="training batch size")
+    rank_loss_weight: float = Field(0.0, ge=0.0, description="weight of a pairwise logistic ranking loss on the expected "
+                                    "length within each batch, added to the cross-entropy (0: off)")
     max_prompt_tokens: int = Field(128, description="predictor input budget; latest turn kept")
     length_hints: bool = Field(True, description="prefix each turn with its approximate word count, so truncation keeps "
                                                  "that cue (measured +5 points top-1 on multi-turn ShareGPT)")

@@ -3,17 +3,27 @@
 Bucket accuracy alone can hide a useless ranking (vllm-ltr reports 97% accuracy with Kendall tau 0.21),
 so we report what a scheduler actually consumes: the ranking (Kendall tau), the point error (MAE),
 its sign (bias: Aladdin warns fine-tuned predictors are biased), how often the padded reservation is
-overrun (under-prediction rate), and whether probabilities mean what they say (ECE).
+overrun (under-prediction rate), and whether probabilities mean what they say (ECE). The pairwise ranking accuracy
+is the share of request pairs an SJF-like queue would order right by the expected length: what ordering by the
+predictor is worth, in the unit a scheduler feels.
+
+First turns and later turns are reported apart (:data:`SLICES`): a later turn has the previous answer to go by, a
+first turn has nothing but the request, and one average over both hides which of the two a predictor is good at.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import kendalltau
 
 from predictor.buckets import BucketScheme
+from training.data.example import Example
+
+# The slices every offline report is broken into, in report order.
+SLICES = ("first_turn", "later_turns", "all")
 
 
 @dataclass
@@ -64,6 +74,32 @@ def merge_probs(probs: np.ndarray, fine: BucketScheme, coarse: BucketScheme) -> 
     return out
 
 
+def slice_masks(examples: Sequence[Example]) -> dict[str, np.ndarray]:
+    """Boolean row masks of :data:`SLICES` over ``examples``; a slice with no rows is left out."""
+    first = np.array([e.first_turn for e in examples], dtype=bool)
+    masks = {"first_turn": first, "later_turns": ~first, "all": np.ones(len(first), dtype=bool)}
+    return {k: m for k, m in masks.items() if m.any()}
+
+
+def pairwise_accuracy(point: np.ndarray, lengths: np.ndarray, max_pairs: int = 200_000, seed: int = 0) -> float:
+    """Share of pairs with different true lengths that ``point`` orders the same way; a tie in ``point`` counts half
+    (a queue that cannot tell two requests apart orders them by a coin toss). All pairs when there are at most
+    ``max_pairs``, else that many pairs drawn with ``seed`` (the same pairs for every predictor on the same rows).
+    NaN when no pair differs in length."""
+    point, lengths = np.asarray(point, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
+    n = len(lengths)
+    if n * (n - 1) // 2 <= max_pairs:
+        i, j = np.triu_indices(n, k=1)
+    else:
+        rng = np.random.default_rng(seed)
+        i, j = rng.integers(0, n, max_pairs), rng.integers(0, n, max_pairs)
+    keep = lengths[i] != lengths[j]
+    if not keep.any():
+        return float("nan")
+    agree = np.sign(point[i[keep]] - point[j[keep]]) * np.sign(lengths[i[keep]] - lengths[j[keep]])
+    return float(((agree > 0) + 0.5 * (agree == 0)).mean())
+
+
 def compute_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme, padding: float = 0.15) -> dict:
     """All offline metrics of one predictor on one labelled set."""
     lengths = np.asarray(lengths, dtype=np.float64)
@@ -78,17 +114,31 @@ def compute_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme
         "mae_tokens": float(np.abs(err).mean()),
         "bias_tokens": float(err.mean()),
         "kendall_tau": float(0.0 if np.isnan(tau) else tau),
+        "pairwise_accuracy": pairwise_accuracy(pred.point, lengths),
         "under_prediction_rate": float((lengths > pred.point * (1.0 + padding)).mean()),
         "padding": padding,
         "ece": expected_calibration_error(pred.probs, truth),
     }
 
 
+def take(pred: Predictions, mask: np.ndarray) -> Predictions:
+    """The rows of ``pred`` where ``mask`` holds."""
+    return Predictions(pred.probs[mask], pred.point[mask], None if pred.bucket is None else pred.bucket[mask])
+
+
+def sliced_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme, masks: dict[str, np.ndarray],
+                   padding: float = 0.15) -> dict[str, dict]:
+    """:func:`compute_metrics` on each slice of ``masks`` (:func:`slice_masks`)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return {name: compute_metrics(take(pred, m), lengths[m], scheme, padding) for name, m in masks.items()}
+
+
 def accuracy_at_widths(pred: Predictions, scheme: BucketScheme, lengths: np.ndarray, widths=(100, 200, 400)) -> dict:
     """Top-1 at equal-width buckets (TetriInfer's 100/200/400), from merged probabilities when the
-    model's edges nest, else from the bucket of the point estimate (the method is reported)."""
+    model's edges nest, else from the bucket of the point estimate (the method is reported). A width that leaves
+    fewer than two buckets under the cap is left out."""
     out = {}
-    for w in widths:
+    for w in (w for w in widths if w < scheme.max_tokens):
         coarse = BucketScheme.equal_width(w, scheme.max_tokens)
         # a predictor that names its bucket from a point estimate is judged by that estimate at every width
         merged = merge_probs(pred.probs, scheme, coarse) if pred.bucket is None else None
@@ -99,3 +149,17 @@ def accuracy_at_widths(pred: Predictions, scheme: BucketScheme, lengths: np.ndar
             out[str(w)] = {"accuracy": float((coarse.assign(pred.point) == truth).mean()), "method": "point-estimate"}
         out[str(w)]["majority"] = float(np.bincount(truth, minlength=coarse.n).max() / len(truth))
     return out
+
+
+# What the per-slice recommendation compares: the scheduler orders requests by the expected length.
+RECOMMEND_BY = "pairwise_accuracy"
+
+
+def recommend(block: dict[str, dict], by: str = RECOMMEND_BY) -> str:
+    """The predictor of ``block`` (``{name: metrics}``, one slice) with the highest ``by``; a NaN counts as the worst,
+    a tie goes to the first named (the model comes first)."""
+    def score(name: str) -> float:
+        v = float(block[name].get(by, float("nan")))
+        return -np.inf if np.isnan(v) else v
+
+    return max(block, key=score)

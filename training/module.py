@@ -1,4 +1,11 @@
-"""Lightning training of the length classifier: data batching by length, loss, metrics per epoch."""
+"""Lightning training of the length classifier: data batching by length, loss, metrics per epoch.
+
+The loss is cross-entropy over the buckets, against a hard bucket (one example per answer) or a soft target (a
+prompt's bucket histogram over the served model's K samples, ``--label soft``). An optional ranking term
+(``rank_loss_weight``) adds a pairwise logistic (RankNet) loss on the expected length over the pairs of each batch:
+a scheduler orders requests by that expected length, so the term trains the order directly. vllm-ltr trains its
+predictor to rank within each batch too (with a listwise loss, ListMLE).
+"""
 
 from __future__ import annotations
 
@@ -8,23 +15,28 @@ import time
 from collections.abc import Iterator, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from predictor.model import LengthClassifier
 from predictor.runtime import pad_ids
+from training.evaluate import pairwise_accuracy
+
+Label = int | Sequence[float]  # a bucket index, or a distribution over the buckets (soft label)
 
 
 class EncodedDataset(Dataset):
-    def __init__(self, ids: Sequence[list[int]], labels: Sequence[int]):
+    def __init__(self, ids: Sequence[list[int]], labels: Sequence[Label], lengths: Sequence[float] | None = None):
         self.ids = list(ids)
         self.labels = list(labels)
+        self.lengths = [0.0] * len(self.ids) if lengths is None else [float(x) for x in lengths]
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i: int) -> tuple[list[int], int]:
-        return self.ids[i], self.labels[i]
+    def __getitem__(self, i: int) -> tuple[list[int], Label, float]:
+        return self.ids[i], self.labels[i], self.lengths[i]
 
 
 class LengthGroupedBatches(Sampler[list[int]]):
@@ -64,26 +76,51 @@ class LengthGroupedBatches(Sampler[list[int]]):
 
 
 
-def make_loader(ids: Sequence[list[int]], labels: Sequence[int], pad_id: int, batch_size: int, shuffle: bool,
-                seed: int) -> DataLoader:
+def make_loader(ids: Sequence[list[int]], labels: Sequence[Label], pad_id: int, batch_size: int, shuffle: bool,
+                seed: int, lengths: Sequence[float] | None = None) -> DataLoader:
+    """Batches ``(input_ids, attention_mask, label, true length)``: the label a long bucket index, or for soft labels
+    a float row per example; the true length (response tokens; a prompt's mean over its samples with soft labels) is
+    what the ranking term orders by."""
+    soft = bool(labels) and not isinstance(labels[0], (int, np.integer))
+
     def collate(items):
-        x, m = pad_ids([i for i, _ in items], pad_id)
-        return torch.from_numpy(x), torch.from_numpy(m), torch.tensor([y for _, y in items], dtype=torch.long)
+        x, m = pad_ids([i for i, _, _ in items], pad_id)
+        y = torch.tensor([y for _, y, _ in items], dtype=torch.float32 if soft else torch.long)
+        return torch.from_numpy(x), torch.from_numpy(m), y, torch.tensor([n for _, _, n in items], dtype=torch.float32)
 
     sampler = LengthGroupedBatches([len(x) for x in ids], batch_size, shuffle, seed)
-    return DataLoader(EncodedDataset(ids, labels), batch_sampler=sampler, collate_fn=collate, num_workers=0)
+    return DataLoader(EncodedDataset(ids, labels, lengths), batch_sampler=sampler, collate_fn=collate, num_workers=0)
+
+
+def pairwise_rank_loss(score: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """RankNet's pairwise logistic loss: mean of ``log(1 + exp(-(s_i - s_j)))`` over the pairs with ``length_i >
+    length_j``; zero when no pair differs (a batch of one prompt's samples, or of equal lengths)."""
+    longer = length.unsqueeze(1) > length.unsqueeze(0)
+    if not bool(longer.any()):
+        return score.sum() * 0.0
+    diff = score.unsqueeze(1) - score.unsqueeze(0)
+    return torch.nn.functional.softplus(-diff[longer]).mean()
 
 
 class LengthModule(L.LightningModule):
-    """Cross-entropy over buckets; validation logs loss, top-1, within-one and MAE of the expected length."""
+    """Cross-entropy over buckets (hard or soft targets), plus ``rank_loss_weight`` times the pairwise ranking loss on
+    the expected length; validation logs loss, top-1, within-one and MAE of the expected length.
 
-    def __init__(self, model: LengthClassifier, centers: Sequence[float], lr: float = 1e-3, weight_decay: float = 0.01):
+    The ranking score is the expected length in units of the mean gap between bucket centers, so a one-bucket
+    difference is about one logit of the pairwise loss whatever the bucket width.
+    """
+
+    def __init__(self, model: LengthClassifier, centers: Sequence[float], lr: float = 1e-3, weight_decay: float = 0.01,
+                 rank_loss_weight: float = 0.0):
         super().__init__()
         self.model = model
         self.lr = lr
         self.weight_decay = weight_decay
+        self.rank_loss_weight = float(rank_loss_weight)
         self.register_buffer("centers", torch.tensor(list(centers), dtype=torch.float32))
-        self._val: list[tuple[torch.Tensor, torch.Tensor]] = []
+        c = list(centers)
+        self.rank_scale = max((c[-1] - c[0]) / max(len(c) - 1, 1), 1e-6)
+        self._val: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._epoch_start = 0.0
         self._seen = 0
 
@@ -91,10 +128,17 @@ class LengthModule(L.LightningModule):
         return self.model(input_ids, attention_mask)
 
     def training_step(self, batch, _):
-        x, m, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x, m), y)
-        self._seen += int(y.shape[0])
-        self.log("train_loss", loss, prog_bar=True, batch_size=int(y.shape[0]))
+        x, m, y, length = batch
+        logits = self(x, m)
+        n = int(y.shape[0])
+        loss = torch.nn.functional.cross_entropy(logits, y)  # y: bucket indices, or soft targets (rows summing to 1)
+        if self.rank_loss_weight > 0:
+            rank = pairwise_rank_loss(logits.softmax(1) @ self.centers / self.rank_scale, length)
+            self.log("train_ce_loss", loss, batch_size=n, on_step=False, on_epoch=True)  # epoch means: the ablation's
+            self.log("train_rank_loss", rank, batch_size=n, on_step=False, on_epoch=True)  # numbers, however short
+            loss = loss + self.rank_loss_weight * rank
+        self._seen += n
+        self.log("train_loss", loss, prog_bar=True, batch_size=n)
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -107,15 +151,16 @@ class LengthModule(L.LightningModule):
         self.log("train_samples_per_s", self._seen / max(dt, 1e-9))
 
     def validation_step(self, batch, _):
-        x, m, y = batch
+        x, m, y, length = batch
         logits = self(x, m)
-        self._val.append((logits.detach(), y))
+        self._val.append((logits.detach(), y, length))
 
     def on_validation_epoch_end(self) -> None:
         if not self._val:
             return
-        logits = torch.cat([a for a, _ in self._val])
-        y = torch.cat([b for _, b in self._val])
+        logits = torch.cat([a for a, _, _ in self._val])
+        y = torch.cat([b for _, b, _ in self._val])
+        length = torch.cat([n for _, _, n in self._val])
         self._val.clear()
         pred = logits.argmax(1)
         probs = logits.softmax(1)
@@ -124,6 +169,7 @@ class LengthModule(L.LightningModule):
         self.log("val_acc", (pred == y).float().mean(), prog_bar=True)
         self.log("val_acc_within_1", ((pred - y).abs() <= 1).float().mean())
         self.log("val_mae_buckets_center", (expected - self.centers[y]).abs().mean())
+        self.log("val_pairwise_accuracy", pairwise_accuracy(expected.numpy(), length.numpy()))
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -24,7 +24,7 @@ from predictor.common import default_tokenizer
 from training.config import TrainConfig
 from training.data import Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
-from training.data.served import join_served_lengths
+from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served
 from training.split import Splits, cap_groups, split_by_group
 
 if TYPE_CHECKING:
@@ -40,26 +40,59 @@ class Prepared:
     splits: Splits
     scheme: BucketScheme
     counter: TokenCounter  # the target model's tokenizer, also used for prompt lengths in evaluation
+    target: dict | None = None  # whose lengths the labels are (predictor.target): recorded in the package and registry
+    served: ServedLabels | None = None  # the served-length file's labels, with --served-lengths
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
-    """Load, label, cap and split the data, and fix the bucket scheme (centers from training labels)."""
+    """Load, label, cap and split the data, and fix the bucket scheme (centers from training labels).
+
+    With served lengths every split holds one example per sample (a prompt's samples share its group, so they never
+    straddle a split); ``--label soft`` regroups the training split later (:func:`_encode`), so both label modes are
+    scored on the same test rows.
+    """
+    from training.data import DataError
+
     scheme = (BucketScheme.parse(cfg.edges, cfg.max_tokens) if cfg.edges
               else BucketScheme.equal_width(200 if cfg.bucket_width is None else int(cfg.bucket_width), cfg.max_tokens))
+    if cfg.label == "soft" and not cfg.served_lengths:
+        raise DataError("--label soft needs --served-lengths: soft labels are the bucket histogram of a prompt's samples")
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
     examples = load_examples(cfg.data, cfg.fmt, **kwargs)
-    if cfg.served_lengths:
-        examples = join_served_lengths(examples, cfg.served_lengths)
+    served = load_served(cfg.served_lengths) if cfg.served_lengths else None
+    if served is not None:
+        _check_censored(served, scheme)
+        examples = join_served_lengths(examples, served)
     examples = cap_groups(examples, cfg.max_samples, cfg.seed)
     attach_labels(examples, counter)
     splits = split_by_group(examples, seed=cfg.seed)
     if not splits.train or not splits.val or not splits.test:
-        from training.data import DataError
-
         raise DataError(f"too few conversations to split ({len(examples)} examples): need data for train, val and test")
     scheme = scheme.with_centers(labels_of(splits.train))
-    return Prepared(splits, scheme, counter)
+    return Prepared(splits, scheme, counter, _target(cfg, served), served)
+
+
+def _check_censored(served: ServedLabels, scheme: BucketScheme) -> None:
+    """Censored samples (they ran to the cap) keep the cap as their length, which lands them in the top bucket only
+    when the top bucket starts at or below the cap; otherwise their bucket would claim a length nobody observed."""
+    from training.data import DataError
+
+    cap = served.max_tokens
+    if served.censored and cap is not None and scheme.edges[-1] > cap:
+        raise DataError(f"{served.censored} served samples ran to their cap of {cap} tokens (censored), but the top bucket "
+                        f"starts at {scheme.edges[-1]}: pass --max-tokens {cap} (or edges up to {cap}) so they land in "
+                        "the top bucket")
+
+
+def _target(cfg: TrainConfig, served: ServedLabels | None) -> dict:
+    """Whose lengths the labels are (:mod:`predictor.target`): the served model's when they come from a relabel,
+    else the dataset's answers (counted by the label tokenizer, up to ``max_tokens``)."""
+    if served is not None:
+        return served.target()
+    return {"model": f"dataset answers ({cfg.generator or cfg.fmt})",
+            "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
+            "sampling": None, "max_tokens": cfg.max_tokens, "source": "dataset answers"}
 
 
 def _turns(e: Example) -> list[tuple[str, str]]:
@@ -74,7 +107,8 @@ class _Inputs:
     model_type: str       # its config's model_type (picks the default LoRA targets)
     fmt_in: InputFormat   # how a prompt is cut and framed for the backbone
     enc: dict[str, list]  # "train", "val", "test": the encoded prompts
-    y: dict[str, np.ndarray]  # the same splits' bucket indices
+    y: dict[str, np.ndarray]  # the same splits' bucket indices; with soft labels "train" is [prompts, buckets]
+    lengths: dict[str, np.ndarray]  # the true lengths the ranking term orders by (soft: a prompt's mean over samples)
 
 
 @dataclass
@@ -164,11 +198,25 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
 
     model_type = AutoConfig.from_pretrained(base, local_files_only=True).model_type
     fmt_in = input_format_for(tok, cfg.max_prompt_tokens, None, cfg.length_hints)
-    enc = {name: encode_turns(tok, fmt_in, [_turns(e) for e in part])
-           for name, part in (("train", splits.train), ("val", splits.val), ("test", splits.test))}
-    y = {name: scheme.assign(labels_of(part)) for name, part in
-         (("train", splits.train), ("val", splits.val), ("test", splits.test))}
-    return _Inputs(base, model_type, fmt_in, enc, y)
+    parts = {"train": splits.train, "val": splits.val, "test": splits.test}
+    y = {name: scheme.assign(labels_of(part)) for name, part in parts.items()}
+    lengths = {name: labels_of(part).astype(np.float64) for name, part in parts.items()}
+    if cfg.label == "soft":
+        grouped = group_samples(splits.train)
+        parts["train"] = [e for e, _ in grouped]
+        y["train"] = soft_targets([n for _, n in grouped], scheme)
+        lengths["train"] = np.array([np.mean(n) for _, n in grouped])
+    enc = {name: encode_turns(tok, fmt_in, [_turns(e) for e in part]) for name, part in parts.items()}
+    return _Inputs(base, model_type, fmt_in, enc, y, lengths)
+
+
+def soft_targets(samples: list[list[int]], scheme: BucketScheme) -> np.ndarray:
+    """``[prompts, buckets]``: each prompt's share of samples per bucket (censored samples, at the cap, count in the top
+    bucket)."""
+    out = np.zeros((len(samples), scheme.n))
+    for row, lengths in zip(out, samples):
+        np.add.at(row, scheme.assign(np.asarray(lengths)), 1.0 / len(lengths))
+    return out
 
 
 def _build_module(cfg: TrainConfig, prep: Prepared, inputs: _Inputs) -> tuple[Any, Any, Any, Any]:
@@ -179,10 +227,11 @@ def _build_module(cfg: TrainConfig, prep: Prepared, inputs: _Inputs) -> tuple[An
 
     lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or default_targets(inputs.model_type))
     model = build_classifier(inputs.base, prep.scheme.n, lora)
-    module = LengthModule(model, prep.scheme.centers, lr=cfg.lr)
-    enc, y, pad_id = inputs.enc, inputs.y, inputs.fmt_in.pad_id
-    train_dl = make_loader([e.ids for e in enc["train"]], y["train"].tolist(), pad_id, cfg.batch_size, True, cfg.seed)
-    val_dl = make_loader([e.ids for e in enc["val"]], y["val"].tolist(), pad_id, 64, False, cfg.seed)
+    module = LengthModule(model, prep.scheme.centers, lr=cfg.lr, rank_loss_weight=cfg.rank_loss_weight)
+    enc, y, n, pad_id = inputs.enc, inputs.y, inputs.lengths, inputs.fmt_in.pad_id
+    train_dl = make_loader([e.ids for e in enc["train"]], y["train"].tolist(), pad_id, cfg.batch_size, True, cfg.seed,
+                           n["train"].tolist())
+    val_dl = make_loader([e.ids for e in enc["val"]], y["val"].tolist(), pad_id, 64, False, cfg.seed, n["val"].tolist())
     return module, lora, train_dl, val_dl
 
 
@@ -236,7 +285,7 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
         "backbone": str(base.name), "model_type": inputs.model_type,
         "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
         "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
-    })
+    }, target=prep.target)
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]
     parity_ids = test_ids[:: max(1, len(test_ids) // 256)][:256]
@@ -244,7 +293,9 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
 
 
 def _log_results(report: dict, parity: float, train_seconds: float, work: Path) -> None:
-    """The test metrics of the model and of each baseline, the parity, the training time and the plots, to MLflow."""
+    """The test metrics of the model and of each baseline (overall, as ``test_*``/``baseline_*``, and per slice, as
+    ``<slice>_<predictor>_<metric>``), the recommended predictor per slice (tags ``recommended_<slice>``), the parity,
+    the training time and the plots, to MLflow."""
     import mlflow
 
     mlflow.log_metrics({f"test_{k}": v for k, v in report["model"].items() if isinstance(v, (int, float))})
@@ -252,6 +303,11 @@ def _log_results(report: dict, parity: float, train_seconds: float, work: Path) 
     mlflow.log_metric("train_seconds", train_seconds)
     for b, m in report["baselines"].items():
         mlflow.log_metrics({f"baseline_{b}_{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+    for s, block in report["slices"].items():
+        for name, m in block.items():
+            mlflow.log_metrics({f"{s}_{name}_{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+    mlflow.set_tags({f"recommended_{s}": name for s, name in report["recommended"].items()})
+    mlflow.set_tag("recommended_by", report["recommended_by"])
     mlflow.log_artifacts(str(work / "plots"), "plots")
 
 
@@ -259,7 +315,8 @@ def _register(cfg: TrainConfig, prep: Prepared, package: Path, report: dict) -> 
     """Register the package as a new version of ``cfg.register``, alias it, and promote it if asked; noted in ``report``."""
     from registry import store
 
-    reg = store.register_package(package, cfg.register, report["model"], prep.splits.fingerprint(), list(prep.scheme.edges))
+    reg = store.register_package(package, cfg.register, report["model"], prep.splits.fingerprint(), list(prep.scheme.edges),
+                                 target=prep.target)
     report.update(model_uri=reg.model_uri, registered_name=reg.name, registered_version=reg.version)
     if cfg.alias:
         store.set_alias(reg.name, cfg.alias, reg.version)
@@ -278,14 +335,31 @@ def _metric_history(run_id: str, key: str) -> list[float]:
 
 
 def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: Path) -> dict:
-    """Our model and the baselines on the test split: metrics, accuracy at 100/200/400, plots."""
-    from training.baselines import BASELINES
-    from training.evaluate import Predictions, accuracy_at_widths, compute_metrics
+    """Our model and the baselines on the test split: metrics overall and per slice (first turns, later turns), the
+    recommended predictor per slice, accuracy at 100/200/400, plots.
+
+    ``report["model"]`` and ``report["baselines"]`` hold the metrics on all test rows (what the registry compares);
+    ``report["slices"][slice][predictor]`` the same metrics per slice, and ``report["recommended"][slice]`` the
+    predictor with the best pairwise ranking accuracy there (recorded, not acted on: the sidecar serves the model).
+    Each baseline is fitted per slice (:func:`training.baselines.fit_sliced`); with served lengths a held-out prompt
+    is scored once per sample, whatever the label mode trained on.
+    """
+    from training.baselines import BASELINES, fit_sliced, rows_of
+    from training.evaluate import (
+        RECOMMEND_BY,
+        Predictions,
+        accuracy_at_widths,
+        compute_metrics,
+        recommend,
+        slice_masks,
+        sliced_metrics,
+    )
     from training.plots import confusion_png, error_by_prompt_length_png, reliability_png
 
     splits, scheme = prep.splits, prep.scheme
     test = splits.test
     y_len = labels_of(test).astype(np.float64)
+    masks = slice_masks(test)
     batch = predictor.predict_encoded(enc["test"], cfg.quantile)
     ours = Predictions(batch.probs, batch.expected)
     report = {"model": compute_metrics(ours, y_len, scheme, cfg.padding)}
@@ -293,21 +367,29 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["model"]["under_prediction_rate_at_quantile"] = float((y_len > batch.quantile).mean())
     report["model"]["truncated_prompts"] = float(batch.truncated.mean())
     report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
+    per_slice = {"lengthwise": sliced_metrics(ours, y_len, scheme, masks, cfg.padding)}
     # full (untruncated) prompt length in target-model tokens: what Aladdin's predictor conditions on
-    prompt_len = {k: prep.counter.count(["\n".join(t.text for t in e.turns) for e in part])
-                  for k, part in (("train", splits.train), ("test", test))}
-    texts = {k: [" \n".join(t.text[-4000:] for t in e.turns[-3:]) for e in part]
-             for k, part in (("train", splits.train), ("test", test))}
-    train_len = labels_of(splits.train).astype(np.float64)
-    report["baselines"] = {}
+    rows = {k: rows_of(part, prep.counter.count(["\n".join(t.text for t in e.turns) for e in part]))
+            for k, part in (("train", splits.train), ("val", splits.val), ("test", test))}
+    report["baselines"], report["baseline_fits"] = {}, {}
     errors = {"lengthwise": ours.point - y_len}
     if cfg.baselines:
-        for cls in BASELINES:
-            b = cls().fit(train_len, scheme, prompt_len=prompt_len["train"], texts=texts["train"])
-            p = b.predict(len(test), prompt_len=prompt_len["test"], texts=texts["test"])
-            report["baselines"][b.name] = compute_metrics(p, y_len, scheme, cfg.padding)
-            report["accuracy_at_widths"][b.name] = accuracy_at_widths(p, scheme, y_len)
-            errors[b.name] = p.point - y_len
+        for make in BASELINES:
+            p, info = fit_sliced(make, scheme, rows["train"], rows["val"], rows["test"])
+            name = make.name
+            report["baselines"][name] = compute_metrics(p, y_len, scheme, cfg.padding)
+            report["baseline_fits"][name] = info
+            report["accuracy_at_widths"][name] = accuracy_at_widths(p, scheme, y_len)
+            per_slice[name] = sliced_metrics(p, y_len, scheme, masks, cfg.padding)
+            errors[name] = p.point - y_len
+    report["slices"] = {s: {name: m[s] for name, m in per_slice.items()} for s in masks}
+    report["recommended"] = {s: recommend(block) for s, block in report["slices"].items()}
+    report["recommended_by"] = RECOMMEND_BY
+    report["labels"] = {"label": cfg.label, "target": prep.target,
+                        "censored_samples_in_file": prep.served.censored if prep.served else 0,
+                        "at_cap_test_rows": int((y_len >= prep.served.max_tokens).sum())
+                        if prep.served and prep.served.max_tokens else 0,
+                        "train_examples": len(enc["train"]) if "train" in enc else len(splits.train)}
     # top-level keys the CLI contract promises
     for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "kendall_tau", "under_prediction_rate", "ece"):
         report[k] = report["model"][k]
@@ -316,7 +398,7 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     truth = scheme.assign(y_len)
     confusion_png(truth, batch.buckets, scheme, plots / "confusion_matrix.png")
     reliability_png(batch.probs, truth, plots / "reliability.png", report["model"]["ece"])
-    error_by_prompt_length_png(prompt_len["test"], errors, plots / "error_by_prompt_length.png")
+    error_by_prompt_length_png(rows["test"].prompt_len, errors, plots / "error_by_prompt_length.png")
     return report
 
 

@@ -1,4 +1,4 @@
-"""Printing an evaluation report: our model beside the baselines, as a table."""
+"""Printing an evaluation report: our model beside the baselines, as a table per slice, and which predictor wins."""
 
 from __future__ import annotations
 
@@ -11,19 +11,26 @@ ROWS = (
     ("mae_tokens", "MAE (tokens)", "{:.1f}"),
     ("bias_tokens", "bias (tokens)", "{:+.1f}"),
     ("kendall_tau", "Kendall tau", "{:.3f}"),
+    ("pairwise_accuracy", "pairwise ranking accuracy", "{:.3f}"),
     ("under_prediction_rate", "under-prediction @padding", "{:.3f}"),
     ("ece", "calibration error (ECE)", "{:.3f}"),
 )
+SLICE_TITLES = {"first_turn": "first turns", "later_turns": "later turns", "all": "all turns"}
+
+
+def _cell(m: dict, key: str, fmt: str) -> str:
+    return fmt.format(m[key]) if key in m else "-"
 
 
 def metrics_table(report: dict, title: str = "Held-out test split") -> Table:
+    """All test rows: the model and every baseline (each fitted per slice), with top-1 at coarser buckets."""
     cols = {"lengthwise": report["model"], **report.get("baselines", {})}
-    t = Table(title=f"{title} (n={report['model']['n']}, padding {report['model']['padding']:.0%})")
+    t = Table(title=f"{title}, all turns (n={report['model']['n']}, padding {report['model']['padding']:.0%})")
     t.add_column("metric")
     for name in cols:
         t.add_column(name, justify="right")
     for key, label, fmt in ROWS:
-        t.add_row(label, *[fmt.format(m[key]) for m in cols.values()])
+        t.add_row(label, *[_cell(m, key, fmt) for m in cols.values()])
     widths = report.get("accuracy_at_widths", {})
     for w in ("100", "200", "400"):
         if all(w in widths.get(n, {}) for n in cols):
@@ -31,9 +38,51 @@ def metrics_table(report: dict, title: str = "Held-out test split") -> Table:
     return t
 
 
+def slice_table(report: dict, name: str) -> Table:
+    """One slice (``first_turn`` or ``later_turns``): every predictor's metrics on that slice's test rows."""
+    block = report["slices"][name]
+    n = next(iter(block.values()))["n"]
+    t = Table(title=f"{SLICE_TITLES.get(name, name)} (n={n})")
+    t.add_column("metric")
+    for who in block:
+        t.add_column(who, justify="right")
+    for key, label, fmt in ROWS:
+        t.add_row(label, *[_cell(m, key, fmt) for m in block.values()])
+    return t
+
+
+def verdicts(report: dict) -> list[str]:
+    """One line per slice: which predictor is better there, by the recommendation's metric, against the model."""
+    by = report.get("recommended_by", "pairwise_accuracy")
+    lines = []
+    for name, best in report.get("recommended", {}).items():
+        block = report["slices"][name]
+        ours = block["lengthwise"].get(by, float("nan"))
+        if best == "lengthwise":
+            others = {k: m.get(by, float("nan")) for k, m in block.items() if k != "lengthwise"}
+            runner = max(others, key=lambda k: others[k], default=None) if others else None
+            vs = f" vs {runner} {others[runner]:.3f}" if runner else ""
+            verb = "ties" if runner and others[runner] == ours else "is better"
+            lines.append(f"{SLICE_TITLES.get(name, name)}: lengthwise {verb} ({by} {ours:.3f}{vs})")
+        else:
+            lines.append(f"{SLICE_TITLES.get(name, name)}: {best} is better ({by} {block[best][by]:.3f} vs lengthwise "
+                         f"{ours:.3f}); recommended for this slice")
+    return lines
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 120))
     console.print(metrics_table(report))
+    for name in report.get("slices", {}):
+        if name != "all":
+            console.print(slice_table(report, name))
+    for line in verdicts(report):
+        console.print(line)
+    labels = report.get("labels", {})
+    if labels.get("censored_samples_in_file"):
+        console.print(f"{labels['censored_samples_in_file']} samples of the served-length file ran to the cap (censored; "
+                      f"{labels.get('at_cap_test_rows', 0)} test rows at the cap): labelled with the cap, they land in "
+                      "the top bucket")
     console.print(f"ONNX parity: max |logit diff| = {report['onnx_parity_max_abs_diff']:.2e}  "
                   f"training {report['train_seconds']:.0f}s over {len(report.get('epoch_seconds', []))} epochs "
                   f"({', '.join(f'{s:.0f}s' for s in report.get('epoch_seconds', []))})")

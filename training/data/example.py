@@ -35,3 +35,9 @@ class Example:
     @property
     def latest(self) -> str:
         return self.turns[-1].text
+
+    @property
+    def first_turn(self) -> bool:
+        """True for a conversation's opening request (no user turn before the latest one): the scheduler sees these
+        without any earlier answer to go by, so every evaluation reports them apart from later turns."""
+        return sum(t.role == "user" for t in self.turns) <= 1

@@ -9,7 +9,9 @@ one JSON line per (prompt, sample); this module is the file's other half, on the
   model: with the text (``messages`` column) a file is a ``--format jsonl`` dataset by itself; without it
   (``relabel --no-text``, the lengths alone, small enough to commit) :func:`join_served_lengths` gives the prompt set's
   examples their served lengths (``train-predictor --served-lengths``).
-- :func:`read_served` reads the lines back, tolerating a last line cut short by a killed run.
+- :func:`read_served` reads the lines back, tolerating a last line cut short by a killed run; :func:`load_served` keeps
+  each prompt's sample lengths and the set-up that made them (the labels' target: model, sampling, cap).
+- :func:`group_samples` gathers a prompt's K samples back into one example, for soft labels (``--label soft``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import hashlib
 import json
 import lzma
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from training.data.example import DataError, Example, Turn
 
@@ -65,13 +69,45 @@ def read_served(path: str | Path) -> tuple[list[dict], int]:
     return records, end
 
 
-def join_served_lengths(examples: Sequence[Example], path: str | Path) -> list[Example]:
-    """The examples whose prompt has served lengths in ``path``, once per sample with that sample's length as the label
-    (``response_tokens``; the group kept, so a prompt's samples never straddle a split). A prompt that appears twice in
-    the set is labelled once, as relabel ran it once; prompts without a length are left out."""
+@dataclass(frozen=True)
+class ServedLabels:
+    """What a served-length file says: each prompt's sample lengths, and how they were made (the labels' target)."""
+
+    lengths: dict[str, list[int]]  # prompt hash -> response tokens of its samples, in sample order
+    model: str | None              # the served model (``name@hash``) that wrote them
+    sampling: dict | None          # its sampling settings (temperature, top_p, repetition_penalty)
+    max_tokens: int | None         # the cap a sample ran to when censored
+    censored: int                  # samples that ran to the cap: their true length is at least max_tokens
+
+    def target(self) -> dict[str, Any]:
+        """The labels' target (:mod:`predictor.target`): the served model's own output tokens, at its sampling and cap."""
+        return {"model": self.model, "label_tokenizer": "served model's own output tokens", "sampling": self.sampling,
+                "max_tokens": self.max_tokens, "source": "relabel by the served model"}
+
+
+def load_served(path: str | Path) -> ServedLabels:
+    """Read a served-length file into :class:`ServedLabels`; :class:`DataError` when its records name more than one
+    model, sampling or cap (labels of two set-ups in one file would teach a mixture of both)."""
+    records = sorted(read_served(path)[0], key=lambda r: (r["prompt_hash"], r["sample"]))
     lengths: dict[str, list[int]] = {}
-    for rec in sorted(read_served(path)[0], key=lambda r: (r["prompt_hash"], r["sample"])):
+    for rec in records:
         lengths.setdefault(rec["prompt_hash"], []).append(int(rec["response_tokens"]))
+    setups = {json.dumps([r.get("model"), r.get("sampling"), r.get("max_tokens")], sort_keys=True) for r in records}
+    if len(setups) > 1:
+        raise DataError(f"{path} mixes labels of {len(setups)} set-ups (model, sampling, max_tokens): "
+                        "relabel each into a file of its own")
+    model, sampling, cap = json.loads(setups.pop()) if setups else (None, None, None)
+    return ServedLabels(lengths, model, sampling, cap, sum(bool(r.get("censored")) for r in records))
+
+
+def join_served_lengths(examples: Sequence[Example], served: str | Path | ServedLabels) -> list[Example]:
+    """The examples whose prompt has served lengths in ``served`` (a file or what :func:`load_served` read), once per
+    sample with that sample's length as the label (``response_tokens``; the group kept, so a prompt's samples never
+    straddle a split). A prompt that appears twice in the set is labelled once, as relabel ran it once; prompts
+    without a length are left out. A censored sample keeps the cap as its length (what the served model produces
+    under that cap)."""
+    labels = served if isinstance(served, ServedLabels) else load_served(served)
+    lengths = labels.lengths
     out, seen = [], set()
     for e in examples:
         h = prompt_hash(e.turns)
@@ -80,6 +116,19 @@ def join_served_lengths(examples: Sequence[Example], path: str | Path) -> list[E
         seen.add(h)
         out.extend(dataclasses.replace(e, response=None, response_tokens=n) for n in lengths[h])
     if not out:
+        path = served if not isinstance(served, ServedLabels) else "the served-length file"
         raise DataError(f"none of the {len(examples)} prompts has a served length in {path}: was it relabelled from "
                         "this prompt set (same --format, --first-turns-only)?")
     return out
+
+
+def group_samples(examples: Sequence[Example]) -> list[tuple[Example, list[int]]]:
+    """Each distinct prompt once (first-seen order) with the lengths of all its samples: what soft labels train on,
+    one example per prompt whose target is the bucket histogram of its samples."""
+    by_prompt: dict[tuple, tuple[Example, list[int]]] = {}
+    for e in examples:
+        key = (e.group, e.turns)
+        if key not in by_prompt:
+            by_prompt[key] = (e, [])
+        by_prompt[key][1].append(int(e.response_tokens or 0))
+    return list(by_prompt.values())

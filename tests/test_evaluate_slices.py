@@ -1,0 +1,86 @@
+"""Offline metrics per slice: pairwise ranking accuracy, the first-turn / later-turn masks, and the recommendation."""
+
+import numpy as np
+import pytest
+
+from predictor.buckets import BucketScheme
+from training.data import Example, Turn
+from training.evaluate import (
+    Predictions,
+    accuracy_at_widths,
+    compute_metrics,
+    pairwise_accuracy,
+    recommend,
+    slice_masks,
+    sliced_metrics,
+)
+
+pytestmark = pytest.mark.unit
+SCHEME = BucketScheme.equal_width(100, 1000)
+
+
+def _first(text: str = "q") -> Example:
+    return Example("g", (Turn("system", "be brief"), Turn("user", text)), response_tokens=10)
+
+
+def _later() -> Example:
+    return Example("g", (Turn("user", "q"), Turn("assistant", "a"), Turn("user", "more")), response_tokens=10)
+
+
+def test_pairwise_accuracy_counts_ordered_pairs_and_ties_half():
+    lengths = np.array([10, 20, 30, 30])
+    assert pairwise_accuracy(np.array([1, 2, 3, 4]), lengths) == 1.0  # the (30, 30) pair is left out
+    assert pairwise_accuracy(np.array([4, 3, 2, 1]), lengths) == 0.0
+    assert pairwise_accuracy(np.full(4, 7.0), lengths) == 0.5
+    # pairs (10,20) right, (10,30) right twice, (20,30) wrong once and tied once: (3 + 0.5) / 5
+    assert pairwise_accuracy(np.array([1, 5, 3, 5]), lengths) == pytest.approx(3.5 / 5)
+    assert np.isnan(pairwise_accuracy(np.array([1, 2]), np.array([5, 5])))
+
+
+def test_pairwise_accuracy_samples_pairs_deterministically_when_there_are_many():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 1000, 3000).astype(float)
+    point = lengths + rng.normal(0, 300, 3000)
+    exact = pairwise_accuracy(point, lengths, max_pairs=10**8)
+    sampled = pairwise_accuracy(point, lengths, max_pairs=50_000)
+    assert sampled == pairwise_accuracy(point, lengths, max_pairs=50_000)  # the same pairs every time
+    assert sampled != exact and abs(sampled - exact) < 0.01
+
+
+def test_slices_split_first_turns_from_later_ones_and_leave_out_an_empty_slice():
+    examples = [_first(), _later(), _first(), _later(), _later()]
+    masks = slice_masks(examples)
+    assert masks["first_turn"].tolist() == [True, False, True, False, False]
+    assert masks["later_turns"].tolist() == [False, True, False, True, True]
+    assert masks["all"].all()
+    assert set(slice_masks([_first(), _first()])) == {"first_turn", "all"}
+
+
+def test_sliced_metrics_score_each_slice_on_its_own_rows():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 1000, 200).astype(float)
+    first = np.arange(200) < 80
+    point = np.where(first, lengths, lengths[::-1])  # right on first turns, scrambled on later ones
+    pred = Predictions(np.eye(SCHEME.n)[SCHEME.assign(point)], point)
+    masks = {"first_turn": first, "later_turns": ~first, "all": np.ones(200, dtype=bool)}
+    got = sliced_metrics(pred, lengths, SCHEME, masks)
+    assert got["all"] == compute_metrics(pred, lengths, SCHEME)
+    assert got["first_turn"]["n"] == 80 and got["first_turn"]["pairwise_accuracy"] == 1.0
+    assert got["first_turn"]["mae_tokens"] == 0.0 and got["later_turns"]["mae_tokens"] > 100
+    assert got["later_turns"]["pairwise_accuracy"] < 0.7
+
+
+def test_recommend_takes_the_best_ranking_and_counts_nan_as_worst():
+    block = {"lengthwise": {"pairwise_accuracy": 0.61}, "global-median": {"pairwise_accuracy": float("nan")},
+             "tfidf-logreg": {"pairwise_accuracy": 0.64}}
+    assert recommend(block) == "tfidf-logreg"
+    assert recommend(block, by="missing") == "lengthwise"  # nothing to compare: the model, named first
+    block["lengthwise"]["pairwise_accuracy"] = 0.64
+    assert recommend(block) == "lengthwise"  # a tie keeps what is served
+
+
+def test_accuracy_at_widths_leaves_out_a_width_at_or_above_the_cap():
+    scheme = BucketScheme.equal_width(64, 256)
+    lengths = np.array([10.0, 100.0, 250.0])
+    pred = Predictions(np.eye(scheme.n)[scheme.assign(lengths)], lengths)
+    assert set(accuracy_at_widths(pred, scheme, lengths)) == {"100", "200"}

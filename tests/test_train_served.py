@@ -1,0 +1,161 @@
+"""Training on the served model's own lengths: what the file says about its labels (the target), soft labels from a
+prompt's K samples, censored samples, the ranking term, and one small real run through train-predictor."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from predictor.buckets import BucketScheme
+from training.cli import main
+from training.config import TrainConfig
+from training.data import DataError, Example, Turn, load_examples
+from training.data.served import group_samples, load_served, prompt_hash
+from training.module import pairwise_rank_loss
+from training.pipeline import _target, soft_targets
+
+MODEL = "Tiny-Instruct@0123456789ab"
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
+def _record(h: str, group: str, sample: int, n: int, cap: int, model: str = MODEL) -> dict:
+    return {"prompt_hash": h, "group": group, "turn": 0, "first_turn": True, "sample": sample, "seed": sample,
+            "response_tokens": min(n, cap), "finish_reason": "length" if n >= cap else "stop", "censored": n >= cap,
+            "prompt_tokens": 0, "model": model, "sampling": SAMPLING, "max_tokens": cap}
+
+
+def _write(path: Path, recs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served_set(data, tmp_path_factory) -> tuple[Path, Path]:
+    """The first 160 ShareGPT conversations (first and later turns) and two seeded samples of every prompt, whose
+    lengths follow the request (first turns) or the previous answer (later turns), up to a cap of 256."""
+    d = tmp_path_factory.mktemp("served")
+    with lzma.open(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "rt") as f:
+        convs = json.load(f)[:160]
+    prompts = d / "set.json"
+    prompts.write_text(json.dumps(convs))
+    rng, recs, seen = random.Random(0), [], set()
+    for e in load_examples(prompts, "sharegpt"):
+        h = prompt_hash(e.turns)
+        if h in seen:
+            continue
+        seen.add(h)
+        prev = next((len(t.text.split()) for t in reversed(e.turns[:-1]) if t.role == "assistant"), None)
+        base = 30 + 2 * len(e.latest.split()) if prev is None else prev
+        recs += [_record(h, e.group, s, max(1, int(base * rng.uniform(0.6, 1.4))), 256) for s in range(2)]
+    return prompts, _write(d / "lengths.jsonl", recs)
+
+
+@pytest.mark.unit
+def test_the_file_says_whose_lengths_they_are_and_refuses_a_mixture(tmp_path):
+    recs = [_record("a" * 64, "g", 0, 12, 64), _record("a" * 64, "g", 1, 80, 64), _record("b" * 64, "h", 0, 5, 64)]
+    labels = load_served(_write(tmp_path / "one.jsonl", recs))
+    assert labels.lengths == {"a" * 64: [12, 64], "b" * 64: [5]} and labels.censored == 1
+    assert labels.target() == {"model": MODEL, "label_tokenizer": "served model's own output tokens",
+                               "sampling": SAMPLING, "max_tokens": 64, "source": "relabel by the served model"}
+    mixed = _write(tmp_path / "two.jsonl", [*recs, _record("c" * 64, "i", 0, 5, 64, model="Other@ba9876543210")])
+    with pytest.raises(DataError, match="mixes labels of 2 set-ups"):
+        load_served(mixed)
+
+
+@pytest.mark.unit
+def test_dataset_answers_are_recorded_as_such(data):
+    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    cfg = TrainConfig(data="x.json", fmt="alpaca-eval", generator="gpt4", tokenizer=tok, max_tokens=1024)
+    assert _target(cfg, None) == {"model": "dataset answers (gpt4)", "label_tokenizer": "tokenizer.json",
+                                  "sampling": None, "max_tokens": 1024, "source": "dataset answers"}
+    assert _target(TrainConfig(data="x.json", tokenizer=tok), None)["model"] == "dataset answers (sharegpt)"
+
+
+@pytest.mark.unit
+def test_soft_labels_are_each_prompts_bucket_histogram():
+    scheme = BucketScheme.equal_width(100, 400)
+    a, b = (Turn("user", "a"),), (Turn("user", "b"),)
+    rows = [Example("g1", a, response_tokens=n) for n in (10, 150, 170)] + [Example("g2", b, response_tokens=400)]
+    grouped = group_samples(rows)
+    assert [(e.turns, n) for e, n in grouped] == [(a, [10, 150, 170]), (b, [400])]
+    targets = soft_targets([n for _, n in grouped], scheme)
+    np.testing.assert_allclose(targets, [[1 / 3, 2 / 3, 0, 0], [0, 0, 0, 1]])  # at the cap: the top bucket
+
+
+@pytest.mark.unit
+def test_the_ranking_term_rewards_the_true_order():
+    length = torch.tensor([10.0, 200.0, 50.0, 50.0])
+    right = pairwise_rank_loss(torch.tensor([0.1, 2.0, 0.5, 0.5]), length)
+    wrong = pairwise_rank_loss(torch.tensor([2.0, 0.1, 0.5, 0.5]), length)
+    assert right < wrong
+    score = torch.tensor([1.0, 0.0, 0.5, 0.5], requires_grad=True)
+    pairwise_rank_loss(score, length).backward()
+    assert score.grad[1] < 0 < score.grad[0]  # a step against the gradient lifts the longest and lowers the shortest
+    assert pairwise_rank_loss(torch.tensor([1.0, 2.0]), torch.tensor([7.0, 7.0])) == 0
+
+
+def _fail_line(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:  # argparse's own exit
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home):
+    prompts, lengths = served_set
+    tok = ["--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json")]
+    assert main(["--data", str(prompts), *tok, "--label", "soft"]) == 2
+    assert capsys.readouterr().err.strip() == ("train-predictor: error: --label soft needs --served-lengths: soft labels "
+                                               "are the bucket histogram of a prompt's samples")
+    assert load_served(lengths).censored > 0
+    assert main(["--data", str(prompts), *tok, "--served-lengths", str(lengths), "--max-tokens", "1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "ran to their cap of 256 tokens (censored)" in err and "--max-tokens 256" in err
+    assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--rank-loss-weight", "-1"])
+    assert "invalid choice" in _fail_line(capsys, ["--data", str(prompts), "--label", "hard"])
+
+
+@pytest.mark.timeout(900)
+def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_target(served_set, data, home, tmp_path):
+    """One small real run: every slice scored for the model and each baseline, a recommendation per slice, the test
+    rows one per sample, and the served model recorded as the target in the package and the registry."""
+    from registry import store
+
+    prompts, lengths = served_set
+    out = tmp_path / "metrics.json"
+    rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--rank-loss-weight", "0.5",
+               "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens", "256", "--bucket-width", "64",
+               "--max-samples", "300", "--epochs", "1", "--max-prompt-tokens", "24", "--experiment", "tests-served",
+               "--register", "served-predictor", "--work-dir", str(tmp_path / "work"), "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(r["slices"]) == {"first_turn", "later_turns", "all"} == set(r["recommended"])
+    for block in r["slices"].values():
+        assert set(block) == {"lengthwise", "global-median", "prompt-length-bin", "tfidf-logreg"}
+        assert all({"accuracy", "accuracy_within_1", "mae_tokens", "kendall_tau", "pairwise_accuracy"} <= set(m)
+                   for m in block.values())
+    assert r["slices"]["all"]["lengthwise"] == {k: v for k, v in r["model"].items() if k in r["slices"]["all"]["lengthwise"]}
+    n = r["slices"]["first_turn"]["lengthwise"]["n"] + r["slices"]["later_turns"]["lengthwise"]["n"]
+    assert n == r["n_test"] == r["model"]["n"]
+    assert r["recommended_by"] == "pairwise_accuracy"
+    assert r["baseline_fits"]["tfidf-logreg"]["later_turns"]["fitted_on"] == "slice"
+    # soft: each training prompt once, half the sample rows (two samples each); the test keeps every sample
+    # (the sample cap may cut the last prompt's second sample off)
+    assert r["labels"]["label"] == "soft" and r["labels"]["train_examples"] == -(-r["n_train"] // 2)
+    want = load_served(lengths).target()
+    assert r["labels"]["target"] == want
+    meta = json.loads((tmp_path / "work" / "package" / "meta.json").read_text())
+    assert meta["target"] == want
+    assert store.version_target("served-predictor", r["registered_version"])["model"] == MODEL
+    from mlflow import MlflowClient
+
+    run = MlflowClient().get_run(r["run_id"])
+    assert run.data.params["label"] == "soft" and float(run.data.params["rank_loss_weight"]) == 0.5
+    assert {f"recommended_{s}" for s in r["recommended"]} <= set(run.data.tags)
+    assert "train_rank_loss" in run.data.metrics and "later_turns_tfidf-logreg_pairwise_accuracy" in run.data.metrics

@@ -41,8 +41,10 @@ def test_every_flag_of_a_field_has_its_default_and_type():
             assert action.default == field.default, name
         if kind is bool:
             assert action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction), name
-        elif kind in (int, float):
-            assert action.type is kind, name
+        elif kind in (int, float):  # the type itself, or a checker that returns it (e.g. "0 or more")
+            assert action.type is kind or type(action.type("1")) is kind, name
+        elif typing.get_origin(kind) is typing.Literal:
+            assert tuple(action.choices) == typing.get_args(kind), name
         elif kind is str or typing.get_origin(kind) is list:  # a list as one comma-separated string
             assert action.type in (None, str), name
         else:
@@ -57,16 +59,19 @@ def test_no_flags_give_the_fields_defaults():
 @pytest.mark.unit
 def test_flags_reach_their_fields():
     a = build_parser().parse_args(["--data", "d", "--edges", "64,128", "--max-samples", "0", "--lora-targets", "q,v",
-                                   "--no-register", "--alias", "", "--no-baselines", "--no-length-hints", "--lr", "0.01"])
+                                   "--no-register", "--alias", "", "--no-baselines", "--no-length-hints", "--lr", "0.01",
+                                   "--label", "soft", "--rank-loss-weight", "0.25"])
     cfg = config_from_args(a)
     assert (cfg.edges, cfg.bucket_width, cfg.max_samples, cfg.lora_targets) == ("64,128", None, None, ["q", "v"])
     assert (cfg.register, cfg.alias, cfg.baselines, cfg.length_hints, cfg.lr) == (None, None, False, False, 0.01)
+    assert (cfg.label, cfg.rank_loss_weight) == ("soft", 0.25)
 
 
 @pytest.mark.unit
 def test_logged_params_read_back_as_the_config():
     cfg = TrainConfig(data="d", tokenizer=None, first_turn_only=True, bucket_width=None, edges="64,128", max_samples=None,
-                      lr=0.003, lora_targets=["query", "value"], register=None, promote=True, padding=0.2)
+                      lr=0.003, lora_targets=["query", "value"], register=None, promote=True, padding=0.2,
+                      label="soft", rank_loss_weight=0.5)
     params = {k: str(v)[:500] for k, v in cfg.model_dump().items()}  # as run() logs them
     assert config_from_params(params) == cfg
     params["lora_targets"] = "query,value"  # run() logs the resolved targets comma-joined

@@ -142,7 +142,7 @@ def test_the_job_carries_the_prompts_tokens_and_the_predicted_output_of_every_se
     req = gw.validate("completion", body(prompt="abcdefgh", n=3))
     job = gw.job(call, req, LengthPrediction(10, "fallback", "disabled"))
     assert (job.prompt_len, job.pred_len) == (6, 30.0)  # 8 characters / 4, times n; 10 tokens x 3 sequences
-    assert (call.prompt_tokens, call.method) == (6, "estimate")
+    assert (call.prompt_tokens, call.method) == (2, "estimate")  # the prompt, once: what x-lengthwise-prompt-tokens says
     assert gw.job(Call("completion"), req, LengthPrediction(10, "fallback")).rid == job.rid + 1
 
 
@@ -280,7 +280,8 @@ def test_health_is_degraded_without_a_healthy_engine(make_gateway):
     gw = make_gateway()
     assert gw.health()["status"] == "degraded" and gw.health()["healthy_engines"] == 0
     gw.pool.engines[0].healthy = True
-    assert gw.health()["status"] == "ok" and value(gw.metrics.requests, "/health", "200") == 3
+    assert gw.health()["status"] == "ok" and value(gw.metrics.requests, "/health", "200") == 1
+    assert value(gw.metrics.requests, "/health", "503") == 2  # no engine to serve: 503, for a load balancer
 
 
 # --- forward: a stream's typed messages ------------------------------------------------------------------

@@ -24,7 +24,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.gateway.errors import ApiError, error_body
 from serving.gateway.gateway import Call, Gateway
@@ -78,6 +80,25 @@ async def unless_client_leaves(request: Request, call: Coroutine[Any, Any, Respo
     return answer.result()
 
 
+class KeyMiddleware:
+    """The API-key check (:meth:`Gateway.authorize`) in front of every route, 404s included: pure ASGI, so a refused
+    request costs no body read and streams and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app, self.gw = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.gw.keys.enabled:
+            path = scope["path"]
+            try:
+                self.gw.authorize(scope["method"], path, Headers(scope=scope))
+            except ApiError as exc:
+                self.gw.count(path, exc.status)
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
                predictor_target: TargetCheck | None = None) -> FastAPI:
@@ -94,6 +115,7 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     app = FastAPI(title="lengthwise gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible endpoint in front of vLLM engines running the lengthwise scheduler.")
     app.state.gateway, app.state.pool, app.state.metrics = gw, gw.pool, gw.metrics
+    app.add_middleware(KeyMiddleware, gateway=gw)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -130,9 +152,10 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
     async def models() -> Response:
         return await gw.models()
 
-    @app.get("/health", summary="the gateway is up; engine health and the predictor's target model in the body")
+    @app.get("/health", summary="ok, or degraded with reasons (engines, predictor); 503 only when no engine can serve")
     async def health() -> Response:
-        return JSONResponse(gw.health())
+        body = gw.health()
+        return JSONResponse(body, status_code=gw.health_status(body))
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus() -> Response:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import secrets
 import signal
 import socket
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
 
+from serving.gateway.auth import KEY_ENV
 from serving.gateway.settings import GatewaySettings
 from serving.policy.registry import policy_help
 
@@ -105,6 +108,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _placement_flags(p.add_argument_group("placement (which engine gets a request; see 'placement' below)"))
     _prediction_flags(p.add_argument_group("prediction and SLO"))
     _gateway_flags(p.add_argument_group("gateway"))
+    _security_flags(p.add_argument_group("who may call what (keys are never printed or logged)"))
+    _limit_flags(p.add_argument_group("limits (what one client, or all of them, may ask)"))
     p.set_defaults(func=run)
     return p
 
@@ -211,6 +216,43 @@ def _gateway_flags(g: argparse._ActionsContainer) -> None:
              help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
                   "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
     _setting(g, "--log-level", "log_level", choices=["debug", "info", "warning", "error"])
+    _setting(g, "--log-prompts", "log_prompts", action="store_true",
+             help="log each request's prompt text (default: no prompt text in any gateway log line)")
+
+
+def _security_flags(a: argparse._ActionsContainer) -> None:
+    _setting(a, "--api-key", "api_keys", action="append", metavar="KEY",
+             help="a key clients must send as 'Authorization: Bearer KEY' (as vllm serve --api-key), repeatable; a "
+                  "wrong or missing key gets 401. Prefer --api-key-file or LENGTHWISE_API_KEY: a flag shows in ps. "
+                  "Default: none, the gateway is open")
+    _setting(a, "--api-key-file", "api_key_file", metavar="PATH",
+             help="more keys, one per line (# comments and blank lines skipped); read at start")
+    _setting(a, "--protect-health", "protect_health", action="store_true",
+             help="/health and /metrics need a key too (default: open, for load balancers and Prometheus)")
+    _setting(a, "--engine-api-key", "engine_api_key", metavar="KEY",
+             help="the key the engines want (their vllm serve --api-key), sent on every engine call; also "
+                  "LENGTHWISE_ENGINE_API_KEY. Engines started here get this one, else a random one")
+    _setting(a, "--no-engine-key", "random_engine_key", action="store_false",
+             help="engines started here run without a key (they still listen on loopback only): for tools that send "
+                  "them requests directly")
+    _setting(a, "--predictor-token", "predictor_token", metavar="TOKEN",
+             help="sent as 'Authorization: Bearer TOKEN' on every call to the sidecar; also LENGTHWISE_PREDICTOR_TOKEN")
+
+
+def _limit_flags(lim: argparse._ActionsContainer) -> None:
+    _setting(lim, "--max-outstanding", "max_outstanding", metavar="N",
+             help="requests in flight in the gateway; one more gets 429 with Retry-After at once (default: "
+                  "--max-outstanding-per-engine x engines)")
+    _setting(lim, "--max-outstanding-per-engine", "max_outstanding_per_engine", metavar="N",
+             help="requests in flight on one engine; placement skips an engine at it, and when every engine is, "
+                  "the request gets 429 (default: 2 x the engines' --max-num-seqs, 256 when not known: one batch "
+                  "running and one waiting for the scheduler to order)")
+    _setting(lim, "--max-n", "max_n", metavar="N", help="the largest n a request may ask for; more is a 400 "
+             "(default: %(default)s)")
+    _setting(lim, "--slo-min-ms", "slo_min_ms", metavar="MS",
+             help="x-slo-ttft-ms / x-slo-tpot-ms below this are raised to it (counted) (default: %(default)s)")
+    _setting(lim, "--slo-max-ms", "slo_max_ms", metavar="MS",
+             help="x-slo-ttft-ms / x-slo-tpot-ms above this are lowered to it (counted) (default: %(default)s)")
 
 
 class UsageError(ValueError):
@@ -234,6 +276,11 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         raise UsageError("--scheduler-config must be a JSON object")
     fields = {name: getattr(a, name) for name in _FLAGS}  # every flag sets its field
     fields["scheduler_config"] = sched
+    if os.environ.get(KEY_ENV, "").strip():
+        fields["api_keys"] = [*(fields["api_keys"] or []), os.environ[KEY_ENV].strip()]
+    for name, env in (("engine_api_key", "LENGTHWISE_ENGINE_API_KEY"), ("predictor_token", "LENGTHWISE_PREDICTOR_TOKEN")):
+        if fields[name] is None and os.environ.get(env):
+            fields[name] = os.environ[env]
     try:
         settings = GatewaySettings(**fields)
     except ValidationError as exc:
@@ -241,6 +288,10 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         field = str(err["loc"][0]) if err["loc"] else ""
         msg = str(err["msg"]).removeprefix("Value error, ")
         raise UsageError(f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {msg}" if field else msg) from None
+    try:
+        settings.client_keys()
+    except ValueError as exc:
+        raise UsageError(f"--api-key-file: {exc}") from None
     _check_placement(settings)
     return settings
 
@@ -267,7 +318,9 @@ def _check_predictor(settings: GatewaySettings) -> TargetCheck:
     from serving.gateway.target import announce, check, refusal, served_model
 
     async def ask() -> TargetCheck:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+        token = settings.predictor_token
+        auth = {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=auth) as client:
             return await check(settings.predictor_url, served_model(settings), client)
 
     found = asyncio.run(ask())
@@ -376,6 +429,10 @@ def run(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     procs = []
     try:
+        if settings.starts_engines and settings.engine_api_key is None and settings.random_engine_key:
+            from pydantic import SecretStr
+
+            settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_urlsafe(32))})
         if settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)

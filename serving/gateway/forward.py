@@ -30,10 +30,11 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
+from serving.gateway.admission import overloaded
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.pool import Engine, EnginePool
+from serving.gateway.pool import Engine, EnginePool, engine_auth
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
@@ -43,11 +44,15 @@ log = logging.getLogger("serving.gateway")
 
 
 class _Retry(Exception):
-    """This engine failed before the client saw anything: try another."""
+    """This engine failed before the client saw anything: try another.
 
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
+    ``echo`` is what the engine said (an excerpt of its answer), which may quote the request: it goes into the client's
+    error message, and into the log only with ``--log-prompts``.
+    """
+
+    def __init__(self, reason: str, detail: str, echo: str = ""):
+        super().__init__(f"{detail}: {echo}" if echo else detail)
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -65,8 +70,9 @@ class Forwarder:
     def __init__(self, pool: EnginePool, settings: GatewaySettings, metrics: GatewayMetrics):
         self.pool, self.settings, self.metrics = pool, settings, metrics
         s = settings
+        self.per_engine = s.outstanding_bounds(len(pool.engines))[0]
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None),
+            timeout=httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None), headers=engine_auth(s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=s.keepalive_s))
 
     async def aclose(self) -> None:
@@ -84,10 +90,12 @@ class Forwarder:
         again: Engine | None = None  # the engine that dropped a kept-alive connection and then passed a probe
         transient: dict[str, Engine] = {}  # engines whose last failure of this request a live engine can cause
         returns = 0  # goes back to those, once every engine was tried
+        full: frozenset[str] = frozenset()  # engines at --max-outstanding-per-engine: not chosen
         while True:
             engine = again
             if engine is None and len(tried) < self.settings.max_attempts:
-                engine = self.pool.place(job, frozenset(tried))
+                full = self.pool.full(self.per_engine)
+                engine = self.pool.place(job, frozenset(tried) | full)
             if engine is None and returns < self.settings.transient_retries:
                 engine = await self._return_to(job, transient, returns)
                 returns += engine is not None
@@ -96,7 +104,7 @@ class Forwarder:
             if failure is not None:
                 self.metrics.engine_retries.labels(failure[0].name, failure[1].reason).inc()
                 log.info("request %s: retrying on %s after %s failed (%s)", headers.get("X-Request-Id"), engine.name,
-                         failure[0].name, failure[1])
+                         failure[0].name, failure[1] if self.settings.log_prompts else failure[1].detail)
             if again is None and engine.name not in tried:
                 tried.append(engine.name)
             retried_here, again = engine is (failure[0] if failure else None), None
@@ -113,6 +121,9 @@ class Forwarder:
                 if not retried_here and await self.pool.verify(engine):
                     self.pool.place_on(job, engine)
                     again = engine
+        if failure is None and any(e.healthy and e.name in full for e in self.pool.engines):
+            self.metrics.rejected.labels("engine_full").inc()
+            raise overloaded(f"{self.per_engine} requests in flight on every engine")
         if failure is None:
             msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
         else:
@@ -188,7 +199,7 @@ class Forwarder:
         if r.status_code != 200:
             self.pool.drop(engine, job)
             if await self._retry_status(engine, r.status_code):
-                raise _Retry(f"status_{r.status_code}", f"{engine.name} answered {r.status_code}: {r.text[:200]}")
+                raise _Retry(f"status_{r.status_code}", f"{engine.name} answered {r.status_code}", r.text[:200])
         out = Outcome(r.status_code, engine.name)
         if r.status_code == 200:
             try:
@@ -216,7 +227,7 @@ class Forwarder:
             return await self._unstarted(engine, first, on_done)
         if _is_error_event(first.data) and not await self.pool.check(engine, immediate=True):
             call.release()
-            raise _Retry("error_event", f"{engine.name} failed the request and its health probe: {first.data[:200]}")
+            raise _Retry("error_event", f"{engine.name} failed the request and its health probe", first.data[:200])
         return StreamingResponse(self._relay(call, StreamRelay(req.wants_usage), first, headers.get("X-Request-Id"), on_done),
                                  media_type="text/event-stream", headers={**self._headers(engine), "Cache-Control": "no-cache"},
                                  background=BackgroundTask(call.release))
@@ -226,7 +237,7 @@ class Forwarder:
         match first:
             case _Status(code, content):
                 if await self._retry_status(engine, code):
-                    raise _Retry(f"status_{code}", f"{engine.name} answered {code}: {content[:200].decode(errors='replace')}")
+                    raise _Retry(f"status_{code}", f"{engine.name} answered {code}", content[:200].decode(errors="replace"))
                 on_done(Outcome(code, engine.name))
                 return Response(content, status_code=code, headers=self._headers(engine), media_type="application/json")
             case _End():
@@ -262,7 +273,8 @@ class Forwarder:
                             complete = True
                             break
                         self.metrics.stream_errors.labels(call.engine.name).inc()
-                        log.warning("stream %s cut after %d events: %s", rid, relay.events, why)
+                        said = why if isinstance(msg, _Failed) or self.settings.log_prompts else f"status {msg.code}"
+                        log.warning("stream %s cut after %d events: %s", rid, relay.events, said)
                         yield sse_error(f"the engine failed after part of the answer was sent: {why}")
                         break
                 msg = await call.messages.get()

@@ -19,6 +19,7 @@ are the Starlette responses the forwarder already returns.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,8 +29,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import Response
+from starlette.background import BackgroundTask
+from starlette.responses import Response, StreamingResponse
 
+from serving.gateway.admission import Admission, Slot
+from serving.gateway.auth import KeyCheck
 from serving.gateway.errors import ApiError
 from serving.gateway.feedback import FeedbackPoster
 from serving.gateway.forward import Forwarder, Outcome
@@ -45,12 +49,14 @@ from serving.gateway.slo import client_slo, default_slo
 from serving.gateway.slo import deadline as slo_deadline
 from serving.gateway.target import TargetCheck, TargetWatch, served_model
 from serving.gateway.target import check as check_target
-from serving.gateway.tokens import PromptCounter
+from serving.gateway.tokens import PromptCounter, fits_context
 from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 PRED_LEN_HEADER = "x-lengthwise-pred-len"  # a trusted client's own prediction (--trust-client-predictions)
+# a prediction that fell back for one of these reasons says the sidecar is down: its state for /health
+SIDECAR_DOWN = {"unreachable": "unreachable", "timeout": "slow", "sidecar_error": "error"}
 
 # How the adapter awaits a non-streamed answer: the answer, or None when the client left first (the call is cancelled).
 Waiter = Callable[[Coroutine[Any, Any, Response]], Awaitable[Response | None]]
@@ -69,6 +75,7 @@ class Call:
     prompt_tokens: int | None = None
     method: str | None = None  # how prompt_tokens were counted: tokenizer, estimate, token_ids or prefill
     prefilled: Prefilled | None = None
+    slot: Slot | None = None  # its place among the requests in flight (admission), released when it ends
 
     @property
     def endpoint(self) -> str:
@@ -93,6 +100,11 @@ class Gateway:
         self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
         self.predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
         self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
+        if settings.predictor_token is not None:  # the sidecar's token on every call to it, predictions and feedback
+            bearer = f"Bearer {settings.predictor_token.get_secret_value()}"
+            for client in (self.predictor.client, self.feedback.client):
+                if client is not None:
+                    client.headers["Authorization"] = bearer
         self.forwarder = Forwarder(self.pool, settings, metrics)
         prefill_urls = prefill_urls or settings.prefill_urls
         self.hop = (PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls
@@ -109,6 +121,12 @@ class Gateway:
         self.target = TargetWatch(served, settings.allow_predictor_for_other_model, metrics.predictor_target_mismatch.set,
                                   predictor_target)
         self._target_task: asyncio.Task | None = None
+        self._sidecar_task: asyncio.Task | None = None
+        self.keys = KeyCheck(settings.client_keys(), settings.protect_health)
+        self.admission = Admission(settings.outstanding_bounds(len(self.pool.engines))[1], metrics.inflight.set)
+        # the sidecar as last seen: by its /ready (every health_interval_s) and by each prediction
+        self.predictor_state: tuple[str, str] = (("unchecked", "not probed yet") if settings.predictor_url
+                                                 else ("none", "no --predictor-url: every request runs on the fallback"))
 
     # --- life ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,6 +136,7 @@ class Gateway:
         self._tokenizer = asyncio.get_running_loop().create_task(self.prompts.load(s.model))
         if s.predictor_url:
             self._target_task = asyncio.get_running_loop().create_task(self._watch_target())
+            self._sidecar_task = asyncio.get_running_loop().create_task(self._watch_sidecar())
         await asyncio.gather(self.pool.start(), *([hop.pool.start()] if hop else []))
         if s.model and self.pool.models and s.model not in self.pool.models:
             log.warning("--model %s is not among the models the engines serve (%s)", s.model, ", ".join(sorted(self.pool.models)))
@@ -132,15 +151,43 @@ class Gateway:
         import httpx
 
         checked = self.target.current.state != "unchecked" and not self.target.current.pending
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self._sidecar_auth()) as client:
             while True:
                 if not checked:
                     self.target.update(await check_target(self.settings.predictor_url, self.target.served, client))
                 checked = False
                 await asyncio.sleep(self.settings.predictor_check_interval_s)
 
+    def _sidecar_auth(self) -> dict[str, str]:
+        token = self.settings.predictor_token
+        return {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
+
+    async def _watch_sidecar(self) -> None:
+        """Ask the sidecar's ``/ready`` every ``health_interval_s``, so ``/health`` says within a second or two that
+        requests run on the fallback length because the sidecar is down or has no model, even with no traffic."""
+        import httpx
+
+        s = self.settings
+        async with httpx.AsyncClient(timeout=httpx.Timeout(s.health_timeout_s), headers=self._sidecar_auth()) as client:
+            while True:
+                try:
+                    r = await client.get(s.predictor_url + "/ready")
+                    found = (("ok", "the sidecar is ready") if r.status_code == 200 else
+                             ("loading", "the sidecar has no model loaded yet (/ready: 503)") if r.status_code == 503 else
+                             ("error", f"the sidecar's /ready answered {r.status_code}"))
+                except httpx.HTTPError as exc:
+                    found = ("unreachable", f"the sidecar at {s.predictor_url} did not answer ({type(exc).__name__})")
+                self._sidecar_seen(*found)
+                await asyncio.sleep(s.health_interval_s)
+
+    def _sidecar_seen(self, state: str, detail: str) -> None:
+        if state != self.predictor_state[0]:
+            (log.info if state == "ok" else log.warning)("predictor sidecar %s: %s", state, detail)
+        self.predictor_state = (state, detail)
+        self.metrics.predictor_up.set(1.0 if state == "ok" else 0.0)
+
     async def aclose(self) -> None:
-        for task in (self._tokenizer, self._target_task):
+        for task in (self._tokenizer, self._target_task, self._sidecar_task):
             if task is not None:
                 task.cancel()
         await self.feedback.aclose()
@@ -160,8 +207,21 @@ class Gateway:
 
         Raises ApiError from whichever step refuses the request; the caller answers it with :meth:`refused`.
         """
+        slot = call.slot = self.admit()
+        resp: Response | None = None
+        try:
+            resp = await self._steps(call, raw, headers, wait)
+        finally:
+            if not isinstance(resp, StreamingResponse):  # a stream stays in flight until its last event went out
+                slot.release()
+        if isinstance(resp, StreamingResponse):  # finished() releases it; this covers a stream never iterated
+            resp.background = _then(resp.background, slot.release)
+        return self.client_left(call) if resp is None else self.decorate(call, resp)
+
+    async def _steps(self, call: Call, raw: bytes, headers: Mapping[str, str], wait: Waiter) -> Response | None:
         req = self.validate(call.kind, raw)
         terms = self.slo_terms(headers)
+        self.measure(call, req)
         pred = await self.predict(call, req, headers)
         body = self.hints(call, req, pred, self.deadline(call, pred, terms))
         forwarded = self.engine_headers(call, headers)
@@ -171,17 +231,55 @@ class Gateway:
             if isinstance(prefilled, Response):  # the prefill engine refused the request: its answer is the client's
                 return prefilled
             body = prefilled.body
-        resp = await self.forward(call, req, body, forwarded, job, wait)
-        return self.client_left(call) if resp is None else self.decorate(call, resp)
+        return await self.forward(call, req, body, forwarded, job, wait)
 
     # --- the steps ------------------------------------------------------------------------------------
+    def authorize(self, method: str, path: str, headers: Mapping[str, str]) -> None:
+        """A 401 (ApiError) for a call that needs an API key and does not carry one (:mod:`serving.gateway.auth`)."""
+        try:
+            self.keys.check(method, path, headers)
+        except ApiError:
+            self.metrics.rejected.labels("unauthorized").inc()
+            raise
+
+    def admit(self) -> Slot:
+        """The request's place among those in flight, or a 429 at once (:mod:`serving.gateway.admission`)."""
+        try:
+            return self.admission.admit()
+        except ApiError:
+            self.metrics.rejected.labels("overload").inc()
+            raise
+
     def validate(self, kind: Kind, raw: bytes) -> ClientRequest:
         """The body as a checked request for the models the engines serve (none known yet: any model)."""
-        return validate_request(kind, parse_json(raw), self.pool.models)
+        try:
+            return validate_request(kind, parse_json(raw), self.pool.models, self.settings.max_n)
+        except ApiError as exc:
+            if exc.param == "n" and exc.code == "invalid_value":
+                self.metrics.rejected.labels("too_many_n").inc()
+            raise
 
     def slo_terms(self, headers: Mapping[str, str]) -> tuple[float | None, float | None]:
-        """The client's own (TTFT, TPOT) in seconds from ``x-slo-ttft-ms``/``x-slo-tpot-ms``; a malformed one is a 400."""
-        return client_slo(headers)
+        """The client's own (TTFT, TPOT) in seconds from ``x-slo-ttft-ms``/``x-slo-tpot-ms``, moved into
+        [``slo_min_ms``, ``slo_max_ms``] (counted); a malformed one is a 400."""
+        s = self.settings
+        return client_slo(headers, (s.slo_min_ms, s.slo_max_ms),
+                          lambda header, bound: self.metrics.slo_clamped.labels(header, bound).inc())
+
+    def measure(self, call: Call, req: ClientRequest) -> None:
+        """Count the prompt's tokens (each prompt once, whatever ``n``) and refuse, before any prediction is asked
+        for, a prompt the engines' context cannot hold (a 400, as the engine would answer, minus the sidecar call)."""
+        total, longest, method = self.prompts.measure(req)
+        call.prompt_tokens, call.method = total, method
+        context = self.pool.context(req.model)
+        if context is not None and not fits_context(longest, method, req.max_tokens, context):
+            self.metrics.rejected.labels("context_length").inc()
+            asked = f" and {req.max_tokens} output tokens" if req.max_tokens and method != "estimate" else ""
+            raise ApiError(400, f"this model's context is {context} tokens; the prompt has "
+                           f"{'about ' if method == 'estimate' else ''}{longest}{asked}; shorten it", param="messages"
+                           if req.kind == "chat" else "prompt", code="context_length_exceeded")
+        if self.settings.log_prompts:
+            log.info("request %s: prompt %r", call.rid, (req.predict_input or {}))
 
     async def predict(self, call: Call, req: ClientRequest, headers: Mapping[str, str]) -> LengthPrediction:
         """The predicted length: a trusted client's header, else the sidecar's, else the fallback (never an error but
@@ -196,6 +294,13 @@ class Gateway:
             pred = await self.predictor.predict(req, call.rid)
             if pred.source == "sidecar" and self.target.other_model:
                 self.metrics.other_model_predictions.inc()
+            if pred.source == "sidecar":
+                self._sidecar_seen("ok", "the sidecar answers predictions")
+            elif pred.reason in SIDECAR_DOWN:
+                self._sidecar_seen(SIDECAR_DOWN[pred.reason], f"a prediction fell back: {pred.reason}")
+        context = self.pool.context(req.model)
+        if req.max_tokens is None and context is not None and pred.tokens > context:
+            pred = dataclasses.replace(pred, tokens=context)  # no answer is longer than the context
         self.metrics.predictions.labels(pred.source).inc()
         call.pred = pred
         return pred
@@ -215,17 +320,24 @@ class Gateway:
         return body
 
     def engine_headers(self, call: Call, headers: Mapping[str, str]) -> dict[str, str]:
-        """What goes to the engine besides the body: our request id and the client's credentials."""
+        """What goes to the engine besides the body: our request id, and the client's credentials where the gateway
+        has no keys of its own (neither --api-key nor --engine-api-key)."""
         out = {"X-Request-Id": call.rid}
-        if "authorization" in headers:
+        # the client's key is the gateway's to check, never the engines' to see; and an engine key (the engine clients'
+        # own header) is not to be replaced by whatever the client sent
+        if "authorization" in headers and not self.keys.enabled and self.settings.engine_api_key is None:
             out["Authorization"] = headers["authorization"]
         return out
 
     def job(self, call: Call, req: ClientRequest, pred: LengthPrediction) -> Job:
-        """The request as placement sees it: its prompt's tokens (counted here) and its predicted output tokens."""
-        call.prompt_tokens, call.method = self.prompts.count(req)
+        """The request as placement sees it: the KV of its sequences' prompts (each of the ``n`` sequences holds its
+        prompt) and its predicted output tokens."""
+        if call.prompt_tokens is None:
+            self.measure(call, req)
+        assert call.prompt_tokens is not None and call.method is not None
         self.metrics.prompt_token_counts.labels(call.method).inc()
-        return Job(next(self.rids), call.prompt_tokens, float(pred.tokens * req.outputs), arrival=time.monotonic())
+        n = req.body.get("n") or 1
+        return Job(next(self.rids), call.prompt_tokens * n, float(pred.tokens * req.outputs), arrival=time.monotonic())
 
     async def prefill(self, call: Call, req: ClientRequest, body: dict[str, Any], headers: dict[str, str],
                       job: Job) -> Prefilled | Response:
@@ -255,6 +367,8 @@ class Gateway:
     def finished(self, call: Call, req: ClientRequest, out: Outcome) -> None:
         """The answer is complete (streams: after the last event): metrics, and the actual length to the sidecar."""
         self.count(call.endpoint, out.status)
+        if call.slot is not None:
+            call.slot.release()
         self.metrics.latency.labels(call.endpoint).observe(time.perf_counter() - call.t0)
         if out.first_token_at is not None:
             self.metrics.ttft.labels(call.endpoint).observe(out.first_token_at - call.t0)
@@ -305,16 +419,39 @@ class Gateway:
         return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
 
     def health(self) -> dict[str, Any]:
-        """``/health``'s body: ``ok`` while requests can be served (disaggregated: both kinds of engine), else ``degraded``."""
+        """``/health``'s body (see :meth:`health_status` for its HTTP status).
+
+        ``status`` is ``ok`` only while every part works: an engine is up (disaggregated: a prefill engine too), and a
+        configured sidecar answers with a predictor for the served model. Anything less is ``degraded`` and
+        ``reasons`` says what: requests are still served, on the fallback length when the predictor is the part missing.
+        """
         pool, hop, s = self.pool, self.hop, self.settings
         up = sum(e.healthy for e in pool.engines)
-        self.count("/health", 200)
+        reasons = []
+        if not up:
+            reasons.append(f"no healthy engine (all {len(pool.engines)} are down)")
+        if hop is not None and not any(e.healthy for e in hop.pool.engines):
+            reasons.append(f"no healthy prefill engine (all {len(hop.pool.engines)} are down)")
+        state, detail = self.predictor_state
+        if state not in ("ok", "none", "unchecked"):
+            reasons.append(f"predictor {state}: {detail}; requests run on the fallback length")
+        if self.target.refuses:
+            reasons.append(f"predictor for another model: {self.target.current.detail}; requests run on the fallback length")
         extra = {"prefill_engines": hop.pool.status()} if hop else {}
-        serving = up and (hop is None or any(e.healthy for e in hop.pool.engines))
-        return {"status": "ok" if serving else "degraded", "healthy_engines": up, "engines": pool.status(), **extra,
-                "predictor_url": s.predictor_url,
+        body = {"status": "degraded" if reasons else "ok", "reasons": reasons, "healthy_engines": up,
+                "engines": pool.status(), **extra, "predictor_url": s.predictor_url,
+                "predictor": {"state": state, "detail": detail},
                 "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
-                "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method}
+                "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method,
+                "inflight": self.admission.inflight, "max_outstanding": self.admission.limit}
+        self.count("/health", self.health_status(body))
+        return body
+
+    def health_status(self, body: dict[str, Any]) -> int:
+        """200 while requests can be served, degraded or not; 503 when no engine can serve one (a load balancer then
+        sends traffic elsewhere; a degraded predictor is no reason to: the fallback length still serves)."""
+        serving = body["healthy_engines"] and (self.hop is None or any(e.healthy for e in self.hop.pool.engines))
+        return 200 if serving else 503
 
     async def exposition(self) -> bytes:
         """``/metrics``: the gateway's metrics and, re-exported, each engine plug-in's that answered."""
@@ -327,3 +464,15 @@ class Gateway:
                 self.metrics.plugin_scrape_errors.labels(name).inc()
             body = self.metrics.render() + extra if failed else body + extra
         return body
+
+
+def _then(first: BackgroundTask | None, then: Callable[[], None]) -> BackgroundTask:
+    """A response's background task followed by ``then`` (which runs even when the first one fails)."""
+    async def both() -> None:
+        try:
+            if first is not None:
+                await first()
+        finally:
+            then()
+
+    return BackgroundTask(both)

@@ -13,6 +13,11 @@ The plug-in logs through ``serving.*`` loggers, which vLLM's default logging set
 (only warnings would show); engines started here get a logging config (``VLLM_LOGGING_CONFIG_PATH``)
 that is vLLM's default plus those loggers, so the plug-in's stats line appears in each engine log.
 
+Engines listen on loopback only, and want a key (vLLM's ``--api-key``, given as ``VLLM_API_KEY`` in the engine's
+environment, so it shows in no process listing and no log): ``--engine-api-key`` or, by default, a random one the gateway
+makes at start and sends on every engine call. A process on this machine that is not the gateway then cannot send the
+engines requests with hints of its own.
+
 Each engine runs in its own process group with a parent-death signal, so stopping the gateway (or the
 gateway dying) stops its engines and their worker processes too.
 """
@@ -41,6 +46,7 @@ from serving.gateway.settings import GatewaySettings
 log = logging.getLogger("serving.gateway")
 
 PLUGIN = "serving.engine.scheduler.LengthwiseScheduler"
+GATEWAY_SECRETS = ("LENGTHWISE_API_KEY", "LENGTHWISE_ENGINE_API_KEY", "LENGTHWISE_PREDICTOR_TOKEN")  # not the engines' business
 VLLM_SERVER = "vllm.entrypoints.launchers.api_server.entry"
 
 
@@ -156,7 +162,10 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
         cmd = engine_command(settings, port, cpu, metrics_port)
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in GATEWAY_SECRETS}
+        env.pop("VLLM_API_KEY", None)
+        if settings.engine_api_key is not None:  # vLLM reads it as --api-key; in the environment it is in no ps listing
+            env["VLLM_API_KEY"] = settings.engine_api_key.get_secret_value()  # and in no log line (the command is logged)
         env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
         if binds[i] is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]

@@ -66,6 +66,15 @@ class GatewayMetrics:
                                                registry=r)
         self.other_model_predictions = Counter(p + "predictions_for_other_model", "requests scheduled by a predictor made "
                                                "for another model (--allow-predictor-for-other-model)", registry=r)
+        self.rejected = Counter(p + "rejected", "requests refused before any work, by reason: overload (past "
+                                "--max-outstanding), engine_full (every engine past --max-outstanding-per-engine), "
+                                "unauthorized (no or a wrong API key), too_many_n (n above --max-n), "
+                                "context_length (a prompt longer than the engines' context)", ["reason"], registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "requests admitted and not yet answered in full", registry=r)
+        self.slo_clamped = Counter(p + "slo_header_clamped", "x-slo-* header values moved into [--slo-min-ms, "
+                                   "--slo-max-ms], by header and bound (min, max)", ["header", "bound"], registry=r)
+        self.predictor_up = Gauge(p + "predictor_up", "1 while the sidecar answers (its /ready and the predictions); "
+                                  "0 without --predictor-url or while it does not", registry=r)
         self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "
                                    "(its last load report)", ["engine"], registry=r)
 

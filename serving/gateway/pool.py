@@ -46,6 +46,7 @@ class Engine:
     healthy: bool = False
     failures: int = 0  # consecutive failed probes
     models: set[str] = field(default_factory=set)
+    context: dict[str, int] = field(default_factory=dict)  # model -> its max_model_len, as /v1/models says
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
     last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
@@ -58,6 +59,13 @@ class Engine:
     def outstanding(self) -> int:
         """Requests this gateway sent here and not yet answered in full."""
         return self.view.own
+
+
+def engine_auth(settings: GatewaySettings) -> dict[str, str]:
+    """The header every engine call carries when the engines want a key (``--engine-api-key``, or the random one of the
+    engines started here)."""
+    key = settings.engine_api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
 
 
 def engine_names(count: int, prefill: bool = False) -> list[str]:
@@ -78,7 +86,7 @@ class EnginePool:
         self.placer = placer
         self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
-        self.client = httpx.AsyncClient(timeout=settings.health_timeout_s,
+        self.client = httpx.AsyncClient(timeout=settings.health_timeout_s, headers=engine_auth(settings),
                                         limits=httpx.Limits(keepalive_expiry=settings.keepalive_s))
         self._tasks: list[asyncio.Task] = []
         self._probing: dict[str, asyncio.Task] = {}
@@ -109,7 +117,14 @@ class EnginePool:
     async def _refresh_models(self, e: Engine) -> None:
         try:
             r = await self.client.get(e.url + "/v1/models")
-            e.models = {m["id"] for m in r.json()["data"]}
+            if r.status_code == 401:
+                log.warning("%s (%s) wants an API key for /v1/models: give it with --engine-api-key "
+                            "(or LENGTHWISE_ENGINE_API_KEY)", e.name, e.url)
+                return
+            cards = r.json()["data"]
+            e.models = {m["id"] for m in cards}
+            e.context = {m["id"]: m["max_model_len"] for m in cards
+                         if type(m.get("max_model_len")) is int and m["max_model_len"] > 0}
             self.known_models |= e.models
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("%s (%s): could not list its models: %s", e.name, e.url, exc)
@@ -219,6 +234,15 @@ class EnginePool:
     @property
     def models(self) -> set[str]:
         return self.known_models
+
+    def context(self, model: str) -> int | None:
+        """The smallest context (max_model_len) an engine reported for ``model``; None when none did."""
+        lens = [e.context[model] for e in self.engines if model in e.context]
+        return min(lens) if lens else None
+
+    def full(self, per_engine: int) -> frozenset[str]:
+        """The engines with ``per_engine`` or more of this gateway's requests in flight."""
+        return frozenset(e.name for e in self.engines if e.outstanding >= per_engine)
 
     def place(self, job: Job, exclude: frozenset[str]) -> Engine | None:
         """The engine for ``job`` (now on its view), or None when no healthy engine outside ``exclude`` is left."""

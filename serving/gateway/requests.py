@@ -37,8 +37,17 @@ class ClientRequest:
         return PATHS[self.kind]
 
 
+MAX_DEPTH = 64  # JSON nesting an OpenAI body needs (a JSON schema in response_format or tools included) is far less
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    """The body as a JSON object, or a 400 that says what is wrong with it.
+
+    Besides malformed JSON, two bodies that parse are refused here: one nested deeper than :data:`MAX_DEPTH` (at about
+    a thousand levels the parser itself, and every later encoder, hits Python's recursion limit) and one with a lone
+    UTF-16 surrogate (``"\\ud800"``), which JSON's escapes allow but no UTF-8 text can hold: forwarding it would fail
+    when the body is encoded for the engine or the sidecar.
+    """
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -47,9 +56,39 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the request body is not valid UTF-8 JSON", code="invalid_json") from None
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` and strings that are not valid Unicode (iteratively: no recursion)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+        elif isinstance(node, str):
+            _check_text(node)
+
+
+def _check_text(s: str) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair), "
+                       "which is not text", code="invalid_json") from None
 
 
 def _int_field(body: dict, name: str, minimum: int) -> int | None:
@@ -124,8 +163,9 @@ def _check_prompt(prompt: Any) -> tuple[dict[str, Any] | None, int, str | None]:
                    param="prompt", code="invalid_type")
 
 
-def validate(kind: Kind, body: dict[str, Any], models: set[str]) -> ClientRequest:
-    """Check the fields the gateway uses; ``models`` are the names the engines serve (empty: not known yet)."""
+def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | None = None) -> ClientRequest:
+    """Check the fields the gateway uses; ``models`` are the names the engines serve (empty: not known yet); ``n``
+    above ``max_n`` is refused (each sequence costs an engine slot and its KV: one request must not take a batch)."""
     model = body.get("model")
     if model is None:
         raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
@@ -149,6 +189,8 @@ def validate(kind: Kind, body: dict[str, Any], models: set[str]) -> ClientReques
         max_tokens = _int_field(body, "max_tokens", 1)
         predict_input, prompts, reason = _check_prompt(body.get("prompt"))
     n = _int_field(body, "n", 1) or 1
+    if max_n is not None and n > max_n:
+        raise ApiError(400, f"'n' must be at most {max_n} here, got {n}", param="n", code="invalid_value")
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise ApiError(400, "'vllm_xargs' must be an object", param="vllm_xargs", code="invalid_type")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from serving.policy.config import PolicyConfig
 
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 # coefficients); an operator measures their own with one request running alone.
 DEFAULT_T_P_S = 0.033
 DEFAULT_T_G_S = 0.0165
+DEFAULT_MAX_NUM_SEQS = 256  # what placement assumes of an engine whose --max-num-seqs it is not told
+OUTSTANDING_PER_SEQ = 2  # requests in flight per engine batch slot before 429 (see GatewaySettings.outstanding_bounds)
 
 
 class GatewaySettings(BaseModel):
@@ -86,6 +88,27 @@ class GatewaySettings(BaseModel):
     slo_scale: float = Field(PolicyConfig().slo_scale, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x predicted length)")
     t_p_s: float = Field(DEFAULT_T_P_S, ge=0, description="prefill time of a request running alone, seconds")
     t_g_s: float = Field(DEFAULT_T_G_S, ge=0, description="decode time per output token of a request running alone, seconds")
+    engine_api_key: SecretStr | None = Field(None, description="the bearer key the engines want (vllm serve --api-key): "
+                                             "sent on every engine call; engines started here get a random one when "
+                                             "none is given")
+    random_engine_key: bool = Field(True, description="engines started here without an engine_api_key get a random "
+                                    "one (false: they run open, for tools that talk to them directly)")
+    predictor_token: SecretStr | None = Field(None, description="a bearer token sent on every call to the sidecar")
+    # who may call what
+    api_keys: list[SecretStr] = Field(default_factory=list, description="bearer keys a client must send (OpenAI's "
+                                      "Authorization: Bearer KEY); none: the gateway is open")
+    api_key_file: Path | None = Field(None, description="more keys, one per line (blank lines and # comments skipped)")
+    protect_health: bool = Field(False, description="/health and /metrics need a key too (default: open, for probes "
+                                 "and Prometheus)")
+    log_prompts: bool = Field(False, description="log each request's prompt text (default: no prompt text in any log line)")
+    # bounds on what a client may ask
+    max_outstanding: int | None = Field(None, ge=1, description="requests in flight in the gateway, past which a request "
+                                        "gets 429 at once (default: max_outstanding_per_engine x engines)")
+    max_outstanding_per_engine: int | None = Field(None, ge=1, description="requests in flight on one engine (default: "
+                                                   "2 x the engines' max_num_seqs)")
+    max_n: int = Field(4, ge=1, description="the largest n (sequences per prompt) a request may ask for")
+    slo_min_ms: float = Field(1.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms below this are raised to it")
+    slo_max_ms: float = Field(600_000.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms above this are lowered to it")
     # gateway
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -145,6 +168,10 @@ class GatewaySettings(BaseModel):
             raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:
             raise ValueError("set the policy with --policy, not inside --scheduler-config")
+        if self.slo_min_ms > self.slo_max_ms:
+            raise ValueError(f"--slo-min-ms {self.slo_min_ms:g} is above --slo-max-ms {self.slo_max_ms:g}")
+        if any(not k.get_secret_value().strip() for k in self.api_keys):
+            raise ValueError("an API key is empty")
         if self.engine_metrics_urls and len(self.engine_metrics_urls) != len(self.engine_urls):
             raise ValueError(f"give one --engine-metrics-url per --engine-url, in the same order "
                              f"({len(self.engine_metrics_urls)} for {len(self.engine_urls)} engines)")
@@ -158,6 +185,28 @@ class GatewaySettings(BaseModel):
     def stale_after_s(self) -> float:
         """A load report older than this is stale."""
         return self.load_stale_after * self.load_interval_s
+
+    def client_keys(self) -> list[SecretStr]:
+        """``api_keys`` and those of ``api_key_file`` (ValueError naming the file, never a key, when it is unusable)."""
+        from serving.gateway.auth import read_key_file
+
+        extra = read_key_file(self.api_key_file) if self.api_key_file is not None else []
+        return [*self.api_keys, *(SecretStr(k) for k in extra)]
+
+    @property
+    def engine_seqs(self) -> int:
+        """The engines' --max-num-seqs: given, else the --engine-arg value for engines started here, else 256."""
+        return self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or DEFAULT_MAX_NUM_SEQS)
+
+    def outstanding_bounds(self, engines: int) -> tuple[int, int]:
+        """(per engine, in total): the requests in flight past which the gateway answers 429.
+
+        Why 2 x max_num_seqs per engine by default: an engine runs max_num_seqs requests at once; as many again waiting
+        give its scheduler a queue to order by predicted length, and a request past that would wait at least two full
+        batches inside the engine, where a 429 lets its client (or a load balancer) try another replica now.
+        """
+        per = self.max_outstanding_per_engine or OUTSTANDING_PER_SEQ * self.engine_seqs
+        return per, self.max_outstanding or per * max(1, engines)
 
     def engine_arg(self, flag: str) -> str | None:
         """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
@@ -185,7 +234,7 @@ class GatewaySettings(BaseModel):
                 from serving.perf.latency import DecodePoolLatency
 
                 latency = DecodePoolLatency(latency)
-        seqs = self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or 256)
+        seqs = self.engine_seqs
         chunk = int(self.engine_arg("--max-num-batched-tokens") or 2048)
         ttft = self.slo_ttft_ms / 1000 if self.slo_ttft_ms else self.slo_scale * self.t_p_s
         tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s

@@ -22,6 +22,7 @@ from serving.gateway.requests import ClientRequest, text_of
 log = logging.getLogger("serving.gateway")
 
 CHARS_PER_TOKEN = 4.0
+MAX_CHARS_PER_TOKEN = 16.0  # far above any BPE vocabulary's average: an estimate past the context by this much is sure
 MAX_TOKENIZE_CHARS = 200_000  # longer prompts are estimated: tokenizing them would stall the event loop
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -101,21 +102,38 @@ class PromptCounter:
                 log.debug("chat template failed on a request (%s); counting its text alone", exc)
         return self._tokens(text)
 
-    def count(self, req: ClientRequest) -> tuple[int, str]:
-        """(prompt tokens, method): ``tokenizer``, ``estimate`` or ``token_ids``."""
+    def measure(self, req: ClientRequest) -> tuple[int, int, str]:
+        """(prompt tokens of all its prompts, of its longest prompt, method), each prompt counted once whatever ``n``:
+        ``tokenizer``, ``estimate`` or ``token_ids``."""
         body = req.body
-        n = body.get("n") or 1
         if req.kind == "chat":
             tokens, method = self._chat(body.get("messages") or [])
-            return tokens * n, method
+            return tokens, tokens, method
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             tokens, method = self._tokens(prompt)
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            tokens, method = len(prompt), "token_ids"
-        elif prompt and all(isinstance(p, list) for p in prompt):
-            tokens, method = sum(len(p) for p in prompt), "token_ids"
-        else:
-            counted = [self._tokens(p) for p in prompt or [""]]
-            tokens, method = sum(c for c, _ in counted), counted[0][1]
-        return tokens * n, method
+            return tokens, tokens, method
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return len(prompt), len(prompt), "token_ids"
+        if prompt and all(isinstance(p, list) for p in prompt):
+            return sum(len(p) for p in prompt), max(len(p) for p in prompt), "token_ids"
+        counted = [self._tokens(p) for p in prompt or [""]]
+        return sum(c for c, _ in counted), max(c for c, _ in counted), counted[0][1]
+
+    def count(self, req: ClientRequest) -> tuple[int, str]:
+        """(prompt tokens times ``n``, method): the KV a request's sequences hold for their prompts, for placement."""
+        tokens, _, method = self.measure(req)
+        return tokens * (req.body.get("n") or 1), method
+
+
+def fits_context(longest: int, method: str, max_tokens: int | None, context: int) -> bool:
+    """Whether a prompt of ``longest`` tokens (counted by ``method``) and at least one output token fit ``context``.
+
+    An exact count (``tokenizer``, ``token_ids``) is held to the engine's own rule (prompt + ``max_tokens``, or + 1 when
+    unset, at most the context). An estimate (characters / 4) is refused only when even at
+    :data:`MAX_CHARS_PER_TOKEN` characters per token it could not fit: an estimate must never refuse a prompt the
+    engine would take (the engine still refuses the rest, in its own words).
+    """
+    if method == "estimate":
+        return longest * CHARS_PER_TOKEN / MAX_CHARS_PER_TOKEN + 1 <= context
+    return longest + (max_tokens or 1) <= context

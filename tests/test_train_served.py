@@ -78,6 +78,22 @@ def test_dataset_answers_are_recorded_as_such(data):
 
 
 @pytest.mark.unit
+def test_a_jsonl_dataset_whose_rows_name_their_model_records_that_model(data, tmp_path):
+    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    rows = [{**_record("a" * 64, "g", s, 20 + s, 64), "messages": [{"role": "user", "content": "hi"}]} for s in range(2)]
+    named = _write(tmp_path / "relabelled.jsonl", rows)  # what `lengthwise relabel` writes with the text
+    assert _target(TrainConfig(data=str(named), fmt="jsonl", tokenizer=tok), None) == load_served(named).target()
+    fed = _write(tmp_path / "feedback.jsonl", [{**r, "sampling": None, "max_tokens": None, "source": "feedback"}
+                                               for r in rows])
+    assert _target(TrainConfig(data=str(fed), fmt="jsonl", tokenizer=tok), None)["source"] == "feedback"
+    plain = _write(tmp_path / "logs.jsonl", [{"prompt": "hi", "response_tokens": 3}])
+    assert _target(TrainConfig(data=str(plain), fmt="jsonl", tokenizer=tok), None)["model"] == "dataset answers (jsonl)"
+    mixed = _write(tmp_path / "mixed.jsonl", [rows[0], {**rows[1], "model": "Other@ba9876543210"}])
+    with pytest.raises(DataError, match="mixes lengths of 2 set-ups"):
+        _target(TrainConfig(data=str(mixed), fmt="jsonl", tokenizer=tok), None)
+
+
+@pytest.mark.unit
 def test_soft_labels_are_each_prompts_bucket_histogram():
     scheme = BucketScheme.equal_width(100, 400)
     a, b = (Turn("user", "a"),), (Turn("user", "b"),)

@@ -24,7 +24,7 @@ from predictor.common import default_tokenizer
 from training.config import TrainConfig
 from training.data import Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
-from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served
+from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served, table_target
 from training.split import Splits, cap_groups, split_by_group
 
 if TYPE_CHECKING:
@@ -86,10 +86,13 @@ def _check_censored(served: ServedLabels, scheme: BucketScheme) -> None:
 
 
 def _target(cfg: TrainConfig, served: ServedLabels | None) -> dict:
-    """Whose lengths the labels are (:mod:`predictor.target`): the served model's when they come from a relabel,
-    else the dataset's answers (counted by the label tokenizer, up to ``max_tokens``)."""
+    """Whose lengths the labels are (:mod:`predictor.target`): the served model's when they come from a relabel (the
+    ``--served-lengths`` file, or a jsonl dataset whose rows name their model), else the dataset's answers (counted by
+    the label tokenizer, up to ``max_tokens``)."""
     if served is not None:
         return served.target()
+    if cfg.fmt == "jsonl" and not cfg.served_lengths and (named := table_target(cfg.data)) is not None:
+        return named
     return {"model": f"dataset answers ({cfg.generator or cfg.fmt})",
             "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
             "sampling": None, "max_tokens": cfg.max_tokens, "source": "dataset answers"}

@@ -132,3 +132,31 @@ def group_samples(examples: Sequence[Example]) -> list[tuple[Example, list[int]]
             by_prompt[key] = (e, [])
         by_prompt[key][1].append(int(e.response_tokens or 0))
     return list(by_prompt.values())
+
+
+def table_target(path: str | Path) -> dict[str, Any] | None:
+    """The target of a ``--format jsonl`` dataset whose rows say which model wrote their lengths (``lengthwise relabel``
+    with the text writes ``model``, ``sampling`` and ``max_tokens`` on every line): the served model's own output
+    tokens, as from :func:`load_served`. None when a row names no model (then the lengths are the dataset's answers);
+    :class:`DataError` when rows name different set-ups."""
+    p = Path(path)
+    setups = set()
+    try:
+        with (lzma.open(p, "rt", encoding="utf-8") if p.suffix == ".xz" else open(p, encoding="utf-8")) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("model"), str) or not rec["model"].strip():
+                    return None
+                setups.add(json.dumps([rec["model"], rec.get("sampling"), rec.get("max_tokens"), rec.get("source")],
+                                      sort_keys=True))
+    except (OSError, ValueError, lzma.LZMAError):
+        return None  # the loader has already said what is wrong with the file, or will
+    if len(setups) != 1:
+        if setups:
+            raise DataError(f"{p} mixes lengths of {len(setups)} set-ups (model, sampling, max_tokens): one per file")
+        return None
+    model, sampling, cap, source = json.loads(setups.pop())
+    return {"model": model, "label_tokenizer": "served model's own output tokens", "sampling": sampling,
+            "max_tokens": cap, "source": source or "relabel by the served model"}

@@ -163,9 +163,13 @@ class FeedbackStore:
 
     # --- reading (any process) ----------------------------------------------------------------------
     def _reader(self) -> sqlite3.Connection | None:
+        """A read-only connection; None while there is no store (no file, or one whose tables are not made yet)."""
         if not self.path.exists():
             return None
         conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=self.busy_timeout_s)
+        if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            conn.close()
+            return None
         conn.row_factory = sqlite3.Row
         return conn
 

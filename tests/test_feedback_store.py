@@ -59,6 +59,8 @@ def test_reader_filters_and_prompt_coverage(tmp_path):
     assert store.stores_prompts(model_name="nobody") is False  # nothing to train on either
     missing = FeedbackStore(tmp_path / "none.db")
     assert missing.read() == [] and missing.count()["rows"] == 0 and not (tmp_path / "none.db").exists()
+    sqlite3.connect(tmp_path / "empty.db").close()  # a file the writer has created but not yet given its tables
+    assert FeedbackStore(tmp_path / "empty.db").read() == [] and not FeedbackStore(tmp_path / "empty.db").stores_prompts()
 
 
 def test_retention_by_count_keeps_the_newest(tmp_path):

@@ -56,6 +56,7 @@ def test_the_gateway_sends_the_finish_reason_to_a_real_sidecar(trained, make_gat
                     model_name=p["model_name"], model_version=p["model_version"]))
                 gw.finished(call, req, Outcome(200, "engine-0", completion_tokens=16, finish_reason=reason))
             await asyncio.wait(set(gw.feedback.pending), timeout=30)
+            await gw.feedback.client.aclose()  # in the loop its connections were made in
 
         asyncio.run(finish())
         store = FeedbackStore(db)

@@ -69,8 +69,8 @@ def test_every_field_has_a_described_flag_and_every_flag_a_field():
 def test_each_flag_has_its_fields_default_type_and_choices(name):
     action, field = flags()[name], FIELDS[name]
     assert action.default == field.default
-    if field.annotation is bool:
-        assert isinstance(action, argparse._StoreTrueAction)
+    if field.annotation is bool:  # off by default: --switch turns it on; on by default: --no-switch turns it off
+        assert isinstance(action, argparse._StoreFalseAction if field.default else argparse._StoreTrueAction)
         return
     kind, choices = flag_type(field)
     assert action.type is kind and kind in (str, int, float)
@@ -88,6 +88,27 @@ def test_flags_reach_the_settings():
                              "--precision", "int8", "--ort-spin", "--reload-interval", "0", "--log-level", "debug"]), p)
     assert (s.model, s.port, s.max_wait_ms, s.threads, s.precision, s.ort_spin, s.reload_interval, s.log_level) == \
         ("models:/m/3", 9001, 0.5, 2, "int8", True, 0.0, "debug")
+
+
+def test_feedback_store_flags_reach_the_settings():
+    p = build_parser()
+    s = _check(p.parse_args(["--no-store-prompts", "--feedback-db", "/tmp/x.db", "--feedback-max-rows", "50",
+                             "--feedback-max-age-days", "0.5"]), p)
+    assert (s.store_prompts, s.feedback_store, s.feedback_db, s.feedback_max_rows, s.feedback_max_age_days) == \
+        (False, True, "/tmp/x.db", 50, 0.5)
+    assert _check(p.parse_args(["--no-feedback-store"]), p).feedback_store is False
+    assert SidecarSettings().store_prompts and SidecarSettings().feedback_max_rows == 200_000
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--feedback-max-rows", "0"], "--feedback-max-rows is out of range: 0"),
+    (["--feedback-max-age-days", "0"], "--feedback-max-age-days is out of range: 0.0"),
+])
+def test_a_refused_store_flag_exits_2(argv, message, capsys):
+    p = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        _check(p.parse_args(argv), p)
+    assert exc.value.code == 2 and capsys.readouterr().err == f"predictor-sidecar: error: {message} (see --help)\n"
 
 
 @pytest.mark.parametrize(("argv", "message"), [

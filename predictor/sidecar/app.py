@@ -1,7 +1,9 @@
 """``predictor-sidecar``'s HTTP layer: the FastAPI app, its routes, error handlers and body-limit middleware.
 
-The gateway asks ``POST /v1/predict`` for every request and posts the actual output length to
-``POST /v1/feedback`` when the answer is done. The routes stay thin: concurrent requests are
+The gateway asks ``POST /v1/predict`` for every request and posts the actual output length (and the engine's
+finish reason: a capped answer is only a lower bound) to ``POST /v1/feedback`` when the answer is done; feedback
+becomes online error windows, the drift alarm ``/health`` shows, and rows of the local feedback store
+(registry/feedback_store.py) that retraining reads. The routes stay thin: concurrent requests are
 micro-batched into shared forward passes (predictor/sidecar/batcher.py) and run in worker threads so the event
 loop keeps answering; which model version serves, hot reload and feedback windows live in
 predictor/sidecar/state.py. Errors are one readable ``{"detail": ...}`` whatever fails (bad JSON, a too-large
@@ -139,8 +141,10 @@ def create_app(settings: SidecarSettings, ref: ModelRef, resolved: ResolvedModel
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await state.batcher.stop()
-        state.window_logger.submit(state.aggregator.flush_due(force=True))
+        state.publish(state.aggregator.flush_due(force=True))
         await asyncio.to_thread(state.window_logger.close, 5.0)
+        if state.feedback_writer is not None:
+            await asyncio.to_thread(state.feedback_writer.close, 5.0)
 
     app = FastAPI(title="lengthwise prediction sidecar", version="1", lifespan=lifespan,
                   description="Response-length predictions (bucket, probabilities, expected and quantile length) for an "
@@ -182,15 +186,18 @@ def _add_routes(app: FastAPI, state: SidecarState) -> None:
     async def feedback(req: FeedbackRequest):
         return _feedback(state, req)
 
-    @app.get("/health", response_model=Health, summary="the process is alive")
+    @app.get("/health", response_model=Health, summary="the process is alive; the served model's target and drift alarms")
     async def health():
-        return {"status": "ok"}
+        m = state.model
+        return {"status": "ok", "model_name": m.name if m else None, "model_version": m.version if m else None,
+                "target": m.target if m else "unknown: no model loaded yet",
+                "drift": {d.model_version: vars(d) for d in state.drift.values()}}
 
     @app.get("/ready", response_model=Ready, responses=_error_responses(503), summary="a model is loaded and serving")
     async def ready():
         m = _require_model(state)
         return {"status": "ready", "model_name": m.name, "model_version": m.version, "model_uri": state.ref.uri,
-                "from_cache_only": m.resolved.from_cache_only}
+                "target": m.target, "from_cache_only": m.resolved.from_cache_only}
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def prometheus():
@@ -221,7 +228,7 @@ async def _predict(state: SidecarState, req: PredictRequest) -> JSONResponse:
             pid = req.request_id if len(results) == 1 else f"{req.request_id}/{i}"
         d["prediction_id"] = pid
         d["latency_ms"] = ms
-        state.remember(pid, d, model)
+        state.remember(pid, d, model, convs[i])
         truncated += d["truncated"]
         preds.append(d)
     state.metrics.predictions.inc(len(preds))
@@ -232,7 +239,8 @@ async def _predict(state: SidecarState, req: PredictRequest) -> JSONResponse:
 
 
 def _feedback(state: SidecarState, req: FeedbackRequest) -> JSONResponse:
-    """Score an actual length against the prediction served here (or sent inline); a retry is not counted twice."""
+    """Score an actual length against the prediction served here (or sent inline) and store it as a training row
+    (served ones only: an inline prediction's prompt was never seen here); a retry is not counted twice."""
     entry = state.served.get(req.request_id)
     if entry is not None:
         source, name, version, scheme = "served", entry.name, entry.version, entry.scheme
@@ -253,14 +261,17 @@ def _feedback(state: SidecarState, req: FeedbackRequest) -> JSONResponse:
         raise HTTPException(404, f"unknown request_id {req.request_id!r} (never served here, or evicted): "
                                  "send the served prediction inline as 'prediction'")
     actual_bucket = int(scheme.assign(req.actual_tokens)[0])
+    fb = Feedback(name, version, bucket, actual_bucket, expected, qtok, req.actual_tokens, req.finish_reason, scheme.n)
     accepted = not (entry is not None and entry.used)  # a retried feedback is not counted twice
+    stored = False
     if accepted:
         if entry is not None:
             entry.used = True
-        state.record(Feedback(name, version, bucket, actual_bucket, expected, qtok, req.actual_tokens))
+        state.record(fb)
+        stored = state.store(req.request_id, entry, fb)
         state.metrics.feedback.labels(source).inc()
     else:
         state.metrics.feedback.labels("duplicate").inc()
     return JSONResponse({"accepted": accepted, "request_id": req.request_id, "source": source, "model_name": name,
                          "model_version": version, "predicted_bucket": bucket, "actual_bucket": actual_bucket,
-                         "error_tokens": float(expected - req.actual_tokens)})
+                         "error_tokens": float(expected - req.actual_tokens), "censored": fb.censored, "stored": stored})

@@ -29,6 +29,8 @@ FLAG_GROUPS = {
     "batching and inference": ("max_batch", "max_wait_ms", "threads", "workers", "token_budget", "precision", "ort_spin",
                                "max_body_bytes", "lru_size"),
     "registry and online monitoring": ("reload_interval", "window_size", "window_seconds", "alarm_margin", "padding"),
+    "feedback store (training data)": ("feedback_store", "feedback_db", "store_prompts", "feedback_max_rows",
+                                       "feedback_max_age_days", "feedback_queue", "lru_mb"),
 }
 _METAVARS = {"model": "URI"}
 
@@ -39,8 +41,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def flag_name(field: str) -> str:
-    """The command-line flag of a settings field: ``max_wait_ms`` -> ``--max-wait-ms``."""
-    return "--" + field.replace("_", "-")
+    """The command-line flag of a settings field: ``max_wait_ms`` -> ``--max-wait-ms``; a switch that is on by
+    default is turned off: ``store_prompts`` -> ``--no-store-prompts``."""
+    info = SidecarSettings.model_fields.get(field)
+    on_by_default = info is not None and info.annotation is bool and info.default is True
+    return ("--no-" if on_by_default else "--") + field.replace("_", "-")
 
 
 def flag_type(field: FieldInfo) -> tuple[type, list | None]:
@@ -56,8 +61,9 @@ def flag_type(field: FieldInfo) -> tuple[type, list | None]:
 
 def _add_flag(group: argparse._ActionsContainer, name: str, field: FieldInfo) -> None:
     help_text = (field.description or "").replace("%", "%%")
-    if field.annotation is bool:  # a switch: --ort-spin turns it on
-        group.add_argument(flag_name(name), action="store_true", default=field.default, help=help_text)
+    if field.annotation is bool:  # a switch: --ort-spin turns an off-by-default one on, --no-store-prompts one off
+        group.add_argument(flag_name(name), dest=name, action="store_false" if field.default else "store_true",
+                           default=field.default, help=help_text)
         return
     kind, choices = flag_type(field)
     if field.default is not None:

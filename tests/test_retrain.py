@@ -108,7 +108,7 @@ def test_retrain_trains_on_feedback_and_promotes_only_a_better_challenger(champi
 
 
 def test_without_a_drift_alarm_nothing_is_retrained(champion, feedback):
-    out = retrain_once(Settings(name=NAME, trigger="alarm", store=str(feedback), min_feedback=100))
+    out = retrain_once(Settings(name=NAME, trigger="alarm", store=str(feedback), min_feedback=100, served_model="M"))
     assert out.action == "skipped" and "no online windows" in out.reason
 
 
@@ -120,14 +120,18 @@ def test_prompts_not_kept_refuse_and_bad_input_exits_2(champion, tmp_path, capsy
     FeedbackStore.append(conn, [_row(i, None, 50) for i in range(5)], max_rows=100, max_age_s=86400.0)
     conn.close()
     with pytest.raises(RetrainError, match="--no-store-prompts"):
-        retrain_once(Settings(name=NAME, trigger="always", store=str(path), min_feedback=1))
+        retrain_once(Settings(name=NAME, trigger="always", store=str(path), min_feedback=1, served_model="M"))
     for argv, words in ((["--store", str(path), "--min-feedback", "1"], "--no-store-prompts"),
                         (["--store", str(tmp_path / "none.db")], "no feedback store"),
                         (["--holdout", "1.5"], "--holdout must be between 0 and 1"),
                         (["--name", "no-such-model"], "no @champion version")):
-        rc = main(["retrain", "--once", "--trigger", "always", *argv])
+        rc = main(["retrain", "--once", "--trigger", "always", "--served-model", "M", "--name", NAME, *argv])
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert rc == 2 and len(err) == 1 and err[0].startswith("lengthwise retrain: error:") and words in err[0], err
+    with pytest.raises(SystemExit) as exc:  # the served model is what the labels are lengths of: never guessed
+        main(["retrain", "--once"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert exc.value.code == 2 and len(err) == 1 and "--served-model" in err[0], err
 
 
 def test_too_little_feedback_is_a_skip_not_an_error(champion, tmp_path):
@@ -135,6 +139,6 @@ def test_too_little_feedback_is_a_skip_not_an_error(champion, tmp_path):
     conn = FeedbackStore(path).connect()
     FeedbackStore.append(conn, [_row(i, [("user", "hi")], 50) for i in range(3)], max_rows=100, max_age_s=86400.0)
     conn.close()
-    out = retrain_once(Settings(name=NAME, trigger="always", store=str(path), min_feedback=10))
+    out = retrain_once(Settings(name=NAME, trigger="always", store=str(path), min_feedback=10, served_model="M"))
     assert out.action == "skipped" and "3 feedback rows" in out.reason
     assert np.isfinite(out.counts["rows"])

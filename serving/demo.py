@@ -371,12 +371,16 @@ def _run(a: argparse.Namespace, gguf: Path, sharegpt: Path, work: Path, logs: Pa
     """The demo's story, one call a step; returns what ``demo.json`` reports (:func:`run` adds the timings)."""
     model_dir = _model(gguf, work, timings, con)
     sidecar_url, sidecar_model = _sidecar(a, logs, children, timings, con)
-    gateway = _start_gateway(a, model_dir, sidecar_url, logs, children)
+    fit = predictor_fit(model_dir, sidecar_model)
+    if fit["verdict"] != "same":
+        con.print(f"      {fit['line']}")
+    gateway = _start_gateway(a, model_dir, sidecar_url, logs, children, allow_other=fit["verdict"] == "different")
     plan, calib_jobs = _load_trace(a, sharegpt, model_dir, gateway, timings, con)
     _gateway_ready(a, gateway, logs, len(plan.jobs), timings, con)
     calibration = _calibrate_slo(a, gateway.url, model_dir, calib_jobs, timings, con)
     report = _replay(a, gateway.url, model_dir, plan, calibration, work, timings, con)
-    return _demo_report(a, model_dir, sidecar_model, gateway, calibration, report, _gateway_metrics(gateway.url))
+    return _demo_report(a, model_dir, sidecar_model, gateway, calibration, report, _gateway_metrics(gateway.url)) | {
+        "predictor_fit": {k: fit[k] for k in ("served", "target", "verdict")}}
 
 
 def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
@@ -414,9 +418,31 @@ def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dic
     return sc_url, ready
 
 
-def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, logs: Path, children: Children) -> Gateway:
+def predictor_fit(model_dir: Path, ready: dict) -> dict[str, str | None]:
+    """Whether the sidecar's predictor learned the lengths of the model the demo serves: its recorded target (in
+    ``/ready``) against SmolLM2's ``name@hash``. ``verdict`` is :func:`predictor.target.compare_models`'s, or
+    ``unknown``; ``line`` says what it means for the demo."""
+    from predictor.target import compare_models, served_model_id
+
+    served = served_model_id(str(model_dir))
+    target = ready.get("target") if isinstance(ready.get("target"), dict) else {}
+    model = target.get("model") if isinstance(target.get("model"), str) else None
+    if model is None:
+        return {"served": served, "target": None, "verdict": "unknown",
+                "line": "the predictor records no target model: whose lengths it learned is unknown"}
+    verdict = compare_models(served, model)
+    line = (f"the predictor learned the lengths of {model}, not of the served {served}: the demo serves it anyway "
+            "(lengthwise serve --allow-predictor-for-other-model), so its predictions are another model's; train it on "
+            "SmolLM2's own lengths with `lengthwise relabel` (docs/predictor.md)" if verdict == "different"
+            else f"the predictor learned the lengths of {model}, the served model")
+    return {"served": served, "target": model, "verdict": verdict, "line": line}
+
+
+def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, logs: Path, children: Children,
+                   allow_other: bool = False) -> Gateway:
     """3. The gateway and its engine: started without waiting, since the engine takes about a minute and the trace
-    can be loaded meanwhile (:func:`_load_trace`, then :func:`_gateway_ready`)."""
+    can be loaded meanwhile (:func:`_load_trace`, then :func:`_gateway_ready`). ``allow_other``: the predictor was
+    trained for another model's lengths, and the demo says so rather than refusing to run."""
     gw_port = free_port()
     bind = engine_cores(a.engine_cores)
     gateway = children.start("lengthwise serve", [
@@ -425,7 +451,7 @@ def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, log
         "--port", str(gw_port), "--engine-log-dir", str(logs / "engines"), "--engine-start-timeout", f"{a.start_timeout:g}",
         "--engine-arg=--dtype float32", f"--engine-arg=--max-model-len {a.max_model_len}",
         *([] if a.engine_compile else ["--engine-arg=--enforce-eager"]),
-        *[f"--engine-arg={x}" for x in a.engine_arg]],
+        *[f"--engine-arg={x}" for x in a.engine_arg], *(["--allow-predictor-for-other-model"] if allow_other else [])],
         logs / "gateway.log", grace_s=60.0,
         env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})

@@ -48,6 +48,7 @@ class World:
     report_args: tuple = ()
     stopped: int = 0
     converted: list = field(default_factory=list)
+    ready: dict = field(default_factory=lambda: {"model_name": "length-predictor", "model_version": "3"})
     short: int = 0  # prompts fewer than the demo asks for
     completed: int | None = None  # what the replay's summary reports as completed (default: every request)
 
@@ -110,7 +111,7 @@ def world(tmp_path, monkeypatch) -> World:
     def get(url, timeout=None):
         w.gets.append(url)
         if url.endswith("/ready"):
-            return SimpleNamespace(json=lambda: {"model_name": "length-predictor", "model_version": "3"})
+            return SimpleNamespace(json=lambda: w.ready)
         return SimpleNamespace(text="lengthwise_gateway_requests_total 4\nlengthwise_gateway_request_latency_seconds_bucket"
                                     "{le=\"1\"} 2\nvllm_other 1\nlengthwise_gateway_inflight 0\n")
 
@@ -180,6 +181,7 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert _lines(err) == [
         f"[1/5] model: {model} (cached)",
         f"[2/5] predictor-sidecar: length-predictor v3 on {sc}, ready in 1 s (log {logs / 'sidecar.log'})",
+        "      the predictor records no target model: whose lengths it learned is unknown",
         (f"[3/5] lengthwise serve on {gw}: one engine (lengthwise, cores 7, KV 1 GiB), ready in 2 s "
          f"(logs {logs / 'gateway.log'}, {logs / 'engines'}); 4 prompts loaded meanwhile in 1 s"),
         ("[4/5] lone request here: t_p 250 ms to the first token, t_g 12.5 ms per token; "
@@ -221,7 +223,7 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert replay_json == {"summary": {"requests": {"completed": 4}}, "s": gw}
     report = json.loads((work / "demo.json").read_text())
     assert list(report) == ["model", "predictor", "predictor_model", "policy", "engine_cores", "kv_cache_gib",
-                            "max_model_len", "calibration", "replay", "gateway_metrics", "timings"]
+                            "max_model_len", "calibration", "replay", "gateway_metrics", "predictor_fit", "timings"]
     assert report["model"] == str(model) and report["engine_cores"] == "7"
     assert report["predictor_model"] == {"model_name": "length-predictor", "model_version": "3"}
     assert report["calibration"] == {"t_p_s": 0.25, "t_g_s": 0.0125, "slo_scale": 2.0, "requests": [
@@ -253,6 +255,25 @@ def test_an_uncached_model_is_converted_and_engine_options_reach_the_gateway(wor
     assert gateway["env"]["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
     assert world.waits[1][2] == 90.0  # the gateway gets a minute more than its engine
     assert json.loads((work / "demo.json").read_text())["kv_cache_gib"] == 0.5
+
+
+@pytest.mark.parametrize("target", ["ChatGPT", "SmolLM2-135M-Instruct"])
+def test_a_predictor_for_another_model_is_served_only_with_the_override_and_said(world, tmp_path, capsys, target):
+    """The gateway refuses a predictor trained for another model's lengths; the demo passes the override only then,
+    and says so, so a ShareGPT-trained champion still runs but nobody takes its predictions for SmolLM2's."""
+    work = tmp_path / "work"
+    _cached(work)
+    world.ready = {"model_name": "length-predictor", "model_version": "3", "target": {"model": target}}
+    assert demo.run(_args(work)) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    gateway = world.starts[1]["cmd"]
+    fit = json.loads((work / "demo.json").read_text())["predictor_fit"]
+    assert fit["target"] == target and fit["served"].startswith("SmolLM2-135M-Instruct@")
+    if target == "ChatGPT":
+        assert "--allow-predictor-for-other-model" in gateway and fit["verdict"] == "different"
+        assert "the predictor learned the lengths of ChatGPT, not of the served SmolLM2-135M-Instruct@" in err
+    else:
+        assert "--allow-predictor-for-other-model" not in gateway and fit["verdict"] == "same_name"
 
 
 def test_no_completed_request_exits_1_with_the_reports_written(world, tmp_path):

@@ -24,6 +24,20 @@ def test_report_contract(trained):
     assert set(trained["accuracy_at_widths"]["lengthwise"]) == {"100", "200", "400"}
     assert trained["model_uri"].startswith("models:/length-predictor/")
     assert len(trained["epoch_seconds"]) == trained["epochs_run"] >= 1
+    # first turns only: no later-turn slice; every slice names the predictor to ship there
+    assert set(trained["slices"]) == {"first_turn", "all"} == set(trained["recommended"])
+    assert trained["slices"]["first_turn"]["lengthwise"]["n"] == trained["n_test"]
+    assert set(trained["slices"]["all"]) == {"lengthwise", *trained["baselines"]}
+    assert 0.5 < trained["model"]["pairwise_accuracy"] <= 1.0
+
+
+def test_dataset_answers_are_the_recorded_target(trained):
+    from registry import store
+
+    want = {"model": "dataset answers (sharegpt)", "label_tokenizer": "tokenizer.json", "sampling": None,
+            "max_tokens": 2048, "source": "dataset answers"}
+    assert OnnxLengthPredictor(Path(trained["work_dir"]) / "package").target == want
+    assert store.version_target("length-predictor", trained["registered_version"])["model"] == want["model"]
 
 
 def test_onnx_parity_and_plots(trained):

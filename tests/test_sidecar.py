@@ -86,7 +86,9 @@ def test_messages_and_truncation_match_training(sidecar, package):
 
 
 def test_health_ready_openapi_metrics(sidecar, trained):
-    assert sidecar.get("/health").json() == {"status": "ok"}
+    health = sidecar.get("/health").json()
+    assert health["status"] == "ok" and health["model_version"] == trained["registered_version"]
+    assert health["target"] and isinstance(health["drift"], dict)  # details: tests/test_sidecar_feedback.py
     ready = sidecar.get("/ready").json()
     assert ready["model_version"] == trained["registered_version"] and ready["from_cache_only"] is False
     doc = sidecar.get("/openapi.json").json()

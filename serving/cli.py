@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)
+    from serving.loopbench import add_parser as add_bench_loop
+
+    add_bench_loop(bsub)
 
     _add_simulate(sub)
     add_scale_parser(sub)

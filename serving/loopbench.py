@@ -60,6 +60,7 @@ beside it: point LENGTHWISE_HOME at a copy to keep yours. Exit status: 0 when th
 """
 
 DRIFT_POLL_S = 0.5
+ROLLING = 20  # decided feedbacks in the plot's rolling mean
 
 
 class LoopError(DemoError):
@@ -470,11 +471,27 @@ def phase_report(ph: Phase) -> dict:
             "output_tokens": res.output_tokens, "finish_reason": res.finish_reason, "finished_at": res.finished_at,
             "version": row.model_version if row else None, "bucket": row.bucket if row else None,
             "expected_tokens": row.expected_tokens if row else None, "censored": row.censored if row else None,
-            "feedback_time": row.time if row else None})
+            "feedback_time": row.time if row else None, "edges": row.edges if row else None})
     versions = sorted({r.model_version for r in ph.rows})
     return {"started": ph.started, "ended": ph.ended, "summary": ph.report["summary"], "feedback_rows": len(ph.rows),
             "versions": versions, "scores": {v: score([r for r in ph.rows if r.model_version == v]) for v in versions},
             "requests": requests}
+
+
+def outcomes(rows: list[dict]) -> list[tuple[float, bool | None, float | None]]:
+    """(feedback time, top-1 hit or None when undecided, absolute error or None) of each request, as one-feedback
+    windows of registry.online count them: the plot's rolling curves."""
+    from predictor.buckets import BucketScheme
+    from registry.online import Feedback, WindowStats
+
+    out = []
+    for r in rows:
+        scheme = BucketScheme.from_edges(r["edges"])
+        w = WindowStats("", "")
+        w.add(Feedback("", "", r["bucket"], int(scheme.assign(r["output_tokens"])[0]), r["expected_tokens"], None,
+                       r["output_tokens"], r["finish_reason"], scheme.n), padding=0.15)
+        out.append((r["feedback_time"], bool(w.correct) if w.accuracy_n else None, w.abs_err if w.error_n else None))
+    return out
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -514,7 +531,8 @@ def table(report: dict):
 
 
 def plot(report: dict, path: Path) -> None:
-    """Online top-1 and MAE per logged window over wall time, one color per version, a line at the promotion."""
+    """Online top-1 and MAE over wall time, one color per version: each logged window a marker, a rolling mean over
+    the last ``ROLLING`` decided feedbacks a line; dashed: the promotion."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -522,18 +540,22 @@ def plot(report: dict, path: Path) -> None:
 
     t0 = report["started"]
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    reqs = [q for ph in report["phases"].values() for q in ph["requests"] if q["version"] is not None]
     for color, (v, wins) in zip(("tab:red", "tab:blue", "tab:green"), sorted(report["windows"].items())):
-        x = [(w["timestamp"] / 1000 - t0) / 60 for w in wins]
-        for ax, key in zip(axes, ("accuracy", "mae_tokens")):
-            pts = [(xi, w[key]) for xi, w in zip(x, wins) if key in w]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=f"v{v}")
+        seen = outcomes(sorted((q for q in reqs if q["version"] == v), key=lambda q: q["feedback_time"]))
+        for ax, k, key in zip(axes, (1, 2), ("accuracy", "mae_tokens")):
+            dec = [(x[0], float(x[k])) for x in seen if x[k] is not None]
+            roll = [np.mean([y for _, y in dec[max(0, i - ROLLING + 1):i + 1]]) for i in range(len(dec))]
+            ax.plot([(t - t0) / 60 for t, _ in dec], roll, "-", color=color, alpha=0.6, label=f"v{v}, rolling {ROLLING}")
+            pts = [((w["timestamp"] / 1000 - t0) / 60, w[key]) for w in wins if key in w]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, ms=8, label=f"v{v}, logged windows")
     for ax, label in zip(axes, ("online top-1 (decided feedback)", "online MAE, tokens (decided)")):
         if "promoted_at" in report:
             ax.axvline((report["promoted_at"] - t0) / 60, color="k", ls="--", lw=1)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(title="predictor version")
-    axes[1].set_xlabel("minutes since start (each point: one closed window; dashed: promotion)")
+    axes[1].set_xlabel("minutes since start (dashed: the promotion)")
     fig.suptitle(f"feedback loop on {report['predictor_fit']['served']}: {report['retrain']['action']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

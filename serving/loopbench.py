@@ -227,14 +227,16 @@ def collect_feedback(ph: Phase, timeout_s: float) -> None:
         time.sleep(DRIFT_POLL_S)
 
 
-def wait_windows(name: str, versions: set[str], rows: list[FeedbackRow], timeout_s: float) -> dict[str, list[dict]]:
-    """Each version's logged windows once they count every feedback row of it (a window closes by count or age,
-    then a background thread logs it to MLflow); what is logged by ``timeout_s`` otherwise."""
+def wait_windows(name: str, versions: set[str], rows: list[FeedbackRow], since: float,
+                 timeout_s: float) -> dict[str, list[dict]]:
+    """Each version's windows logged since ``since`` (unix seconds: a version's monitoring run keeps the windows of
+    every earlier sidecar too), once they count every feedback row of it (a window closes by count or age, then a
+    background thread logs it to MLflow); what is logged by ``timeout_s`` otherwise."""
     from registry.online import window_history
 
     deadline = time.monotonic() + timeout_s
     while True:
-        hist = {v: window_history(name, v)[1] for v in versions}
+        hist = {v: [w for w in window_history(name, v)[1] if w["timestamp"] >= since * 1000] for v in versions}
         done = all(sum(w.get("n", 0) for w in hist[v]) >= sum(r.model_version == v for r in rows) for v in versions)
         if done or time.monotonic() > deadline:
             return hist
@@ -400,7 +402,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     con.print(f"[2/6] phase 1: {len(jobs1)} prompts ({first} first turns) at {a.rate:g} req/s, max_tokens {a.max_tokens}")
     ph1 = replay_phase("phase1", jobs1, a, procs, model_dir, con)
     collect_feedback(ph1, 60)
-    hist = wait_windows(name, {before}, ph1.rows, a.window_seconds + 30)
+    hist = wait_windows(name, {before}, ph1.rows, t0, a.window_seconds + 30)
     h1 = health(procs.sidecar_url)
     drift = (h1.get("drift") or {}).get(before, {})
     con.print(f"[3/6] {len(ph1.rows)} feedback rows stored, {len(hist[before])} windows logged for v{before}; drift "
@@ -420,7 +422,8 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     report: dict[str, Any] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "func"},
         "model": str(model_dir), "predictor_fit": procs.fit, "started": t0, "versions": {"before": before},
-        "drift_after_phase1": drift, "retrain": asdict(outcome), "phases": {}, "reload_s": None}
+        "drift_after_phase1": drift, "retrain": asdict(outcome), "retrained_at": promoted_at, "phases": {},
+        "reload_s": None}
     phases = [ph1]
     if outcome.action == "promoted":
         after = str(outcome.challenger)
@@ -437,7 +440,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
         ph2 = replay_phase("phase2", jobs2, a, procs, model_dir, con)
         collect_feedback(ph2, 60)
         phases.append(ph2)
-        hist = wait_windows(name, {before, after}, ph1.rows + ph2.rows, a.window_seconds + 30)
+        hist = wait_windows(name, {before, after}, ph1.rows + ph2.rows, t0, a.window_seconds + 30)
     else:
         con.print("[5/6] no new version: phase 2 skipped" + (" (the alarm was not raised; --trigger always forces a "
                                                              "retrain)" if outcome.action == "skipped" else ""))
@@ -549,13 +552,17 @@ def plot(report: dict, path: Path) -> None:
             ax.plot([(t - t0) / 60 for t, _ in dec], roll, "-", color=color, alpha=0.6, label=f"v{v}, rolling {ROLLING}")
             pts = [((w["timestamp"] / 1000 - t0) / 60, w[key]) for w in wins if key in w]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, ms=8, label=f"v{v}, logged windows")
+    drift = report.get("drift_after_phase1") or {}
+    if drift.get("offline_accuracy") is not None:
+        axes[0].axhline(drift["offline_accuracy"] - drift["margin"], color="gray", ls=":", lw=1,
+                        label=f"alarm below (offline {drift['offline_accuracy']:.2f} - {drift['margin']:g})")
     for ax, label in zip(axes, ("online top-1 (decided feedback)", "online MAE, tokens (decided)")):
-        if "promoted_at" in report:
-            ax.axvline((report["promoted_at"] - t0) / 60, color="k", ls="--", lw=1)
+        if report.get("retrained_at"):
+            ax.axvline((report["retrained_at"] - t0) / 60, color="k", ls="--" if "promoted_at" in report else ":", lw=1)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(title="predictor version")
-    axes[1].set_xlabel("minutes since start (dashed: the promotion)")
+    axes[1].set_xlabel("minutes since start (vertical line: the retrain; dashed when it promoted)")
     fig.suptitle(f"feedback loop on {report['predictor_fit']['served']}: {report['retrain']['action']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -50,7 +50,7 @@ EPILOG = """\
 examples:
   # the measured run of docs/results/loop.md, on a copy of the registry (the user's is left alone)
   cp -r ~/.lengthwise /tmp/loop-home && LENGTHWISE_HOME=/tmp/loop-home lengthwise bench loop \\
-      --model-dir /work/cache/SmolLM2-135M-Instruct --phase1 200 --phase2 100 --rate 0.3 --json loop.json
+      --model-dir SmolLM2-135M-Instruct --phase1 200 --phase2 100 --rate 0.5 --window-size 100 --json loop.json
   # force the retrain whatever the alarm says, and mix in a relabel of the served model
   lengthwise bench loop --trigger always --base-data sharegpt.json.xz --base-served-lengths smollm2.lengths.jsonl
 

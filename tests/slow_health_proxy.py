@@ -48,9 +48,10 @@ class SlowHealthProxy:
         if self._client is None:  # one client for the proxy's life: building one loads the CA bundle holding the GIL,
             self._client = httpx.AsyncClient(timeout=None)  # which stalled this event loop for seconds on a busy machine
         client = self._client
+        # the engine's own key passes through (engines are started with one: a proxy must not strip it)
+        headers = {k: request.headers[k] for k in ("content-type", "authorization") if k in request.headers}
         up = await client.send(client.build_request(request.method, self.upstream + request.url.path, content=body,
-                                                    headers={"content-type": request.headers.get("content-type", "")}),
-                               stream=True)
+                                                    headers=headers), stream=True)
 
         async def close() -> None:
             await up.aclose()

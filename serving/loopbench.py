@@ -390,6 +390,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
          con: Console) -> dict:
     """The six steps of the module docstring; returns the report."""
     from serving.enginebench.realmodel import resolve_model
+    from training.data.example import DataError
     from training.retrain import RetrainError, Settings, retrain_once
 
     t0 = time.time()
@@ -415,8 +416,8 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     with con.status(f"retrain (trigger {a.trigger}) ..."):
         try:
             outcome = retrain_once(s)
-        except RetrainError as exc:
-            raise LoopError(f"retrain: {exc}") from None
+        except (RetrainError, DataError) as exc:  # DataError: too few decided rows for train, val and test splits
+            raise LoopError(f"retrain: {' '.join(str(exc).split())}") from None
     promoted_at = time.time()
     con.print(f"[4/6] retrain: {outcome.action}: {outcome.reason}")
     report: dict[str, Any] = {

@@ -48,47 +48,49 @@ def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_ve
     from registry.feedback_store import FeedbackStore
     from serving.cli import main
 
+    # windows close by count, with no wait for their age; 64 rows to train on, so that the challenger's pipeline
+    # (a random split by conversation) has rows for train, val and test
     out = tmp_path / "loop.json"
     rc = main(["bench", "loop", "--predictor", f"models:/{NAME}@champion", "--model-dir", _model_dir(),
-               "--work-dir", str(tmp_path / "work"), "--phase1", "20", "--phase2", "20", "--max-tokens", "48",
-               "--rate", "2", "--window-size", "20", "--window-seconds", "300", "--reload-interval", "1",
+               "--work-dir", str(tmp_path / "work"), "--phase1", "80", "--phase2", "40", "--max-tokens", "48",
+               "--rate", "4", "--window-size", "40", "--holdout", "0.2", "--window-seconds", "300", "--reload-interval", "1",
                "--min-feedback", "10", "--epochs", "2", "--max-prompt-tokens", "32", "--max-model-len", str(CONTEXT),
                "--json", str(out)])
     assert rc == 0, capsys.readouterr().err[-3000:]
     report = json.loads(out.read_text())
     assert report["predictor_fit"]["verdict"] == "different"  # served with --allow-predictor-for-other-model
     ph1 = report["phases"]["phase1"]
-    assert ph1["summary"]["requests"]["completed"] == 20 and ph1["feedback_rows"] == 20
+    assert ph1["summary"]["requests"]["completed"] == 80 and ph1["feedback_rows"] == 80
 
     # every answer's feedback is a training row with the engine's finish reason, predicted by the champion
     rows = FeedbackStore().read(model_name=NAME)
     first = [r for r in rows if r.prediction_id in {q["request_id"] for q in ph1["requests"]}]
-    assert len(first) == 20 and {r.model_version for r in first} == {champion}
+    assert len(first) == 80 and {r.model_version for r in first} == {champion}
     assert all(r.finish_reason in ("stop", "length") and r.censored == (r.finish_reason == "length") for r in first)
     assert all(r.turns for r in first)
 
     # the windows were logged and raised the alarm, so retrain (trigger alarm) ran and promoted a challenger
     assert report["drift_after_phase1"]["alarm"] is True
-    assert sum(w["n"] for w in report["windows"][champion]) >= 20
+    assert sum(w["n"] for w in report["windows"][champion]) == 80
     r = report["retrain"]
     assert r["action"] == "promoted", r
     new = r["challenger"]
     assert new != champion and report["versions"] == {"before": champion, "after": new}
     tags = MlflowClient().get_model_version(NAME, new).tags
     assert tags["lengthwise.parent_version"] == champion and tags["lengthwise.retrain.trigger"] == "alarm"
-    assert json.loads(tags["lengthwise.retrain.counts"])["train"] >= 10
+    assert json.loads(tags["lengthwise.retrain.counts"])["train"] == 64
     assert tags["lengthwise.target_model"].startswith("SmolLM2-135M-Instruct@")
 
     # the sidecar hot-reloaded it, and every phase-2 prediction came from it
     assert report["reload_s"] is not None and report["health_end"]["model_version"] == new
     ph2 = report["phases"]["phase2"]
-    assert ph2["summary"]["requests"]["completed"] == 20 and ph2["versions"] == [new]
+    assert ph2["summary"]["requests"]["completed"] == 40 and ph2["versions"] == [new]
     assert {q["version"] for q in ph2["requests"]} == {new}
     assert not {q["request_id"] for q in ph2["requests"]} & {q["request_id"] for q in ph1["requests"]}
     assert all(q["pred_len"] is not None and q["output_tokens"] for q in ph2["requests"])
-    for ph in (ph1, ph2):  # both versions scored, censoring counted
+    for ph, n in ((ph1, 80), (ph2, 40)):  # both versions scored; every answer's bucket is decided at these edges
         (sc,) = ph["scores"].values()
-        assert sc["n"] == 20 and sc["accuracy_n"] == 20 and "kendall_tau" in sc
+        assert sc["n"] == n and sc["accuracy_n"] == n and "kendall_tau" in sc
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 

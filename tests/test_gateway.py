@@ -60,6 +60,9 @@ def fleet_proc(model_dir, logs):
     gw = start_gateway(
         logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
         "--engine-api-key", ENGINE_KEY,
+        # the fault tests queue bursts of 4 x max_num_seqs inside the engines: the admission bound (429) is tested in
+        # test_gateway_overload.py, not here
+        "--max-outstanding", "128", "--max-outstanding-per-engine", "64",
         "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
         "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
         f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",

@@ -94,7 +94,9 @@ class Forwarder:
         while True:
             engine = again
             if engine is None and len(tried) < self.settings.max_attempts:
-                full = self.pool.full(self.per_engine)
+                # the per-engine bound is admission: a request already accepted that lost its engine is retried on
+                # any live one, full or not, rather than failed
+                full = self.pool.full(self.per_engine) if not tried else frozenset()
                 engine = self.pool.place(job, frozenset(tried) | full)
             if engine is None and returns < self.settings.transient_retries:
                 engine = await self._return_to(job, transient, returns)

@@ -25,12 +25,7 @@ def _cell(m: dict, key: str, fmt: str) -> str:
 def metrics_table(report: dict, title: str = "Held-out test split") -> Table:
     """All test rows: the model and every baseline (each fitted per slice), with top-1 at coarser buckets."""
     cols = {"lengthwise": report["model"], **report.get("baselines", {})}
-    t = Table(title=f"{title}, all turns (n={report['model']['n']}, padding {report['model']['padding']:.0%})")
-    t.add_column("metric")
-    for name in cols:
-        t.add_column(name, justify="right")
-    for key, label, fmt in ROWS:
-        t.add_row(label, *[_cell(m, key, fmt) for m in cols.values()])
+    t = _predictors_table(f"{title}, all turns (n={report['model']['n']}, padding {report['model']['padding']:.0%})", cols)
     widths = report.get("accuracy_at_widths", {})
     for w in ("100", "200", "400"):
         if all(w in widths.get(n, {}) for n in cols):
@@ -41,13 +36,17 @@ def metrics_table(report: dict, title: str = "Held-out test split") -> Table:
 def slice_table(report: dict, name: str) -> Table:
     """One slice (``first_turn`` or ``later_turns``): every predictor's metrics on that slice's test rows."""
     block = report["slices"][name]
-    n = next(iter(block.values()))["n"]
-    t = Table(title=f"{SLICE_TITLES.get(name, name)} (n={n})")
+    return _predictors_table(f"{SLICE_TITLES.get(name, name)} (n={next(iter(block.values()))['n']})", block)
+
+
+def _predictors_table(title: str, cols: dict[str, dict]) -> Table:
+    """A metric per row (ROWS), a predictor per column: the layout of the whole split and of each slice."""
+    t = Table(title=title)
     t.add_column("metric")
-    for who in block:
-        t.add_column(who, justify="right")
+    for name in cols:
+        t.add_column(name, justify="right")
     for key, label, fmt in ROWS:
-        t.add_row(label, *[_cell(m, key, fmt) for m in block.values()])
+        t.add_row(label, *[_cell(m, key, fmt) for m in cols.values()])
     return t
 
 

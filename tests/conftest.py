@@ -62,6 +62,15 @@ def trained(home, data, tmp_path_factory) -> dict:
     return report
 
 
+@pytest.fixture(scope="module")
+def model_dir(data, tmp_path_factory) -> Path:
+    """A Llama config with GPT-2's tokenizer and no weights: what the gateway tests' engines load with
+    ``--load-format dummy`` (a module that needs another model defines its own ``model_dir``)."""
+    from tests.gateway_proc import dummy_llama
+
+    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
+
+
 def metric_values(text: str, metric: str, labels: dict[str, str]):
     """Values of the samples of ``metric`` in a Prometheus exposition whose labels include ``labels``."""
     import re

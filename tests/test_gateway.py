@@ -31,7 +31,7 @@ from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
 from tests.conftest import HTTP, SHAREGPT
-from tests.gateway_proc import Gateway, dummy_llama, engine_extra_args, plugin_stats, start_gateway
+from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
 
 pytest.importorskip("vllm")
@@ -44,11 +44,6 @@ MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(data, tmp_path_factory) -> Path:
-    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
-
-
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gateway-logs")

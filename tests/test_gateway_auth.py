@@ -23,7 +23,7 @@ from serving.gateway.auth import KeyCheck, read_key_file
 from serving.gateway.errors import ApiError
 from serving.gateway.gateway import Call
 from serving.gateway.settings import GatewaySettings
-from tests.gateway_proc import Gateway, dummy_llama, start_gateway
+from tests.gateway_proc import Gateway, start_gateway
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
 
@@ -136,11 +136,6 @@ def test_the_sidecar_token_goes_with_every_call_to_the_sidecar(make_gateway):
 
 
 # --- through lengthwise serve, over a real engine ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(data, tmp_path_factory) -> Path:
-    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
-
-
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("auth-logs")

@@ -31,7 +31,7 @@ from serving.gateway.gateway import Call
 from serving.gateway.prediction import LengthPrediction
 from serving.policy.hints import HINT_KEYS
 from tests.conftest import free_port
-from tests.gateway_proc import Gateway, dummy_llama, engine_extra_args, start_gateway
+from tests.gateway_proc import Gateway, engine_extra_args, start_gateway
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
 
@@ -164,11 +164,6 @@ def test_health_is_degraded_while_the_sidecar_is_down_and_ok_when_it_answers(mak
 
 
 # --- through lengthwise serve, over a real engine ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(data, tmp_path_factory) -> Path:
-    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
-
-
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hostile-logs")

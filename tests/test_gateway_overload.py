@@ -23,7 +23,7 @@ import pytest
 from serving.gateway.admission import Admission
 from serving.gateway.errors import ApiError
 from serving.gateway.settings import GatewaySettings
-from tests.gateway_proc import Gateway, dummy_llama, start_gateway
+from tests.gateway_proc import Gateway, start_gateway
 from tests.sidecar_proc import wait_for
 
 ENGINE_KEY = "engine-key-for-the-overload-tests"
@@ -48,11 +48,6 @@ def test_the_bounds_default_to_the_engines_batch_and_a_slot_is_released_once():
     gate.admit()
     with pytest.raises(ApiError):
         gate.admit()
-
-
-@pytest.fixture(scope="module")
-def model_dir(data, tmp_path_factory) -> Path:
-    return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
 
 
 @pytest.fixture(scope="module")

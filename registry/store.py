@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,6 +198,11 @@ def set_alias(name: str, alias: str, version: str) -> None:
     MlflowClient().set_registered_model_alias(name, alias, str(version))
 
 
+def ranking_key(metrics: Mapping[str, object]) -> tuple[float, float]:
+    """What promotion compares, in order: top-1 accuracy, then Kendall tau (metrics, or a version's tags as strings)."""
+    return float(metrics.get("accuracy", "nan")), float(metrics.get("kendall_tau", "nan"))  # type: ignore[arg-type]
+
+
 def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False) -> str:
     """Move ``alias`` to ``version`` unless the current holder is better on the same evaluation split.
 
@@ -225,7 +231,7 @@ def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False)
                 f"version {version} predicts lengths of {ours}, @{alias} (version {current}) those of {theirs}; "
                 "register it under another --name for that model's deployment, or pass --force"
             )
-        key = lambda v: (float(v.tags.get("accuracy", "nan")), float(v.tags.get("kendall_tau", "nan")))
+        key = lambda v: ranking_key(v.tags)
         if key(cand) < key(champ):
             raise PromotionRefused(
                 f"version {version} (accuracy {key(cand)[0]:.4f}, tau {key(cand)[1]:.4f}) is worse than @{alias} "

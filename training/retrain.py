@@ -144,20 +144,21 @@ def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], bas
     return n
 
 
-def holdout_metrics(model_uri: str, rows: list[FeedbackRow], scheme: BucketScheme) -> dict[str, float]:
-    """One predictor on the held-out rows: top-1, within-1, MAE, Kendall tau (training.evaluate's definitions)."""
-    from registry.store import load_predictor
+def holdout_metrics(pred: Any, rows: list[FeedbackRow], scheme: BucketScheme) -> dict[str, float]:
+    """One predictor (an OnnxLengthPredictor) on the held-out rows: top-1, within-1, MAE, Kendall tau (training.evaluate's
+    definitions)."""
     from training.evaluate import Predictions, compute_metrics
 
-    pred = load_predictor(model_uri)
     batch = pred.predict([list(r.turns or []) for r in rows])
     m = compute_metrics(Predictions(batch.probs, batch.expected), np.array([r.actual_tokens for r in rows], float), scheme)
     return {k: float(m[k]) for k in ("n", "accuracy", "accuracy_within_1", "mae_tokens", "kendall_tau")}
 
 
 def better(cand: dict[str, float], champ: dict[str, float]) -> bool:
-    """The promotion rule of registry.store.promote: top-1, ties broken by Kendall tau."""
-    return (cand["accuracy"], cand["kendall_tau"]) > (champ["accuracy"], champ["kendall_tau"])
+    """The promotion rule of registry.store.promote (:func:`registry.store.ranking_key`), on the held-out rows."""
+    from registry.store import ranking_key
+
+    return ranking_key(cand) > ranking_key(champ)
 
 
 @dataclass
@@ -207,7 +208,8 @@ def retrain_once(s: Settings) -> Outcome:
         raise RetrainError(f"{n} of {len(rows)} feedback rows kept only a prompt hash (predictor-sidecar "
                            "--no-store-prompts): retraining needs the prompts; run the sidecar without that flag")
     champ_uri = f"models:/{s.name}/{champion}"
-    scheme = reg.load_predictor(champ_uri).scheme
+    champ_pred = reg.load_predictor(champ_uri)  # loaded once: its scheme, then its held-out predictions
+    scheme = champ_pred.scheme
     win = split_window(rows, scheme, s.holdout)
     counts = {"rows": len(rows), "train": len(win.train), "holdout": len(win.holdout), "censored_undecided": win.undecided,
               "censored_kept": sum(r.censored for r in win.train + win.holdout)}
@@ -216,8 +218,8 @@ def retrain_once(s: Settings) -> Outcome:
     base = _base_examples(s) if s.base_data else []
     counts["base"] = len(base)
     challenger, run_id = _train_challenger(s, win, base, scheme, champion)
-    hold = {"champion": holdout_metrics(champ_uri, win.holdout, scheme),
-            "challenger": holdout_metrics(f"models:/{s.name}/{challenger}", win.holdout, scheme)}
+    hold = {"champion": holdout_metrics(champ_pred, win.holdout, scheme),
+            "challenger": holdout_metrics(reg.load_predictor(f"models:/{s.name}/{challenger}"), win.holdout, scheme)}
     _record_lineage(s, challenger, run_id, champion, win, counts, hold)
     if better(hold["challenger"], hold["champion"]):
         reg.set_alias(s.name, reg.CHAMPION, challenger)

@@ -165,7 +165,9 @@ class SJFPolicy(VLLMPolicy):
 
     Priority = predicted RL − α·(time waited), α = max_model_len / aging_s, written in the static form
     ``predicted RL + α·arrival`` so the queue never needs re-sorting: after ``aging_s`` seconds a
-    request outranks any fresh arrival, which bounds starvation.
+    request outranks any fresh arrival, which bounds starvation. The predicted RL is clamped to
+    [0, max_model_len] for the rank: the bound needs it, and a prediction past what a request can
+    produce (16x noise, no ``max_tokens``) would otherwise let newer requests pass it for far longer.
     """
 
     name = "sjf"
@@ -173,7 +175,7 @@ class SJFPolicy(VLLMPolicy):
 
     def _key(self, req: Request) -> tuple:
         alpha = self.cfg.max_model_len / self.cfg.aging_s
-        return (req.pred.length + alpha * req.arrival,)
+        return (min(max(req.pred.length, 0.0), self.cfg.max_model_len) + alpha * req.arrival,)
 
 
 

@@ -48,7 +48,8 @@ class LateTier:
         return now + self.margin * (prefill_steps + max(1, remaining)) * self.tbt
 
     def is_late(self, req: Request, now: float, remaining: int, budget: int) -> bool:
-        if req.rid in self.late or req.rid in self.aged or math.isinf(req.deadline):
+        # one that has already waited aging_s is back for good, even if it reaches the head only now
+        if req.rid in self.late or req.rid in self.aged or math.isinf(req.deadline) or now >= req.arrival + self.aging_s:
             return False
         return self.projected_finish(req, now, remaining, budget) > req.deadline
 

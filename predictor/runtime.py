@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,11 @@ Prompt = str | Sequence[tuple[str, str]]
 
 MODEL_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
-PRECISIONS = ("fp32", "int8")
+FUSED_FILE = "model.fused.onnx"
+FUSED_INT8_FILE = "model.fused.int8.onnx"
+# The graph a predictor runs: the exported one (fp32), its weights quantized to int8, the fused graph
+# (predictor.optimize), and the fused graph quantized. Each variant is derived from model.onnx once and kept.
+PRECISIONS = ("fp32", "int8", "fused", "fused-int8")
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "meta.json"
 
@@ -93,15 +97,12 @@ def session_options(threads: int | None = None, spin: bool | None = None) -> ort
     return opts
 
 
-def int8_model(package_dir: Path) -> Path:
-    """The package's model with int8 weights (onnxruntime dynamic quantization), made once and kept.
-
-    Why: on a CPU the encoder is compute-bound; int8 matrix products raise predictions per second by
-    about 1.7x here. It is written beside ``model.onnx`` when the package directory is writable, else in
-    ``$LENGTHWISE_HOME/cache/int8/`` keyed by the package's path and model size.
-    """
+def _derived(package_dir: Path, name: str, kind: str, make: Callable[[Path], None]) -> Path:
+    """A model file derived from the package's ``model.onnx`` (by ``make(path)``), made once and kept: beside
+    ``model.onnx`` when the package directory is writable (or when the package ships it), else in
+    ``$LENGTHWISE_HOME/cache/<kind>/`` keyed by the package model's path and size."""
     src = package_dir / MODEL_FILE
-    target = package_dir / INT8_FILE
+    target = package_dir / name
     if target.exists():
         return target
     if not os.access(package_dir, os.W_OK):
@@ -109,33 +110,121 @@ def int8_model(package_dir: Path) -> Path:
 
         key = hashlib.sha256(f"{src.resolve()}:{src.stat().st_size}".encode()).hexdigest()[:16]
         home = Path(os.environ.get("LENGTHWISE_HOME", Path.home() / ".lengthwise"))
-        target = home / "cache" / "int8" / key / INT8_FILE
+        target = home / "cache" / kind / key / name
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    make(tmp)
+    os.replace(tmp, target)  # atomic: a concurrent loader sees the old state or the whole file
+    return target
+
+
+def _quantize(src: Path, dst: Path) -> None:
+    """int8 weights by onnxruntime dynamic quantization (activations quantized per run)."""
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # onnxruntime's "consider pre-processing" advice is for conv nets, not for us
     try:
-        quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8)
+        # the fused graph's contrib operators defeat ONNX shape inference: their outputs are float, say so
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)
-    os.replace(tmp, target)  # atomic: a concurrent loader sees the old state or the whole file
-    return target
+
+
+def int8_model(package_dir: Path) -> Path:
+    """The package's model with int8 weights (onnxruntime dynamic quantization), made once and kept.
+
+    Why: on a CPU the encoder is compute-bound; int8 matrix products raise predictions per second by
+    about 1.7x here. It is written beside ``model.onnx`` when the package directory is writable, else in
+    ``$LENGTHWISE_HOME/cache/int8/`` keyed by the package's path and model size.
+    """
+    return _derived(package_dir, INT8_FILE, "int8", lambda dst: _quantize(package_dir / MODEL_FILE, dst))
+
+
+def fused_model(package_dir: Path) -> Path:
+    """The package's fused graph (:mod:`predictor.optimize`): the one ``train-predictor --optimize`` ships in the
+    package, else made once from ``model.onnx`` and kept (as :func:`int8_model` keeps its file)."""
+    def make(dst: Path) -> None:
+        from predictor.optimize import fuse
+
+        fuse(package_dir / MODEL_FILE, dst)
+
+    return _derived(package_dir, FUSED_FILE, "fused", make)
+
+
+def fused_int8_model(package_dir: Path) -> Path:
+    """The fused graph with int8 weights (``Attention`` becomes ``QAttention``), made once and kept."""
+    return _derived(package_dir, FUSED_INT8_FILE, "fused-int8", lambda dst: _quantize(fused_model(package_dir), dst))
+
+
+def model_file(package_dir: Path, precision: str) -> Path:
+    """The model file a predictor of ``precision`` (one of :data:`PRECISIONS`) runs, made on first use."""
+    makers = {"fp32": lambda d: d / MODEL_FILE, "int8": int8_model, "fused": fused_model, "fused-int8": fused_int8_model}
+    if precision not in makers:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return makers[precision](Path(package_dir))
+
+
+def add_fused_variant(package_dir: Path, parity_ids: Sequence[Sequence[int]]) -> dict:
+    """Write the fused graph into the package (``model.fused.onnx``) so serving it needs no optimizer at start, and
+    record it in ``meta.json``: ``variant: "fused"`` and, under ``fused``, what was fused and its parity with
+    ``model.onnx`` on ``parity_ids`` (max |logit diff| and the share of equal argmax buckets). Returns that record."""
+    from predictor.optimize import fuse
+
+    package_dir = Path(package_dir)
+    tmp = package_dir / f"{FUSED_FILE}.tmp{os.getpid()}"
+    report = fuse(package_dir / MODEL_FILE, tmp)
+    os.replace(tmp, package_dir / FUSED_FILE)
+    ref = OnnxLengthPredictor(package_dir, precision="fp32")
+    fused = OnnxLengthPredictor(package_dir, precision="fused")
+    record = dict(report.to_dict(), file=FUSED_FILE, **logit_parity(ref, fused, parity_ids))
+    meta_path = package_dir / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta.update(variant="fused", fused=record)
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return record
+
+
+def logit_parity(reference: OnnxLengthPredictor, other: OnnxLengthPredictor, ids: Sequence[Sequence[int]]) -> dict:
+    """How far ``other`` is from ``reference`` on the same encoded prompts: the largest |logit difference| and the
+    share of prompts whose argmax bucket is the same."""
+    if not ids:
+        return {"parity_max_abs_diff": 0.0, "bucket_agreement": 1.0, "parity_prompts": 0}
+    a, b = reference.logits_encoded(ids), other.logits_encoded(ids)
+    return {"parity_max_abs_diff": float(np.abs(a - b).max()), "bucket_agreement": float((a.argmax(1) == b.argmax(1)).mean()),
+            "parity_prompts": len(ids)}
+
+
+def input_budget(fmt: InputFormat, max_tokens: int) -> InputFormat:
+    """``fmt`` with a smaller input budget: an ablation knob, to measure what serving a package with fewer prompt tokens
+    than it was trained with costs in ranking quality and saves in CPU, without retraining per budget. A model trained
+    at the smaller budget may rank better than this one cut short. Larger than the trained budget is refused (the
+    model never saw longer inputs), as is a budget with no room for a prompt token."""
+    if max_tokens > fmt.max_tokens:
+        raise ValueError(f"max prompt tokens {max_tokens} exceeds the {fmt.max_tokens} the package was trained with")
+    room = len(fmt.prefix_ids) + len(fmt.suffix_ids)
+    if max_tokens <= room:
+        raise ValueError(f"max prompt tokens must exceed the {room} special tokens around a prompt, got {max_tokens}")
+    return replace(fmt, max_tokens=max_tokens)
 
 
 class OnnxLengthPredictor:
     """``predict(prompts) -> buckets, probabilities, expected, quantile`` backed by onnxruntime.
 
     ``target`` is the package's target-model description (:mod:`predictor.target`: which model's lengths it learned),
-    None for a package made before targets were recorded.
+    None for a package made before targets were recorded. ``precision`` picks the graph (:data:`PRECISIONS`).
+    ``max_prompt_tokens`` is an ablation knob: serve with a smaller input budget than the package was trained with
+    (:func:`input_budget`); ``trained_max_tokens`` keeps the trained one.
     """
 
     def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32,
-                 token_budget: int = 2048, spin: bool | None = None, precision: str = "fp32"):
+                 token_budget: int = 2048, spin: bool | None = None, precision: str = "fp32",
+                 max_prompt_tokens: int | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         d = Path(package_dir)
@@ -144,11 +233,14 @@ class OnnxLengthPredictor:
         self.meta = json.loads((d / META_FILE).read_text())
         self.scheme = BucketScheme.from_dict(self.meta["buckets"])
         self.input_format = InputFormat.from_dict(self.meta["input_format"])
+        self.trained_max_tokens = self.input_format.max_tokens
+        if max_prompt_tokens is not None:
+            self.input_format = input_budget(self.input_format, max_prompt_tokens)
         self.target = self._target(self.meta.get("target"))
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        model = int8_model(d) if precision == "int8" else d / MODEL_FILE
+        model = model_file(d, precision)
         self.session = ort.InferenceSession(str(model), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
         self.token_budget = token_budget

@@ -10,7 +10,8 @@ A registered version is an MLflow pyfunc whose artifact is the ONNX model packag
 Each version records which model it predicts for (its target, :mod:`predictor.target`) as tags:
 ``lengthwise.target_model`` (``name@hash``), ``lengthwise.label_tokenizer``, ``lengthwise.label_sampling`` (JSON),
 ``lengthwise.label_max_tokens`` and ``lengthwise.label_source``; :func:`version_target` reads them back. A version
-registered before targets were recorded has none of them, and its target is unknown (None).
+registered before targets were recorded has none of them, and its target is unknown (None). ``lengthwise.variant`` says
+which graph the package ships beyond ``model.onnx``: ``fused`` after ``train-predictor --optimize``, else ``fp32``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TAG_TARGET_MODEL = "lengthwise.target_model"
 TARGET_TAGS = {"model": TAG_TARGET_MODEL, "label_tokenizer": "lengthwise.label_tokenizer",
                "sampling": "lengthwise.label_sampling", "max_tokens": "lengthwise.label_max_tokens",
                "source": "lengthwise.label_source"}
+TAG_VARIANT = "lengthwise.variant"
 
 
 class PromotionRefused(RuntimeError):
@@ -139,6 +141,7 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
     tags = {TAG_SPLIT: split_fingerprint, TAG_EDGES: ",".join(map(str, edges))}
     tags.update({k: f"{float(metrics[k]):.6f}" for k in COMPARED_METRICS if k in metrics})
     tags.update(target_tags(target))
+    tags[TAG_VARIANT] = package_variant(Path(package_dir))
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
     return Registered(name, version, f"models:/{name}/{version}")
@@ -155,6 +158,15 @@ def _package_target(package_dir: Path, given: dict | None) -> dict | None:
         raise ValueError(f"the target given ({given.get('model')}) differs from the package's ({own.get('model')}); "
                          "export the package with the target it was trained for")
     return given if given is not None else own
+
+
+def package_variant(package_dir: Path) -> str:
+    """The graph variant a package ships (``meta.json``'s ``variant``: ``fused`` when it carries the fused graph), else
+    ``fp32``."""
+    try:
+        return str(json.loads((package_dir / META_FILE).read_text()).get("variant") or "fp32")
+    except (OSError, ValueError):
+        return "fp32"
 
 
 def target_tags(target: dict | None) -> dict[str, str]:

@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--output-json", help=_help("output_json", False))
     o.add_argument("--work-dir", help="keep checkpoints, the ONNX package and plots here (default: a temp dir)")
+    o.add_argument("--optimize", action="store_true", default=_default("optimize"), help=_help("optimize", False))
     o.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -138,7 +139,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         lora_dropout=a.lora_dropout, lora_targets=a.lora_targets.split(",") if a.lora_targets else None,
         patience=a.patience, seed=a.seed, padding=a.padding, quantile=a.quantile, experiment=a.experiment,
         register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,
-        output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines,
+        output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines, optimize=a.optimize,
     )
 
 

@@ -62,4 +62,7 @@ class TrainConfig(BaseModel):
     force: bool = Field(False, description="with promote: promote even if worse or not comparable")
     output_json: str | None = Field(None, description="write the final metrics JSON here")
     work_dir: str | None = Field(None, description="keep checkpoints, the ONNX package and plots here (None: a temp dir)")
+    optimize: bool = Field(False, description="also ship the fused graph (onnxruntime's transformer optimizer) in the "
+                                              "package, with its parity, so serving --precision fused or fused-int8 "
+                                              "needs no optimizer at start")
     baselines: bool = Field(True, description="evaluate the baseline predictors beside the model")

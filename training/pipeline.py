@@ -292,6 +292,10 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]
     parity_ids = test_ids[:: max(1, len(test_ids) // 256)][:256]
+    if cfg.optimize:  # the fused graph ships in the package (meta.json records it): serving it needs no optimizer
+        from predictor.runtime import add_fused_variant
+
+        add_fused_variant(package, parity_ids)
     return package, onnx_pred, parity_max_abs_diff(model, onnx_pred, parity_ids)
 
 

@@ -201,16 +201,15 @@ def logit_parity(reference: OnnxLengthPredictor, other: OnnxLengthPredictor, ids
 
 
 def input_budget(fmt: InputFormat, max_tokens: int) -> InputFormat:
-    """``fmt`` with a smaller input budget: an ablation knob, to measure what serving a package with fewer prompt tokens
-    than it was trained with costs in ranking quality and saves in CPU, without retraining per budget. A model trained
-    at the smaller budget may rank better than this one cut short. Larger than the trained budget is refused (the
-    model never saw longer inputs), as is a budget with no room for a prompt token."""
-    if max_tokens > fmt.max_tokens:
-        raise ValueError(f"max prompt tokens {max_tokens} exceeds the {fmt.max_tokens} the package was trained with")
+    """``fmt`` with its input budget capped at ``max_tokens``: an ablation knob, to measure what serving a package with
+    fewer prompt tokens than it was trained with costs in ranking quality and saves in CPU, without retraining per
+    budget (a model trained at the smaller budget may rank better than this one cut short). A cap at or above the
+    trained budget changes nothing: the model never saw longer inputs. A cap with no room for a prompt token is a
+    ValueError."""
     room = len(fmt.prefix_ids) + len(fmt.suffix_ids)
     if max_tokens <= room:
         raise ValueError(f"max prompt tokens must exceed the {room} special tokens around a prompt, got {max_tokens}")
-    return replace(fmt, max_tokens=max_tokens)
+    return replace(fmt, max_tokens=min(max_tokens, fmt.max_tokens))
 
 
 class OnnxLengthPredictor:
@@ -219,7 +218,7 @@ class OnnxLengthPredictor:
     ``target`` is the package's target-model description (:mod:`predictor.target`: which model's lengths it learned),
     None for a package made before targets were recorded. ``precision`` picks the graph (:data:`PRECISIONS`).
     ``max_prompt_tokens`` is an ablation knob: serve with a smaller input budget than the package was trained with
-    (:func:`input_budget`); ``trained_max_tokens`` keeps the trained one.
+    (:func:`input_budget`, a cap); ``trained_max_tokens`` keeps the trained one.
     """
 
     def __init__(self, package_dir: str | os.PathLike, threads: int | None = None, batch_size: int = 32,

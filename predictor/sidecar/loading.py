@@ -61,7 +61,8 @@ def load_served(resolved: ResolvedModel, settings: SidecarSettings) -> ServedMod
     """Open one ONNX session per worker and run a warm-up prediction on each, so no request pays for it."""
     sessions: queue.SimpleQueue = queue.SimpleQueue()
     preds = [OnnxLengthPredictor(resolved.path, threads=settings.threads, batch_size=settings.max_batch,
-                                 token_budget=settings.token_budget, spin=settings.ort_spin, precision=settings.precision)
+                                 token_budget=settings.token_budget, spin=settings.ort_spin, precision=settings.precision,
+                                 max_prompt_tokens=settings.max_prompt_tokens)
              for _ in range(settings.workers)]
     for pred in preds:
         pred.predict(["warm-up"])

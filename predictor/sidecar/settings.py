@@ -34,9 +34,12 @@ class SidecarSettings(BaseModel):
     # Small runs stay in cache: measured, a budget of 2048 costs about 1.5x the CPU of 256.
     token_budget: int = Field(256, ge=1, description="padded tokens per onnxruntime run; a micro-batch is split by prompt "
                                                      "length into runs this size")
-    precision: Literal["fp32", "int8"] = Field("fp32", description="int8 quantizes the model's weights once at load (kept "
-                                                                   "beside it): about 1.7x predictions/s on a CPU at equal "
-                                                                   "measured accuracy")
+    precision: Literal["fp32", "int8", "fused", "fused-int8"] = Field(
+        "fp32", description="int8 quantizes the model's weights once at load (kept beside it): about 1.7x predictions/s on "
+                            "a CPU at equal measured accuracy; fused runs onnxruntime's fused encoder graph (shipped by "
+                            "train-predictor --optimize, else made once at load), fused-int8 that graph quantized")
+    max_prompt_tokens: int | None = Field(None, ge=4, description="ablation knob: cap the prompt tokens below the budget "
+                                                                  "the model was trained with (default: that budget)")
     # Busy-waiting threads: lower latency on an idle machine, wasted CPU on a shared one.
     ort_spin: bool = Field(False, description="let idle onnxruntime threads busy-wait (a little lower latency when the "
                                               "machine is otherwise idle)")

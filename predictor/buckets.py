@@ -109,6 +109,13 @@ class BucketScheme:
         arr = np.atleast_1d(np.asarray(lengths, dtype=np.float64))
         return np.searchsorted(np.array(self.edges, dtype=np.float64), arr, side="right") - 1
 
+    def decided(self, lengths: np.ndarray | Sequence[int], censored: np.ndarray | Sequence[bool]) -> np.ndarray:
+        """Whether each label's bucket is known. A censored label (the answer was cut at ``lengths``: its true length
+        is at least that) is decided only when it already lies in the last, open bucket, where every longer answer
+        lands too; an answer that stopped by itself always is."""
+        cut = np.asarray(censored, dtype=bool)
+        return ~cut | (self.assign(lengths) == self.n - 1)
+
     def range_of(self, bucket: int) -> tuple[int, int]:
         return int(self.edges[bucket]), int(self.upper()[bucket])
 

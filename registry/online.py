@@ -27,6 +27,11 @@ under-prediction, both false):
 
 Each metric's denominator is logged beside it (``accuracy_n``, ...), so windows merge by what each one counted.
 
+A feedback whose prompt is known (the sidecar keeps each prediction's turns) also counts in its slice: a
+conversation's first turn, or a later turn, whose previous answers make the length much easier to guess. Each window
+logs top-1 and MAE per slice (``first_turn_accuracy``, ``later_turns_mae_tokens``, ... with their denominators), so
+online error reads per slice as the offline report does.
+
 Logging never blocks serving: closed windows go to a bounded buffer that a background thread writes
 to MLflow, retrying with backoff while the tracking server is down (oldest windows are dropped, and
 counted, when the buffer is full).
@@ -58,6 +63,9 @@ RATES = {"accuracy": "accuracy_n", "accuracy_within_1": "within_1_n", "mae_token
 FINISHED = ("stop", "tool_calls", "function_call")
 CUT = ("length", "abort", "content_filter", "error")
 FINISH_REASONS = FINISHED + CUT
+# The slices every evaluation reports apart (training.evaluate's): a conversation's first turn and its later turns.
+SLICES = ("first_turn", "later_turns")
+SLICE_METRICS = ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens")
 
 
 @dataclass
@@ -73,6 +81,11 @@ class Feedback:
     actual_tokens: int
     finish_reason: str | None = None  # None: not reported, taken as finished
     n_buckets: int | None = None  # the scheme's bucket count: the last bucket is open, so an answer in it stays there
+    first_turn: bool | None = None  # the prompt opened its conversation (None: prompt not known)
+
+    @property
+    def slice(self) -> str | None:
+        return None if self.first_turn is None else SLICES[0] if self.first_turn else SLICES[1]
 
     @property
     def censored(self) -> bool:
@@ -113,8 +126,14 @@ class WindowStats:
     offline_accuracy: float | None = None
     alarm_margin: float = 0.1
     min_alarm_n: int = 20
+    slices: dict[str, WindowStats] = field(default_factory=dict)  # the same sums per slice (SLICES)
 
     def add(self, fb: Feedback, padding: float) -> None:
+        if fb.slice is not None:
+            part = self.slices.get(fb.slice)
+            if part is None:
+                part = self.slices[fb.slice] = WindowStats(self.model_name, self.model_version)
+            part.add(Feedback(**{**fb.__dict__, "first_turn": None}), padding)
         self.n += 1
         e = fb.expected_tokens - fb.actual_tokens
         under = fb.actual_tokens > fb.expected_tokens * (1.0 + padding)
@@ -171,6 +190,13 @@ class WindowStats:
             if denom:
                 out[k] = total / denom
         out["accuracy_alarm"] = float(self.alarm)
+        for name, part in self.slices.items():
+            m = part.metrics()
+            out[f"{name}_n"] = m["n"]
+            for k in SLICE_METRICS:
+                out[f"{name}_{RATES[k]}"] = m[RATES[k]]
+                if k in m:
+                    out[f"{name}_{k}"] = m[k]
         if self.offline_accuracy is not None:
             out["offline_accuracy"] = self.offline_accuracy
             out["alarm_margin"] = self.alarm_margin
@@ -381,6 +407,13 @@ def merge_windows(rows: list[dict]) -> dict[str, float]:
         if w:
             out[k] = sum(v * d for v, d in have) / w
     out["alarm_windows"] = float(sum(r.get("accuracy_alarm", 0.0) for r in rows))
+    for name in SLICES:
+        if sum(r.get(f"{name}_n", 0.0) for r in rows):
+            out[f"{name}_n"] = float(sum(r.get(f"{name}_n", 0.0) for r in rows))
+        for k in SLICE_METRICS:
+            have = [(r[f"{name}_{k}"], r[f"{name}_{RATES[k]}"]) for r in rows if f"{name}_{k}" in r]
+            if (w := sum(d for _, d in have)):
+                out[f"{name}_{k}"] = sum(v * d for v, d in have) / w
     return out
 
 

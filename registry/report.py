@@ -67,9 +67,29 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
     if "accuracy" in total and "accuracy" in offline:
         console.print(f"online top-1 {total['accuracy']:.3f} vs offline {offline['accuracy']:.3f} "
                       f"({total['accuracy'] - offline['accuracy']:+.3f}) over {total['n']:.0f} feedbacks")
+    for line in slice_lines(total, mv.tags):
+        console.print(line)
     console.print(drift_line(name, str(version), drift))
     return {"version": str(version), "run_id": run_id, "windows": rows, "total": total, "offline": offline,
             "drift": drift}
+
+
+def slice_lines(total: dict, tags: dict[str, str]) -> list[str]:
+    """Per slice (first turns, later turns), online top-1 and MAE beside the offline figures the version was
+    registered with (tags ``<slice>.<metric>``): a predictor can hold up on later turns, where the previous answer's
+    length is a hint, and fail on first turns."""
+    lines = []
+    for part in online.SLICES:
+        if f"{part}_n" not in total:
+            continue
+        text = f"{part.replace('_', ' ')}: {total[f'{part}_n']:.0f} feedbacks"
+        for k, label, f in (("accuracy", "top-1", "{:.3f}"), ("mae_tokens", "MAE", "{:.1f}")):
+            if f"{part}_{k}" in total:
+                text += f", {label} {f.format(total[f'{part}_{k}'])}"
+                if f"{part}.{k}" in tags:
+                    text += f" (offline {f.format(float(tags[f'{part}.{k}']))})"
+        lines.append(text)
+    return lines
 
 
 def drift_line(name: str, version: str, drift: dict) -> str:

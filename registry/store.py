@@ -121,8 +121,11 @@ class Registered:
 
 
 def register_package(package_dir: Path, name: str, metrics: dict, split_fingerprint: str, edges: list[int],
-                     target: dict | None = None) -> Registered:
+                     target: dict | None = None, slices: dict[str, dict] | None = None) -> Registered:
     """Log the package as a pyfunc model in the active run and register it as a new version of ``name``.
+
+    ``slices`` (slice name -> its test metrics, e.g. ``first_turn``/``later_turns``) become tags ``<slice>.<metric>``
+    beside the overall ones, so the online report compares each slice with its own offline figure.
 
     ``target`` (:mod:`predictor.target`) defaults to the one in the package's ``meta.json``; given both, they must
     agree (ValueError): the tags would otherwise say one model and the sidecar, which reads the package, another.
@@ -140,6 +143,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
     client = MlflowClient()
     tags = {TAG_SPLIT: split_fingerprint, TAG_EDGES: ",".join(map(str, edges))}
     tags.update({k: f"{float(metrics[k]):.6f}" for k in COMPARED_METRICS if k in metrics})
+    for part, m in (slices or {}).items():
+        tags.update({f"{part}.{k}": f"{float(m[k]):.6f}" for k in COMPARED_METRICS if m.get(k) is not None})
     tags.update(target_tags(target))
     tags[TAG_VARIANT] = package_variant(Path(package_dir))
     for k, v in tags.items():

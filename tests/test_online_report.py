@@ -60,3 +60,25 @@ def test_report_shows_censored_feedback_and_the_drift_alarm(home, tmp_path):
     console = Console(record=True, width=200)
     out = report.print_report(name, version, None, console=console)
     assert out["drift"]["alarm"] is False and f"drift alarm: off for {name} version {version}" in console.export_text()
+
+
+def test_online_error_is_reported_per_slice_beside_its_offline_figure(home, tmp_path):
+    import dataclasses
+
+    name, version = _version(tmp_path, 0.5)
+    MlflowClient().set_model_version_tag(name, version, "first_turn.accuracy", "0.400000")
+    first = [dataclasses.replace(_fb(name, version, 1, 1), first_turn=True)] * 3 + \
+        [dataclasses.replace(_fb(name, version, 1, 2), first_turn=True)] * 3
+    later = [dataclasses.replace(_fb(name, version, 2, 2), first_turn=False)] * 4
+    unknown = [_fb(name, version, 0, 4)] * 2  # no prompt known: counts overall, in no slice
+    _log(name, version, [first + later, first[:3] + unknown], offline=0.5)
+    console = Console(record=True, width=200)
+    out = report.print_report(name, version, None, console=console)
+    w0 = out["windows"][0]
+    assert w0["first_turn_n"] == 6 and w0["first_turn_accuracy"] == pytest.approx(0.5) and w0["later_turns_accuracy"] == 1
+    assert w0["first_turn_mae_tokens"] == pytest.approx(50.0) and w0["later_turns_error_n"] == 4
+    total = out["total"]
+    assert total["first_turn_n"] == 9 and total["first_turn_accuracy"] == pytest.approx(6 / 9)  # weighted by what counted
+    assert total["later_turns_n"] == 4 and total["n"] == 15
+    text = console.export_text()
+    assert "first turn: 9 feedbacks, top-1 0.667 (offline 0.400)" in text and "later turns: 4 feedbacks, top-1 1.000" in text

@@ -28,7 +28,7 @@ def _row(i: int, turns, actual: int, censored: bool = False, t: float | None = N
 
 
 @pytest.mark.unit
-def test_a_capped_answer_is_kept_only_where_its_bucket_is_known():
+def test_a_capped_answer_judges_only_where_its_bucket_is_known():
     scheme = BucketScheme.from_edges([0, 200, 400], 512)
     assert decided(_row(0, [], 150), scheme)  # stopped by itself
     assert not decided(_row(1, [], 256, censored=True), scheme)  # capped at 256: [200, 400) or [400, 512]
@@ -39,8 +39,10 @@ def test_a_capped_answer_is_kept_only_where_its_bucket_is_known():
 def test_the_newest_rows_are_held_out():
     scheme = BucketScheme.from_edges([0, 200, 400], 512)
     rows = [_row(i, [], 100, t=float(100 - i)) for i in range(10)] + [_row(99, [], 300, censored=True, t=50.0)]
+    rows.append(_row(98, [], 300, censored=True, t=99.5))  # newer than the holdout's start: judges nothing, trains nothing
     win = split_window(rows, scheme, 0.2)
-    assert win.undecided == 1 and len(win.train) == 8 and len(win.holdout) == 2
+    assert len(win.holdout) == 2 and win.undecided == 1
+    assert len(win.train) == 9 and any(r.censored for r in win.train)  # the older cut answer trains, as a lower bound
     assert max(r.time for r in win.train) < min(r.time for r in win.holdout)
 
 
@@ -66,8 +68,12 @@ def feedback(data, tmp_path) -> Path:
     examples = load_examples(str(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"), "sharegpt",
                              first_turn_only=True)[:420]
     rows = [_row(i, [(t.role, t.text) for t in e.turns], _served_length(e.latest)) for i, e in enumerate(examples[:400])]
-    # capped answers whose bucket is not known (capped at 300 of [200, 400)): left out, not taught as 300
-    rows += [_row(1000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(examples[400:])]
+    # long answers cut at 300 of [200, 400), older than the rest: they train as "at least 300", not as 300
+    long = [e for e in examples[400:] if _served_length(e.latest) > 300]
+    rows += [_row(1000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True, t=time.time() - 2000 + i)
+             for i, e in enumerate(long)]
+    # and cut ones newer than the holdout's start: their bucket is unknown, so they judge nothing and train nothing
+    rows += [_row(2000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(examples[400:])]
     path = tmp_path / "feedback.db"
     store = FeedbackStore(path)
     conn = store.connect()
@@ -84,8 +90,9 @@ def test_retrain_trains_on_feedback_and_promotes_only_a_better_challenger(champi
     s = Settings(name=NAME, trigger="always", store=str(feedback), min_feedback=100, epochs=3, max_prompt_tokens=64,
                  work_dir=str(tmp_path / "work"), served_model="SmolLM2-135M-Instruct")
     out = retrain_once(s)
-    assert out.counts["rows"] == 420 and out.counts["censored_undecided"] == 20
-    assert out.counts["train"] + out.counts["holdout"] == 400 and out.counts["holdout"] == 80
+    n_cut = out.counts["censored_train"]
+    assert n_cut > 0 and out.counts["rows"] == 420 + n_cut and out.counts["censored_undecided"] == 20
+    assert out.counts["train"] + out.counts["holdout"] == 400 + n_cut and out.counts["holdout"] == 80
     champ, chall = out.holdout["champion"], out.holdout["challenger"]
     assert champ["n"] == chall["n"] == 80
     # the challenger learned the served model's rule from its feedback; the champion predicts ChatGPT's lengths

@@ -17,8 +17,8 @@ from training.cli import main
 from training.config import TrainConfig
 from training.data import DataError, Example, Turn, load_examples
 from training.data.served import group_samples, load_served, prompt_hash
-from training.module import pairwise_rank_loss
-from training.pipeline import _target, soft_targets
+from training.module import censored_cross_entropy, pairwise_rank_loss
+from training.pipeline import _target, label_targets
 
 MODEL = "Tiny-Instruct@0123456789ab"
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
@@ -98,10 +98,56 @@ def test_soft_labels_are_each_prompts_bucket_histogram():
     scheme = BucketScheme.equal_width(100, 400)
     a, b = (Turn("user", "a"),), (Turn("user", "b"),)
     rows = [Example("g1", a, response_tokens=n) for n in (10, 150, 170)] + [Example("g2", b, response_tokens=400)]
+    rows.append(Example("g2", b, response_tokens=120, censored=True))
     grouped = group_samples(rows)
-    assert [(e.turns, n) for e, n in grouped] == [(a, [10, 150, 170]), (b, [400])]
-    targets = soft_targets([n for _, n in grouped], scheme)
-    np.testing.assert_allclose(targets, [[1 / 3, 2 / 3, 0, 0], [0, 0, 0, 1]])  # at the cap: the top bucket
+    assert [(e.turns, [n for n, _ in s]) for e, s in grouped] == [(a, [10, 150, 170]), (b, [400, 120])]
+    targets = label_targets([s for _, s in grouped], scheme)
+    # exact shares, then the shares cut inside each bucket (lower bounds)
+    np.testing.assert_allclose(targets, [[1 / 3, 2 / 3, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1 / 2, 0, 1 / 2, 0, 0]])
+    capped = label_targets([[(350, True)]], scheme)  # cut inside the open last bucket: its bucket is known
+    np.testing.assert_allclose(capped, [[0, 0, 0, 1, 0, 0, 0, 0]])
+
+
+@pytest.mark.unit
+def test_a_cut_answer_trains_as_a_lower_bound_not_as_a_short_answer():
+    logits = torch.tensor([[2.0, 0.5, 0.1, -1.0], [0.0, 1.0, 0.0, 0.3]])
+    exact = torch.nn.functional.one_hot(torch.tensor([0, 3]), 4).float()
+    # no censored weight: the ordinary cross-entropy
+    no_cut = torch.cat([exact, torch.zeros(2, 4)], 1)
+    assert torch.isclose(censored_cross_entropy(logits, no_cut), torch.nn.functional.cross_entropy(logits, torch.tensor([0, 3])))
+    # a bound in bucket 1 is the likelihood of P(bucket >= 1), less than the loss of the exact bucket 1
+    bound = torch.tensor([[0, 0, 0, 0, 0, 1.0, 0, 0]])
+    p = logits[:1].softmax(1)[0]
+    assert torch.isclose(censored_cross_entropy(logits[:1], bound), -torch.log(p[1:].sum()))
+    # its gradient moves mass from below the bound to above it, and never lowers a bucket above the bound
+    x = logits[:1].clone().requires_grad_(True)
+    censored_cross_entropy(x, bound).backward()
+    assert x.grad[0, 0] > 0 and (x.grad[0, 1:] < 0).all()
+    # a bound in the last bucket equals the exact label there
+    last = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1.0]])
+    ce = torch.nn.functional.cross_entropy(logits[:1], torch.tensor([3]))
+    assert torch.isclose(censored_cross_entropy(logits[:1], last), ce)
+
+
+@pytest.mark.unit
+def test_a_pair_whose_shorter_answer_was_cut_has_no_order():
+    length = torch.tensor([300.0, 100.0])
+    wrong = torch.tensor([0.0, 3.0])  # ranks the 100-token answer first
+    assert pairwise_rank_loss(wrong, length) > 1.0
+    assert pairwise_rank_loss(wrong, length, torch.tensor([False, True])) == 0  # 100 was cut: it may be longer than 300
+    assert pairwise_rank_loss(wrong, length, torch.tensor([True, False])) > 1.0  # 300+ is longer than 100 either way
+
+
+@pytest.mark.unit
+def test_tables_and_served_files_mark_cut_answers(tmp_path):
+    rows = [{"prompt": "a", "response_tokens": 5, "finish_reason": "stop"},
+            {"prompt": "b", "response_tokens": 9, "finish_reason": "length"},
+            {"prompt": "c", "response_tokens": 7, "censored": True},
+            {"prompt": "d", "response_tokens": 8}]
+    examples = load_examples(str(_write(tmp_path / "t.jsonl", rows)), "jsonl")
+    assert [e.censored for e in examples] == [False, True, True, False]
+    served = load_served(_write(tmp_path / "s.jsonl", [_record("h", "g", 0, 50, 40), _record("h", "g", 1, 30, 40)]))
+    assert served.cut == {"h": [True, False]} and served.censored == 1
 
 
 @pytest.mark.unit

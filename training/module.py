@@ -1,7 +1,11 @@
 """Lightning training of the length classifier: data batching by length, loss, metrics per epoch.
 
 The loss is cross-entropy over the buckets, against a hard bucket (one example per answer) or a soft target (a
-prompt's bucket histogram over the served model's K samples, ``--label soft``). An optional ranking term
+prompt's bucket histogram over the served model's K samples, ``--label soft``). An answer that was cut (it ran to its
+``max_tokens`` cap) is a *censored* label: its true length is at least what was counted, so its term is the likelihood
+of that bound, ``-log P(bucket >= b)`` (:func:`censored_cross_entropy`), not the cross-entropy of a short answer. This
+is the standard right-censored likelihood of survival analysis; it lets capped feedback train the predictor rather
+than be thrown away or taught as the truth. An optional ranking term
 (``rank_loss_weight``) adds a pairwise logistic (RankNet) loss on the expected length over the pairs of each batch:
 a scheduler orders requests by that expected length, so the term trains the order directly. vllm-ltr trains its
 predictor to rank within each batch too (with a listwise loss, ListMLE).
@@ -92,10 +96,24 @@ def make_loader(ids: Sequence[list[int]], labels: Sequence[Label], pad_id: int, 
     return DataLoader(EncodedDataset(ids, labels, lengths), batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
 
-def pairwise_rank_loss(score: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+def censored_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of ``target`` (``[N, 2B]``): its first B columns weigh buckets observed exactly
+    (one-hot for a hard label, a histogram for a soft one), its last B columns weigh lower bounds, where column ``b``
+    is the share of the prompt's samples cut inside bucket ``b`` (their likelihood is ``P(bucket >= b)``). With no
+    censored weight this is the ordinary (soft) cross-entropy; a bound in the last bucket equals an exact label there."""
+    n = logits.shape[1]
+    logp = torch.log_softmax(logits, 1)
+    tail = torch.logcumsumexp(logp.flip(1), 1).flip(1)  # log P(bucket >= b)
+    return -((target[:, :n] * logp).sum(1) + (target[:, n:] * tail).sum(1)).mean()
+
+
+def pairwise_rank_loss(score: torch.Tensor, length: torch.Tensor, censored: torch.Tensor | None = None) -> torch.Tensor:
     """RankNet's pairwise logistic loss: mean of ``log(1 + exp(-(s_i - s_j)))`` over the pairs with ``length_i >
-    length_j``; zero when no pair differs (a batch of one prompt's samples, or of equal lengths)."""
+    length_j``; zero when no pair differs (a batch of one prompt's samples, or of equal lengths). A pair whose shorter
+    member is ``censored`` (a lower bound) has no known order and is left out."""
     longer = length.unsqueeze(1) > length.unsqueeze(0)
+    if censored is not None:
+        longer = longer & ~censored.bool().unsqueeze(0)
     if not bool(longer.any()):
         return score.sum() * 0.0
     diff = score.unsqueeze(1) - score.unsqueeze(0)
@@ -131,9 +149,14 @@ class LengthModule(L.LightningModule):
         x, m, y, length = batch
         logits = self(x, m)
         n = int(y.shape[0])
-        loss = torch.nn.functional.cross_entropy(logits, y)  # y: bucket indices, or soft targets (rows summing to 1)
+        censored = None
+        if y.dim() == 2 and y.shape[1] == 2 * logits.shape[1]:  # exact and censored weights (see censored_cross_entropy)
+            loss = censored_cross_entropy(logits, y)
+            censored = y[:, logits.shape[1]:].sum(1) > 0
+        else:  # y: bucket indices, or soft targets (rows summing to 1)
+            loss = torch.nn.functional.cross_entropy(logits, y)
         if self.rank_loss_weight > 0:
-            rank = pairwise_rank_loss(logits.softmax(1) @ self.centers / self.rank_scale, length)
+            rank = pairwise_rank_loss(logits.softmax(1) @ self.centers / self.rank_scale, length, censored)
             self.log("train_ce_loss", loss, batch_size=n, on_step=False, on_epoch=True)  # epoch means: the ablation's
             self.log("train_rank_loss", rank, batch_size=n, on_step=False, on_epoch=True)  # numbers, however short
             loss = loss + self.rank_loss_weight * rank

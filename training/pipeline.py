@@ -23,7 +23,7 @@ from predictor.buckets import BucketScheme
 from predictor.common import default_tokenizer
 from training.config import TrainConfig
 from training.data import Example, load_examples
-from training.data.labels import TokenCounter, attach_labels, labels_of, load_counter
+from training.data.labels import TokenCounter, attach_labels, censored_of, labels_of, load_counter
 from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served, table_target
 from training.split import Splits, cap_groups, split_by_group
 
@@ -42,6 +42,7 @@ class Prepared:
     counter: TokenCounter  # the target model's tokenizer, also used for prompt lengths in evaluation
     target: dict | None = None  # whose lengths the labels are (predictor.target): recorded in the package and registry
     served: ServedLabels | None = None  # the served-length file's labels, with --served-lengths
+    undecided: dict[str, int] | None = None  # cut answers left out of validation and test (no known bucket)
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -67,10 +68,25 @@ def prepare(cfg: TrainConfig) -> Prepared:
     examples = cap_groups(examples, cfg.max_samples, cfg.seed)
     attach_labels(examples, counter)
     splits = split_by_group(examples, seed=cfg.seed)
+    splits, undecided = _decided_eval(splits, scheme)
     if not splits.train or not splits.val or not splits.test:
         raise DataError(f"too few conversations to split ({len(examples)} examples): need data for train, val and test")
-    scheme = scheme.with_centers(labels_of(splits.train))
-    return Prepared(splits, scheme, counter, _target(cfg, served), served)
+    train_decided = scheme.decided(labels_of(splits.train), censored_of(splits.train))
+    scheme = scheme.with_centers(labels_of(splits.train)[train_decided])
+    return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided)
+
+
+def _decided_eval(splits: Splits, scheme: BucketScheme) -> tuple[Splits, dict[str, int]]:
+    """Validation and test keep only labels whose bucket is known: a cut answer below the last bucket has no true
+    bucket to score against (it trains, as a lower bound). Returns the splits and how many rows each lost."""
+    def keep(part: list[Example]) -> list[Example]:
+        if not part:
+            return part
+        mask = scheme.decided(labels_of(part), censored_of(part))
+        return [e for e, k in zip(part, mask) if k]
+
+    val, test = keep(splits.val), keep(splits.test)
+    return Splits(splits.train, val, test), {"val": len(splits.val) - len(val), "test": len(splits.test) - len(test)}
 
 
 def _check_censored(served: ServedLabels, scheme: BucketScheme) -> None:
@@ -207,18 +223,23 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
     if cfg.label == "soft":
         grouped = group_samples(splits.train)
         parts["train"] = [e for e, _ in grouped]
-        y["train"] = soft_targets([n for _, n in grouped], scheme)
-        lengths["train"] = np.array([np.mean(n) for _, n in grouped])
+        y["train"] = label_targets([n for _, n in grouped], scheme)
+        lengths["train"] = np.array([np.mean([n for n, _ in samples]) for _, samples in grouped])
+    elif censored_of(splits.train).any():  # lower bounds train by their likelihood, not as short answers
+        y["train"] = label_targets([[(e.response_tokens or 0, e.censored)] for e in splits.train], scheme)
     enc = {name: encode_turns(tok, fmt_in, [_turns(e) for e in part]) for name, part in parts.items()}
     return _Inputs(base, model_type, fmt_in, enc, y, lengths)
 
 
-def soft_targets(samples: list[list[int]], scheme: BucketScheme) -> np.ndarray:
-    """``[prompts, buckets]``: each prompt's share of samples per bucket (censored samples, at the cap, count in the top
-    bucket)."""
-    out = np.zeros((len(samples), scheme.n))
-    for row, lengths in zip(out, samples):
-        np.add.at(row, scheme.assign(np.asarray(lengths)), 1.0 / len(lengths))
+def label_targets(samples: list[list[tuple[int, bool]]], scheme: BucketScheme) -> np.ndarray:
+    """``[prompts, 2 * buckets]`` for :func:`training.module.censored_cross_entropy`: per prompt, the share of its
+    ``(length, censored)`` samples observed in each bucket, then the share cut inside each bucket (lower bounds). A
+    sample cut in the last bucket is an exact observation there (every longer answer lands in it too)."""
+    out = np.zeros((len(samples), 2 * scheme.n))
+    for row, sample in zip(out, samples):
+        lengths = np.array([n for n, _ in sample])
+        cols = scheme.assign(lengths) + scheme.n * ~scheme.decided(lengths, [c for _, c in sample])
+        np.add.at(row, cols, 1.0 / len(sample))
     return out
 
 
@@ -323,7 +344,8 @@ def _register(cfg: TrainConfig, prep: Prepared, package: Path, report: dict) -> 
     from registry import store
 
     reg = store.register_package(package, cfg.register, report["model"], prep.splits.fingerprint(), list(prep.scheme.edges),
-                                 target=prep.target)
+                                 target=prep.target, slices={k: v["lengthwise"] for k, v in report.get("slices", {}).items()
+                                                             if k != "all" and "lengthwise" in v})
     report.update(model_uri=reg.model_uri, registered_name=reg.name, registered_version=reg.version)
     if cfg.alias:
         store.set_alias(reg.name, cfg.alias, reg.version)
@@ -376,8 +398,10 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
     per_slice = {"lengthwise": sliced_metrics(ours, y_len, scheme, masks, cfg.padding)}
     # full (untruncated) prompt length in target-model tokens: what Aladdin's predictor conditions on
+    known = scheme.decided(labels_of(splits.train), censored_of(splits.train))
+    base_train = [e for e, k in zip(splits.train, known) if k]  # the baselines have no censored likelihood: exact labels
     rows = {k: rows_of(part, prep.counter.count(["\n".join(t.text for t in e.turns) for e in part]))
-            for k, part in (("train", splits.train), ("val", splits.val), ("test", test))}
+            for k, part in (("train", base_train), ("val", splits.val), ("test", test))}
     report["baselines"], report["baseline_fits"] = {}, {}
     errors = {"lengthwise": ours.point - y_len}
     if cfg.baselines:
@@ -396,7 +420,9 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
                         "censored_samples_in_file": prep.served.censored if prep.served else 0,
                         "at_cap_test_rows": int((y_len >= prep.served.max_tokens).sum())
                         if prep.served and prep.served.max_tokens else 0,
-                        "train_examples": len(enc["train"]) if "train" in enc else len(splits.train)}
+                        "train_examples": len(enc["train"]) if "train" in enc else len(splits.train),
+                        "censored_train_rows": int(censored_of(splits.train).sum()),
+                        "undecided_left_out_of_eval": prep.undecided or {}}
     # top-level keys the CLI contract promises
     for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "kendall_tau", "under_prediction_rate", "ece"):
         report[k] = report["model"][k]

@@ -11,9 +11,10 @@ the loop, once (``--once``, for cron) or every ``--interval``:
    challenger is judged on traffic newer than anything it trained on. Rows whose prompt was not kept
    (``predictor-sidecar --no-store-prompts``) cannot be trained on: the job refuses with one line.
 3. **Labels.** The engine's own output token counts: the served model's lengths in its tokenizer. A capped answer
-   (``finish_reason=length``) is a censored label: its true length is at least the count. When that count already
-   falls in the open last bucket its bucket is known and it is kept; otherwise its bucket is not known and the row
-   is left out of training and of the comparison (counted in the report), rather than taught as a short answer.
+   (``finish_reason=length``) is a censored label: its true length is at least the count. It trains as that lower
+   bound (the censored likelihood of :func:`training.module.censored_cross_entropy`), never as a short answer. Only
+   rows whose bucket is known (stopped by themselves, or cut already inside the open last bucket) are held out to
+   judge the two versions: a lower bound below the last bucket has no true bucket to score against.
 4. **Challenger.** ``train-predictor``'s pipeline on the training rows (optionally with a base dataset of the served
    model's lengths, ``--base-data`` with ``--base-served-lengths``), on the champion's bucket edges so the two are
    comparable, registered with its lineage: parent version, the data window, the counts, the trigger.
@@ -77,7 +78,7 @@ class Window:
 
     train: list[FeedbackRow]
     holdout: list[FeedbackRow]
-    undecided: int = 0  # censored rows whose bucket is not known: left out of both
+    undecided: int = 0  # censored rows newer than the holdout's start, whose bucket is not known: left out of both
 
     @property
     def span(self) -> tuple[float, float]:
@@ -98,16 +99,19 @@ class Outcome:
 
 
 def decided(row: FeedbackRow, scheme: BucketScheme) -> bool:
-    """Whether a row's true bucket is known: any answer that stopped by itself, or a capped one already in the last
-    (open) bucket, where every longer answer lands too."""
-    return not row.censored or int(scheme.assign(np.array([row.actual_tokens]))[0]) == scheme.n - 1
+    """Whether a row's true bucket is known (:meth:`predictor.buckets.BucketScheme.decided`)."""
+    return bool(scheme.decided([row.actual_tokens], [row.censored])[0])
 
 
 def split_window(rows: list[FeedbackRow], scheme: BucketScheme, holdout: float) -> Window:
-    """Oldest first; the newest ``holdout`` share of the decided rows is held out."""
-    keep = sorted((r for r in rows if decided(r, scheme)), key=lambda r: r.time)
-    n_hold = max(1, round(len(keep) * holdout))
-    return Window(keep[:-n_hold], keep[-n_hold:], undecided=len(rows) - len(keep))
+    """Oldest first: the newest ``holdout`` share of the decided rows is held out, and every row older than the first
+    of them trains (censored ones as lower bounds); undecided rows inside the held-out span are left out of both."""
+    rows = sorted(rows, key=lambda r: r.time)
+    keep = [r for r in rows if decided(r, scheme)]
+    hold = keep[-max(1, round(len(keep) * holdout)):] if keep else []
+    start = rows.index(hold[0]) if hold else len(rows)
+    train = rows[:start]
+    return Window(train, hold, undecided=sum(not decided(r, scheme) for r in rows[start:]))
 
 
 def drift_alarm(name: str, version: str) -> tuple[bool, str]:
@@ -133,13 +137,13 @@ def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], bas
     with path.open("w") as f:
         for r in rows:
             msgs = [{"role": role, "content": text} for role, text in (r.turns or [])]
-            f.write(json.dumps({"id": r.prediction_id, "messages": msgs, "response_tokens": r.actual_tokens, **named})
-                    + "\n")
+            f.write(json.dumps({"id": r.prediction_id, "messages": msgs, "response_tokens": r.actual_tokens,
+                                "censored": r.censored, **named}) + "\n")
             n += 1
         for e in base or []:
             msgs = [{"role": t.role, "content": t.text} for t in e.turns]
-            f.write(json.dumps({"id": f"base-{e.group}", "messages": msgs, "response_tokens": e.response_tokens, **named})
-                    + "\n")
+            f.write(json.dumps({"id": f"base-{e.group}", "messages": msgs, "response_tokens": e.response_tokens,
+                                "censored": e.censored, **named}) + "\n")
             n += 1
     return n
 
@@ -212,9 +216,9 @@ def retrain_once(s: Settings) -> Outcome:
     scheme = champ_pred.scheme
     win = split_window(rows, scheme, s.holdout)
     counts = {"rows": len(rows), "train": len(win.train), "holdout": len(win.holdout), "censored_undecided": win.undecided,
-              "censored_kept": sum(r.censored for r in win.train + win.holdout)}
+              "censored_train": sum(r.censored for r in win.train), "censored_holdout": sum(r.censored for r in win.holdout)}
     if len(win.train) < 10:
-        return Outcome("skipped", f"only {len(win.train)} decided rows to train on", champion, counts=counts)
+        return Outcome("skipped", f"only {len(win.train)} rows to train on", champion, counts=counts)
     base = _base_examples(s) if s.base_data else []
     counts["base"] = len(base)
     challenger, run_id = _train_challenger(s, win, base, scheme, champion)
@@ -293,8 +297,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Train a challenger predictor on the served requests' feedback (the prompts the "
                                    "sidecar kept and the lengths the engine produced), judge it against the champion "
                                    "on the newest feedback held out, register it with its lineage and promote it when "
-                                   "it is better. Capped answers are censored labels: kept only where their bucket is "
-                                   "known.")
+                                   "it is better. Capped answers are censored labels: they train as lower bounds, and "
+                                   "only answers whose bucket is known judge the two versions.")
     p.add_argument("--name", default="length-predictor", help="registered model name (default: %(default)s)")
     p.add_argument("--served-model", metavar="DIR_OR_NAME", required=True,
                    help="the model the engines serve: the feedback's lengths are its own, and the challenger records "

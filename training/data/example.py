@@ -25,12 +25,15 @@ class Example:
     ``group`` is the conversation id: all turns of one conversation share it, and the train/val/test
     split is made on it so no conversation leaks across splits. ``response_tokens`` is filled by
     :func:`training.data.labels.attach_labels` from ``response`` unless the source gave counts directly.
+    ``censored`` marks an answer that was cut (it ran to a ``max_tokens`` cap, or was aborted): its true length is
+    at least ``response_tokens``, a lower bound that training and evaluation must not take as the length.
     """
 
     group: str
     turns: tuple[Turn, ...]
     response: str | None = None
     response_tokens: int | None = None
+    censored: bool = False
 
     @property
     def latest(self) -> str:

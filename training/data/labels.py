@@ -114,3 +114,8 @@ def attach_labels(examples: list[Example], counter: TokenCounter, batch: int = 2
 
 def labels_of(examples: Sequence[Example]) -> np.ndarray:
     return np.array([e.response_tokens for e in examples], dtype=np.int64)
+
+
+def censored_of(examples: Sequence[Example]) -> np.ndarray:
+    """Which labels are lower bounds (the answer was cut), aligned with :func:`labels_of`."""
+    return np.array([e.censored for e in examples], dtype=bool)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from registry.online import CUT  # finish reasons of an answer that was cut: its length is a lower bound
 from training.data.example import DataError, Example, Turn
 
 FORMATS = ("sharegpt", "alpaca-eval", "jsonl", "csv", "hf")
@@ -126,7 +127,8 @@ def _row_turns(row: dict) -> tuple[Turn, ...] | None:
 
 def table_examples(df: pd.DataFrame, source: str) -> list[Example]:
     """Rows with ``prompt`` (or ``messages``: a list of ``{"role", "content"}``) and ``response`` or ``response_tokens``;
-    optional ``conversation_id``/``id``/``group``."""
+    optional ``conversation_id``/``id``/``group``, and ``censored`` (true: the answer was cut, its length is a lower
+    bound) or ``finish_reason`` (``length``, ``abort``, ... mean the same, as the engine reports them)."""
     cols = set(df.columns)
     if not ({"prompt", "messages"} & cols) or not ({"response", "response_tokens"} & cols):
         raise DataError(
@@ -142,11 +144,21 @@ def table_examples(df: pd.DataFrame, source: str) -> list[Example]:
         group = str(row[id_col]) if id_col else f"row-{i}"
         resp = row.get("response")
         ntok = row.get("response_tokens")
+        cut = _censored(row)
         if isinstance(resp, str):
-            out.append(Example(group, turns, response=resp))
+            out.append(Example(group, turns, response=resp, censored=cut))
         elif ntok is not None and not pd.isna(ntok) and int(ntok) >= 0:
-            out.append(Example(group, turns, response_tokens=int(ntok)))
+            out.append(Example(group, turns, response_tokens=int(ntok), censored=cut))
     return out
+
+
+def _censored(row: dict) -> bool:
+    """A row's label is a lower bound when it says ``censored`` or its ``finish_reason`` is a cut, not a stop."""
+    flag = row.get("censored")
+    if isinstance(flag, (bool, int)) and not isinstance(flag, float):
+        return bool(flag)
+    reason = row.get("finish_reason")
+    return isinstance(reason, str) and reason in CUT
 
 
 def load_table(path: str | Path, fmt: str) -> list[Example]:

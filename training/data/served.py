@@ -78,6 +78,7 @@ class ServedLabels:
     sampling: dict | None          # its sampling settings (temperature, top_p, repetition_penalty)
     max_tokens: int | None         # the cap a sample ran to when censored
     censored: int                  # samples that ran to the cap: their true length is at least max_tokens
+    cut: dict[str, list[bool]] = dataclasses.field(default_factory=dict)  # prompt hash -> each sample's censored flag
 
     def target(self) -> dict[str, Any]:
         """The labels' target (:mod:`predictor.target`): the served model's own output tokens, at its sampling and cap."""
@@ -90,22 +91,24 @@ def load_served(path: str | Path) -> ServedLabels:
     model, sampling or cap (labels of two set-ups in one file would teach a mixture of both)."""
     records = sorted(read_served(path)[0], key=lambda r: (r["prompt_hash"], r["sample"]))
     lengths: dict[str, list[int]] = {}
+    cut: dict[str, list[bool]] = {}
     for rec in records:
         lengths.setdefault(rec["prompt_hash"], []).append(int(rec["response_tokens"]))
+        cut.setdefault(rec["prompt_hash"], []).append(bool(rec.get("censored")))
     setups = {json.dumps([r.get("model"), r.get("sampling"), r.get("max_tokens")], sort_keys=True) for r in records}
     if len(setups) > 1:
         raise DataError(f"{path} mixes labels of {len(setups)} set-ups (model, sampling, max_tokens): "
                         "relabel each into a file of its own")
     model, sampling, cap = json.loads(setups.pop()) if setups else (None, None, None)
-    return ServedLabels(lengths, model, sampling, cap, sum(bool(r.get("censored")) for r in records))
+    return ServedLabels(lengths, model, sampling, cap, sum(bool(r.get("censored")) for r in records), cut)
 
 
 def join_served_lengths(examples: Sequence[Example], served: str | Path | ServedLabels) -> list[Example]:
     """The examples whose prompt has served lengths in ``served`` (a file or what :func:`load_served` read), once per
     sample with that sample's length as the label (``response_tokens``; the group kept, so a prompt's samples never
     straddle a split). A prompt that appears twice in the set is labelled once, as relabel ran it once; prompts
-    without a length are left out. A censored sample keeps the cap as its length (what the served model produces
-    under that cap)."""
+    without a length are left out. A censored sample keeps the cap as its length and is marked ``censored``: its
+    true length is at least that (training takes it as a lower bound, :func:`training.module.censored_cross_entropy`)."""
     labels = served if isinstance(served, ServedLabels) else load_served(served)
     lengths = labels.lengths
     out, seen = [], set()
@@ -114,7 +117,8 @@ def join_served_lengths(examples: Sequence[Example], served: str | Path | Served
         if h in seen or h not in lengths:
             continue
         seen.add(h)
-        out.extend(dataclasses.replace(e, response=None, response_tokens=n) for n in lengths[h])
+        cut = labels.cut.get(h) or [False] * len(lengths[h])
+        out.extend(dataclasses.replace(e, response=None, response_tokens=n, censored=c) for n, c in zip(lengths[h], cut))
     if not out:
         path = served if not isinstance(served, ServedLabels) else "the served-length file"
         raise DataError(f"none of the {len(examples)} prompts has a served length in {path}: was it relabelled from "
@@ -122,15 +126,15 @@ def join_served_lengths(examples: Sequence[Example], served: str | Path | Served
     return out
 
 
-def group_samples(examples: Sequence[Example]) -> list[tuple[Example, list[int]]]:
-    """Each distinct prompt once (first-seen order) with the lengths of all its samples: what soft labels train on,
-    one example per prompt whose target is the bucket histogram of its samples."""
-    by_prompt: dict[tuple, tuple[Example, list[int]]] = {}
+def group_samples(examples: Sequence[Example]) -> list[tuple[Example, list[tuple[int, bool]]]]:
+    """Each distinct prompt once (first-seen order) with all its samples as ``(length, censored)``: what soft labels
+    train on, one example per prompt whose target is the bucket histogram of its samples."""
+    by_prompt: dict[tuple, tuple[Example, list[tuple[int, bool]]]] = {}
     for e in examples:
         key = (e.group, e.turns)
         if key not in by_prompt:
             by_prompt[key] = (e, [])
-        by_prompt[key][1].append(int(e.response_tokens or 0))
+        by_prompt[key][1].append((int(e.response_tokens or 0), bool(e.censored)))
     return list(by_prompt.values())
 
 

@@ -159,17 +159,12 @@ def test_feedback(sidecar, trained):
     assert fb["error_tokens"] == pytest.approx(p["expected_tokens"] - 512)
     assert sidecar.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": 512}).json()["accepted"] is False
     unknown = sidecar.post("/v1/feedback", json={"request_id": "never-served", "actual_tokens": 10})
-    assert unknown.status_code == 404 and "inline" in unknown.json()["detail"]
+    assert unknown.status_code == 404 and "never served" in unknown.json()["detail"]
     inline = sidecar.post("/v1/feedback", json={"request_id": "never-served", "actual_tokens": 10,
                                                 "prediction": {"expected_tokens": 300.0}})
-    assert inline.status_code == 200 and inline.json()["source"] == "inline" and inline.json()["predicted_bucket"] == 1
-    bad = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10,
-                                             "prediction": {"expected_tokens": 1, "bucket": 999}})
-    assert bad.status_code == 422 and "out of range" in bad.json()["detail"]
-    huge = sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": 10, "prediction": {"expected_tokens": 1e8}})
-    assert huge.status_code == 422 and "exceeds" in huge.json()["detail"]
+    assert inline.status_code == 404 and "token" in inline.json()["detail"]  # an open sidecar takes no prediction on trust
     assert sidecar.post("/v1/feedback", json={"request_id": "x", "actual_tokens": -1}).status_code == 422
-    assert sidecar.metric("lengthwise_online_feedback_n", model_version=trained["registered_version"]) >= 2
+    assert sidecar.metric("lengthwise_online_feedback_n", model_version=trained["registered_version"]) >= 1
     assert sidecar.metric("lengthwise_online_mae_tokens", model_version=trained["registered_version"]) is not None
 
 

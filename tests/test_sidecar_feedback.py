@@ -23,6 +23,8 @@ from tests.conftest import metric_values
 from tests.sidecar_proc import wait_for
 
 NAME = "lp-feedback-test"
+TOKEN = "feedback-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,16 @@ def open_client(package: Path, db: Path, version: str = "1", offline_accuracy: f
     s = SidecarSettings(model=str(package), feedback_db=str(db), reload_interval=0, window_seconds=3600, **settings)
     client = TestClient(create_app(s, parse_uri(str(package)), resolved))
     client.__enter__()
-    wait_for(lambda: client.get("/ready").status_code == 200, timeout=120, what="the model to load")
+    wait_for(lambda: client.get("/ready").status_code == 200, timeout=120, what="the model to load")  # /ready is open
     return client
+
+
+def state_of(client: TestClient):
+    """The app's SidecarState, under however many middlewares (the token's, the body limit's)."""
+    app = client.app
+    while not hasattr(app, "state"):
+        app = app.app
+    return app.state.sidecar
 
 
 def metric(client: TestClient, name: str, **labels: str) -> float | None:
@@ -48,6 +58,17 @@ def metric(client: TestClient, name: str, **labels: str) -> float | None:
 def sidecar(package, tmp_path_factory):
     db = tmp_path_factory.mktemp("fb") / "feedback.db"
     client = open_client(package, db)
+    yield client, FeedbackStore(db)
+    client.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def guarded(package, tmp_path_factory):
+    """A sidecar with a token (its callers are trusted, so it counts predictions sent inline) and a low
+    --max-actual-tokens."""
+    db = tmp_path_factory.mktemp("fb-guarded") / "feedback.db"
+    client = open_client(package, db, token=TOKEN, max_actual_tokens=4096)
+    client.headers.update(AUTH)
     yield client, FeedbackStore(db)
     client.__exit__(None, None, None)
 
@@ -113,12 +134,13 @@ def test_an_unknown_finish_reason_is_a_422_naming_the_accepted_ones(sidecar):
     assert "finish_reason" in r.json()["detail"] and "'length'" in r.json()["detail"]
 
 
-def test_inline_feedback_is_scored_but_not_stored(sidecar):
-    client, store = sidecar
+def test_inline_feedback_is_scored_but_not_stored(guarded):
+    """With a token, a prediction sent inline (another replica's, or one from before a restart) counts."""
+    client, store = guarded
     skipped = metric(client, "lengthwise_sidecar_feedback_store_rows_total", outcome="skipped") or 0.0
     r = client.post("/v1/feedback", json={"request_id": "elsewhere", "actual_tokens": 10, "finish_reason": "stop",
-                                          "prediction": {"expected_tokens": 40.0}})
-    assert r.status_code == 200 and r.json()["accepted"] and r.json()["stored"] is False
+                                          "prediction": {"expected_tokens": 40.0}}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["accepted"] and r.json()["source"] == "inline" and r.json()["stored"] is False
     assert metric(client, "lengthwise_sidecar_feedback_store_rows_total", outcome="skipped") == skipped + 1
     assert not any(x.prediction_id == "elsewhere" for x in store.read())
 
@@ -184,3 +206,118 @@ def test_drift_alarm_in_health_and_prometheus(package, tmp_path):
         assert metric(client, "lengthwise_predictor_drift_alarm", model=NAME, version="drift-1") == 0.0
     finally:
         client.__exit__(None, None, None)
+
+
+# --- forged, repeated and impossible feedback changes nothing, and is counted ---------------------------------------
+def online_n(client: TestClient, version: str = "1") -> float:
+    return metric(client, "lengthwise_online_feedback_n", model_version=version) or 0.0
+
+
+def rejected(client: TestClient, reason: str) -> float:
+    return metric(client, "lengthwise_sidecar_feedback_rejected_total", reason=reason) or 0.0
+
+
+def test_feedback_on_an_id_never_served_is_refused(sidecar):
+    """Without a token anyone can post: twenty made-up ids with made-up predictions attached move no online metric."""
+    client, store = sidecar
+    predict(client, {"prompt": "Say hi.", "request_id": "real-one"})
+    assert client.post("/v1/feedback", json={"request_id": "real-one", "actual_tokens": 5}).status_code == 200
+    n0, acc0, unknown0 = online_n(client), metric(client, "lengthwise_online_accuracy", model_version="1"), \
+        rejected(client, "unknown_id")
+    for i in range(20):
+        r = client.post("/v1/feedback", json={"request_id": f"forged-{i}", "actual_tokens": 100_000,
+                                              "prediction": {"expected_tokens": 1.0, "model_version": "1"}})
+        assert r.status_code == 404 and "never served" in r.json()["detail"] and set(r.json()) == {"detail"}
+    assert online_n(client) == n0 and metric(client, "lengthwise_online_accuracy", model_version="1") == acc0
+    assert rejected(client, "unknown_id") == unknown0 + 20
+    assert not any(x.prediction_id.startswith("forged-") for x in store.read())
+
+
+def test_made_up_model_versions_make_no_label_series(guarded):
+    """Even from a trusted caller, an inline prediction must name a version this sidecar has served: 200 made-up
+    versions make no Prometheus series and no online window (so no MLflow monitoring run)."""
+    client, _ = guarded
+    before = rejected(client, "unknown_version")
+    for i in range(200):
+        r = client.post("/v1/feedback", json={"request_id": f"fake-{i}", "actual_tokens": 10,
+                                              "prediction": {"expected_tokens": 40.0, "model_version": f"fake-{i}"}})
+        assert r.status_code == 422 and f"'fake-{i}'" in r.json()["detail"] and "serves" in r.json()["detail"]
+    r = client.post("/v1/feedback", json={"request_id": "fake-name", "actual_tokens": 10,
+                                          "prediction": {"expected_tokens": 40.0, "model_name": "someone-else"}})
+    assert r.status_code == 422
+    assert rejected(client, "unknown_version") == before + 201
+    text = client.get("/metrics").text
+    assert "fake-" not in text and "someone-else" not in text
+    state = state_of(client)
+    state.publish(state.aggregator.flush_due(force=True))
+    assert {v for _, v in state.aggregator.totals} <= {"1"} and "someone-else" not in {n for n, _ in state.aggregator.totals}
+
+
+def test_the_same_feedback_twice_counts_once(sidecar, guarded):
+    client, store = sidecar
+    predict(client, {"prompt": "Name a colour.", "request_id": "twice"})
+    n0, dup0 = online_n(client), rejected(client, "duplicate")
+    first = client.post("/v1/feedback", json={"request_id": "twice", "actual_tokens": 4})
+    again = client.post("/v1/feedback", json={"request_id": "twice", "actual_tokens": 4000})
+    assert first.status_code == 200 and first.json()["accepted"] and not first.json()["duplicate"]
+    assert again.status_code == 200 and again.json()["accepted"] is False and again.json()["duplicate"] is True
+    assert again.json()["stored"] is False
+    assert online_n(client) == n0 + 1 and rejected(client, "duplicate") == dup0 + 1
+    wait_for(lambda: any(x.prediction_id == "twice" for x in store.read()), what="the row")
+    assert [x.actual_tokens for x in store.read() if x.prediction_id == "twice"] == [4]
+    # inline (a trusted caller's) feedback is remembered too: a retry of it is not counted twice
+    gclient, _ = guarded
+    n0, dup0 = online_n(gclient), rejected(gclient, "duplicate")
+    body = {"request_id": "inline-twice", "actual_tokens": 10, "prediction": {"expected_tokens": 40.0}}
+    assert gclient.post("/v1/feedback", json=body).json()["accepted"] is True
+    assert gclient.post("/v1/feedback", json=body).json()["duplicate"] is True
+    assert online_n(gclient) == n0 + 1 and rejected(gclient, "duplicate") == dup0 + 1
+
+
+def test_actual_tokens_past_the_bound_is_a_422(sidecar, guarded):
+    """The default bound (131072) and --max-actual-tokens: past it nothing is counted, and the id stays open for a
+    corrected feedback."""
+    for (client, _), bound in ((sidecar, 131072), (guarded, 4096)):
+        predict(client, {"prompt": "Count to three.", "request_id": f"huge-{bound}"})
+        n0, mae0, out0 = online_n(client), metric(client, "lengthwise_online_mae_tokens", model_version="1"), \
+            rejected(client, "out_of_range")
+        for actual in (bound + 1, 10_000_000):
+            r = client.post("/v1/feedback", json={"request_id": f"huge-{bound}", "actual_tokens": actual})
+            assert r.status_code == 422 and str(bound) in r.json()["detail"] and "--max-actual-tokens" in r.json()["detail"]
+        assert online_n(client) == n0 and metric(client, "lengthwise_online_mae_tokens", model_version="1") == mae0
+        assert rejected(client, "out_of_range") == out0 + 2
+        ok = client.post("/v1/feedback", json={"request_id": f"huge-{bound}", "actual_tokens": bound})
+        assert ok.status_code == 200 and ok.json()["accepted"] and online_n(client) == n0 + 1
+    client, _ = guarded
+    out0 = rejected(client, "out_of_range")
+    for inline, words in (({"expected_tokens": 1, "bucket": 999}, "out of range"), ({"expected_tokens": 1e8}, "exceeds")):
+        r = client.post("/v1/feedback", json={"request_id": "bad-inline", "actual_tokens": 10, "prediction": inline})
+        assert r.status_code == 422 and words in r.json()["detail"]
+    assert rejected(client, "out_of_range") == out0 + 2
+
+
+def test_label_series_are_kept_for_the_last_versions_only(guarded):
+    """Hot reloads over a long life: the online series of versions long gone are dropped, not kept forever."""
+    from dataclasses import replace
+
+    from predictor.sidecar.state import MAX_VERSIONS
+
+    client, _ = guarded
+    state = state_of(client)
+    first = state.model
+    try:
+        for i in range(MAX_VERSIONS + 3):
+            state.swap(replace(first, resolved=replace(first.resolved, version=f"reload-{i}")))
+            (p,) = predict(client, {"prompt": "Hi.", "request_id": f"reload-{i}"})
+            assert client.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": 3}).status_code == 200
+        versions = set(metric_labels(client.get("/metrics").text, "lengthwise_online_feedback_n", "model_version"))
+        assert len(versions) <= MAX_VERSIONS and f"reload-{MAX_VERSIONS + 2}" in versions and "reload-0" not in versions
+        assert len(state.schemes) <= MAX_VERSIONS
+    finally:
+        state.swap(first)
+
+
+def metric_labels(text: str, name: str, label: str) -> list[str]:
+    import re
+
+    return re.findall(rf'^{name}{{[^}}]*{label}="([^"]*)"', text, flags=re.MULTILINE)

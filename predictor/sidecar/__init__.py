@@ -3,7 +3,8 @@
 Sits above the registry (it resolves ``models:/`` URIs and reports online error windows to MLflow) and the
 predictor core (the ONNX runtime). One module per job: ``settings`` (every setting, validated), ``schemas`` (the
 HTTP contract), ``cache`` (resolving and caching a model reference), ``loading`` (opening and running one model
-version), ``batcher`` (micro-batching), ``state`` (the serving version, hot reload, feedback windows), ``metrics``
-(Prometheus), ``app`` (the FastAPI routes and middleware) and ``cli`` (the flags, derived from the settings;
+version), ``batcher`` (micro-batching), ``state`` (the serving version, hot reload, feedback windows), ``feedback``
+(which feedback may change anything), ``auth`` (the bearer token), ``metrics`` (Prometheus), ``app`` (the FastAPI
+routes and middleware) and ``cli`` (the flags, derived from the settings;
 ``python -m predictor.sidecar`` runs it). Its benchmark is ``training/bench_sidecar.py``.
 """

@@ -6,14 +6,15 @@ becomes online error windows, the drift alarm ``/health`` shows, and rows of the
 (registry/feedback_store.py) that retraining reads. The routes stay thin: concurrent requests are
 micro-batched into shared forward passes (predictor/sidecar/batcher.py) and run in worker threads so the event
 loop keeps answering; which model version serves, hot reload and feedback windows live in
-predictor/sidecar/state.py. Errors are one readable ``{"detail": ...}`` whatever fails (bad JSON, a too-large
-body, a missing model). The command line is predictor/sidecar/cli.py.
+predictor/sidecar/state.py, and which feedback may change anything in predictor/sidecar/feedback.py. With a token,
+the middleware of predictor/sidecar/auth.py refuses callers without it. Errors are one readable ``{"detail": ...}``
+whatever fails (bad JSON, a too-large body, a missing model, a missing token). The command line is
+predictor/sidecar/cli.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -24,9 +25,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from predictor.sidecar.auth import BearerAuth, send_error
 from predictor.sidecar.cache import ModelRef, ResolvedModel
+from predictor.sidecar.feedback import Refused, take
 from predictor.sidecar.loading import PredictItem, ServedModel
-from predictor.sidecar.metrics import SidecarMetrics
+from predictor.sidecar.metrics import SidecarMetrics, endpoint_label
 from predictor.sidecar.schemas import (
     ErrorResponse,
     FeedbackRequest,
@@ -38,9 +41,6 @@ from predictor.sidecar.schemas import (
 )
 from predictor.sidecar.settings import SidecarSettings
 from predictor.sidecar.state import SidecarState
-from registry.online import Feedback
-
-ENDPOINTS = ("/v1/predict", "/v1/feedback", "/health", "/ready", "/metrics", "/openapi.json", "/docs")
 
 
 class _BodyLimitAndMetrics:
@@ -49,17 +49,11 @@ class _BodyLimitAndMetrics:
     def __init__(self, app, max_body_bytes: int, metrics: SidecarMetrics):
         self.app, self.max_body, self.metrics = app, max_body_bytes, metrics
 
-    async def _reject(self, send, status: int, detail: str) -> None:
-        body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = endpoint_label(scope["path"])
         status = 500
         too_large = False
         replaced = False
@@ -70,7 +64,7 @@ class _BodyLimitAndMetrics:
             if too_large:  # swallow the app's answer to a cut-off body; say what really happened
                 if msg["type"] == "http.response.start" and not replaced:
                     replaced, status = True, 413
-                    await self._reject(send, 413, limit_msg)
+                    await send_error(send, 413, limit_msg)
                 return
             if msg["type"] == "http.response.start":
                 status = msg["status"]
@@ -97,7 +91,7 @@ class _BodyLimitAndMetrics:
             declared = headers.get(b"content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
                 status = 413
-                await self._reject(send, 413, limit_msg)
+                await send_error(send, 413, limit_msg)
                 return
             await self.app(scope, receive_wrapper, send_wrapper)
         finally:
@@ -153,7 +147,10 @@ def create_app(settings: SidecarSettings, ref: ModelRef, resolved: ResolvedModel
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     _add_routes(app, state)
-    return _BodyLimitAndMetrics(app, settings.max_body_bytes, metrics)  # settings hold a limit of at least 1 KiB
+    inner: ASGIApp = app
+    if settings.token is not None:
+        inner = BearerAuth(app, settings.token.get_secret_value(), settings.protect_health, metrics.count_unauthorized)
+    return _BodyLimitAndMetrics(inner, settings.max_body_bytes, metrics)  # settings hold a limit of at least 1 KiB
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -176,12 +173,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 def _add_routes(app: FastAPI, state: SidecarState) -> None:
     """The endpoints; their function names are the OpenAPI operation ids."""
 
-    @app.post("/v1/predict", response_model=PredictResponse, responses=_error_responses(400, 413, 422, 503),
+    @app.post("/v1/predict", response_model=PredictResponse, responses=_error_responses(400, 401, 413, 422, 503),
               summary="predict response lengths for one prompt, several prompts or a chat conversation")
     async def predict(req: PredictRequest):
         return await _predict(state, req)
 
-    @app.post("/v1/feedback", response_model=FeedbackResponse, responses=_error_responses(400, 404, 413, 422, 503),
+    @app.post("/v1/feedback", response_model=FeedbackResponse, responses=_error_responses(400, 401, 404, 413, 422, 503),
               summary="report the actual output length of a predicted request (online error tracking)")
     async def feedback(req: FeedbackRequest):
         return _feedback(state, req)
@@ -239,39 +236,11 @@ async def _predict(state: SidecarState, req: PredictRequest) -> JSONResponse:
 
 
 def _feedback(state: SidecarState, req: FeedbackRequest) -> JSONResponse:
-    """Score an actual length against the prediction served here (or sent inline) and store it as a training row
-    (served ones only: an inline prediction's prompt was never seen here); a retry is not counted twice."""
-    entry = state.served.get(req.request_id)
-    if entry is not None:
-        source, name, version, scheme = "served", entry.name, entry.version, entry.scheme
-        bucket, expected, qtok = entry.bucket, entry.expected, entry.quantile_tokens
-    elif req.prediction is not None:
-        m = _require_model(state)
-        p = req.prediction
-        name, version = p.model_name or m.name, p.model_version or m.version
-        scheme = state.schemes.get((name, version), m.predictor.scheme)
-        bucket = int(scheme.assign(p.expected_tokens)[0]) if p.bucket is None else p.bucket
-        if bucket >= scheme.n:
-            raise HTTPException(422, f"prediction.bucket: {bucket} is out of range for {scheme.n} buckets")
-        for field, v in (("expected_tokens", p.expected_tokens), ("quantile_tokens", p.quantile_tokens)):
-            if v is not None and v > scheme.max_tokens:  # no prediction of this model can say that
-                raise HTTPException(422, f"prediction.{field}: {v:g} exceeds the model's largest length {scheme.max_tokens}")
-        source, expected, qtok = "inline", p.expected_tokens, p.quantile_tokens
-    else:
-        raise HTTPException(404, f"unknown request_id {req.request_id!r} (never served here, or evicted): "
-                                 "send the served prediction inline as 'prediction'")
-    actual_bucket = int(scheme.assign(req.actual_tokens)[0])
-    fb = Feedback(name, version, bucket, actual_bucket, expected, qtok, req.actual_tokens, req.finish_reason, scheme.n)
-    accepted = not (entry is not None and entry.used)  # a retried feedback is not counted twice
-    stored = False
-    if accepted:
-        if entry is not None:
-            entry.used = True
-        state.record(fb)
-        stored = state.store(req.request_id, entry, fb)
-        state.metrics.feedback.labels(source).inc()
-    else:
-        state.metrics.feedback.labels("duplicate").inc()
-    return JSONResponse({"accepted": accepted, "request_id": req.request_id, "source": source, "model_name": name,
-                         "model_version": version, "predicted_bucket": bucket, "actual_bucket": actual_bucket,
-                         "error_tokens": float(expected - req.actual_tokens), "censored": fb.censored, "stored": stored})
+    """Take the feedback (predictor/sidecar/feedback.py says which may change anything); a refusal is counted by
+    reason and answered with its status and message."""
+    try:
+        return JSONResponse(take(state, req))
+    except Refused as exc:
+        if exc.reason is not None:
+            state.metrics.feedback_rejected.labels(exc.reason).inc()
+        raise HTTPException(exc.status, exc.detail) from None

@@ -16,9 +16,10 @@ import sys
 import types
 from typing import Literal, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
+from predictor.sidecar.auth import TOKEN_ENV, TokenError, load_token
 from predictor.sidecar.cache import ModelResolveError, parse_uri, resolve
 from predictor.sidecar.settings import SidecarSettings
 
@@ -28,11 +29,13 @@ log = logging.getLogger("predictor.sidecar")
 FLAG_GROUPS = {
     "batching and inference": ("max_batch", "max_wait_ms", "threads", "workers", "token_budget", "precision", "ort_spin",
                                "max_body_bytes", "lru_size"),
-    "registry and online monitoring": ("reload_interval", "window_size", "window_seconds", "alarm_margin", "padding"),
+    "authentication": ("token", "token_file", "protect_health"),
+    "registry and online monitoring": ("reload_interval", "window_size", "window_seconds", "alarm_margin", "padding",
+                                       "max_actual_tokens"),
     "feedback store (training data)": ("feedback_store", "feedback_db", "store_prompts", "feedback_max_rows",
                                        "feedback_max_age_days", "feedback_queue", "lru_mb"),
 }
-_METAVARS = {"model": "URI"}
+_METAVARS = {"model": "URI", "token": "TOKEN", "token_file": "PATH"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,10 +52,13 @@ def flag_name(field: str) -> str:
 
 
 def flag_type(field: FieldInfo) -> tuple[type, list | None]:
-    """The argparse type and choices of a field: ``int | None`` -> int, ``Literal["a", "b"]`` -> (str, ["a", "b"])."""
+    """The argparse type and choices of a field: ``int | None`` -> int, ``Literal["a", "b"]`` -> (str, ["a", "b"]),
+    a secret -> str (the settings wrap it)."""
     ann = field.annotation
     if get_origin(ann) in (Union, types.UnionType):
         ann = next(t for t in get_args(ann) if t is not type(None))
+    if ann is SecretStr:
+        return str, None
     if get_origin(ann) is Literal:
         choices = list(get_args(ann))
         return type(choices[0]), choices
@@ -86,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  predictor-sidecar --model models:/length-predictor/3 --reload-interval 0   # pin a version\n"
                "  curl -s localhost:8100/v1/predict -d '{\"prompt\": \"Write a haiku about autumn.\"}'\n"
                "  curl -s localhost:8100/v1/feedback -d '{\"request_id\": \"<prediction_id>\", \"actual_tokens\": 212}'\n\n"
+               "  predictor-sidecar --token-file /run/secrets/sidecar-token   # the gateway: --predictor-token\n\n"
                "environment: LENGTHWISE_HOME (store and model cache), MLFLOW_TRACKING_URI (a real MLflow server), "
-               "LENGTHWISE_ORT_THREADS")
+               f"LENGTHWISE_ORT_THREADS, {TOKEN_ENV} (the token, when neither --token nor --token-file is given)")
     groups = {title: p.add_argument_group(title) for title in FLAG_GROUPS}
     where = {name: groups[title] for title, names in FLAG_GROUPS.items() for name in names}
     for name, field in SidecarSettings.model_fields.items():
@@ -104,6 +111,18 @@ def _check(a: argparse.Namespace, p: argparse.ArgumentParser) -> SidecarSettings
     if field == "port":
         p.error(f"--port must be between 1 and 65535, got {a.port}")
     p.error(f"{flag_name(field)} is out of range: {getattr(a, field)}")
+
+
+def resolve_token(a: argparse.Namespace, p: argparse.ArgumentParser) -> str | None:
+    """The token from --token, --token-file or $LENGTHWISE_SIDECAR_TOKEN (None: open); a token setting that cannot
+    give one, or --protect-health without one, exits 2 with one line (which never shows the token)."""
+    try:
+        token = load_token(a.token, a.token_file)
+    except TokenError as exc:
+        p.error(str(exc))
+    if token is None and a.protect_health:
+        p.error(f"--protect-health needs a token (--token, --token-file or {TOKEN_ENV})")
+    return token
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -130,7 +149,9 @@ def _configure_process(log_level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse and check the flags, bind the port, resolve the model (from the cache when the registry is down), serve."""
     p = build_parser()
-    settings = _check(p.parse_args(argv), p)
+    a = p.parse_args(argv)
+    a.token = resolve_token(a, p)
+    settings = _check(a, p)
     _configure_process(settings.log_level)
     try:
         sock = _listen(settings.host, settings.port)

@@ -2,7 +2,9 @@
 
 One registry per app instance (not the process-global default), so tests and embedders can build
 several apps in one process. Names carry the ``lengthwise_sidecar_`` prefix; online-error gauges are
-labelled by model version so a hot swap starts a fresh series instead of blending two models.
+labelled by model version so a hot swap starts a fresh series instead of blending two models. Every label value
+comes from a fixed set or from a version this sidecar loaded (the state keeps the last few and forgets the
+series of older ones), never from a request, so a caller cannot grow the number of series.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+ENDPOINTS = ("/v1/predict", "/v1/feedback", "/health", "/ready", "/metrics", "/openapi.json", "/docs")
+# Why feedback is refused: a fixed set, so no request can add a label value.
+REJECT_REASONS = ("unknown_id", "duplicate", "unknown_version", "out_of_range", "unauthorized")
 ONLINE = ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate", "quantile_overrun_rate")
+
+
+def endpoint_label(path: str) -> str:
+    """A request path as a label value: one of ENDPOINTS, or "other" (no caller can add a series)."""
+    return path if path in ENDPOINTS else "other"
 
 
 class SidecarMetrics:
@@ -32,6 +42,15 @@ class SidecarMetrics:
         self.model_ready = Gauge(p + "model_ready", "1 when a model is loaded and serving", registry=r)
         self.reloads = Counter(p + "model_reloads", "hot reload attempts by result", ["result"], registry=r)
         self.feedback = Counter(p + "feedback", "feedback received by source", ["source"], registry=r)
+        self.feedback_rejected = Counter(p + "feedback_rejected", "feedback that changed nothing, by reason: unknown_id "
+                                         "(never served here, or forgotten), duplicate (already counted), unknown_version "
+                                         "(a model version this sidecar does not serve), out_of_range (actual_tokens or "
+                                         "the inline prediction impossible), unauthorized (no or a wrong token)",
+                                         ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.feedback_rejected.labels(reason)
+        self.unauthorized = Counter(p + "unauthorized", "requests refused with 401 (no or a wrong bearer token), by endpoint",
+                                    ["endpoint"], registry=r)
         self.online = {k: Gauge(f"lengthwise_online_{k}", f"online {k} since start, from feedback", ["model_version"], registry=r)
                        for k in ONLINE}
         self.online_n = Gauge("lengthwise_online_feedback_n", "feedbacks counted in the online metrics", ["model_version"],
@@ -69,6 +88,17 @@ class SidecarMetrics:
         for k, g in self.online.items():
             if k in metrics:
                 g.labels(version).set(metrics[k])
+
+    def count_unauthorized(self, path: str) -> None:
+        self.unauthorized.labels(endpoint_label(path)).inc()
+        if path == "/v1/feedback":
+            self.feedback_rejected.labels("unauthorized").inc()
+
+    def forget_version(self, name: str, version: str) -> None:
+        """Drop the online series of a version the sidecar no longer tracks."""
+        for g in (*self.online.values(), self.online_n, self.online_censored, self.online_alarm):
+            g.remove(version)
+        self.drift_alarm.remove(name, version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

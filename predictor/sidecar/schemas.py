@@ -125,7 +125,8 @@ class PredictResponse(BaseModel):
 
 
 class InlinePrediction(BaseModel):
-    """The prediction that was served, for feedback on ids the sidecar no longer remembers."""
+    """The prediction that was served, for feedback on ids the sidecar does not remember (another replica's, or from
+    before a restart): taken only by a sidecar with a token, and only for a model version it serves or has served."""
 
     model_config = ConfigDict(strict=True)
 
@@ -139,7 +140,8 @@ class InlinePrediction(BaseModel):
 class FeedbackRequest(BaseModel):
     model_config = ConfigDict(strict=True)
     request_id: str = Field(min_length=1, max_length=256, description="a prediction_id returned by /v1/predict")
-    actual_tokens: int = Field(ge=0, le=10_000_000, description="output tokens the engine actually generated")
+    actual_tokens: int = Field(ge=0, le=10_000_000, description="output tokens the engine actually generated; more than "
+                                                                "the sidecar's --max-actual-tokens gets 422")
     prediction: InlinePrediction | None = Field(None,
                                                 description="needed only when the id is unknown (expired or another replica)")
     finish_reason: Literal[FINISH_REASONS] | None = Field(  # type: ignore[valid-type]
@@ -150,9 +152,11 @@ class FeedbackRequest(BaseModel):
 
 
 class FeedbackResponse(BaseModel):
-    accepted: bool
+    accepted: bool = Field(description="counted in the online windows (false: a duplicate, which changes nothing)")
+    duplicate: bool = Field(False, description="feedback on this prediction was already counted; this one changed nothing")
     request_id: str
-    source: str = Field(description="'served' (remembered by this sidecar) or 'inline'")
+    source: str = Field(description="'served' (remembered by this sidecar) or 'inline' (sent with the feedback: taken "
+                                    "only by a sidecar with a token)")
     model_name: str
     model_version: str
     predicted_bucket: int

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 DEFAULT_MODEL = "models:/length-predictor@champion"
 
@@ -44,6 +44,16 @@ class SidecarSettings(BaseModel):
     ort_spin: bool = Field(False, description="let idle onnxruntime threads busy-wait (a little lower latency when the "
                                               "machine is otherwise idle)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    # who may call it
+    token: SecretStr | None = Field(None, description="a token every call but the probes (/health, /ready, /metrics) "
+                                                      "must send as 'Authorization: Bearer TOKEN'; a missing or wrong one "
+                                                      "gets 401. Prefer --token-file or LENGTHWISE_SIDECAR_TOKEN: a flag "
+                                                      "shows in ps. With a token, feedback may carry its prediction inline "
+                                                      "(another replica's). Default: none, the sidecar is open")
+    token_file: str | None = Field(None, description="read the token from this file (surrounding whitespace stripped), "
+                                                     "at start")
+    protect_health: bool = Field(False, description="/health, /ready and /metrics need the token too (default: open, for "
+                                                    "load balancers and Prometheus)")
     lru_size: int = Field(100_000, ge=1, description="served predictions remembered for feedback")
     # registry and online monitoring
     reload_interval: float = Field(30.0, ge=0, description="seconds between polls of the alias; 0 disables hot reload")
@@ -51,6 +61,9 @@ class SidecarSettings(BaseModel):
     window_seconds: float = Field(60.0, gt=0, description="or this age, whichever first")
     alarm_margin: float = Field(0.10, description="alarm when window accuracy < offline accuracy - margin")
     padding: float = Field(0.15, ge=0, description="under-prediction means actual > expected x (1 + padding)")
+    max_actual_tokens: int = Field(131_072, ge=1, description="feedback whose actual_tokens exceed this gets 422 and is "
+                                                              "not counted: set it to the served model's context "
+                                                              "(max_model_len)")
     # the feedback store: served predictions and their actual lengths, kept as training data
     feedback_store: bool = Field(True, description="keep each served prediction's feedback (prompt, predicted distribution, "
                                                    "actual length, finish reason) in a local SQLite store for retraining; "
@@ -65,3 +78,14 @@ class SidecarSettings(BaseModel):
     lru_mb: float = Field(256.0, gt=0, description="memory for the prompts of served predictions awaiting feedback; "
                                                    "the oldest are forgotten first, like --lru-size")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of the sidecar and uvicorn")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_token_file(cls, data):
+        """A token file given in code is read here, so an embedder never gets an open sidecar by mistake (the command
+        line reads it first, to say what is wrong in one line)."""
+        if isinstance(data, dict) and data.get("token_file") and data.get("token") is None:
+            from predictor.sidecar.auth import read_token_file
+
+            data = {**data, "token": read_token_file(data["token_file"])}
+        return data

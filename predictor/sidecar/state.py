@@ -28,6 +28,8 @@ from registry.online import Feedback, MlflowWindowLogger, WindowAggregator, Wind
 
 log = logging.getLogger("predictor.sidecar")
 
+MAX_VERSIONS = 8  # model versions whose feedback is still taken and whose online series are kept (the newest loaded)
+
 
 def prompt_json(turns: list[tuple[str, str]]) -> str:
     """The turns as the predictor encoded them, as compact JSON: ``[["user", "..."], ...]``."""
@@ -81,8 +83,9 @@ class SidecarState:
         self.settings, self.ref, self.resolved, self.metrics = settings, ref, resolved, metrics
         self.model: ServedModel | None = None
         self.load_error: str | None = None
-        self.schemes: dict[tuple[str, str], BucketScheme] = {}
+        self.schemes: OrderedDict[tuple[str, str], BucketScheme] = OrderedDict()  # the versions tracked, oldest first
         self.served: OrderedDict[str, ServedPrediction] = OrderedDict()
+        self.fed_back: OrderedDict[str, None] = OrderedDict()  # ids whose feedback counted, the last --lru-size
         self.batcher: MicroBatcher[PredictItem, tuple[dict, ServedModel]] = MicroBatcher(
             self._run_batch, settings.max_batch, settings.max_wait_ms / 1000.0, settings.workers, on_batch=self._observe_batch)
         self.aggregator = WindowAggregator(settings.window_size, settings.window_seconds, settings.padding,
@@ -109,14 +112,30 @@ class SidecarState:
             raise RuntimeError("no model loaded")
         return predict_items(model, items)
 
+    @property
+    def trusted(self) -> bool:
+        """Whether callers hold the token (the middleware refused everyone else), so an inline prediction is taken."""
+        return self.settings.token is not None
+
     def swap(self, served: ServedModel) -> None:
         old = self.model
-        self.schemes[(served.name, served.version)] = served.predictor.scheme
+        self._track(served.name, served.version, served.predictor.scheme)
         self.aggregator.set_offline_accuracy(served.name, served.version, served.resolved.offline_accuracy)
         self.model = served  # a reference assignment: atomic for every reader
         self.metrics.set_model(served.name, served.version)
         log.info("serving %s version %s from %s%s", served.name, served.version, served.resolved.path,
                  f" (was version {old.version})" if old else "")
+
+    def _track(self, name: str, version: str, scheme: BucketScheme) -> None:
+        """Take feedback for this version; forget the oldest beyond MAX_VERSIONS (their online series too), so the
+        versions a feedback may name, and the label series they make, stay few."""
+        self.schemes.pop((name, version), None)
+        self.schemes[(name, version)] = scheme
+        while len(self.schemes) > MAX_VERSIONS:
+            (gone_name, gone_version), _ = self.schemes.popitem(last=False)
+            self.metrics.forget_version(gone_name, gone_version)
+            self.drift.pop((gone_name, gone_version), None)
+            log.info("no longer tracking %s version %s (more than %d versions loaded)", gone_name, gone_version, MAX_VERSIONS)
 
     async def initial_load(self) -> None:
         try:
@@ -170,11 +189,24 @@ class SidecarState:
         old = self.served.pop(prediction_id, None)
         if old is not None:
             self._served_bytes -= old.size
+        self.fed_back.pop(prediction_id, None)  # a new prediction under an old id: its feedback is new too
         self.served[prediction_id] = entry
         self._served_bytes += entry.size
         budget = self.settings.lru_mb * 2**20
         while len(self.served) > self.settings.lru_size or (self._served_bytes > budget and len(self.served) > 1):
             self._served_bytes -= self.served.popitem(last=False)[1].size
+
+    def fed_back_before(self, prediction_id: str, entry: ServedPrediction | None) -> bool:
+        """Whether feedback on this prediction was already counted (a retry, or a replay)."""
+        return entry.used if entry is not None else prediction_id in self.fed_back
+
+    def mark_fed_back(self, prediction_id: str, entry: ServedPrediction | None) -> None:
+        if entry is not None:
+            entry.used = True
+        self.fed_back[prediction_id] = None
+        self.fed_back.move_to_end(prediction_id)
+        while len(self.fed_back) > self.settings.lru_size:
+            self.fed_back.popitem(last=False)
 
     def record(self, fb: Feedback) -> None:
         self.publish(self.aggregator.add(fb))
@@ -205,9 +237,11 @@ class SidecarState:
     def publish(self, closed: list[WindowStats]) -> None:
         now = time.time()
         for w in closed:
+            key = (w.model_name, w.model_version)
+            if key not in self.schemes:  # the last window of a version no longer tracked: logged, not shown
+                continue
             self.metrics.online_alarm.labels(w.model_version).set(float(w.alarm))
             self.metrics.drift_alarm.labels(w.model_name, w.model_version).set(float(w.alarm))
-            key = (w.model_name, w.model_version)
             before = self.drift.get(key)
             since = (before.since if before is not None and before.alarm else now) if w.alarm else None
             self.drift[key] = DriftState(w.model_name, w.model_version, w.alarm, w.accuracy, w.n, w.censored,

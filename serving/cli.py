@@ -146,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.placementbench.cli import add_fleet_parser, add_scale_parser
     from serving.placementbench.cli import add_parser as add_bench_placement
     from training.bench_sidecar import add_parser as add_bench_sidecar
+    from training.variants import add_parser as add_bench_variants
 
     add_bench_sidecar(bsub)
+    add_bench_variants(bsub)
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)

@@ -7,6 +7,10 @@ to the model's input budget as in training). Reported per level: p50/p99 latency
 predictions per second, the mean micro-batch size (from ``/metrics``) and the sidecar's CPU seconds per
 prediction (its process CPU time over the window). Client and server share the machine, as they would
 beside an engine; the client's own CPU time is reported too, so the reader can judge the competition.
+
+The fallback rate is what the gateway would see at that load: the share of predictions slower than its prediction
+timeout (``lengthwise serve --predictor-timeout-ms``; a request whose prediction is late runs on the fallback length),
+failed ones included.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_LEVELS = "1,8,32,128"
+# The gateway's default --predictor-timeout-ms (serving.gateway.settings, which this package may not import; a test
+# keeps the two equal).
+GATEWAY_PREDICTOR_TIMEOUT_MS = 50.0
+# predictor.runtime.PRECISIONS, spelled out so `lengthwise --help` does not import onnxruntime (a test keeps them equal)
+PRECISIONS = ("fp32", "int8", "fused", "fused-int8")
 
 
 class BenchError(RuntimeError):
@@ -55,7 +64,12 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="inference workers of the started sidecar")
     p.add_argument("--token-budget", type=int, help="padded tokens per onnxruntime run of the started sidecar")
     p.add_argument("--ort-spin", action="store_true", help="passed to the started sidecar")
-    p.add_argument("--precision", choices=["fp32", "int8"], help="passed to the started sidecar")
+    p.add_argument("--precision", choices=PRECISIONS, help="passed to the started sidecar")
+    p.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                   help="passed to the started sidecar (ablation: a smaller input budget than the model was trained with)")
+    p.add_argument("--fallback-ms", type=float, default=GATEWAY_PREDICTOR_TIMEOUT_MS, metavar="MS",
+                   help="the gateway's prediction timeout: predictions slower than this count as fallbacks "
+                        "(default: %(default)s, the gateway's default)")
     p.add_argument("--json", help="write results here (default: bench-results/sidecar/bench_sidecar.json; PNG beside it)")
     p.set_defaults(func=run_cli)
     return p
@@ -173,7 +187,15 @@ def encode_requests(url: str, bodies: list[bytes]) -> list[bytes]:
             b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b for b in bodies]
 
 
-async def closed_loop(url: str, requests: list[bytes], concurrency: int, duration: float, warmup: float) -> dict:
+def fallback_rate(latencies_ms: np.ndarray, errors: int, timeout_ms: float) -> float | None:
+    """The share of predictions the gateway would replace by its fallback length: those slower than ``timeout_ms``
+    and those that failed. None when nothing completed or failed."""
+    total = len(latencies_ms) + errors
+    return float(((latencies_ms > timeout_ms).sum() + errors) / total) if total else None
+
+
+async def closed_loop(url: str, requests: list[bytes], concurrency: int, duration: float, warmup: float,
+                      timeout_ms: float = GATEWAY_PREDICTOR_TIMEOUT_MS) -> dict:
     """``concurrency`` workers, each with one request in flight; completions inside the window are measured."""
     hostport = url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = hostport.rpartition(":")
@@ -206,18 +228,21 @@ async def closed_loop(url: str, requests: list[bytes], concurrency: int, duratio
             conn.close()
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    arr = np.array(lat) * 1000.0 if lat else np.array([np.nan])
+    ms = np.array(lat) * 1000.0
+    arr = ms if lat else np.array([np.nan])
     return {"concurrency": concurrency, "requests": len(lat), "errors": errors,
             "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
-            "mean_ms": float(arr.mean()), "throughput_rps": len(lat) / duration}
+            "mean_ms": float(arr.mean()), "throughput_rps": len(lat) / duration,
+            "fallback_timeout_ms": timeout_ms, "fallback_rate": fallback_rate(ms, errors, timeout_ms)}
 
 
-def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float, pid: int | None) -> dict:
+def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float, pid: int | None,
+              timeout_ms: float = GATEWAY_PREDICTOR_TIMEOUT_MS) -> dict:
     # CPU and batch counters cover warm-up too; scale them by requests completed over the same span
     b_sum0, b_n0 = _batch_counters(url)
     busy0 = _machine_busy_seconds()
     cpu0, client0, w0 = _cpu_seconds(pid), time.process_time(), time.perf_counter()
-    res = asyncio.run(closed_loop(url, encode_requests(url, bodies), concurrency, duration, warmup))
+    res = asyncio.run(closed_loop(url, encode_requests(url, bodies), concurrency, duration, warmup, timeout_ms))
     cpu1, client1, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter() - w0
     busy1 = _machine_busy_seconds()
     b_sum1, b_n1 = _batch_counters(url)
@@ -241,7 +266,8 @@ def free_port() -> int:
 
 
 def bench(model: str, url: str | None, levels: list[int], duration: float, warmup: float, n_prompts: int,
-          sidecar_args: list[str], console) -> dict:
+          sidecar_args: list[str], console, timeout_ms: float = GATEWAY_PREDICTOR_TIMEOUT_MS,
+          prompts: list[str] | None = None) -> dict:
     """Run every level against one sidecar; returns the JSON report."""
     proc = None
     with tempfile.TemporaryDirectory(prefix="bench-sidecar-") as tmp:
@@ -250,18 +276,20 @@ def bench(model: str, url: str | None, levels: list[int], duration: float, warmu
             url = f"http://127.0.0.1:{free_port()}"
             proc = start_sidecar(model, int(url.rsplit(":", 1)[1]), log_path, sidecar_args)
         try:
-            with console.status("loading ShareGPT prompts ..."):  # while the sidecar starts
-                prompts = sharegpt_prompts(n_prompts)
+            if prompts is None:
+                with console.status("loading ShareGPT prompts ..."):  # while the sidecar starts
+                    prompts = sharegpt_prompts(n_prompts)
             bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
             with console.status(f"waiting for the sidecar at {url} ..."):
                 ready = wait_ready(url, proc, log_path if proc else None, timeout=180.0 if proc else 15.0)
             report = {"model": ready.get("model_uri", model), "model_name": ready.get("model_name"),
                       "model_version": ready.get("model_version"), "url": url, "started_sidecar": proc is not None,
                       "sidecar_args": sidecar_args, "duration_s": duration, "warmup_s": warmup, "prompts": len(bodies),
-                      "cpus": os.cpu_count(), "levels": {}}
+                      "cpus": os.cpu_count(), "fallback_timeout_ms": timeout_ms, "levels": {}}
             for n in levels:
                 with console.status(f"concurrency {n}: {warmup + duration:.0f} s of closed-loop load ..."):
-                    report["levels"][str(n)] = run_level(url, bodies, n, duration, warmup, proc.pid if proc else None)
+                    report["levels"][str(n)] = run_level(url, bodies, n, duration, warmup, proc.pid if proc else None,
+                                                         timeout_ms)
         finally:
             if proc is not None:
                 proc.terminate()
@@ -278,14 +306,17 @@ def print_table(report: dict, console) -> None:
     t = Table(title=f"predictor-sidecar: {report['model_name']} v{report['model_version']}, {report['cpus']} CPUs, "
                     f"{report['duration_s']:.0f} s per level")
     t.caption = ("sidecar CPU: its process CPU time per prediction; other cores: CPU used by other processes on the "
-                 "machine during the level (competition for the same cores)")
-    for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "mean batch",
+                 "machine during the level (competition for the same cores); fallback: share of predictions slower "
+                 f"than the gateway's {report.get('fallback_timeout_ms', GATEWAY_PREDICTOR_TIMEOUT_MS):g} ms timeout or "
+                 "failed")
+    for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "fallback", "mean batch",
               "sidecar CPU ms/pred", "client CPU ms/req", "other cores"):
         t.add_column(c, justify="right")
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for lv in report["levels"].values():
         t.add_row(str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), fmt(lv["p50_ms"], ".1f"),
-                  fmt(lv["p99_ms"], ".1f"), fmt(lv["throughput_rps"], ".0f"), fmt(lv["mean_batch"], ".1f"),
+                  fmt(lv["p99_ms"], ".1f"), fmt(lv["throughput_rps"], ".0f"), fmt(lv.get("fallback_rate"), ".1%"),
+                  fmt(lv["mean_batch"], ".1f"),
                   fmt(lv["cpu_s_per_prediction"] and lv["cpu_s_per_prediction"] * 1e3, ".2f"),
                   fmt(lv["client_cpu_s_per_request"] and lv["client_cpu_s_per_request"] * 1e3, ".2f"),
                   fmt(lv.get("other_cpu_cores"), ".2f"))
@@ -318,13 +349,17 @@ def run_cli(a: argparse.Namespace) -> int:
 
     console = Console(width=max(Console().width, 140))
     extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
-                               ("--workers", a.workers), ("--token-budget", a.token_budget), ("--precision", a.precision))
+                               ("--workers", a.workers), ("--token-budget", a.token_budget), ("--precision", a.precision),
+                               ("--max-prompt-tokens", a.max_prompt_tokens))
              if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else [])
     try:
         levels = parse_levels(a.levels)
         if not a.duration > 0 or a.warmup < 0:
             raise BenchError("--duration must be positive and --warmup non-negative")
-        report = bench(a.model, a.url.rstrip("/") if a.url else None, levels, a.duration, a.warmup, a.prompts, extra, console)
+        if not a.fallback_ms > 0:
+            raise BenchError(f"--fallback-ms must be positive, got {a.fallback_ms:g}")
+        report = bench(a.model, a.url.rstrip("/") if a.url else None, levels, a.duration, a.warmup, a.prompts, extra, console,
+                       a.fallback_ms)
     except BenchError as exc:
         print(f"lengthwise bench sidecar: error: {exc}", file=sys.stderr)
         return 2

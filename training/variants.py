@@ -1,0 +1,385 @@
+"""``lengthwise bench predictor-variants``: the Pareto table of one package's serving variants, quality beside speed.
+
+Each row is one lever setting, scored on the same labelled test split: the graph (``fp32``, ``int8``, ``fused``,
+``fused-int8``: :data:`predictor.runtime.PRECISIONS`), the input budget (prompt tokens, at most what the package was
+trained with: :func:`predictor.runtime.input_budget`) and the thread layout (onnxruntime intra-op threads x inference
+workers, as the sidecar's ``--threads`` and ``--workers``). Quality: top-1, within-1, Kendall tau and pairwise ranking
+accuracy (:mod:`training.evaluate`, as ``train-predictor`` reports them), and parity with the package's own fp32 graph
+at its trained budget (max |logit diff|, share of equal buckets). Speed, in this process: wall p50/p99 and CPU ms per
+prediction at batch 1 (a lone request: one session with T threads), and predictions per second and CPU ms per
+prediction at batch 32 with W workers side by side, each with its own T-thread session, tokenisation included, as the
+sidecar runs a micro-batch. With ``--sidecar-levels`` each row is also measured over HTTP by ``lengthwise bench
+sidecar``'s machinery (a started sidecar, closed-loop clients), with the gateway's fallback rate.
+
+The test split is rebuilt the way ``train-predictor`` made it (the same data, label tokenizer, sample cap and seed;
+``--served-lengths`` for labels that are the served model's own lengths), with the package's buckets; its fingerprint
+is compared with the one the package recorded, so a table scored on rows the model trained on says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from training.bench_sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, BenchError
+
+DEFAULT_BUDGETS = (32, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``threads`` onnxruntime intra-op threads per session, ``workers`` sessions running batches side by side."""
+
+    threads: int
+    workers: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.threads}x{self.workers}"
+
+
+@dataclass
+class LabelledTest:
+    """The test split's conversations, true lengths and first-turn mask, and whether it is the package's own split."""
+
+    turns: list[list[tuple[str, str]]]
+    lengths: np.ndarray
+    first_turn: np.ndarray
+    fingerprint: str
+    package_fingerprint: str | None
+
+    @property
+    def matches_package(self) -> bool:
+        return self.package_fingerprint is not None and self.fingerprint == self.package_fingerprint
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    """Register ``bench predictor-variants`` under the ``lengthwise bench`` group."""
+    p = bench_sub.add_parser(
+        "predictor-variants", help="quality and CPU cost of a package's graph variants, input budgets and thread layouts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Score and time one model package's serving variants on its labelled test split: each graph (fp32, "
+                    "int8, fused, fused-int8) at each input budget (prompt tokens, at most the trained budget) and thread "
+                    "layout (THREADSxWORKERS, as the sidecar's --threads and --workers). Quality: top-1, within-1, "
+                    "Kendall tau, pairwise ranking accuracy and parity with fp32 at the trained budget. Speed, in this "
+                    "process: p50/p99 and CPU ms per lone prediction, predictions/s and CPU ms per prediction at batch 32; "
+                    "with --sidecar-levels also over HTTP through a started sidecar, with the gateway's fallback rate. "
+                    "Prints a table, writes JSON and a PNG (ranking quality against CPU per prediction).",
+        epilog="examples:\n  lengthwise bench predictor-variants --package work/package\n"
+               "  lengthwise bench predictor-variants --package work/package --precisions int8,fused-int8 --budgets 64,128 "
+               "--layouts 1x2,2x1\n"
+               "  lengthwise bench predictor-variants --package pkg --served-lengths smollm2.lengths.jsonl --max-tokens 1024\n"
+               "  lengthwise bench predictor-variants --package pkg --sidecar-levels 1,32 --sidecar-duration 10")
+    p.add_argument("--package", required=True, metavar="DIR", help="the model package (model.onnx, tokenizer.json, meta.json)")
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="graphs to compare (default: %(default)s)")
+    p.add_argument("--budgets", help="input budgets in prompt tokens, at most the trained one (default: "
+                                     f"{','.join(map(str, DEFAULT_BUDGETS))} up to the trained budget)")
+    p.add_argument("--layouts", help="THREADSxWORKERS for the speed columns, e.g. 1x2,2x1 (default: Nx1,1xN with N the "
+                                     "cores, at most 4)")
+    d = p.add_argument_group("the labelled test split (as train-predictor made it; defaults from the package's meta.json)")
+    d.add_argument("--data", help="the data the package was trained on (default: its recorded path, else ShareGPT)")
+    d.add_argument("--format", dest="fmt", help="its format (default: the recorded one, else sharegpt)")
+    d.add_argument("--tokenizer", help="the label tokenizer (default: GPT-2 from the data dir)")
+    d.add_argument("--generator", help="alpaca-eval: whose answers (default: the recorded one)")
+    d.add_argument("--served-lengths", metavar="FILE", help="labels from `lengthwise relabel --no-text`: the served model's "
+                                                            "own lengths of these prompts")
+    d.add_argument("--first-turn-only", action="store_true", help="only first turns, as train-predictor --first-turn-only")
+    d.add_argument("--max-samples", type=int, default=20000, help="the training run's sample cap (default: %(default)s, "
+                                                                   "train-predictor's; 0 = all)")
+    d.add_argument("--seed", type=int, default=0, help="the training run's seed (default: %(default)s)")
+    d.add_argument("--test-limit", type=int, default=0, metavar="N", help="score the first N test rows only (default: all)")
+    s = p.add_argument_group("speed")
+    s.add_argument("--speed-prompts", type=int, default=256, metavar="N",
+                   help="test prompts timed per row: N lone requests and N/32 batches per worker (default: %(default)s)")
+    s.add_argument("--token-budget", type=int, default=256, metavar="N",
+                   help="padded tokens per onnxruntime run, as the sidecar's --token-budget (default: %(default)s, its "
+                        "default)")
+    s.add_argument("--sidecar-levels", help="also measure each row over HTTP at these concurrency levels, e.g. 1,32")
+    s.add_argument("--sidecar-duration", type=float, default=10.0, help="measured seconds per level (default: %(default)s)")
+    s.add_argument("--fallback-ms", type=float, default=GATEWAY_PREDICTOR_TIMEOUT_MS,
+                   help="the gateway's prediction timeout, for the HTTP fallback rate (default: %(default)s)")
+    p.add_argument("--json", help="write the report here (default: bench-results/predictor-variants/variants.json; PNG "
+                                  "beside it)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def parse_precisions(spec: str) -> list[str]:
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [n for n in names if n not in PRECISIONS]
+    if not names or bad:
+        raise BenchError(f"--precisions takes a comma-separated subset of {','.join(PRECISIONS)}, got {spec!r}")
+    return list(dict.fromkeys(names))
+
+
+def parse_budgets(spec: str | None, trained: int) -> list[int]:
+    """The budgets to score: the given ones (each at most ``trained``), else the defaults up to ``trained`` and
+    ``trained`` itself."""
+    if spec is None:
+        return sorted({b for b in DEFAULT_BUDGETS if b < trained} | {trained})
+    try:
+        budgets = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise BenchError(f"--budgets must be comma-separated integers, got {spec!r}") from None
+    if not budgets or budgets[0] < 4 or budgets[-1] > trained:
+        raise BenchError(f"--budgets must be between 4 and the package's trained budget of {trained} tokens, got {spec!r}")
+    return budgets
+
+
+def parse_layouts(spec: str | None) -> list[Layout]:
+    if spec is None:
+        n = max(1, min(4, os.cpu_count() or 1))
+        return list(dict.fromkeys([Layout(n, 1), Layout(1, n)]))
+    out = []
+    for part in (x.strip().lower() for x in spec.split(",") if x.strip()):
+        t, sep, w = part.partition("x")
+        if not sep or not t.isdigit() or not w.isdigit() or not 1 <= int(t) <= 64 or not 1 <= int(w) <= 64:
+            raise BenchError(f"--layouts takes THREADSxWORKERS pairs like 1x2,2x1, got {spec!r}")
+        out.append(Layout(int(t), int(w)))
+    if not out:
+        raise BenchError(f"--layouts takes THREADSxWORKERS pairs like 1x2,2x1, got {spec!r}")
+    return list(dict.fromkeys(out))
+
+
+def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
+    """The test split ``train-predictor`` made from the same data and settings, labelled, with the package's buckets."""
+    from predictor.buckets import BucketScheme
+    from predictor.common import default_sharegpt
+    from training.config import TrainConfig
+    from training.data.labels import labels_of
+    from training.pipeline import prepare
+
+    scheme = BucketScheme.from_dict(meta["buckets"])
+    recorded = meta.get("trained_on")
+    data = a.data or (recorded if recorded and Path(recorded).exists() else str(default_sharegpt()))
+    if not Path(data).exists():
+        raise BenchError(f"the test data {data} does not exist; pass --data")
+    cfg = TrainConfig(data=data, fmt=a.fmt or meta.get("format") or "sharegpt", tokenizer=a.tokenizer,
+                      generator=a.generator or meta.get("generator"), first_turn_only=a.first_turn_only,
+                      served_lengths=a.served_lengths, bucket_width=None, edges=",".join(map(str, scheme.edges[1:])),
+                      max_tokens=scheme.max_tokens, max_samples=a.max_samples or None, seed=a.seed)
+    test = prepare(cfg).splits
+    rows = test.test[: a.test_limit] if a.test_limit else test.test
+    return LabelledTest([[(t.role, t.text) for t in e.turns] for e in rows], labels_of(rows).astype(np.float64),
+                        np.array([e.first_turn for e in rows], dtype=bool), test.fingerprint(), meta.get("eval_split"))
+
+
+def quality(probs: np.ndarray, test: LabelledTest, scheme) -> dict:
+    """The offline metrics of ``train-predictor`` on the whole split and on first and later turns."""
+    from training.evaluate import Predictions, compute_metrics
+
+    out = {}
+    for name, mask in (("all", np.ones(len(test.lengths), dtype=bool)), ("first_turn", test.first_turn),
+                       ("later_turns", ~test.first_turn)):
+        if mask.sum() >= 2:
+            pred = Predictions(probs[mask], scheme.expected(probs[mask]))
+            out[name] = compute_metrics(pred, test.lengths[mask], scheme)
+    return out
+
+
+def lone_requests(pred, prompts: list) -> dict:
+    """Batch 1, one after another: wall p50/p99 per prediction and process CPU per prediction."""
+    pred.predict(prompts[:2])  # warm-up
+    walls = []
+    cpu0 = time.process_time()
+    for p in prompts:
+        t = time.perf_counter()
+        pred.predict([p])
+        walls.append(time.perf_counter() - t)
+    cpu = time.process_time() - cpu0
+    ms = np.array(walls) * 1e3
+    return {"predictions": len(prompts), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "cpu_ms_per_prediction": cpu / len(prompts) * 1e3}
+
+
+def batched(preds: list, prompts: list, batch: int = 32) -> dict:
+    """Batches of ``batch`` prompts, one worker thread per predictor (its own session), all at once: predictions per
+    second and process CPU per prediction, as the sidecar's workers run micro-batches."""
+    chunks = [prompts[i: i + batch] for i in range(0, len(prompts) - batch + 1, batch)] or [prompts]
+    for pr in preds:
+        pr.predict(chunks[0][:batch])  # warm-up
+    per_worker = [chunks[i:: len(preds)] or chunks[:1] for i in range(len(preds))]
+
+    def work(i: int) -> int:
+        for c in per_worker[i]:
+            preds[i].predict(c)
+        return sum(len(c) for c in per_worker[i])
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    with ThreadPoolExecutor(len(preds)) as pool:
+        n = sum(pool.map(work, range(len(preds))))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"predictions": n, "batch": batch, "workers": len(preds), "predictions_per_s": n / wall,
+            "cpu_ms_per_prediction": cpu / n * 1e3}
+
+
+def bench_variants(package: Path, precisions: list[str], budgets: list[int], layouts: list[Layout], test: LabelledTest,
+                   speed_prompts: int, console, sidecar: dict | None = None, token_budget: int = 256) -> dict:
+    """Score and time every (precision, budget, layout); returns the JSON report."""
+    from predictor.runtime import OnnxLengthPredictor, softmax
+
+    reference = OnnxLengthPredictor(package, threads=layouts[0].threads, precision="fp32")
+    trained = reference.trained_max_tokens
+    ref_ids = [e.ids for e in reference.encode(test.turns)]
+    ref_logits = reference.logits_encoded(ref_ids)
+    timed = [test.turns[i % len(test.turns)] for i in range(speed_prompts)]  # a small split is cycled through
+    rows = []
+    for precision in precisions:
+        for budget in budgets:
+            with console.status(f"{precision} at {budget} tokens: scoring {len(test.turns)} test prompts ..."):
+                pred = OnnxLengthPredictor(package, threads=layouts[0].threads, precision=precision, max_prompt_tokens=budget)
+                encoded = pred.encode(test.turns)
+                logits = pred.logits_encoded([e.ids for e in encoded])
+            probs = softmax(logits.astype(np.float64))
+            # at the trained budget the inputs are the reference's: this is the graph's own parity, prompt by prompt
+            parity = {"parity_max_abs_diff": float(np.abs(logits - ref_logits).max()),
+                      "bucket_agreement": float((logits.argmax(1) == ref_logits.argmax(1)).mean())}
+            base = {"precision": precision, "budget": budget, "trained_budget": trained,
+                    "quality": quality(probs, test, pred.scheme), "parity": parity,
+                    "truncated": float(np.mean([e.truncated for e in encoded])),
+                    "mean_prompt_tokens": float(np.mean([len(e.ids) for e in encoded]))}
+            for layout in layouts:
+                with console.status(f"{precision} at {budget} tokens, {layout.name}: timing ..."):
+                    kw = {"threads": layout.threads, "precision": precision, "max_prompt_tokens": budget,
+                          "token_budget": token_budget}
+                    lone = OnnxLengthPredictor(package, **kw)
+                    workers = [OnnxLengthPredictor(package, **kw) for _ in range(layout.workers)]
+                    row = dict(base, layout=layout.name, threads=layout.threads, workers=layout.workers,
+                               batch1=lone_requests(lone, timed), batch32=batched(workers, timed))
+                if sidecar:
+                    row["sidecar"] = _over_http(package, precision, budget, layout, test, sidecar, console)
+                rows.append(row)
+    return {"package": str(package), "cpus": os.cpu_count(), "trained_budget": trained, "test_rows": len(test.turns),
+            "test_split": test.fingerprint, "package_split": test.package_fingerprint,
+            "split_matches_package": test.matches_package, "speed_prompts": len(timed),
+            "layouts": [x.name for x in layouts], "token_budget": token_budget, "rows": rows}
+
+
+def _over_http(package: Path, precision: str, budget: int, layout: Layout, test: LabelledTest, sidecar: dict,
+               console) -> dict:
+    """One row measured through a started sidecar (``lengthwise bench sidecar``'s machinery), latest turns as prompts."""
+    from training.bench_sidecar import bench
+
+    args = ["--precision", precision, "--max-prompt-tokens", str(budget), "--threads", str(layout.threads),
+            "--workers", str(layout.workers), "--token-budget", str(sidecar["token_budget"])]
+    prompts = [turns[-1][1] for turns in test.turns if turns[-1][1].strip()]
+    report = bench(str(package), None, sidecar["levels"], sidecar["duration"], 1.0, len(prompts), args, console,
+                   sidecar["timeout_ms"], prompts=prompts)
+    return report["levels"]
+
+
+def print_table(report: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"predictor variants: {report['package']}, {report['test_rows']} test prompts, {report['cpus']} CPUs")
+    t.caption = ("quality on the whole test split; parity: max |logit diff| and bucket agreement with fp32 at the "
+                 f"trained budget ({report['trained_budget']} tokens); batch 1: lone requests with THREADS threads; "
+                 "batch 32: WORKERS sessions side by side" + ("" if report["split_matches_package"]
+                                                              else "; the split differs from the package's own"))
+    cols = ["precision", "budget", "layout", "top-1", "within-1", "tau", "pairwise", "max |dlogit|", "agree",
+            "b1 p50 ms", "b1 p99 ms", "b1 CPU ms", "b32 pred/s", "b32 CPU ms"]
+    http = any("sidecar" in r for r in report["rows"])
+    if http:
+        cols += ["http p99 ms @lowest", "http pred/s @highest", "fallback @highest"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "precision" else "right")
+    for r in report["rows"]:
+        q = r["quality"].get("all", {})
+        cells = [r["precision"], str(r["budget"]), r["layout"], f"{q.get('accuracy', float('nan')):.3f}",
+                 f"{q.get('accuracy_within_1', float('nan')):.3f}", f"{q.get('kendall_tau', float('nan')):.3f}",
+                 f"{q.get('pairwise_accuracy', float('nan')):.3f}", f"{r['parity']['parity_max_abs_diff']:.2g}",
+                 f"{r['parity']['bucket_agreement']:.3f}", f"{r['batch1']['p50_ms']:.2f}", f"{r['batch1']['p99_ms']:.2f}",
+                 f"{r['batch1']['cpu_ms_per_prediction']:.2f}", f"{r['batch32']['predictions_per_s']:.0f}",
+                 f"{r['batch32']['cpu_ms_per_prediction']:.2f}"]
+        if http:
+            levels = r.get("sidecar") or {}
+            lo = levels[min(levels, key=int)] if levels else None
+            hi = levels[max(levels, key=int)] if levels else None
+            cells += ["-" if lo is None else f"{lo['p99_ms']:.1f}", "-" if hi is None else f"{hi['throughput_rps']:.0f}",
+                      "-" if hi is None or hi.get("fallback_rate") is None else f"{hi['fallback_rate']:.1%}"]
+        t.add_row(*cells)
+    console.print(t)
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Ranking quality against CPU per lone prediction, one point per (precision, budget) at the first layout."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    first = report["layouts"][0]
+    for precision in dict.fromkeys(r["precision"] for r in report["rows"]):
+        pts = [r for r in report["rows"] if r["precision"] == precision and r["layout"] == first]
+        xs = [r["batch1"]["cpu_ms_per_prediction"] for r in pts]
+        ys = [r["quality"].get("all", {}).get("pairwise_accuracy", float("nan")) for r in pts]
+        ax.plot(xs, ys, "o-", label=precision)
+        for r, x, y in zip(pts, xs, ys):
+            ax.annotate(str(r["budget"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(xlabel=f"CPU ms per lone prediction ({first})", ylabel="pairwise ranking accuracy",
+           title="predictor variants (labels: input budget in tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from predictor.common import quiet_libraries
+    from training.bench_sidecar import parse_levels
+
+    quiet_libraries(False)
+    console = Console(width=max(Console().width, 160))
+    package = Path(a.package)
+    try:
+        if not (package / "meta.json").is_file() or not (package / "model.onnx").is_file():
+            raise BenchError(f"{package} is not a model package (no meta.json and model.onnx)")
+        meta = json.loads((package / "meta.json").read_text())
+        precisions = parse_precisions(a.precisions)
+        budgets = parse_budgets(a.budgets, int(meta["input_format"]["max_tokens"]))
+        layouts = parse_layouts(a.layouts)
+        if a.speed_prompts < 1 or a.token_budget < 1 or a.test_limit < 0 or a.max_samples < 0:
+            raise BenchError("--speed-prompts and --token-budget must be at least 1, --test-limit and --max-samples at "
+                             "least 0")
+        sidecar = None
+        if a.sidecar_levels:
+            if not a.sidecar_duration > 0 or not a.fallback_ms > 0:
+                raise BenchError("--sidecar-duration and --fallback-ms must be positive")
+            sidecar = {"levels": parse_levels(a.sidecar_levels), "duration": a.sidecar_duration, "timeout_ms": a.fallback_ms,
+                       "token_budget": a.token_budget}
+        from training.data import DataError
+
+        with console.status("rebuilding the labelled test split ..."):
+            try:
+                test = labelled_test(meta, a)
+            except (DataError, FileNotFoundError, ValueError) as exc:
+                raise BenchError(str(exc)) from None
+        if len(test.turns) < 2:
+            raise BenchError(f"the test split has {len(test.turns)} rows; pass more data or a larger --max-samples")
+        if test.package_fingerprint is None:
+            console.print("[yellow]note: the package records no test split, so some of these rows may be ones it trained "
+                          "on[/]")
+        elif not test.matches_package:
+            console.print(f"[yellow]note: this test split ({test.fingerprint}) is not the one the package recorded "
+                          f"({test.package_fingerprint}); pass the data, --max-samples and --seed it was trained with[/]")
+        report = bench_variants(package, precisions, budgets, layouts, test, a.speed_prompts, console, sidecar, a.token_budget)
+    except BenchError as exc:
+        print(f"lengthwise bench predictor-variants: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report, console)
+    out = Path(a.json) if a.json else Path("bench-results") / "predictor-variants" / "variants.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    png = plot(report, out.with_suffix(".png"))
+    console.print(f"wrote {out} and {png}")
+    return 0

@@ -146,7 +146,18 @@ def test_add_fused_variant_ships_the_graph_and_records_it(tiny, tmp_path, home):
     assert meta["variant"] == "fused" and meta["fused"] == record and (pkg / FUSED_FILE).is_file()
     assert record["complete"] and record["parity_max_abs_diff"] < 1e-4 and record["bucket_agreement"] == 1.0
     assert record["parity_prompts"] == 16 and package_variant(pkg) == "fused"
-    assert TAG_VARIANT == "lengthwise.variant"
+    import mlflow
+    from mlflow import MlflowClient
+
+    from registry.store import ensure_experiment, register_package
+
+    mlflow.set_experiment(experiment_id=ensure_experiment("variants"))
+    tags = {}
+    for name, package in (("fused", pkg), ("plain", tiny)):
+        with mlflow.start_run():
+            reg = register_package(package, f"variant-{name}", {"accuracy": 0.5}, "split", [0, 64, 256])
+        tags[name] = MlflowClient().get_model_version(reg.name, reg.version).tags[TAG_VARIANT]
+    assert tags == {"fused": "fused", "plain": "fp32"} and TAG_VARIANT == "lengthwise.variant"
 
 
 def test_train_predictor_has_an_optimize_flag():

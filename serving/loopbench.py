@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 
 from serving.demo import Children, DemoError, engine_cores, free_port, predictor_fit, wait_http
+from training.evaluate import censored_tau
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -102,22 +103,6 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
 
 
 # --- metrics with censoring -----------------------------------------------------------------------------------------
-def censored_tau(expected: np.ndarray, actual: np.ndarray, censored: np.ndarray) -> tuple[float | None, int]:
-    """Kendall's tau over the pairs whose order of true lengths is known: both finished with different lengths, or
-    one capped at a count above where the other finished (its true length is at least that). A pair is concordant
-    when the expected lengths order it the same way, discordant when the other way, neither on a tie in the
-    prediction; tau = (concordant - discordant) / known pairs (Harrell's C as a tau). Returns (tau, known pairs)."""
-    e, a, c = (np.asarray(x) for x in (expected, actual, censored.astype(bool)))
-    i, j = np.triu_indices(len(a), k=1)
-    longer_i = (a[i] > a[j]) & ~c[j]  # i's true length is known to exceed j's
-    longer_j = (a[j] > a[i]) & ~c[i]
-    known = longer_i | longer_j
-    if not known.any():
-        return None, 0
-    sign = np.sign(e[i] - e[j]) * np.where(longer_i, 1, -1)
-    return float(sign[known].sum() / known.sum()), int(known.sum())
-
-
 def score(rows: list[FeedbackRow]) -> dict[str, Any]:
     """One version's feedback rows as registry.online counts them (a window over all of them) and tau as above."""
     from predictor.buckets import BucketScheme

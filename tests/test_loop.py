@@ -109,7 +109,7 @@ def _model_dir() -> str:
 def test_censored_tau_counts_only_pairs_whose_order_is_known():
     import numpy as np
 
-    from serving.loopbench import censored_tau
+    from training.evaluate import censored_tau
 
     # a: 10 (finished), 30 (finished), 20 capped (>= 20), 5 capped (>= 5)
     actual, censored = np.array([10, 30, 20, 5]), np.array([False, False, True, True])

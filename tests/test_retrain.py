@@ -39,9 +39,9 @@ def test_a_capped_answer_judges_only_where_its_bucket_is_known():
 def test_the_newest_rows_are_held_out():
     scheme = BucketScheme.from_edges([0, 200, 400], 512)
     rows = [_row(i, [], 100, t=float(100 - i)) for i in range(10)] + [_row(99, [], 300, censored=True, t=50.0)]
-    rows.append(_row(98, [], 300, censored=True, t=99.5))  # newer than the holdout's start: judges nothing, trains nothing
+    rows.append(_row(98, [], 300, censored=True, t=99.5))  # inside the held-out span: judges the ranking only
     win = split_window(rows, scheme, 0.2)
-    assert len(win.holdout) == 2 and win.undecided == 1
+    assert len(win.holdout) == 3 and win.undecided == 1 and sum(r.censored for r in win.holdout) == 1
     assert len(win.train) == 9 and any(r.censored for r in win.train)  # the older cut answer trains, as a lower bound
     assert max(r.time for r in win.train) < min(r.time for r in win.holdout)
 
@@ -72,7 +72,7 @@ def feedback(data, tmp_path) -> Path:
     long = [e for e in examples[400:] if _served_length(e.latest) > 300]
     rows += [_row(1000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True, t=time.time() - 2000 + i)
              for i, e in enumerate(long)]
-    # and cut ones newer than the holdout's start: their bucket is unknown, so they judge nothing and train nothing
+    # and cut ones newer than the holdout's start: their bucket is unknown, so they judge the ranking only
     rows += [_row(2000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(examples[400:])]
     path = tmp_path / "feedback.db"
     store = FeedbackStore(path)
@@ -148,3 +148,30 @@ def test_too_little_feedback_is_a_skip_not_an_error(champion, tmp_path):
     out = retrain_once(Settings(name=NAME, trigger="always", store=str(path), min_feedback=10, served_model="M"))
     assert out.action == "skipped" and "3 feedback rows" in out.reason
     assert np.isfinite(out.counts["rows"])
+
+
+@pytest.mark.unit
+def test_held_out_ranking_counts_the_cut_answers():
+    """A predictor that calls the cut answers short ranks them wrong, though no decided row shows it."""
+    import numpy as np
+
+    from predictor.buckets import BucketScheme
+    from training.retrain import holdout_metrics
+
+    scheme = BucketScheme.from_edges([0, 200, 400], 512).with_centers(np.array([100, 300, 450]))
+    rows = [_row(0, [("user", "a")], 50), _row(1, [("user", "b")], 150), _row(2, [("user", "c")], 256, censored=True)]
+
+    class Fixed:
+        def __init__(self, expected):
+            self.expected = expected
+
+        def predict(self, turns):
+            from types import SimpleNamespace
+
+            probs = np.eye(3)[scheme.assign(self.expected)]
+            return SimpleNamespace(probs=probs, expected=np.array(self.expected, float))
+
+    short = holdout_metrics(Fixed([60.0, 120.0, 30.0]), rows, scheme)  # the cut answer predicted shortest
+    right = holdout_metrics(Fixed([60.0, 120.0, 300.0]), rows, scheme)
+    assert short["n"] == right["n"] == 2 and short["accuracy"] == right["accuracy"] == 1.0  # decided rows alike
+    assert short["tau_pairs"] == 3 and short["kendall_tau"] == pytest.approx(-1 / 3) and right["kendall_tau"] == 1.0

@@ -100,6 +100,22 @@ def pairwise_accuracy(point: np.ndarray, lengths: np.ndarray, max_pairs: int = 2
     return float(((agree > 0) + 0.5 * (agree == 0)).mean())
 
 
+def censored_tau(expected: np.ndarray, actual: np.ndarray, censored: np.ndarray) -> tuple[float | None, int]:
+    """Kendall's tau over the pairs whose order of true lengths is known: both finished with different lengths, or
+    one capped at a count above where the other finished (its true length is at least that). A pair is concordant
+    when the expected lengths order it the same way, discordant when the other way, neither on a tie in the
+    prediction; tau = (concordant - discordant) / known pairs (Harrell's C as a tau). Returns (tau, known pairs)."""
+    e, a, c = (np.asarray(x) for x in (expected, actual, censored.astype(bool)))
+    i, j = np.triu_indices(len(a), k=1)
+    longer_i = (a[i] > a[j]) & ~c[j]  # i's true length is known to exceed j's
+    longer_j = (a[j] > a[i]) & ~c[i]
+    known = longer_i | longer_j
+    if not known.any():
+        return None, 0
+    sign = np.sign(e[i] - e[j]) * np.where(longer_i, 1, -1)
+    return float(sign[known].sum() / known.sum()), int(known.sum())
+
+
 def compute_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme, padding: float = 0.15) -> dict:
     """All offline metrics of one predictor on one labelled set."""
     lengths = np.asarray(lengths, dtype=np.float64)

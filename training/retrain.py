@@ -77,8 +77,8 @@ class Window:
     """The rows of one run: what trains the challenger and the newer rows both predictors are judged on."""
 
     train: list[FeedbackRow]
-    holdout: list[FeedbackRow]
-    undecided: int = 0  # censored rows newer than the holdout's start, whose bucket is not known: left out of both
+    holdout: list[FeedbackRow]  # the newest rows: decided ones judge top-1 and MAE, all of them the ranking
+    undecided: int = 0  # of the held-out rows, cut ones whose bucket is not known (they judge the ranking only)
 
     @property
     def span(self) -> tuple[float, float]:
@@ -104,14 +104,13 @@ def decided(row: FeedbackRow, scheme: BucketScheme) -> bool:
 
 
 def split_window(rows: list[FeedbackRow], scheme: BucketScheme, holdout: float) -> Window:
-    """Oldest first: the newest ``holdout`` share of the decided rows is held out, and every row older than the first
-    of them trains (censored ones as lower bounds); undecided rows inside the held-out span are left out of both."""
+    """Oldest first: the span holding the newest ``holdout`` share of the decided rows is held out (with the cut rows
+    inside it, which judge the ranking), and every row older than it trains (cut ones as lower bounds)."""
     rows = sorted(rows, key=lambda r: r.time)
     keep = [r for r in rows if decided(r, scheme)]
     hold = keep[-max(1, round(len(keep) * holdout)):] if keep else []
     start = rows.index(hold[0]) if hold else len(rows)
-    train = rows[:start]
-    return Window(train, hold, undecided=sum(not decided(r, scheme) for r in rows[start:]))
+    return Window(rows[:start], rows[start:], undecided=sum(not decided(r, scheme) for r in rows[start:]))
 
 
 def drift_alarm(name: str, version: str) -> tuple[bool, str]:
@@ -149,13 +148,20 @@ def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], bas
 
 
 def holdout_metrics(pred: Any, rows: list[FeedbackRow], scheme: BucketScheme) -> dict[str, float]:
-    """One predictor (an OnnxLengthPredictor) on the held-out rows: top-1, within-1, MAE, Kendall tau (training.evaluate's
-    definitions)."""
-    from training.evaluate import Predictions, compute_metrics
+    """One predictor (an OnnxLengthPredictor) on the held-out rows: top-1, within-1 and MAE on the rows whose bucket is
+    known (training.evaluate's definitions; ``n`` counts them), and Kendall tau over every pair of held-out rows whose
+    order is known, cut answers included (:func:`training.evaluate.censored_tau`): judged on the decided rows alone, a
+    predictor that calls every answer short would look best, as the answers that ran long are the ones cut."""
+    from training.evaluate import Predictions, censored_tau, compute_metrics
 
     batch = pred.predict([list(r.turns or []) for r in rows])
-    m = compute_metrics(Predictions(batch.probs, batch.expected), np.array([r.actual_tokens for r in rows], float), scheme)
-    return {k: float(m[k]) for k in ("n", "accuracy", "accuracy_within_1", "mae_tokens", "kendall_tau")}
+    actual = np.array([r.actual_tokens for r in rows], float)
+    cut = np.array([r.censored for r in rows], bool)
+    known = scheme.decided(actual, cut)
+    m = compute_metrics(Predictions(batch.probs[known], batch.expected[known]), actual[known], scheme)
+    tau, pairs = censored_tau(np.asarray(batch.expected), actual, cut)
+    out = {k: float(m[k]) for k in ("n", "accuracy", "accuracy_within_1", "mae_tokens")}
+    return {**out, "kendall_tau": float("nan") if tau is None else tau, "tau_pairs": float(pairs)}
 
 
 def better(cand: dict[str, float], champ: dict[str, float]) -> bool:
@@ -215,8 +221,9 @@ def retrain_once(s: Settings) -> Outcome:
     champ_pred = reg.load_predictor(champ_uri)  # loaded once: its scheme, then its held-out predictions
     scheme = champ_pred.scheme
     win = split_window(rows, scheme, s.holdout)
-    counts = {"rows": len(rows), "train": len(win.train), "holdout": len(win.holdout), "censored_undecided": win.undecided,
-              "censored_train": sum(r.censored for r in win.train), "censored_holdout": sum(r.censored for r in win.holdout)}
+    counts = {"rows": len(rows), "train": len(win.train), "holdout": len(win.holdout) - win.undecided,
+              "censored_undecided": win.undecided, "censored_train": sum(r.censored for r in win.train),
+              "censored_holdout": sum(r.censored for r in win.holdout)}
     if len(win.train) < 10:
         return Outcome("skipped", f"only {len(win.train)} rows to train on", champion, counts=counts)
     base = _base_examples(s) if s.base_data else []
@@ -287,7 +294,8 @@ def _record_lineage(s: Settings, version: str, run_id: str, parent: str, win: Wi
         client.set_model_version_tag(s.name, version, k, v)
     for who, m in hold.items():
         for k in ("accuracy", "kendall_tau", "mae_tokens"):
-            client.log_metric(run_id, f"holdout_{who}_{k}", m[k])
+            if m[k] == m[k]:  # a tau with no known pair is NaN: nothing to log
+                client.log_metric(run_id, f"holdout_{who}_{k}", m[k])
 
 
 # --- the command --------------------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@ A package holds ``model.onnx`` (LoRA merged), ``tokenizer.json``, and ``meta.jso
 input format, backbone, evaluation summary, and the target: which model's lengths it predicts, see
 :mod:`predictor.target`). Nothing here imports torch or transformers, so the
 sidecar starts fast and stays small.
+
+A package may also route a slice (a conversation's first turns, or its later turns) to a cheap baseline that ranked
+better there in training (:mod:`predictor.slices`): :meth:`OnnxLengthPredictor.predict` sends each prompt to its slice's
+predictor and says, per row, which one answered. A package without routes is served by its ONNX model alone.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded, InputFormat, encode_turns
+from predictor.slices import MODEL, load_routes, slice_of
 from predictor.target import check_target
 
 log = logging.getLogger(__name__)
@@ -38,14 +43,26 @@ META_FILE = "meta.json"
 
 
 @dataclass
+class RoutedProbs:
+    """Bucket probabilities of prompts sent each to its slice's predictor, in the prompts' order."""
+
+    probs: np.ndarray          # [n, buckets]
+    predictor: np.ndarray      # [n] who answered: "lengthwise" (the ONNX model) or a routed baseline's name
+    truncated: np.ndarray      # [n] cut to the input budget (always False on a routed row: a baseline reads the text)
+    prompt_tokens: np.ndarray  # [n] ONNX input tokens after truncation (0 on a routed row: no tokens were made)
+
+
+@dataclass
 class PredictionBatch:
-    """Per prompt: argmax bucket, bucket probabilities, expected and quantile length (tokens)."""
+    """Per prompt: argmax bucket, bucket probabilities, expected and quantile length (tokens), whether the prompt was
+    cut to the input budget, and which predictor answered (``lengthwise``, or the baseline its slice routes to)."""
 
     buckets: np.ndarray
     probs: np.ndarray
     expected: np.ndarray
     quantile: np.ndarray
     truncated: np.ndarray
+    predictor: np.ndarray | None = None  # [n] str; None from code that builds a batch without saying
 
     def __iter__(self):  # buckets, probs, expected, quantile = predictor.predict(...)
         return iter((self.buckets, self.probs, self.expected, self.quantile))
@@ -239,6 +256,7 @@ class OnnxLengthPredictor:
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        self.routes = load_routes(d, self.meta, self.scheme.n)  # {slice: baseline}; empty: the model answers every prompt
         model = model_file(d, precision)
         self.session = ort.InferenceSession(str(model), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
@@ -273,14 +291,49 @@ class OnnxLengthPredictor:
         if not encoded:
             raise ValueError("no prompts to predict")
         probs = softmax(self.logits_encoded([e.ids for e in encoded]).astype(np.float64))
-        return PredictionBatch(
-            buckets=probs.argmax(1),
-            probs=probs,
-            expected=self.scheme.expected(probs),
-            quantile=self.scheme.quantile(probs, quantile),
-            truncated=np.array([e.truncated for e in encoded]),
-        )
+        return self._batch(probs, quantile, np.array([e.truncated for e in encoded]), np.full(len(encoded), MODEL, object))
+
+    def _batch(self, probs: np.ndarray, quantile: float, truncated: np.ndarray, predictor: np.ndarray) -> PredictionBatch:
+        return PredictionBatch(buckets=probs.argmax(1), probs=probs, expected=self.scheme.expected(probs),
+                               quantile=self.scheme.quantile(probs, quantile), truncated=truncated, predictor=predictor)
+
+    def route(self, prompts: Sequence[Prompt]) -> list[str]:
+        """Which predictor answers each prompt: its slice's routed baseline, else the ONNX model (``lengthwise``)."""
+        return [self.routes[s].name if (s := slice_of(self._as_turns(p))) in self.routes else MODEL for p in prompts]
+
+    def probs_routed(self, prompts: Sequence[Prompt]) -> RoutedProbs:
+        """Bucket probabilities with each prompt sent to its slice's predictor: the routed baselines answer their
+        slices' prompts, one call per slice, and the ONNX model the rest in its length-grouped batches; rows come back
+        in the prompts' order. Without routes this is exactly the model's :meth:`encode` and :meth:`logits_encoded`."""
+        convs = [self._as_turns(p) for p in prompts]
+        n = len(convs)
+        probs = np.zeros((n, self.scheme.n))
+        who = np.full(n, MODEL, dtype=object)
+        truncated, tokens = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+        by_slice: dict[str, list[int]] = {}
+        if self.routes:
+            for i, conv in enumerate(convs):
+                by_slice.setdefault(slice_of(conv), []).append(i)
+        onnx_rows = list(range(n)) if not self.routes else []
+        for part, rows in by_slice.items():
+            if part not in self.routes:
+                onnx_rows.extend(rows)
+                continue
+            baseline = self.routes[part]
+            probs[rows] = baseline.probs([convs[i] for i in rows])
+            who[rows] = baseline.name
+        if onnx_rows:
+            onnx_rows.sort()
+            encoded = self.encode([convs[i] for i in onnx_rows])
+            probs[onnx_rows] = softmax(self.logits_encoded([e.ids for e in encoded]).astype(np.float64))
+            truncated[onnx_rows] = [e.truncated for e in encoded]
+            tokens[onnx_rows] = [len(e.ids) for e in encoded]
+        return RoutedProbs(probs, who, truncated, tokens)
 
     def predict(self, prompts: Sequence[Prompt], quantile: float = 0.9) -> PredictionBatch:
-        """Predict for prompts given as strings or as ``[(role, text), ...]`` conversations."""
-        return self.predict_encoded(self.encode(prompts), quantile)
+        """Predict for prompts given as strings or as ``[(role, text), ...]`` conversations, each by its slice's
+        predictor (:meth:`probs_routed`); ``predictor`` in the result says which answered each row."""
+        if not prompts:
+            raise ValueError("no prompts to predict")
+        r = self.probs_routed(prompts)
+        return self._batch(r.probs, quantile, r.truncated, r.predictor)

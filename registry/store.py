@@ -12,6 +12,8 @@ Each version records which model it predicts for (its target, :mod:`predictor.ta
 ``lengthwise.label_max_tokens`` and ``lengthwise.label_source``; :func:`version_target` reads them back. A version
 registered before targets were recorded has none of them, and its target is unknown (None). ``lengthwise.variant`` says
 which graph the package ships beyond ``model.onnx``: ``fused`` after ``train-predictor --optimize``, else ``fp32``.
+``lengthwise.routes`` says which predictor serves each slice when the package routes slices (predictor.slices), e.g.
+``first_turn=tfidf-logreg,later_turns=lengthwise``; a version without it is served by its model alone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
 from predictor.runtime import META_FILE, OnnxLengthPredictor
+from predictor.slices import ROUTES_KEY, routes_tag
 from predictor.target import check_target
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ TARGET_TAGS = {"model": TAG_TARGET_MODEL, "label_tokenizer": "lengthwise.label_t
                "sampling": "lengthwise.label_sampling", "max_tokens": "lengthwise.label_max_tokens",
                "source": "lengthwise.label_source"}
 TAG_VARIANT = "lengthwise.variant"
+TAG_ROUTES = "lengthwise.routes"
 
 
 class PromotionRefused(RuntimeError):
@@ -147,6 +151,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
         tags.update({f"{part}.{k}": f"{float(m[k]):.6f}" for k in COMPARED_METRICS if m.get(k) is not None})
     tags.update(target_tags(target))
     tags[TAG_VARIANT] = package_variant(Path(package_dir))
+    if (routes := package_routes(Path(package_dir))) is not None:
+        tags[TAG_ROUTES] = routes
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
     return Registered(name, version, f"models:/{name}/{version}")
@@ -172,6 +178,15 @@ def package_variant(package_dir: Path) -> str:
         return str(json.loads((package_dir / META_FILE).read_text()).get("variant") or "fp32")
     except (OSError, ValueError):
         return "fp32"
+
+
+def package_routes(package_dir: Path) -> str | None:
+    """Which predictor serves each slice of a package (``meta.json``'s routes, as :func:`predictor.slices.routes_tag`
+    writes them), or None for a package without routes."""
+    try:
+        return routes_tag(json.loads((package_dir / META_FILE).read_text()).get(ROUTES_KEY))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def target_tags(target: dict | None) -> dict[str, str]:

@@ -9,6 +9,10 @@
 :func:`fit_sliced` fits a baseline once per slice (first turns on first turns only, later turns on later turns only)
 and routes each test row to its slice's model, so a baseline is never judged on a mixture it was not fitted to.
 Each returns :class:`~training.evaluate.Predictions` so the metrics code treats them like our model.
+
+What a baseline reads of a prompt (its text, its length hints) is computed by predictor.features, and a fitted
+``tfidf-logreg`` or ``global-median`` predicts through its :mod:`predictor.slices` model (:meth:`TfidfLogReg.servable`):
+the object a model package ships for a slice this baseline wins, so what serves is what the report measured.
 """
 
 from __future__ import annotations
@@ -20,14 +24,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from predictor.buckets import BucketScheme
-from predictor.prompt import approx_words
+from predictor.features import baseline_text, length_hints
+from predictor.slices import ConstantBuckets, TfidfBuckets
 from training.data.example import Example
 from training.evaluate import Predictions, pairwise_accuracy
 
 # Regularisation strengths tried for tfidf-logreg, on the validation split (a small grid: each fit costs seconds).
 C_GRID = (0.1, 0.5, 2.0, 8.0)
-# Previous-answer lengths (words) binned so a linear model can bend: no answer, short, ..., very long.
-_PREV_BINS = np.array([1, 10, 30, 100, 300, 1000])
 
 
 @dataclass
@@ -50,16 +53,12 @@ class Rows:
 
 def rows_of(examples: Sequence[Example], prompt_len: np.ndarray) -> Rows:
     """The :class:`Rows` of ``examples``; ``prompt_len`` counted by the caller with the target model's tokenizer."""
-    texts = [" \n".join(t.text[-4000:] for t in e.turns[-3:]) for e in examples]
-    hints = np.array([[approx_words(e.latest), _previous_answer_words(e)] for e in examples], dtype=np.float64)
+    turns = [[(t.role, t.text) for t in e.turns] for e in examples]
+    texts = [baseline_text(t) for t in turns]
+    hints = np.array([length_hints(t) for t in turns], dtype=np.float64)
     return Rows(texts, np.asarray(prompt_len, dtype=np.float64), hints.reshape(len(examples), 2),
                 np.array([e.first_turn for e in examples], dtype=bool),
                 np.array([e.response_tokens for e in examples], dtype=np.float64))
-
-
-def _previous_answer_words(e: Example) -> int:
-    """Words of the last assistant turn before the request, as the length hint rounds them; 0 on a first turn."""
-    return next((approx_words(t.text) for t in reversed(e.turns[:-1]) if t.role == "assistant"), 0)
 
 
 class Baseline(Protocol):
@@ -68,6 +67,14 @@ class Baseline(Protocol):
     def fit(self, train: Rows, val: Rows, scheme: BucketScheme) -> Baseline: ...
 
     def predict(self, rows: Rows) -> Predictions: ...
+
+
+class Servable(Protocol):
+    """A baseline a model package can ship for a slice it wins (predictor.slices says which and why)."""
+
+    name: str
+
+    def servable(self) -> TfidfBuckets | ConstantBuckets: ...
 
 
 def _repeat_distribution(n_rows: int, dist: np.ndarray) -> np.ndarray:
@@ -89,9 +96,17 @@ class GlobalMedian:
         point = np.full(len(rows), self.median)
         return Predictions(probs, point, self.scheme.assign(point))
 
+    def servable(self) -> ConstantBuckets:
+        """The distribution as a routed predictor; served, its expected length comes from the bucket centers like every
+        served prediction's (a constant either way, so its ranking is the one the report measured)."""
+        return ConstantBuckets(self.dist.copy())
+
 
 class PromptLengthBin:
-    """Mean response length given the prompt length's quantile bin (Aladdin §4.1)."""
+    """Mean response length given the prompt length's quantile bin (Aladdin §4.1).
+
+    Not servable from a model package: it conditions on the prompt's length in the target model's tokens, and a package
+    carries the predictor backbone's tokenizer, not the target's (predictor.slices)."""
 
     name = "prompt-length-bin"
 
@@ -132,60 +147,46 @@ class TfidfLogReg:
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.linear_model import LogisticRegression
 
+        from predictor.features import tfidf_matrix
+
         self.scheme = scheme
-        self.vec = TfidfVectorizer(ngram_range=(1, 2), max_features=50_000, sublinear_tf=True,
-                                   min_df=2 if len(train) >= 50 else 1)
-        x = self._features(train, fit=True)
+        vec = TfidfVectorizer(ngram_range=(1, 2), max_features=50_000, sublinear_tf=True, min_df=2 if len(train) >= 50 else 1)
+        x = tfidf_matrix(vec, train.texts, train.hints, fit=True)
         y = scheme.assign(train.lengths)
-        self.classes = np.unique(y)
+        classes = np.unique(y)
+        self.model = TfidfBuckets(vec, None, classes, scheme.n)
         self.info = {"C": None, "val_pairwise_accuracy": None}
-        if len(self.classes) < 2:  # one bucket in training: nothing to learn beyond it
-            self.clf = None
+        if len(classes) < 2:  # one bucket in training: nothing to learn beyond it
             return self
-        xv = self._features(val) if len(val) else None
         best = -1.0
-        for c in self.c_grid if xv is not None else (self.c_grid[len(self.c_grid) // 2],):
-            clf = LogisticRegression(max_iter=300, C=c).fit(x, y)
-            score = pairwise_accuracy(self._expected(clf, xv), val.lengths) if xv is not None else 0.0
+        for c in self.c_grid if len(val) else (self.c_grid[len(self.c_grid) // 2],):
+            candidate = TfidfBuckets(vec, LogisticRegression(max_iter=300, C=c).fit(x, y), classes, scheme.n)
+            score = pairwise_accuracy(scheme.expected(candidate.probs_of(val.texts, val.hints)), val.lengths) \
+                if len(val) else 0.0
             score = -1.0 if np.isnan(score) else score
             if score > best:
-                best, self.clf = score, clf
-                self.info = {"C": c, "val_pairwise_accuracy": None if xv is None else score}
+                best, self.model = score, candidate
+                self.info = {"C": c, "val_pairwise_accuracy": score if len(val) else None}
         return self
 
-    def _features(self, rows: Rows, fit: bool = False):
-        from scipy.sparse import csr_matrix, hstack
-
-        text = self.vec.fit_transform(rows.texts) if fit else self.vec.transform(rows.texts)
-        logs = np.log1p(rows.hints) / np.log1p(1000.0)  # about 0..1, as TF-IDF weights are
-        prev = np.eye(len(_PREV_BINS) + 1)[np.searchsorted(_PREV_BINS, rows.hints[:, 1], side="right")]
-        return hstack([text, csr_matrix(np.hstack([logs, prev]))]).tocsr()
-
-    def _probs(self, clf, x) -> np.ndarray:
-        probs = np.zeros((x.shape[0], self.scheme.n))
-        probs[:, clf.classes_] = clf.predict_proba(x)
-        return probs
-
-    def _expected(self, clf, x) -> np.ndarray:
-        return self.scheme.expected(self._probs(clf, x))
-
     def predict(self, rows: Rows) -> Predictions:
-        if self.clf is None:
-            probs = np.zeros((len(rows), self.scheme.n))
-            probs[:, self.classes[0]] = 1.0
-        else:
-            probs = self._probs(self.clf, self._features(rows))
+        probs = self.model.probs_of(rows.texts, rows.hints)
         return Predictions(probs, self.scheme.expected(probs))
+
+    def servable(self) -> TfidfBuckets:
+        """The fitted vectorizer and classifier as a routed predictor (what :meth:`predict` itself runs)."""
+        return self.model
 
 
 BASELINES: tuple[Callable[[], Baseline], ...] = (GlobalMedian, PromptLengthBin, TfidfLogReg)
 
 
 def fit_sliced(make: Callable[[], Baseline], scheme: BucketScheme, train: Rows, val: Rows, test: Rows,
-               min_rows: int = 20) -> tuple[Predictions, dict[str, dict]]:
+               min_rows: int = 20, fitted: dict[str, Baseline] | None = None) -> tuple[Predictions, dict[str, dict]]:
     """A baseline fitted once per slice (first turns, later turns) on that slice's training and validation rows, each
     test row predicted by its own slice's model: ``(predictions over all test rows, {slice: the model's info})``.
-    A slice with fewer than ``min_rows`` training rows is fitted on all of them (too few to fit alone)."""
+    A slice with fewer than ``min_rows`` training rows is fitted on all of them (too few to fit alone). ``fitted``,
+    when given, receives each slice's fitted baseline (what a model package ships for a slice the baseline wins)."""
     probs, point = np.zeros((len(test), scheme.n)), np.zeros(len(test))
     bucket = np.zeros(len(test), dtype=np.int64)
     has_bucket = True
@@ -197,6 +198,8 @@ def fit_sliced(make: Callable[[], Baseline], scheme: BucketScheme, train: Rows, 
         tr, va = train.first == first, val.first == first
         alone = tr.sum() >= min_rows
         b = make().fit(train.take(tr) if alone else train, val.take(va) if alone else val, scheme)
+        if fitted is not None:
+            fitted[name] = b
         p = b.predict(test.take(rows))
         probs[rows], point[rows] = p.probs, p.point
         if p.bucket is None:

@@ -33,7 +33,8 @@ examples:
       --label soft --rank-loss-weight 0.5
 
 The report gives every metric for first turns, later turns and all, for the model and each baseline (each fitted
-per slice), and names the predictor to ship per slice (by pairwise ranking accuracy).
+per slice), and names the predictor to ship per slice (by pairwise ranking accuracy): with --route-slices auto (the
+default) a baseline that wins a slice ships in the package and serves that slice.
 
 Runs and versions go to MLflow: the embedded store under $LENGTHWISE_HOME (default ~/.lengthwise),
 or the server in $MLFLOW_TRACKING_URI. Exit status 2 means bad input; the message says what to fix.
@@ -105,7 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("evaluation")
     e.add_argument("--padding", type=float, default=_default("padding"), help=_help("padding", False))
     e.add_argument("--quantile", type=float, default=_default("quantile"), help=_help("quantile", False))
-    e.add_argument("--no-baselines", action="store_true", help="skip the baseline predictors")
+    e.add_argument("--no-baselines", action="store_true", help="skip the baseline predictors (then the model serves every "
+                   "slice)")
+    e.add_argument("--route-slices", choices=("auto", "off"), default=_default("route_slices"),
+                   help="auto: for each slice (first turns, later turns) ship whichever predictor ranks it best on the test "
+                   "split (pairwise ranking accuracy; a tie keeps the model): a winning tfidf-logreg (or global-median) "
+                   "is written into the package as slices/<slice>.skops, meta.json records the routes, the registry "
+                   "tags the version lengthwise.routes, and the sidecar answers that slice's prompts with it, saying so "
+                   "per prediction ('predictor'). prompt-length-bin never ships: it needs the target model's tokenizer. "
+                   "off: the model answers every prompt (default: %(default)s)")
     r = p.add_argument_group("MLflow")
     r.add_argument("--experiment", default=_default("experiment"), help=_help("experiment"))
     r.add_argument("--register", default=_default("register"), help="registered model name (default: %(default)s)")
@@ -140,6 +149,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         patience=a.patience, seed=a.seed, padding=a.padding, quantile=a.quantile, experiment=a.experiment,
         register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,
         output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines, optimize=a.optimize,
+        route_slices=a.route_slices,
     )
 
 

@@ -66,3 +66,7 @@ class TrainConfig(BaseModel):
                                               "package, with its parity, so serving --precision fused or fused-int8 "
                                               "needs no optimizer at start")
     baselines: bool = Field(True, description="evaluate the baseline predictors beside the model")
+    route_slices: Literal["auto", "off"] = Field(
+        "auto", description="auto: where a baseline that can serve (tfidf-logreg, global-median) ranks a slice (first "
+        "turns, later turns) better than the model on the test split, ship it in the package for that slice and route "
+        "that slice's prompts to it; off: the model answers every prompt")

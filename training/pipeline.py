@@ -150,8 +150,9 @@ def run(cfg: TrainConfig) -> dict:
     """Run the job; returns the report dict that ``--output-json`` writes.
 
     The steps, in order: :func:`prepare` (data, labels, split, buckets), :func:`_encode`, :func:`_build_module`,
-    :func:`_train`, :func:`_export` (ONNX and parity), :func:`evaluate_all` (vs the baselines), :func:`_log_results`
-    (MLflow) and :func:`_register` (version, alias, promotion).
+    :func:`_train`, :func:`_export` (ONNX and parity), :func:`evaluate_all` (vs the baselines), :func:`_route` (the
+    baseline that wins a slice ships for it), :func:`_log_results` (MLflow) and :func:`_register` (version, alias,
+    promotion).
     """
     for name in _LIBRARIES:
         importlib.import_module(name)
@@ -176,7 +177,9 @@ def run(cfg: TrainConfig) -> dict:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
         package, onnx_pred, parity = _export(cfg, prep, inputs, trained.model, work)
-        report = evaluate_all(cfg, prep, onnx_pred, inputs.enc, work)
+        fitted: dict[str, dict] = {}
+        report = evaluate_all(cfg, prep, onnx_pred, inputs.enc, work, fitted)
+        report["routes"] = _route(cfg, package, report, fitted)
         splits = prep.splits
         report.update(
             onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
@@ -320,6 +323,14 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
     return package, onnx_pred, parity_max_abs_diff(model, onnx_pred, parity_ids)
 
 
+def _route(cfg: TrainConfig, package: Path, report: dict, fitted: dict[str, dict]) -> dict | None:
+    """Ship per slice the predictor the report recommends, when it is a baseline that can serve (training.routing):
+    its file and the routing table go into the package. None with ``--route-slices off``."""
+    from training.routing import ship_routes
+
+    return ship_routes(package, report, fitted, cfg.route_slices)
+
+
 def _log_results(report: dict, parity: float, train_seconds: float, work: Path) -> None:
     """The test metrics of the model and of each baseline (overall, as ``test_*``/``baseline_*``, and per slice, as
     ``<slice>_<predictor>_<metric>``), the recommended predictor per slice (tags ``recommended_<slice>``), the parity,
@@ -342,10 +353,10 @@ def _log_results(report: dict, parity: float, train_seconds: float, work: Path) 
 def _register(cfg: TrainConfig, prep: Prepared, package: Path, report: dict) -> None:
     """Register the package as a new version of ``cfg.register``, alias it, and promote it if asked; noted in ``report``."""
     from registry import store
+    from training.routing import served_slice_metrics
 
     reg = store.register_package(package, cfg.register, report["model"], prep.splits.fingerprint(), list(prep.scheme.edges),
-                                 target=prep.target, slices={k: v["lengthwise"] for k, v in report.get("slices", {}).items()
-                                                             if k != "all" and "lengthwise" in v})
+                                 target=prep.target, slices=served_slice_metrics(report, report.get("routes")))
     report.update(model_uri=reg.model_uri, registered_name=reg.name, registered_version=reg.version)
     if cfg.alias:
         store.set_alias(reg.name, cfg.alias, reg.version)
@@ -363,15 +374,17 @@ def _metric_history(run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(MlflowClient().get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
-def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: Path) -> dict:
+def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: Path,
+                 fitted: dict[str, dict] | None = None) -> dict:
     """Our model and the baselines on the test split: metrics overall and per slice (first turns, later turns), the
     recommended predictor per slice, accuracy at 100/200/400, plots.
 
     ``report["model"]`` and ``report["baselines"]`` hold the metrics on all test rows (what the registry compares);
     ``report["slices"][slice][predictor]`` the same metrics per slice, and ``report["recommended"][slice]`` the
-    predictor with the best pairwise ranking accuracy there (recorded, not acted on: the sidecar serves the model).
-    Each baseline is fitted per slice (:func:`training.baselines.fit_sliced`); with served lengths a held-out prompt
-    is scored once per sample, whatever the label mode trained on.
+    predictor with the best pairwise ranking accuracy there (what :func:`_route` ships for that slice). Each baseline is
+    fitted per slice (:func:`training.baselines.fit_sliced`); ``fitted``, when given, receives them as
+    ``{baseline: {slice: fitted baseline}}``. With served lengths a held-out prompt is scored once per sample, whatever
+    the label mode trained on.
     """
     from training.baselines import BASELINES, fit_sliced, rows_of
     from training.evaluate import (
@@ -406,8 +419,11 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     errors = {"lengthwise": ours.point - y_len}
     if cfg.baselines:
         for make in BASELINES:
-            p, info = fit_sliced(make, scheme, rows["train"], rows["val"], rows["test"])
+            per_part: dict = {}
+            p, info = fit_sliced(make, scheme, rows["train"], rows["val"], rows["test"], fitted=per_part)
             name = make.name
+            if fitted is not None:
+                fitted[name] = per_part
             report["baselines"][name] = compute_metrics(p, y_len, scheme, cfg.padding)
             report["baseline_fits"][name] = info
             report["accuracy_at_widths"][name] = accuracy_at_widths(p, scheme, y_len)

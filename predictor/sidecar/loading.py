@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from predictor.runtime import OnnxLengthPredictor, softmax
+from predictor.runtime import OnnxLengthPredictor
 from predictor.sidecar.cache import ResolvedModel
 from predictor.sidecar.settings import SidecarSettings
 
@@ -71,11 +71,12 @@ def load_served(resolved: ResolvedModel, settings: SidecarSettings) -> ServedMod
 
 
 def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[dict[str, Any], ServedModel]]:
-    """One micro-batch: tokenise each prompt once, one onnxruntime pass (grouped by length), per-item quantiles."""
+    """One micro-batch: each prompt to its slice's predictor (the package's routes: predictor.slices), the model's
+    prompts tokenised once and run in one onnxruntime pass (grouped by length), per-item quantiles."""
     pred = model.sessions.get()  # at most `workers` batches run at once, so one is always free
     try:
-        encoded = pred.encode([it.turns for it in items])
-        probs = softmax(pred.logits_encoded([e.ids for e in encoded]).astype(np.float64))
+        routed = pred.probs_routed([it.turns for it in items])
+        probs = routed.probs
     finally:
         model.sessions.put(pred)
     scheme = pred.scheme
@@ -90,12 +91,12 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
     inner = [int(e) for e in scheme.edges[1:]]  # the bucket tops but the last (open) one: len(probs) - 1 of them
     target = model.target
     out = []
-    for i, e in enumerate(encoded):
+    for i in range(len(items)):
         b = int(buckets[i])
         out.append(({
             "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(), "edges": list(inner),
             "expected_tokens": float(expected[i]), "quantile": float(qs[i]), "quantile_tokens": float(quant[i]),
-            "truncated": bool(e.truncated), "prompt_tokens": len(e.ids), "model_name": model.name,
-            "model_version": model.version, "target": target,
+            "truncated": bool(routed.truncated[i]), "prompt_tokens": int(routed.prompt_tokens[i]), "model_name": model.name,
+            "model_version": model.version, "target": target, "predictor": str(routed.predictor[i]),
         }, model))
     return out

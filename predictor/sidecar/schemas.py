@@ -115,6 +115,10 @@ class Prediction(BaseModel):
                                          "name@hash, label_tokenizer, sampling, max_tokens), or a sentence saying the "
                                          "version records none")
     latency_ms: float = Field(description="server time for the whole request")
+    predictor: str | None = Field(None, description="which predictor made this prediction: 'lengthwise' (the version's "
+                                  "model) or the baseline its package routes this prompt's slice to (e.g. 'tfidf-logreg' "
+                                  "for first turns; such a row reads the text directly: truncated false, prompt_tokens 0); "
+                                  "absent from sidecars older than this field")
 
 
 class PredictResponse(BaseModel):

@@ -208,22 +208,31 @@ def test_a_broken_slice_file_or_table_is_a_clear_error(shipped, tmp_path, damage
         OnnxLengthPredictor(pkg)
 
 
-def test_the_sidecar_says_which_predictor_made_each_prediction(shipped, tmp_path):
+def _sidecar(pkg: Path, tmp: Path):
+    """The real sidecar app over ``pkg``, in-process; entered, it has tried to load the package once."""
     from fastapi.testclient import TestClient
 
     from predictor.sidecar.app import create_app
     from predictor.sidecar.cache import ResolvedModel, parse_uri
     from predictor.sidecar.settings import SidecarSettings
 
+    s = SidecarSettings(model=str(pkg), feedback_db=str(tmp / "fb.db"), reload_interval=0)
+    return TestClient(create_app(s, parse_uri(str(pkg)), ResolvedModel(pkg, "routing-test", "1", str(pkg))))
+
+
+def _wait_loaded(client) -> None:
+    deadline = time.monotonic() + 120
+    while client.get("/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_the_sidecar_says_which_predictor_made_each_prediction(shipped, tmp_path):
     pkg = shipped["routed"]
-    s = SidecarSettings(model=str(pkg), feedback_db=str(tmp_path / "fb.db"), reload_interval=0)
     local = OnnxLengthPredictor(pkg)
     convo = [{"role": "user", "content": "Tell me about Rome."}, {"role": "assistant", "content": "word " * 300},
              {"role": "user", "content": "And Carthage?"}]
-    with TestClient(create_app(s, parse_uri(str(pkg)), ResolvedModel(pkg, "routing-test", "1", str(pkg)))) as client:
-        deadline = time.monotonic() + 120
-        while client.get("/ready").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
+    with _sidecar(pkg, tmp_path) as client:
+        _wait_loaded(client)
         first = client.post("/v1/predict", json={"prompts": ["Write a haiku.", "Explain TCP in detail."]}).json()
         later = client.post("/v1/predict", json={"messages": convo}).json()
     assert [p["predictor"] for p in first["predictions"]] == [TFIDF, TFIDF]
@@ -233,6 +242,18 @@ def test_the_sidecar_says_which_predictor_made_each_prediction(shipped, tmp_path
     assert later["predictions"][0]["predictor"] == MODEL and later["predictions"][0]["prompt_tokens"] > 0
     want = local.predict([[(m["role"], m["content"]) for m in convo]])
     np.testing.assert_allclose(later["predictions"][0]["probs"], want.probs[0], atol=1e-5)
+
+
+def test_a_sidecar_given_a_corrupt_slice_file_says_so(shipped, tmp_path):
+    pkg = shutil.copytree(shipped["routed"], tmp_path / "corrupt")
+    (pkg / "slices/first_turn.skops").write_bytes(b"PK not really")
+    with _sidecar(pkg, tmp_path) as client:
+        deadline = time.monotonic() + 120
+        while "last load failed" not in client.post("/v1/predict", json={"prompt": "hi"}).text:
+            assert time.monotonic() < deadline, "the load never failed"
+            time.sleep(0.2)
+        r = client.post("/v1/predict", json={"prompt": "hi"})
+    assert r.status_code == 503 and "SliceModelError" in r.json()["detail"] and "first_turn.skops" in r.json()["detail"]
 
 
 def _train(data: Path, work: Path, *flags: str) -> dict:
@@ -254,7 +275,8 @@ def _train(data: Path, work: Path, *flags: str) -> dict:
 
 def test_train_predictor_ships_what_the_report_recommends(data, home, tmp_path_factory):
     """Two short real runs (a one-layer backbone, 1,200 examples): the default ships each slice's recommended servable
-    predictor, and its registry version says so; --route-slices off ships the model alone."""
+    predictor, and its registry version says so; --route-slices off ships the model alone and records no routes (that
+    run skips the baselines to stay short: with auto, even then every slice's route would be recorded, as the model's)."""
     from mlflow import MlflowClient
 
     from registry import store
@@ -269,8 +291,8 @@ def test_train_predictor_ships_what_the_report_recommends(data, home, tmp_path_f
         assert meta["routes"][part]["predictor"] == want == report["routes"][part]["predictor"]
         assert meta["routes"][part]["test_metrics"] == pytest.approx(report["slices"][part][want], nan_ok=True)
         assert (root / "auto/package" / f"slices/{part}.skops").is_file() == (want != MODEL)
-    # a random one-layer model does not outrank TF-IDF on ShareGPT's first turns: the baseline ships for them
-    assert meta["routes"]["first_turn"]["predictor"] == TFIDF
+    # a one-layer model after one epoch does not outrank TF-IDF on ShareGPT (here on both slices): the baseline ships
+    assert TFIDF in {r["predictor"] for r in meta["routes"].values()}
     tags = MlflowClient().get_model_version("routing-train", report["registered_version"]).tags
     assert tags[store.TAG_ROUTES] == routes_tag(meta["routes"])
     for part in ("first_turn", "later_turns"):  # the slice's offline figure is the served predictor's
@@ -279,8 +301,8 @@ def test_train_predictor_ships_what_the_report_recommends(data, home, tmp_path_f
     served = OnnxLengthPredictor(root / "auto/package")
     assert set(served.routes) == {p for p, r in meta["routes"].items() if r["predictor"] != MODEL}
 
-    off = _train(data, root / "off", "--route-slices", "off")
-    assert off["routes"] is None and off["recommended"] == report["recommended"]
+    off = _train(data, root / "off", "--route-slices", "off", "--no-baselines")
+    assert off["routes"] is None
     assert "routes" not in json.loads((root / "off/package/meta.json").read_text())
     assert not (root / "off/package/slices").exists()
     assert store.TAG_ROUTES not in MlflowClient().get_model_version("routing-train", off["registered_version"]).tags

@@ -395,6 +395,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
               f"alarm {'RAISED' if drift.get('alarm') else 'not raised'} (last window top-1 "
               f"{_f(drift.get('window_accuracy'))}, offline {_f(drift.get('offline_accuracy'))})")
     s = Settings(name=name, served_model=str(model_dir), trigger=a.trigger, holdout=a.holdout, min_feedback=a.min_feedback,
+                 served_max_tokens=a.max_tokens,
                  base_data=None if a.base_data is None else str(a.base_data),
                  base_served_lengths=None if a.base_served_lengths is None else str(a.base_served_lengths),
                  epochs=a.epochs, max_prompt_tokens=a.max_prompt_tokens, work_dir=str(work / "retrain"))

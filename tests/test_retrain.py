@@ -72,7 +72,7 @@ def feedback(data, tmp_path) -> Path:
     long = [e for e in examples[400:] if _served_length(e.latest) > 300]
     rows += [_row(1000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True, t=time.time() - 2000 + i)
              for i, e in enumerate(long)]
-    # and cut ones newer than the holdout's start: their bucket is unknown, so they judge the ranking only
+    # and the newest: cut answers held out
     rows += [_row(2000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(examples[400:])]
     path = tmp_path / "feedback.db"
     store = FeedbackStore(path)
@@ -90,11 +90,14 @@ def test_retrain_trains_on_feedback_and_promotes_only_a_better_challenger(champi
     s = Settings(name=NAME, trigger="always", store=str(feedback), min_feedback=100, epochs=3, max_prompt_tokens=64,
                  work_dir=str(tmp_path / "work"), served_model="SmolLM2-135M-Instruct")
     out = retrain_once(s)
-    n_cut = out.counts["censored_train"]
-    assert n_cut > 0 and out.counts["rows"] == 420 + n_cut and out.counts["censored_undecided"] == 20
-    assert out.counts["train"] + out.counts["holdout"] == 400 + n_cut and out.counts["holdout"] == 80
+    c = out.counts
+    # answers were cut at 300 (the inferred served cap): the challenger's buckets stop at the champion's edge under it,
+    # so every cut answer's bucket is known, and all of them train or judge
+    assert out.edges == [0, 200] and c["censored_undecided"] == 0
+    assert c["rows"] > 420 and c["train"] + c["holdout"] == c["rows"] and c["holdout"] == round(0.2 * c["rows"])
+    assert c["censored_train"] > 0 and c["censored_holdout"] == 20
     champ, chall = out.holdout["champion"], out.holdout["challenger"]
-    assert champ["n"] == chall["n"] == 80
+    assert champ["n"] == chall["n"] == c["holdout"]
     # the challenger learned the served model's rule from its feedback; the champion predicts ChatGPT's lengths
     assert chall["accuracy"] > champ["accuracy"] + 0.1, out.holdout
     assert out.action == "promoted" and store.alias_version(NAME, store.CHAMPION) == out.challenger != champion
@@ -163,7 +166,7 @@ def test_held_out_ranking_counts_the_cut_answers():
 
     class Fixed:
         def __init__(self, expected):
-            self.expected = expected
+            self.expected, self.scheme = expected, scheme
 
         def predict(self, turns):
             from types import SimpleNamespace
@@ -175,3 +178,16 @@ def test_held_out_ranking_counts_the_cut_answers():
     right = holdout_metrics(Fixed([60.0, 120.0, 300.0]), rows, scheme)
     assert short["n"] == right["n"] == 2 and short["accuracy"] == right["accuracy"] == 1.0  # decided rows alike
     assert short["tau_pairs"] == 3 and short["kendall_tau"] == pytest.approx(-1 / 3) and right["kendall_tau"] == 1.0
+
+
+@pytest.mark.unit
+def test_the_challengers_buckets_stop_at_the_served_cap():
+    from training.retrain import served_scheme
+
+    champ = BucketScheme.from_edges([64, 128, 256, 512, 1024], 2048)
+    rows = [_row(i, [], 256, censored=True) for i in range(5)] + [_row(9, [], 40)]
+    assert served_scheme(champ, rows).edges == (0, 64, 128, 256)  # the cut answers (at 256) land in the open last bucket
+    assert served_scheme(champ, rows, cap=300).edges == (0, 64, 128, 256)
+    assert served_scheme(champ, rows, cap=5000) == champ  # a cap past every edge: nothing to cut
+    assert served_scheme(champ, [_row(9, [], 40)]) == champ  # nothing capped: the champion's buckets
+    assert served_scheme(champ, rows, cap=50) == champ  # under the first edge: one bucket would be no predictor

@@ -16,9 +16,14 @@ the loop, once (``--once``, for cron) or every ``--interval``:
    rows whose bucket is known (stopped by themselves, or cut already inside the open last bucket) are held out to
    judge the two versions: a lower bound below the last bucket has no true bucket to score against.
 4. **Challenger.** ``train-predictor``'s pipeline on the training rows (optionally with a base dataset of the served
-   model's lengths, ``--base-data`` with ``--base-served-lengths``), on the champion's bucket edges so the two are
-   comparable, registered with its lineage: parent version, the data window, the counts, the trigger.
-5. **Guard.** Champion and challenger predict the same held-out rows; the challenger is promoted only when it is
+   model's lengths, ``--base-data`` with ``--base-served-lengths``), registered with its lineage: parent version, the
+   data window, the counts, the trigger. Its buckets are the champion's edges **up to the cap clients send**
+   (``--served-max-tokens``; by default the median count of the answers cut by ``length``): nothing in the feedback
+   says how long a cut answer would have run, so buckets past the cap could only be guessed (trained on lower bounds
+   alone, a model spreads their mass anywhere above the cap, and its expected length with it). The last bucket opens
+   at the highest edge under the cap, so every capped answer's bucket is known.
+5. **Guard.** Champion and challenger predict the same held-out rows, both scored on the challenger's buckets (the
+   champion's probabilities summed into them: its edges include them); the challenger is promoted only when it is
    better by the rule :func:`registry.store.promote` applies (top-1, ties by Kendall tau). The sidecar picks the new
    champion up by its alias.
 """
@@ -96,6 +101,7 @@ class Outcome:
     challenger: str | None = None
     counts: dict[str, int] = field(default_factory=dict)
     holdout: dict[str, dict[str, float]] = field(default_factory=dict)
+    edges: list[int] = field(default_factory=list)  # the buckets both versions were judged on (the challenger's)
 
 
 def decided(row: FeedbackRow, scheme: BucketScheme) -> bool:
@@ -147,18 +153,38 @@ def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], bas
     return n
 
 
+def served_scheme(champion: BucketScheme, rows: list[FeedbackRow], cap: int | None = None) -> BucketScheme:
+    """The champion's edges up to the served cap (``cap``, else the median count of the answers cut by ``length``), the
+    last bucket opening at the highest edge at or below it; the champion's scheme when no answer was capped, or when
+    fewer than two of its buckets lie under the cap (nothing finer to learn)."""
+    if cap is None:
+        capped = [r.actual_tokens for r in rows if r.finish_reason == "length"]
+        if not capped:
+            return champion
+        cap = int(np.median(capped))
+    inner = [e for e in champion.edges[1:] if e <= cap]
+    if len(inner) == champion.n - 1 or not inner:
+        return champion
+    return BucketScheme.from_edges(inner, max_tokens=max(cap, inner[-1] + 1))
+
+
 def holdout_metrics(pred: Any, rows: list[FeedbackRow], scheme: BucketScheme) -> dict[str, float]:
     """One predictor (an OnnxLengthPredictor) on the held-out rows: top-1, within-1 and MAE on the rows whose bucket is
     known (training.evaluate's definitions; ``n`` counts them), and Kendall tau over every pair of held-out rows whose
     order is known, cut answers included (:func:`training.evaluate.censored_tau`): judged on the decided rows alone, a
     predictor that calls every answer short would look best, as the answers that ran long are the ones cut."""
-    from training.evaluate import Predictions, censored_tau, compute_metrics
+    from training.evaluate import Predictions, censored_tau, compute_metrics, merge_probs
 
     batch = pred.predict([list(r.turns or []) for r in rows])
+    probs = np.asarray(batch.probs)
+    if tuple(pred.scheme.edges) != tuple(scheme.edges):  # the champion, judged on the challenger's coarser buckets
+        probs = merge_probs(probs, pred.scheme, scheme)
+        if probs is None:
+            raise RetrainError(f"buckets {list(scheme.edges)} are not a coarsening of {list(pred.scheme.edges)}")
     actual = np.array([r.actual_tokens for r in rows], float)
     cut = np.array([r.censored for r in rows], bool)
     known = scheme.decided(actual, cut)
-    m = compute_metrics(Predictions(batch.probs[known], batch.expected[known]), actual[known], scheme)
+    m = compute_metrics(Predictions(probs[known], np.asarray(batch.expected)[known]), actual[known], scheme)
     tau, pairs = censored_tau(np.asarray(batch.expected), actual, cut)
     out = {k: float(m[k]) for k in ("n", "accuracy", "accuracy_within_1", "mae_tokens")}
     return {**out, "kendall_tau": float("nan") if tau is None else tau, "tau_pairs": float(pairs)}
@@ -179,6 +205,7 @@ class Settings:
     holdout: float = DEFAULT_HOLDOUT
     min_feedback: int = DEFAULT_MIN_FEEDBACK
     store: str | None = None
+    served_max_tokens: int | None = None  # the cap clients send (None: inferred from the capped answers)
     base_data: str | None = None
     base_format: str = "sharegpt"
     base_served_lengths: str | None = None
@@ -219,7 +246,7 @@ def retrain_once(s: Settings) -> Outcome:
                            "--no-store-prompts): retraining needs the prompts; run the sidecar without that flag")
     champ_uri = f"models:/{s.name}/{champion}"
     champ_pred = reg.load_predictor(champ_uri)  # loaded once: its scheme, then its held-out predictions
-    scheme = champ_pred.scheme
+    scheme = served_scheme(champ_pred.scheme, rows, s.served_max_tokens)
     win = split_window(rows, scheme, s.holdout)
     counts = {"rows": len(rows), "train": len(win.train), "holdout": len(win.holdout) - win.undecided,
               "censored_undecided": win.undecided, "censored_train": sum(r.censored for r in win.train),
@@ -237,10 +264,10 @@ def retrain_once(s: Settings) -> Outcome:
         reason = (f"version {challenger} beats version {champion} on the {len(win.holdout)} newest rows "
                   f"(top-1 {hold['challenger']['accuracy']:.3f} vs {hold['champion']['accuracy']:.3f}); "
                   f"it is now @{reg.CHAMPION}")
-        return Outcome("promoted", reason, champion, challenger, counts, hold)
+        return Outcome("promoted", reason, champion, challenger, counts, hold, list(scheme.edges))
     reason = (f"version {challenger} is not better than version {champion} on the {len(win.holdout)} newest rows "
               f"(top-1 {hold['challenger']['accuracy']:.3f} vs {hold['champion']['accuracy']:.3f}); @{reg.CHAMPION} kept")
-    return Outcome("kept", reason, champion, challenger, counts, hold)
+    return Outcome("kept", reason, champion, challenger, counts, hold, list(scheme.edges))
 
 
 def _base_examples(s: Settings) -> list[Any]:
@@ -322,6 +349,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--min-feedback", type=int, default=DEFAULT_MIN_FEEDBACK, metavar="N",
                    help="skip the pass with fewer feedback rows (default: %(default)s)")
     p.add_argument("--store", metavar="PATH", help="the feedback database (default: $LENGTHWISE_HOME/feedback.db)")
+    p.add_argument("--served-max-tokens", type=int, metavar="N",
+                   help="the max_tokens clients send: the challenger's buckets stop there, as the feedback says nothing "
+                        "about lengths past it (default: the median count of the answers cut by length)")
     p.add_argument("--base-data", metavar="FILE", help="a prompt set to train on beside the feedback")
     p.add_argument("--base-format", default="sharegpt", help="its format (default: %(default)s)")
     p.add_argument("--base-served-lengths", metavar="FILE", help="its labels: lengthwise relabel --no-text output")
@@ -336,7 +366,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def settings_from_args(a: argparse.Namespace) -> Settings:
     if not 0 < a.holdout < 1:
         raise RetrainError(f"--holdout must be between 0 and 1, got {a.holdout:g}")
-    for flag, v in (("--min-feedback", a.min_feedback), ("--epochs", a.epochs), ("--max-prompt-tokens", a.max_prompt_tokens)):
+    for flag, v in (("--min-feedback", a.min_feedback), ("--epochs", a.epochs), ("--max-prompt-tokens", a.max_prompt_tokens),
+                    ("--served-max-tokens", a.served_max_tokens or 1)):
         if v < 1:
             raise RetrainError(f"{flag} must be at least 1, got {v}")
     if not a.once and not a.interval > 0:
@@ -344,7 +375,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     if a.base_data and not Path(a.base_data).exists():
         raise RetrainError(f"--base-data {a.base_data}: no such file")
     return Settings(name=a.name, served_model=a.served_model, trigger=a.trigger, holdout=a.holdout,
-                    min_feedback=a.min_feedback, store=a.store, base_data=a.base_data, base_format=a.base_format,
+                    min_feedback=a.min_feedback, store=a.store, served_max_tokens=a.served_max_tokens,
+                    base_data=a.base_data, base_format=a.base_format,
                     base_served_lengths=a.base_served_lengths, epochs=a.epochs, max_prompt_tokens=a.max_prompt_tokens,
                     work_dir=a.work_dir)
 

@@ -321,3 +321,21 @@ def metric_labels(text: str, name: str, label: str) -> list[str]:
     import re
 
     return re.findall(rf'^{name}{{[^}}]*{label}="([^"]*)"', text, flags=re.MULTILINE)
+
+
+def test_online_error_counts_in_the_prompts_slice(sidecar):
+    """A first turn's feedback counts in the first_turn slice of the online windows, a later turn's in later_turns."""
+    client, _ = sidecar
+    total = lambda: state_of(client).aggregator.totals[(NAME, "1")]
+    before = {k: w.n for k, w in total().slices.items()} if (NAME, "1") in state_of(client).aggregator.totals else {}
+    first = [{"role": "user", "content": "Write a limerick about a cat."}]
+    later = first + [{"role": "assistant", "content": "There once was a cat..."}, {"role": "user", "content": "Another."}]
+    predict(client, {"messages": first, "request_id": "slice-first"})
+    predict(client, {"messages": later, "request_id": "slice-later"})
+    for rid in ("slice-first", "slice-later"):
+        r = client.post("/v1/feedback", json={"request_id": rid, "actual_tokens": 40, "finish_reason": "stop"})
+        assert r.status_code == 200, r.text
+    slices = total().slices
+    assert slices["first_turn"].n == before.get("first_turn", 0) + 1
+    assert slices["later_turns"].n == before.get("later_turns", 0) + 1
+    assert "first_turn_accuracy_n" in total().metrics()

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from predictor.buckets import BucketScheme
+from predictor.features import is_first_turn
 from predictor.sidecar.batcher import MicroBatcher
 from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, registry_version, remember_alias
 from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_items
@@ -53,6 +54,7 @@ class ServedPrediction:
     prompt_sha256: str
     turns_json: str | None  # None: --no-store-prompts (or no store)
     used: bool = False
+    first_turn: bool | None = None  # the prompt opened its conversation: its online error counts in that slice
 
     @property
     def size(self) -> int:
@@ -185,7 +187,8 @@ class SidecarState:
         keep_prompt = self.feedback_writer is not None and self.settings.store_prompts
         entry = ServedPrediction(model.name, model.version, d["bucket"], d["expected_tokens"], d["quantile_tokens"],
                                  model.predictor.scheme, d["probs"], d["target"], time.time(),
-                                 hashlib.sha256(text.encode()).hexdigest(), text if keep_prompt else None)
+                                 hashlib.sha256(text.encode()).hexdigest(), text if keep_prompt else None,
+                                 first_turn=is_first_turn(turns))
         old = self.served.pop(prediction_id, None)
         if old is not None:
             self._served_bytes -= old.size

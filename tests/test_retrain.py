@@ -73,7 +73,7 @@ def feedback(data, tmp_path) -> Path:
     rows += [_row(1000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True, t=time.time() - 2000 + i)
              for i, e in enumerate(long)]
     # and the newest: cut answers held out
-    rows += [_row(2000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(examples[400:])]
+    rows += [_row(2000 + i, [(t.role, t.text) for t in e.turns], 300, censored=True) for i, e in enumerate(long)]
     path = tmp_path / "feedback.db"
     store = FeedbackStore(path)
     conn = store.connect()
@@ -87,15 +87,16 @@ def test_retrain_trains_on_feedback_and_promotes_only_a_better_challenger(champi
 
     from registry import store
 
-    s = Settings(name=NAME, trigger="always", store=str(feedback), min_feedback=100, epochs=3, max_prompt_tokens=64,
+    s = Settings(name=NAME, trigger="always", store=str(feedback), min_feedback=100, epochs=8, max_prompt_tokens=64,
                  work_dir=str(tmp_path / "work"), served_model="SmolLM2-135M-Instruct")
     out = retrain_once(s)
     c = out.counts
     # answers were cut at 300 (the inferred served cap): the challenger's buckets stop at the champion's edge under it,
     # so every cut answer's bucket is known, and all of them train or judge
     assert out.edges == [0, 200] and c["censored_undecided"] == 0
-    assert c["rows"] > 420 and c["train"] + c["holdout"] == c["rows"] and c["holdout"] == round(0.2 * c["rows"])
-    assert c["censored_train"] > 0 and c["censored_holdout"] == 20
+    assert c["rows"] == 400 + 2 * c["censored_train"] and c["train"] + c["holdout"] == c["rows"]
+    assert c["holdout"] == round(0.2 * c["rows"])
+    assert c["censored_train"] > 0 and c["censored_holdout"] == c["censored_train"]
     champ, chall = out.holdout["champion"], out.holdout["challenger"]
     assert champ["n"] == chall["n"] == c["holdout"]
     # the challenger learned the served model's rule from its feedback; the champion predicts ChatGPT's lengths

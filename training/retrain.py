@@ -17,14 +17,17 @@ the loop, once (``--once``, for cron) or every ``--interval``:
    judge the two versions: a lower bound below the last bucket has no true bucket to score against.
 4. **Challenger.** ``train-predictor``'s pipeline on the training rows (optionally with a base dataset of the served
    model's lengths, ``--base-data`` with ``--base-served-lengths``), registered with its lineage: parent version, the
-   data window, the counts, the trigger. Its buckets are the champion's edges **up to the cap clients send**
-   (``--served-max-tokens``; by default the median count of the answers cut by ``length``): nothing in the feedback
-   says how long a cut answer would have run, so buckets past the cap could only be guessed (trained on lower bounds
-   alone, a model spreads their mass anywhere above the cap, and its expected length with it). The last bucket opens
-   at the highest edge under the cap, so every capped answer's bucket is known.
-5. **Guard.** Champion and challenger predict the same held-out rows, both scored on the challenger's buckets (the
-   champion's probabilities summed into them: its edges include them); the challenger is promoted only when it is
-   better by the rule :func:`registry.store.promote` applies (top-1, ties by Kendall tau). The sidecar picks the new
+   data window, the counts, the trigger. Its buckets stop at **the cap clients send** (``--served-max-tokens``; by
+   default the median count of the answers cut by ``length``): nothing in the feedback says how long a cut answer
+   would have run, so buckets past the cap could only be guessed (trained on lower bounds alone, a model spreads
+   their mass anywhere above the cap, and its expected length with it). Under the cap it gets
+   :data:`UNDER_CAP_BUCKETS` equal buckets and a last one opening at the cap, so every capped answer's bucket is
+   known and the answers under the cap are still told apart (the champion's edges alone could leave two buckets,
+   whose expected lengths cannot rank). When the champion's edges all lie under the cap, its buckets are kept.
+5. **Guard.** Champion and challenger predict the same held-out rows. On the same buckets the challenger is promoted
+   only when it is better by the rule :func:`registry.store.promote` applies (top-1, ties by Kendall tau). On
+   different buckets top-1 means different things (two buckets are easier to hit than ten), so the rule is the
+   scheduler's: Kendall tau over the held-out pairs whose order is known, ties by MAE. The sidecar picks the new
    champion up by its alias.
 """
 
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOLDOUT = 0.2
 DEFAULT_MIN_FEEDBACK = 200
+UNDER_CAP_BUCKETS = 8  # the challenger's equal buckets under the served cap (TetriInfer's fixed-width granularity)
 TAG_PARENT = "lengthwise.parent_version"
 TAG_WINDOW = "lengthwise.retrain.window"
 TAG_COUNTS = "lengthwise.retrain.counts"
@@ -154,47 +158,48 @@ def write_jsonl(rows: list[FeedbackRow], path: Path, target: dict[str, Any], bas
 
 
 def served_scheme(champion: BucketScheme, rows: list[FeedbackRow], cap: int | None = None) -> BucketScheme:
-    """The champion's edges up to the served cap (``cap``, else the median count of the answers cut by ``length``), the
-    last bucket opening at the highest edge at or below it; the champion's scheme when no answer was capped, or when
-    fewer than two of its buckets lie under the cap (nothing finer to learn)."""
+    """The challenger's buckets: :data:`UNDER_CAP_BUCKETS` equal ones under the served cap (``cap``, else the median
+    count of the answers cut by ``length``) and a last, open one from the cap; the champion's scheme when no answer was
+    capped or when its edges all lie under the cap already."""
     if cap is None:
         capped = [r.actual_tokens for r in rows if r.finish_reason == "length"]
         if not capped:
             return champion
         cap = int(np.median(capped))
-    inner = [e for e in champion.edges[1:] if e <= cap]
-    if len(inner) == champion.n - 1 or not inner:
+    if champion.edges[-1] <= cap or cap < UNDER_CAP_BUCKETS:
         return champion
-    return BucketScheme.from_edges(inner, max_tokens=max(cap, inner[-1] + 1))
+    inner = sorted({round(i * cap / UNDER_CAP_BUCKETS) for i in range(1, UNDER_CAP_BUCKETS)} | {cap})
+    return BucketScheme.from_edges(inner, max_tokens=cap + 1)
 
 
-def holdout_metrics(pred: Any, rows: list[FeedbackRow], scheme: BucketScheme) -> dict[str, float]:
-    """One predictor (an OnnxLengthPredictor) on the held-out rows: top-1, within-1 and MAE on the rows whose bucket is
-    known (training.evaluate's definitions; ``n`` counts them), and Kendall tau over every pair of held-out rows whose
-    order is known, cut answers included (:func:`training.evaluate.censored_tau`): judged on the decided rows alone, a
-    predictor that calls every answer short would look best, as the answers that ran long are the ones cut."""
-    from training.evaluate import Predictions, censored_tau, compute_metrics, merge_probs
+def holdout_metrics(pred: Any, rows: list[FeedbackRow]) -> dict[str, float]:
+    """One predictor (an OnnxLengthPredictor) on the held-out rows, on its own buckets: top-1, within-1 and MAE on the
+    rows whose bucket is known there (training.evaluate's definitions; ``n`` counts them), and Kendall tau over every
+    pair of held-out rows whose order is known, cut answers included (:func:`training.evaluate.censored_tau`, the
+    same pairs for any predictor): judged on the decided rows alone, a predictor that calls every answer short would
+    look best, as the answers that ran long are the ones cut."""
+    from training.evaluate import Predictions, censored_tau, compute_metrics
 
     batch = pred.predict([list(r.turns or []) for r in rows])
-    probs = np.asarray(batch.probs)
-    if tuple(pred.scheme.edges) != tuple(scheme.edges):  # the champion, judged on the challenger's coarser buckets
-        probs = merge_probs(probs, pred.scheme, scheme)
-        if probs is None:
-            raise RetrainError(f"buckets {list(scheme.edges)} are not a coarsening of {list(pred.scheme.edges)}")
     actual = np.array([r.actual_tokens for r in rows], float)
     cut = np.array([r.censored for r in rows], bool)
-    known = scheme.decided(actual, cut)
-    m = compute_metrics(Predictions(probs[known], np.asarray(batch.expected)[known]), actual[known], scheme)
-    tau, pairs = censored_tau(np.asarray(batch.expected), actual, cut)
+    known = pred.scheme.decided(actual, cut)
+    expected = np.asarray(batch.expected)
+    m = compute_metrics(Predictions(np.asarray(batch.probs)[known], expected[known]), actual[known], pred.scheme)
+    tau, pairs = censored_tau(expected, actual, cut)
     out = {k: float(m[k]) for k in ("n", "accuracy", "accuracy_within_1", "mae_tokens")}
     return {**out, "kendall_tau": float("nan") if tau is None else tau, "tau_pairs": float(pairs)}
 
 
-def better(cand: dict[str, float], champ: dict[str, float]) -> bool:
-    """The promotion rule of registry.store.promote (:func:`registry.store.ranking_key`), on the held-out rows."""
+def better(cand: dict[str, float], champ: dict[str, float], same_buckets: bool = True) -> bool:
+    """On the same buckets, the promotion rule of registry.store.promote (:func:`registry.store.ranking_key`); on
+    different ones, the ranking (Kendall tau over the known pairs), ties by MAE: top-1 over two buckets and over ten
+    are not the same test."""
     from registry.store import ranking_key
 
-    return ranking_key(cand) > ranking_key(champ)
+    if same_buckets:
+        return ranking_key(cand) > ranking_key(champ)
+    return (cand["kendall_tau"], -cand["mae_tokens"]) > (champ["kendall_tau"], -champ["mae_tokens"])
 
 
 @dataclass
@@ -256,17 +261,20 @@ def retrain_once(s: Settings) -> Outcome:
     base = _base_examples(s) if s.base_data else []
     counts["base"] = len(base)
     challenger, run_id = _train_challenger(s, win, base, scheme, champion)
-    hold = {"champion": holdout_metrics(champ_pred, win.holdout, scheme),
-            "challenger": holdout_metrics(reg.load_predictor(f"models:/{s.name}/{challenger}"), win.holdout, scheme)}
+    hold = {"champion": holdout_metrics(champ_pred, win.holdout),
+            "challenger": holdout_metrics(reg.load_predictor(f"models:/{s.name}/{challenger}"), win.holdout)}
+    same = tuple(scheme.edges) == tuple(champ_pred.scheme.edges)
+    rule = "top-1" if same else "Kendall tau"
+    key = "accuracy" if same else "kendall_tau"
     _record_lineage(s, challenger, run_id, champion, win, counts, hold)
-    if better(hold["challenger"], hold["champion"]):
+    if better(hold["challenger"], hold["champion"], same):
         reg.set_alias(s.name, reg.CHAMPION, challenger)
         reason = (f"version {challenger} beats version {champion} on the {len(win.holdout)} newest rows "
-                  f"(top-1 {hold['challenger']['accuracy']:.3f} vs {hold['champion']['accuracy']:.3f}); "
+                  f"({rule} {hold['challenger'][key]:.3f} vs {hold['champion'][key]:.3f}); "
                   f"it is now @{reg.CHAMPION}")
         return Outcome("promoted", reason, champion, challenger, counts, hold, list(scheme.edges))
     reason = (f"version {challenger} is not better than version {champion} on the {len(win.holdout)} newest rows "
-              f"(top-1 {hold['challenger']['accuracy']:.3f} vs {hold['champion']['accuracy']:.3f}); @{reg.CHAMPION} kept")
+              f"({rule} {hold['challenger'][key]:.3f} vs {hold['champion'][key]:.3f}); @{reg.CHAMPION} kept")
     return Outcome("kept", reason, champion, challenger, counts, hold, list(scheme.edges))
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded
+from predictor.runtime import MODEL, RoutedProbs
 from predictor.sidecar.loading import PredictItem, ServedModel, predict_items
 from predictor.sidecar.schemas import PredictResponse
 from serving.engine.inputs import parse_inputs
@@ -43,6 +44,12 @@ class _Session:
 
     def logits_encoded(self, ids):
         return np.log(np.array([PROBS] * len(ids), dtype=np.float64))
+
+    def probs_routed(self, convs):
+        """No routes: every prompt to the model, as OnnxLengthPredictor.probs_routed does for a package without any."""
+        n = len(convs)
+        return RoutedProbs(np.array([PROBS] * n, dtype=np.float64), np.full(n, MODEL, dtype=object), np.zeros(n, bool),
+                           np.full(n, 3))
 
 
 def sidecar_answer() -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -38,13 +37,13 @@ from serving.policy.config import PolicyConfig
 from serving.policy.deadline import LateTier
 from serving.policy.request import Prediction, Request
 from serving.sim.cluster import ClusterConfig, _ClusterRun
+from tests.hostile import MODES, TraceRequest, hostile_prediction
 
 pytestmark = pytest.mark.unit
 
 MAX_LEN = 512                   # max_model_len: the largest length there is
 BLOCK = 16
 EDGES = (32, 64, 128, 256)      # the bucket edges of the "wrong bucket" predictions
-MODES = ("low10", "high10", "zero", "max", "noise16", "wrong_bucket")
 LOCALS = ("vllm", "sjf", "lengthwise")
 FCFS = {"vllm"}
 AGING_S = 0.5                   # short, so the aging window is a bound a few-second trace can break
@@ -55,31 +54,9 @@ HOSTILE = settings(max_examples=40, deadline=None, derandomize=True, database=No
                    suppress_health_check=[HealthCheck.too_slow])
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    rid: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
-
-
 def hostile(mode: str, true_len: int, rng: random.Random) -> Prediction:
-    """A prediction of ``true_len`` that is wrong the way ``mode`` says."""
-    if mode == "low10":
-        return Prediction(length=true_len / 10)
-    if mode == "high10":
-        return Prediction(length=min(true_len * 10, MAX_LEN))
-    if mode == "zero":
-        return Prediction(length=0.0)
-    if mode == "max":
-        return Prediction(length=float(MAX_LEN))
-    if mode == "noise16":  # SeaLLM's error: up to 16x either way, so past max_model_len too
-        return Prediction(length=true_len * 16 ** rng.uniform(-1, 1))
-    true_bucket = sum(true_len > e for e in EDGES)  # all mass in the bucket farthest from the true one
-    wrong = 0 if true_bucket > len(EDGES) // 2 else len(EDGES)
-    probs = tuple(1.0 if i == wrong else 0.0 for i in range(len(EDGES) + 1))
-    lo, hi = (0, EDGES[0]) if wrong == 0 else (EDGES[-1], MAX_LEN)
-    return Prediction(length=(lo + hi) / 2, hi=hi, bucket=wrong, edges=EDGES, probs=probs)
+    """A prediction of ``true_len`` that is wrong the way ``mode`` says, on this module's lengths and buckets."""
+    return hostile_prediction(mode, true_len, rng, MAX_LEN, EDGES)
 
 
 def step_budget(trace: list[TraceRequest]) -> int:

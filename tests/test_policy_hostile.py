@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,40 +31,18 @@ from serving.policy.request import Prediction
 from serving.sim.engine import repredict_hook
 from serving.sim.instance import SimInstance, new_request
 from serving.sim.metrics import RequestRecord
+from tests.hostile import MODES, TraceRequest, hostile_prediction
 
 pytestmark = pytest.mark.unit
 
 MAX_LEN = 2048
 EDGES = (32, 64, 128, 256, 512, 1024)
-MODES = ("low10", "high10", "zero", "max", "noise16", "wrong_bucket")
 POLICIES = ("lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "sjf", "ecoserve", "sarathi", "vllm", "orca")
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    rid: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
-
-
 def hostile(mode: str, true_len: int, rng: random.Random) -> Prediction:
-    if mode == "low10":
-        return Prediction(length=true_len / 10)
-    if mode == "high10":
-        return Prediction(length=min(true_len * 10, MAX_LEN))
-    if mode == "zero":
-        return Prediction(length=0.0)
-    if mode == "max":
-        return Prediction(length=float(MAX_LEN))
-    if mode == "noise16":
-        return Prediction(length=true_len * 16 ** rng.uniform(-1, 1))
-    # all mass in one bucket, as far from the true one as there is
-    true_bucket = sum(true_len > e for e in EDGES)
-    wrong = 0 if true_bucket > len(EDGES) // 2 else len(EDGES)
-    probs = tuple(1.0 if i == wrong else 0.0 for i in range(len(EDGES) + 1))
-    lo, hi = (0, EDGES[0]) if wrong == 0 else (EDGES[-1], MAX_LEN)
-    return Prediction(length=(lo + hi) / 2, hi=hi, bucket=wrong, edges=EDGES, probs=probs)
+    """A prediction of ``true_len`` that is wrong the way ``mode`` says, on this module's lengths and buckets."""
+    return hostile_prediction(mode, true_len, rng, MAX_LEN, EDGES)
 
 
 def run(policy_name: str, mode: str, seed: int, n: int = 24, kv_blocks: int = 96) -> dict[int, RequestRecord]:

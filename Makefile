@@ -3,7 +3,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 ENGINE ?= cpu
-EXTRAS ?= $(ENGINE),convert,dev
+EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 

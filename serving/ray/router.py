@@ -1,0 +1,96 @@
+"""``LengthwiseRequestRouter``: Ray Serve's request router for the engine replicas, deciding with the placement core.
+
+Ray Serve runs one router per deployment handle, in the process that holds the handle (the ingress replicas). For each
+request it calls :meth:`choose_replicas` with the request (``PendingRequest``: the handle call's ``args``/``kwargs``
+and Ray's metadata) and the replicas, each with the routing stats its ``record_routing_stats`` last returned. The
+ingress passes the request's predicted length as the call's ``route`` keyword (:class:`~serving.ray.routing.RouteHint`);
+:class:`~serving.ray.routing.StatsPlacement` turns the stats into the core's views and asks the configured policy.
+
+The answer is a ranking: the chosen replica first, then the others, so a chosen replica whose queue Ray finds full
+(``max_ongoing_requests``) passes the request to the next rather than stalling it. Without a usable decision (no hint,
+a replica without stats or with stale ones, no KV capacity known) the router is Ray's power-of-two choice, the class Ray
+Serve uses by default (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with its locality and multiplexing), and the
+reason is counted (:attr:`LengthwiseRequestRouter.fallbacks`, and the Ray metric
+``lengthwise_ray_router_fallbacks`` by reason).
+
+Requests are matched to routing decisions by Ray's internal request id (the base router's out-of-order matching; the
+power-of-two class's FIFO matching would hand one request's decision to another). The jobs this router sent and Ray has
+not reported complete are added to each replica's view until the replica reports them itself.
+
+Configuration (``request_router_kwargs``, JSON): ``placement`` (a placement name), ``stale_after_s``, ``seed``,
+``others_pred_len``, ``ttft_s``, ``atgt_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from serving.gateway.placement import PlacementConfig
+from serving.placement import Job
+from serving.ray.routing import ROUTE_KWARG, RouteHint, StatsPlacement
+
+log = logging.getLogger("serving.ray")
+
+
+class LengthwiseRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ranks replicas with the configured placement policy over their routing stats; power-of-two choice without them."""
+
+    def initialize_state(self, placement: str = "lengthwise", stale_after_s: float = 6.0, seed: int = 0,
+                         others_pred_len: int = 256, ttft_s: float | None = None, atgt_s: float | None = None,
+                         **_: Any) -> None:
+        """Ray calls this with the deployment's ``request_router_kwargs``."""
+        self.placement = StatsPlacement(PlacementConfig(name=placement, stale_after_s=stale_after_s, seed=seed,
+                                                        others_pred_len=others_pred_len, ttft_s=ttft_s, atgt_s=atgt_s))
+        self._sent: dict[str, tuple[str, Job]] = {}  # Ray's internal request id -> (replica, job) until completed
+        self._metric = None
+        try:
+            from ray.util.metrics import Counter
+
+            self._metric = Counter("lengthwise_ray_router_fallbacks", "routing decisions made by power-of-two choice "
+                                   "instead of the placement policy, by reason", tag_keys=("reason",))
+        except Exception:  # noqa: BLE001 - metrics are optional (no Ray metrics agent in this process)
+            self._metric = None
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        return dict(self.placement.fallbacks)
+
+    def _own(self) -> dict[str, list[Job]]:
+        out: dict[str, list[Job]] = {}
+        for name, job in self._sent.values():
+            out.setdefault(name, []).append(job)
+        return out
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not hasattr(self, "placement"):  # Ray calls initialize_state only with kwargs; be usable without
+            self.initialize_state()
+        hint = RouteHint.parse(pending_request.kwargs.get(ROUTE_KWARG)) if pending_request is not None else None
+        replicas = list(candidate_replicas)
+        decision = self.placement.decide([(r.replica_id.unique_id, r.routing_stats) for r in replicas], hint, self._own(),
+                                         time.time())
+        if decision.index is None:
+            if decision.reason and self._metric is not None:
+                self._metric.inc(tags={"reason": decision.reason})
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        chosen = replicas[decision.index]
+        assert pending_request is not None and hint is not None
+        pending_request.routing_context.should_backoff = True  # a full replica: back off before the next try
+        job = hint.job()
+        job.started = True
+        self._sent[pending_request.metadata.internal_request_id] = (chosen.replica_id.unique_id, job)
+        return [[chosen], [r for r in replicas if r is not chosen]]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._sent.pop(internal_request_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        dead = replica_id.unique_id
+        for key in [k for k, (name, _) in self._sent.items() if name == dead]:
+            del self._sent[key]

@@ -23,13 +23,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.gateway.errors import ApiError, error_body
+from serving.gateway import openapi
 from serving.gateway.gateway import Call, Gateway
+from serving.gateway.openapi import ChatCompletionRequest, CompletionRequest, ErrorBody, generation_responses, request_body
 from serving.gateway.requests import Kind
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.target import TargetCheck
@@ -140,24 +142,34 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         except ApiError as exc:
             return gw.refused(call, exc)
 
-    @app.post("/v1/completions", summary="OpenAI completions (streaming or not), scheduled by predicted length")
+    responses = generation_responses()
+    openapi.install(app, settings.max_n)
+
+    @app.post("/v1/completions", summary="OpenAI completions (streaming or not), scheduled by predicted length",
+              openapi_extra=request_body(CompletionRequest, settings.max_n), responses=responses)
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
 
-    @app.post("/v1/chat/completions", summary="OpenAI chat completions (streaming or not), scheduled by predicted length")
+    @app.post("/v1/chat/completions", summary="OpenAI chat completions (streaming or not), scheduled by predicted length",
+              openapi_extra=request_body(ChatCompletionRequest, settings.max_n), responses=responses)
     async def chat(request: Request) -> Response:
         return await generate(request, "chat")
 
-    @app.get("/v1/models", summary="the models the engines serve")
+    unavailable = {401: {"model": ErrorBody, "description": "missing or wrong API key"},
+                   503: {"model": ErrorBody, "description": "no engine can answer now"}}
+
+    @app.get("/v1/models", summary="the models the engines serve", responses=unavailable)
     async def models() -> Response:
         return await gw.models()
 
-    @app.get("/health", summary="ok, or degraded with reasons (engines, predictor); 503 only when no engine can serve")
+    @app.get("/health", summary="ok, or degraded with reasons (engines, predictor); 503 only when no engine can serve",
+             responses={401: unavailable[401], 503: {"description": "no engine can serve (the same body, status down)"}})
     async def health() -> Response:
         body = gw.health()
         return JSONResponse(body, status_code=gw.health_status(body))
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,
+             responses={401: unavailable[401]})
     async def prometheus() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 

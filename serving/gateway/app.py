@@ -28,8 +28,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.gateway.errors import ApiError, error_body
 from serving.gateway import openapi
+from serving.gateway.errors import ApiError, error_body
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.openapi import ChatCompletionRequest, CompletionRequest, ErrorBody, generation_responses, request_body
 from serving.gateway.requests import Kind

@@ -161,6 +161,12 @@ class EngineReplica:
         self.engine: Any = None
         self.app: Any = None
         self.served = 0
+        try:
+            from ray import serve
+
+            self.name = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a Serve replica (a test constructing the class directly)
+            self.name = "engine"
         await self._start()
 
     async def _start(self) -> None:
@@ -199,6 +205,8 @@ class EngineReplica:
         """vLLM's answer to ``POST path`` (``(status, headers)``, then the body's chunks); ``route`` is the router's."""
         self.served += 1
         async for item in call_asgi(self.app, "POST", path, body, headers):
+            if isinstance(item, tuple):  # the status line: say which replica answers
+                item = (item[0], {**item[1], "x-lengthwise-engine": self.name})
             yield item
 
     async def get(self, path: str) -> tuple[int, bytes]:
@@ -228,5 +236,5 @@ class EngineReplica:
         if engine is not None:
             try:
                 engine.shutdown()
-            except Exception:  # noqa: BLE001 - the process is going away
-                pass
+            except Exception as exc:  # noqa: BLE001 - the process is going away
+                log.debug("engine shutdown: %s", exc)

@@ -1,0 +1,69 @@
+"""The Ray Serve application: engine replicas behind ``LengthwiseRequestRouter``, the ingress, and the sidecar.
+
+What runs where: ``settings.engines`` engine replicas (one vLLM engine each, one CPU or GPU each as Ray places them),
+routed by :class:`~serving.ray.router.LengthwiseRequestRouter` with ``settings.placement``; the ingress (the gateway's
+request steps, OpenAI API at ``/``) calling them through its handle; and, when a predictor model is given, the sidecar
+at ``/predictor`` as a separate application, whose URL on the local Serve proxy becomes the ingress's
+``predictor_url``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serving.gateway.launcher import engine_command, is_cpu_build
+from serving.gateway.settings import GatewaySettings
+from serving.ray.engine import EngineReplica
+from serving.ray.ingress import Ingress
+from serving.ray.router import LengthwiseRequestRouter
+from serving.ray.sidecar import ROUTE, SidecarReplica
+
+STATS_PERIOD_S = 0.5  # how often each replica's routing stats are collected
+
+
+def engine_argv(settings: GatewaySettings) -> list[str]:
+    """The vLLM arguments of one engine replica: the HTTP backend's (model, scheduler plug-in, policy, CPU defaults)."""
+    return engine_command(settings, 0, is_cpu_build())[3:]
+
+
+def router_config(settings: GatewaySettings) -> RequestRouterConfig:
+    return RequestRouterConfig(
+        request_router_class=LengthwiseRequestRouter, request_routing_stats_period_s=STATS_PERIOD_S,
+        request_router_kwargs={"placement": settings.placement, "stale_after_s": max(settings.stale_after_s, 4 * STATS_PERIOD_S),
+                               "others_pred_len": settings.fallback_tokens})
+
+
+def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0) -> Any:
+    """The engine deployment, bound: ``settings.engines`` replicas."""
+    dep = serve.deployment(EngineReplica, name="engine", num_replicas=settings.engines,
+                           max_ongoing_requests=2 * settings.engine_seqs, request_router_config=router_config(settings),
+                           ray_actor_options={"num_cpus": engine_cpus, "num_gpus": engine_gpus}, health_check_period_s=5)
+    return dep.bind(engine_argv(settings), settings.fallback_tokens)
+
+
+def ingress_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0) -> Any:
+    """The ingress over the engines, bound (the application ``serve.run`` starts at ``/``)."""
+    dep = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                           max_ongoing_requests=max(1000, settings.outstanding_bounds(settings.engines)[1]))
+    return dep.bind(settings, engine_app(settings, engine_cpus, engine_gpus))
+
+
+def sidecar_app(sidecar: dict[str, Any]) -> Any:
+    """The sidecar deployment, bound; ``sidecar`` its settings (``model``: a package directory or ``models:/`` URI)."""
+    return serve.deployment(SidecarReplica, name="sidecar", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(sidecar)
+
+
+def run(settings: GatewaySettings, sidecar: dict[str, Any] | None = None, engine_cpus: float = 1.0,
+        engine_gpus: float = 0.0) -> Any:
+    """Deploy the sidecar (when given) and the gateway on the connected Ray cluster; returns the ingress handle.
+
+    The ingress reaches the sidecar on its node's Serve proxy, ``http://127.0.0.1:{port}/predictor``.
+    """
+    if sidecar is not None:
+        serve.run(sidecar_app(sidecar), name="predictor", route_prefix=ROUTE)
+        port = serve.context._get_global_client().http_config.port
+        settings = settings.model_copy(update={"predictor_url": f"http://127.0.0.1:{port}{ROUTE}"})
+    return serve.run(ingress_app(settings, engine_cpus, engine_gpus), name="lengthwise", route_prefix="/")

@@ -1,0 +1,91 @@
+"""The Ray Serve backend end to end: a local Ray cluster, two CPU vLLM engine replicas (dummy weights), the real sidecar
+deployment with a small ONNX package, the ingress, and the ``openai`` client.
+
+Every request completes with exactly its ``max_tokens`` (``ignore_eos``), streamed or not; its prediction came from the
+sidecar deployment; and the requests spread over both engine replicas (counted per replica on ``/health``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+pytest.importorskip("ray")
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_app(model_dir, data, tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from serving.gateway.settings import GatewaySettings
+    from serving.ray.app import run
+    from tests.tiny_package import tiny_packages
+
+    work = tmp_path_factory.mktemp("ray-serve")
+    pkg = tiny_packages(work / "pkg", data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "LENGTHWISE_HOME": str(work / "home"), "LENGTHWISE_DATA": str(data)}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _temp_dir=str(work / "ray"), runtime_env={"env_vars": env})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = GatewaySettings(
+            model=str(model_dir), engines=2, placement="lengthwise", predictor_timeout_ms=2000,
+            engine_args=["--load-format dummy", "--enforce-eager", "--max-model-len 2048", "--max-num-seqs 8", "--seed 0"])
+        t0 = time.time()
+        run(settings, sidecar={"model": str(pkg), "reload_interval": 0, "feedback_store": False})
+        print(f"application up in {time.time() - t0:.0f} s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=ray_app + "/v1", api_key="none", timeout=180, max_retries=0)
+    lengths = [3, 7, 12, 20, 5, 16, 9, 24, 4, 11, 30, 6]
+
+    def one(i: int) -> tuple[int, int, str]:
+        n = lengths[i]
+        if i % 2:
+            stream = client.completions.create(model=str(model_dir), prompt=f"tell me a story number {i}", max_tokens=n,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+            usage = [c.usage.completion_tokens for c in stream if c.usage is not None]
+            return n, usage[-1], "stream"
+        raw = client.chat.completions.with_raw_response.create(
+            model=str(model_dir), messages=[{"role": "user", "content": f"question {i}: why is the sky blue?"}],
+            max_tokens=n, extra_body={"ignore_eos": True})
+        return n, raw.parse().usage.completion_tokens, raw.headers["x-lengthwise-prediction"]
+
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(one, range(len(lengths))))
+    assert [got for _, got, _ in results] == lengths
+    assert {how for _, _, how in results if how != "stream"} == {"sidecar"}, results
+
+    health = httpx.get(ray_app + "/health", timeout=30).json()
+    served = health["served_by_engine"]
+    print("requests per engine replica:", served)
+    assert sum(served.values()) == len(lengths) and len(served) == 2 and min(served.values()) >= 1, served
+    assert health["predictor"]["state"] == "ok", health
+
+
+def test_bad_input_is_a_4xx_with_a_message(ray_app):
+    r = httpx.post(ray_app + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+    r = httpx.post(ray_app + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]

@@ -124,13 +124,14 @@ def exact_length_fields(true_len: int, max_tokens: int) -> dict[str, Any]:
             "vllm_xargs": {TRUE_LEN_KEY: int(true_len)}}
 
 
-def request_settings(url: str, model: str, jobs: list[ReplayJob], preds: list[float]) -> list[Settings]:
+def request_settings(url: str, model: str, jobs: list[ReplayJob], preds: list[float] | None) -> list[Settings]:
     """What the replay sends for each job: greedy, ``ignore_eos``, the job's ``max_tokens`` (the bench's cap), its
-    prediction in the header the gateway trusts, and its true length where only the sampler reads it."""
+    prediction in the header the gateway trusts (none when ``preds`` is None: the gateway asks its sidecar), and its
+    true length where only the sampler reads it."""
     base = Settings(url=url, model=model, chat=False, stream=True, ignore_eos=True, temperature=0.0, timeout_s=900.0)
-    return [dataclasses.replace(base, extra_headers={"x-lengthwise-pred-len": f"{pred:.0f}"},
-                                extra_body=exact_length_fields(job.trace_output_tokens, job.max_tokens))
-            for job, pred in zip(jobs, preds)]
+    heads = [{} for _ in jobs] if preds is None else [{"x-lengthwise-pred-len": f"{pred:.0f}"} for pred in preds]
+    return [dataclasses.replace(base, extra_headers=head, extra_body=exact_length_fields(job.trace_output_tokens, job.max_tokens))
+            for job, head in zip(jobs, heads)]
 
 
 def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) -> list[str]:
@@ -284,10 +285,11 @@ def _simulate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, placement
                             cfg.kv_blocks - 1, cal.sim_latency, cal.slo, repredict=trace.predictor.repredict)
 
 
-def _default_rate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, console: Console) -> float:
-    """What the calibrated simulator says the fleet sustains at 90% under JSQ (no --rate given)."""
-    with console.status("simulating the fleet's saturation point under JSQ..."):
-        rate = max_rate(lambda r: _simulate(cfg, trace, cal, "jsq", r), 1.0, key="ttft_tpot_attainment")["max_rate_at_90_slo"]
+def _default_rate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, console: Console, placement: str = "jsq") -> float:
+    """What the calibrated simulator says the fleet sustains at 90% under ``placement`` (no --rate given)."""
+    with console.status(f"simulating the fleet's saturation point under {placement}..."):
+        rate = max_rate(lambda r: _simulate(cfg, trace, cal, placement, r), 1.0,
+                        key="ttft_tpot_attainment")["max_rate_at_90_slo"]
     if not rate > 0:
         raise ValueError("the calibrated simulator finds no rate the fleet sustains; give --rate")
     return rate
@@ -368,11 +370,16 @@ def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, 
 
 
 def _gateway_args(cfg: FleetBenchConfig, placement: str, port: int, cal: _Calibration, model: str, decoders: list,
-                  prefillers: list) -> list[str]:
-    """The ``lengthwise serve`` command line of one placement's gateway, attached to the running engines."""
+                  prefillers: list, predictor_url: str | None = None) -> list[str]:
+    """The ``lengthwise serve`` command line of one placement's gateway, attached to the running engines.
+
+    Without ``predictor_url`` it trusts the prediction each request carries in a header; with it, it predicts
+    through that sidecar (whose predictor learned another model's lengths than the dummy one served: allowed)."""
     slo = cal.slo
+    predicts = (["--trust-client-predictions"] if predictor_url is None
+                else ["--predictor-url", predictor_url, "--allow-predictor-for-other-model"])
     args = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--placement", placement,
-            "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
+            *predicts, "--t-p", f"{slo.t_p:.6f}", "--t-g", f"{slo.t_g:.6f}",
             "--slo-scale", str(cfg.slo_scale), "--slo-ttft-ms", f"{slo.ttft_s * 1e3:.3f}",
             "--slo-tpot-ms", f"{slo.tpot_s * 1e3:.3f}", "--engine-max-num-seqs", str(cfg.max_num_seqs),
             "--load-interval", "1", "--model", model, "--log-level", "warning"]
@@ -394,20 +401,35 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
 
     port = free_port()
     args = _gateway_args(cfg, placement, port, cal, model, decoders, prefillers)
-    log = (work / f"gateway-{placement}.log").open("w")
-    gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    with running_gateway(args, port, work / f"gateway-{placement}.log") as (url, _):
+        console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
+        sends = request_settings(url, model, jobs, [p.length for p in trace.preds])
+        res, wall = asyncio.run(_replay(jobs, sends))
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        hops = _prefill_hops(httpx.get(f"{url}/metrics", timeout=10).text) if prefillers else None
+    return res, wall, health, hops
+
+
+@contextlib.contextmanager
+def running_gateway(args: list[str], port: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A ``lengthwise serve`` process (``args``, listening on ``port``) from ready to stopped: yields (its URL, the
+    process). It gets SIGTERM with this process (Linux), so a killed bench leaves no gateway behind."""
+    from serving.gateway.launcher import _die_with_parent as die_with_parent
+
+    log = log_path.open("w")
+    gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                          preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
     try:
         _wait_gateway(f"http://127.0.0.1:{port}", gw)
-        console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
-        sends = request_settings(f"http://127.0.0.1:{port}", model, jobs, [p.length for p in trace.preds])
-        res, wall = asyncio.run(_replay(jobs, sends))
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
-        hops = _prefill_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text) if prefillers else None
+        yield f"http://127.0.0.1:{port}", gw
     finally:
         gw.terminate()
-        gw.wait(30)
+        try:
+            gw.wait(30)
+        except subprocess.TimeoutExpired:
+            gw.kill()
+            gw.wait(10)
         log.close()
-    return res, wall, health, hops
 
 
 def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | None, health: dict,

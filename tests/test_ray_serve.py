@@ -89,3 +89,13 @@ def test_bad_input_is_a_4xx_with_a_message(ray_app):
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     r = httpx.post(ray_app + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+
+
+def test_cli_refuses_what_does_not_apply_in_one_line():
+    import subprocess
+
+    lengthwise = str(Path(os.sys.executable).parent / "lengthwise")
+    r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--engine-url", "http://127.0.0.1:9"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "--backend ray starts its own engine replicas" in r.stderr

@@ -115,8 +115,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _gateway_flags(p.add_argument_group("gateway"))
     _security_flags(p.add_argument_group("who may call what (keys are never printed or logged)"))
     _limit_flags(p.add_argument_group("limits (what one client, or all of them, may ask)"))
+    _backend_flags(p.add_argument_group("backend (this process, or a Ray Serve application for more than one machine)"))
     p.set_defaults(func=run)
     return p
+
+
+def _backend_flags(b: argparse._ActionsContainer) -> None:
+    b.add_argument("--backend", choices=["http", "ray"], default="http",
+                   help="http: this process is the gateway over engine processes (default); ray: deploy the engines (one "
+                        "replica per --engines, routed by --placement), the gateway's request steps and the sidecar as a "
+                        "Ray Serve application and serve it on --host/--port (see docs/ray.md)")
+    b.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="--backend ray: the Ray cluster to deploy on, e.g. ray://head:10001 or auto (default: start a "
+                        "local one)")
+    b.add_argument("--ray-predictor-model", metavar="URI_OR_DIR", default=None,
+                   help="--backend ray: deploy the predictor sidecar in the application with this model (models:/NAME@ALIAS "
+                        "or a package directory); otherwise --predictor-url, if any, is used")
 
 
 def _engine_flags(e: argparse._ActionsContainer) -> None:
@@ -412,6 +426,12 @@ def run(a: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"lengthwise serve: error: {exc}", file=sys.stderr)
         return 2
+    if getattr(a, "backend", "http") == "ray":
+        # the Ray backend sits above the gateway (it reuses its request steps): looked up by name, so the gateway's
+        # modules keep importing nothing of it
+        import importlib
+
+        return importlib.import_module("serving.ray.cli").serve_ray(settings, a.ray_address, a.ray_predictor_model)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)

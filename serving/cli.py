@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)
+    from serving.placementbench.loadcli import add_overload_parser, add_soak_parser
+
+    add_overload_parser(bsub)
+    add_soak_parser(bsub)
     from serving.loopbench import add_parser as add_bench_loop
 
     add_bench_loop(bsub)

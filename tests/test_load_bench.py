@@ -1,0 +1,265 @@
+"""``bench overload`` and ``bench soak``: their bad input, their pure parts, and one real run of each.
+
+The real runs start the real stack (two vLLM-CPU engines with dummy weights, gateways, the real sidecar with a
+trained and registered predictor) through the command line, as an operator would, and check the JSON's contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from serving.cli import main
+from serving.perf.slo import SLO
+from serving.placementbench.loadrun import error_kind, meets_slo
+from serving.placementbench.overload import peak_in_flight, run_summary, verdict
+from serving.placementbench.soak import growth, soak_jobs, tree_stats, windows
+from serving.replay import Result
+
+SLO_ = SLO(scale=2.0, t_p=0.05, t_g=0.01, ttft_s=1.0, tpot_s=0.1)
+
+
+def _res(i: int, sent: float, *, ttft: float | None = 0.2, jct: float | None = 1.0, n: int = 11, status: int | None = 200,
+         error: str | None = None, true_len: int | None = None) -> Result:
+    r = Result(i, sent, 1024, n if true_len is None else true_len, 50, sent=sent, status=status)
+    if status == 200 and error is None:
+        r.ok, r.ttft, r.jct, r.output_tokens = True, ttft, jct, n
+    else:
+        r.error, r.jct = error or f"HTTP {status}: nope", jct
+    return r
+
+
+# --- bad input: exit 2, one line, before anything starts ---------------------------------------------------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,needle", [
+    (["overload", "--multiples", "1,x"], "--multiples"),
+    (["overload", "--multiples", "0,1"], "--multiples must be positive"),
+    (["overload", "--max-requests", "2"], "--max-requests"),
+    (["overload", "--placement", "nowhere"], "unknown placement"),
+    (["overload", "--rate", "-1"], "--rate must be positive"),
+    (["overload", "--max-outstanding", "0"], "--max-outstanding"),
+    (["soak", "--duration", "0"], "--duration must be positive"),
+    (["soak", "--duration", "-5"], "--duration must be positive"),
+    (["soak", "--duration", "10", "--sample-interval", "11"], "--sample-interval"),
+    (["soak", "--duration", "10", "--load", "0"], "--load must be positive"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["bench", *argv]))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert time.monotonic() - t0 < 60  # no engine started
+
+
+def test_soak_without_a_registered_model_exits_2_saying_to_train_one(home, data, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["bench", "soak", "--duration", "10", "--model", "models:/no-such-predictor@champion"]))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "no-such-predictor" in err and "train-predictor --promote" in err and "make demo" in err
+
+
+# --- the pure parts ----------------------------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_error_kinds_and_the_slo_check():
+    assert error_kind(_res(0, 0.0)) is None
+    assert error_kind(_res(0, 0.0, status=429)) == "http_429"
+    assert error_kind(_res(0, 0.0, status=503)) == "http_503"
+    assert error_kind(_res(0, 0.0, status=None, error="ReadTimeout: timed out")) == "ReadTimeout"
+    assert error_kind(_res(0, 0.0, status=200, error="stream error: engine died")) == "stream_error"
+    assert error_kind(_res(0, 0.0, status=200, error="the stream ended without [DONE]")) == "stream_cut"
+    assert meets_slo(_res(0, 0.0, ttft=0.9, jct=0.9 + 10 * 0.1), SLO_)
+    assert not meets_slo(_res(0, 0.0, ttft=1.1, jct=1.2), SLO_)  # first token late
+    assert not meets_slo(_res(0, 0.0, ttft=0.1, jct=0.1 + 10 * 0.11), SLO_)  # tokens too slow on average
+    assert meets_slo(_res(0, 0.0, ttft=0.5, jct=9.0, n=1), SLO_)  # one token: TTFT alone
+    assert not meets_slo(_res(0, 0.0, status=429), SLO_)
+
+
+@pytest.mark.unit
+def test_run_summary_counts_goodput_over_the_run_and_attainment_among_the_accepted():
+    results = [
+        _res(0, 0.0, ttft=0.2, jct=1.0),            # met: 0.08 s a token after the first
+        _res(1, 1.0, ttft=0.3, jct=2.0),            # missed: 0.17 s a token
+        _res(2, 2.0, ttft=2.0, jct=2.4),            # first token late: missed
+        _res(3, 3.0, status=429, jct=0.004),        # refused at once
+        _res(4, 3.5, status=429, jct=0.010),
+        _res(5, 4.0, status=None, error="RemoteProtocolError: peer closed", jct=5.0),  # accepted, then failed
+        _res(6, 5.0, ttft=0.1, jct=0.5, n=11, true_len=12),  # met, but one token short of its true length
+    ]
+    s = run_summary(results, SLO_)
+    assert (s["requests"], s["accepted"], s["rejected_429"], s["completed"]) == (7, 5, 2, 4)
+    assert s["errors"] == {"RemoteProtocolError": 1}  # the 429s are counted apart
+    assert s["met_slo"] == 2  # #0 and #6: #1's tokens came at 0.17 s each
+    assert s["duration_s"] == pytest.approx(9.0)  # first send 0 to #5's end at 4 + 5
+    assert s["goodput_rps"] == pytest.approx(2 / 9.0)
+    assert s["attainment_accepted"] == pytest.approx(2 / 5)
+    assert s["offered_rps"] == pytest.approx(6 / 5.0)
+    assert s["slowest_429_s"] == pytest.approx(0.010)
+    assert s["ttft_p50_s"] == pytest.approx(0.25) and s["ttft_p99_s"] == pytest.approx(1.949, abs=1e-3)
+    assert s["wrong_length"] == 1
+    assert s["peak_in_flight"] == 2  # #5 (4..9) and #6 (5..5.5)
+    empty = run_summary([_res(0, 0.0, status=429, jct=0.01)], SLO_)
+    assert empty["attainment_accepted"] is None and empty["ttft_p50_s"] is None and empty["goodput_rps"] == 0.0
+
+
+@pytest.mark.unit
+def test_peak_in_flight_and_the_verdict():
+    assert peak_in_flight([_res(i, 0.1 * i, jct=1.0) for i in range(5)]) == 5
+    assert peak_in_flight([_res(i, 2.0 * i, jct=1.0) for i in range(5)]) == 1
+    assert peak_in_flight([_res(0, 0.0, jct=1.0), _res(1, 1.0, jct=1.0)]) == 1  # one ends as the next starts
+
+    def row(m, arm, goodput, att, refused=0):
+        return {"multiple": m, "arm": arm, "goodput_rps": goodput, "attainment_accepted": att, "rejected_429": refused}
+
+    runs = [row(0.5, "bounded", 0.5, 1.0), row(1, "bounded", 1.0, 0.97), row(2, "bounded", 0.9, 0.95, 30),
+            row(3, "bounded", 0.85, 0.92, 60), row(0.5, "unbounded", 0.5, 1.0), row(1, "unbounded", 1.0, 0.97),
+            row(2, "unbounded", 0.4, 0.3), row(3, "unbounded", 0.1, 0.05)]
+    v = verdict(runs, 1.2)
+    assert v["holds"] is True and v["bounded"]["min_kept_goodput_past_R"] == pytest.approx(0.85)
+    assert v["bounded"]["rejected_429"] == 90 and v["unbounded"]["min_kept_goodput_past_R"] == pytest.approx(0.1)
+    assert v["unbounded"]["min_attainment_accepted_past_R"] == pytest.approx(0.05)
+    runs[3]["attainment_accepted"] = 0.5  # accepted requests missing their SLO refute it
+    assert verdict(runs, 1.2)["holds"] is False
+    assert verdict([r for r in runs if r["multiple"] > 1], 1.2)["holds"] is None  # nothing at or below R to compare
+
+
+@pytest.mark.unit
+def test_windows_count_sends_and_ends_per_window():
+    results = [_res(0, 0.5, ttft=0.1, jct=1.0),       # sent in 0, ends in 1
+               _res(1, 1.2, ttft=0.2, jct=0.5),       # sent and ends in 1
+               _res(2, 1.9, status=503, jct=0.2),     # fails in 2
+               _res(3, 4.5, ttft=0.4, jct=3.0)]       # sent in 4, ends at 7.5: past end_s, windows go on
+    w = windows(results, 1.0, 5.0)
+    assert len(w) == 8 and [x["t0_s"] for x in w[:3]] == [0.0, 1.0, 2.0]
+    assert [x["sent"] for x in w] == [1, 2, 0, 0, 1, 0, 0, 0]
+    assert [x["completed"] for x in w] == [0, 2, 0, 0, 0, 0, 0, 1]
+    assert w[2]["errors"] == {"http_503": 1} and all(not x["errors"] for i, x in enumerate(w) if i != 2)
+    assert w[1]["ttft_p50_s"] == pytest.approx(0.15) and w[1]["jct_p99_s"] == pytest.approx(0.995)
+    assert w[0]["ttft_p50_s"] is None and w[7]["jct_p50_s"] == pytest.approx(3.0)
+    assert len(windows([], 5.0, 60.0)) == 12
+
+
+@pytest.mark.unit
+def test_growth_compares_the_end_of_warm_up_with_the_end():
+    s = [{"t_s": t, "rss_bytes": 100 + 10 * t, "fds": 20 + (t > 15)} for t in range(0, 31, 5)]
+    g = growth(s, 6.0)
+    assert g["warm_t_s"] == 5 and g["end_t_s"] == 30 and g["samples"] == 7
+    assert g["rss_bytes"] == {"warm": 150, "end": 400, "growth": 250, "growth_pct": pytest.approx(250 / 1.5)}
+    assert g["fds"] == {"warm": 20, "end": 21, "growth": 1, "growth_pct": pytest.approx(5.0)}
+    early = growth(s[1:], 1.0)  # no sample by the end of warm-up: the first one is the baseline
+    assert early["warm_t_s"] == 5
+    gone = s + [{"t_s": 35, "rss_bytes": None, "fds": None}]  # the process exited: its last live sample counts
+    assert growth(gone, 6.0)["end_t_s"] == 30
+    assert growth([{"t_s": 0, "rss_bytes": None, "fds": None}], 6.0) == {"samples": 0}
+
+
+@pytest.mark.unit
+def test_soak_jobs_cycle_the_trace_within_the_duration():
+    from serving.sim.workload import TraceRequest
+
+    reqs = [TraceRequest(i, 0.0, 10 + i, 5 + i, (("user", f"p{i}"),)) for i in range(3)]
+    jobs = soak_jobs(reqs, 2.0, 30.0, 0, 256)
+    assert 30 <= len(jobs) <= 95 and all(0 <= j.arrival < 30.0 for j in jobs)
+    assert [j.arrival for j in jobs] == sorted(j.arrival for j in jobs) and jobs[-1].arrival > 25
+    assert [j.trace_output_tokens for j in jobs[:6]] == [5, 6, 7, 5, 6, 7] and {j.max_tokens for j in jobs} == {256}
+    assert [j.index for j in jobs] == list(range(len(jobs)))
+
+
+def test_tree_stats_sums_a_process_and_its_children(tmp_path):
+    code = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 20
+        while not parent.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rss, fds = tree_stats(proc.pid)
+        child = parent.children()[0]
+        assert rss == pytest.approx(parent.memory_info().rss + child.memory_info().rss, rel=0.2)
+        assert fds >= parent.num_fds() + child.num_fds() - 2
+    finally:
+        for p in [*psutil.Process(proc.pid).children(recursive=True)]:
+            p.kill()
+        proc.kill()
+        proc.wait()
+    assert tree_stats(proc.pid) is None
+
+
+# --- real runs ---------------------------------------------------------------------------------------------------------
+def _bench(argv: list[str], timeout_s: float, log: Path) -> subprocess.CompletedProcess:
+    """``lengthwise bench ...`` as its own process group; on a timeout it is interrupted (its engines, gateways and
+    sidecar stop with it), then killed."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "bench", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            pytest.fail(f"bench {argv[0]} did not finish in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, log.read_text(), "")
+
+
+@pytest.mark.timeout(1500)
+def test_soak_on_the_real_stack(trained, data, tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "soak.json"
+    run = _bench(["soak", "--duration", "60", "--rate", "0.5", "--sample-interval", "5", "--max-requests", "40",
+                  "--calibration-requests", "16", "--model", f"models:/length-predictor/{trained['registered_version']}",
+                  "--json", str(out)], 1400, tmp_path / "soak.log")
+    assert run.returncode == 0, run.stdout[-4000:]
+    res = json.loads(out.read_text())
+    v = res["verdict"]
+    assert v["errors_total"] == 0 and v["errors_by_kind"] == {}, v
+    assert v["wrong_or_lost"] == 0 and v["completed"] == res["requests"] >= 15
+    assert v["prediction_sources"].get("sidecar", 0) > 0, v["prediction_sources"]  # the gateway asked the sidecar
+    assert set(res["samples"]) == {"gateway", "sidecar", "engine-0", "engine-1"}
+    for name, samples in res["samples"].items():
+        assert len(samples) >= 12 and all(s["rss_bytes"] > 0 and s["fds"] > 0 for s in samples), name
+        g = v["processes"][name]
+        assert g["warm_t_s"] <= 12.0 + 1 and g["end_t_s"] >= 60 and set(g["rss_bytes"]) == {"warm", "end", "growth",
+                                                                                              "growth_pct"}
+    assert len(res["windows"]) >= 12 and sum(w["sent"] for w in res["windows"]) == res["requests"]
+    assert sum(w["completed"] for w in res["windows"]) == res["requests"]
+    assert Path(res["png"]).stat().st_size > 10_000 and "RSS warm" in run.stdout
+    assert not any(p.info["cmdline"] and str(out.parent) in " ".join(p.info["cmdline"])
+                   for p in psutil.process_iter(["cmdline"]))  # nothing of the run is left running
+
+
+@pytest.mark.timeout(1500)
+def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "overload.json"
+    run = _bench(["overload", "--multiples", "1,3", "--rate", "1", "--max-requests", "12", "--max-outstanding", "2",
+                  "--calibration-requests", "16", "--json", str(out)], 1400, tmp_path / "overload.log")
+    assert run.returncode == 0, run.stdout[-4000:]
+    res = json.loads(out.read_text())
+    assert res["saturation_rate_rps"] == 1.0 and res["rate_from"] == "--rate"
+    assert [(r["multiple"], r["arm"]) for r in res["runs"]] == [(1, "bounded"), (1, "unbounded"), (3, "bounded"),
+                                                                (3, "unbounded")]
+    for r in res["runs"]:
+        assert r["requests"] == 12 and r["accepted"] + r["rejected_429"] == 12 and r["errors"] == {}, r
+        assert r["wrong_length"] == 0 and r["completed"] == r["accepted"] and r["goodput_rps"] >= 0
+        assert math.isclose(r["rate"], r["multiple"] * 1.0)
+        assert r["bounds"]["gateway_max_outstanding"] == (2 if r["arm"] == "bounded" else 1_000_000)
+    by = {(r["multiple"], r["arm"]): r for r in res["runs"]}
+    assert by[(3, "unbounded")]["rejected_429"] == 0 and by[(3, "unbounded")]["peak_in_flight"] > 2
+    assert by[(3, "bounded")]["rejected_429"] > 0 and by[(3, "bounded")]["peak_in_flight"] <= 2
+    assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
+    assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
+    assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout

@@ -4,5 +4,10 @@
 ``routing.py``            replicas' routing stats as placement views; the placement core decides (no Ray here)
 ``router.py``             ``LengthwiseRequestRouter``: Ray Serve's request router over ``routing.py``, power-of-two
                           choice when the stats are missing or stale
+``engine.py``             an engine replica: vLLM ``AsyncLLM`` with the scheduler plug-in, per-request routing stats
+``ingress.py``            the OpenAI ingress: the gateway's request steps, forwarding through the engine handle
+``sidecar.py``            the length predictor's sidecar app as a deployment
+``app.py``                the application: engines behind the router, the ingress, the sidecar
+``cli.py``                ``lengthwise serve --backend ray``: deploy on a local or existing cluster and serve
 ========================= ===========================================================================
 """

@@ -63,8 +63,9 @@ from serving.sim.workload import TraceRequest, load_workload
 PLACEMENTS = ("round-robin", "jsq", "least-kv", "p2c", "aladdin", "lengthwise")
 TOKENIZER = "tokenizers/gpt2/tokenizer.json"
 BLOCK = 32  # tokens per KV block in every engine, the calibration and the simulator (--kv-blocks counts these)
-EXACT_LENGTH_PROCESSOR = "serving.enginebench.exactlen.ExactLengthLogitsProcessor"
-"""The logits processor every engine loads (``--logits-processors``): it ends each request at its true length."""
+EXACT_LENGTH_PROCESSOR = "serving.enginebench.exactlen:ExactLengthLogitsProcessor"
+"""The logits processor every engine loads (``--logits-processors``, vLLM's ``module:Class`` form): it ends each request
+at its true length."""
 
 
 class FleetBenchConfig(BaseModel):

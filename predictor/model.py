@@ -92,3 +92,33 @@ def merged_for_export(model: LengthClassifier) -> LengthClassifier:
     if hasattr(m.backbone, "merge_and_unload"):
         m.backbone = m.backbone.merge_and_unload()
     return m
+
+
+def layers_kept(teacher_layers: int, layers: int) -> list[int]:
+    """Which of the teacher's encoder layers initialise a student of ``layers`` layers: evenly spaced, first and last
+    included (DistilBERT keeps every other layer; the last layer is the one the head was trained on)."""
+    if not 1 <= layers < teacher_layers:
+        raise ValueError(f"a student needs between 1 and {teacher_layers - 1} layers (the teacher has {teacher_layers}), "
+                         f"not {layers}")
+    if layers == 1:
+        return [teacher_layers - 1]
+    return sorted({round(i * (teacher_layers - 1) / (layers - 1)) for i in range(layers)})
+
+
+def student_of(teacher: LengthClassifier, layers: int) -> LengthClassifier:
+    """A smaller classifier initialised from the trained ``teacher``: its LoRA merged, its embeddings, the encoder layers
+    :func:`layers_kept` picks, and its head; every weight trainable (a student small enough to fine-tune whole).
+
+    Only encoders with a ``encoder.layer`` stack (BERT-like, the default MiniLM) can be cut this way."""
+    import copy
+
+    student = merged_for_export(teacher).train()
+    encoder = getattr(student.backbone, "encoder", None)
+    if encoder is None or not hasattr(encoder, "layer"):
+        raise ValueError(f"distillation cuts a BERT-like encoder's layers; {type(student.backbone).__name__} has none")
+    keep = layers_kept(len(encoder.layer), layers)
+    encoder.layer = nn.ModuleList([copy.deepcopy(encoder.layer[i]) for i in keep])
+    student.backbone.config.num_hidden_layers = len(keep)
+    for p in student.parameters():
+        p.requires_grad_(True)
+    return student

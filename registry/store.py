@@ -173,11 +173,14 @@ def _package_target(package_dir: Path, given: dict | None) -> dict | None:
 
 def package_variant(package_dir: Path) -> str:
     """The graph variant a package ships (``meta.json``'s ``variant``: ``fused`` when it carries the fused graph), else
-    ``fp32``."""
+    ``fp32``; a distilled student's is prefixed with its layers (``student2-fp32``)."""
     try:
-        return str(json.loads((package_dir / META_FILE).read_text()).get("variant") or "fp32")
+        meta = json.loads((package_dir / META_FILE).read_text())
     except (OSError, ValueError):
         return "fp32"
+    variant = str(meta.get("variant") or "fp32")
+    student = meta.get("student")
+    return f"student{student['layers']}-{variant}" if isinstance(student, dict) and "layers" in student else variant
 
 
 def package_routes(package_dir: Path) -> str | None:

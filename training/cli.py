@@ -62,6 +62,23 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _non_negative(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train-predictor", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--output-json", help=_help("output_json", False))
     o.add_argument("--work-dir", help="keep checkpoints, the ONNX package and plots here (default: a temp dir)")
     o.add_argument("--optimize", action="store_true", default=_default("optimize"), help=_help("optimize", False))
+    d = p.add_argument_group("distillation (a smaller, faster student of the trained model)")
+    d.add_argument("--distill-to", type=_positive_int, metavar="LAYERS",
+                   help="also train a student with this many encoder layers (of MiniLM's 6), initialised from the "
+                   "trained model's, on its bucket probabilities and the labels; both are scored on the test split "
+                   "and the student ships only when within --distill-max-top1-drop and --distill-max-tau-drop of it "
+                   "(the report's 'distillation' block says which shipped and what each costs per prediction); "
+                   "default: no student")
+    d.add_argument("--distill-alpha", type=_fraction, default=_default("distill_alpha"), help=_help("distill_alpha"))
+    d.add_argument("--distill-lr", type=_non_negative, default=_default("distill_lr"), help=_help("distill_lr"))
+    d.add_argument("--distill-max-top1-drop", type=_non_negative, default=_default("distill_max_top1_drop"),
+                   help=_help("distill_max_top1_drop"))
+    d.add_argument("--distill-max-tau-drop", type=_non_negative, default=_default("distill_max_tau_drop"),
+                   help=_help("distill_max_tau_drop"))
     o.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -149,7 +179,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         patience=a.patience, seed=a.seed, padding=a.padding, quantile=a.quantile, experiment=a.experiment,
         register=None if a.no_register else a.register, alias=a.alias or None, promote=a.promote, force=a.force,
         output_json=a.output_json, work_dir=a.work_dir, baselines=not a.no_baselines, optimize=a.optimize,
-        route_slices=a.route_slices,
+        route_slices=a.route_slices, distill_to=a.distill_to, distill_alpha=a.distill_alpha, distill_lr=a.distill_lr,
+        distill_max_top1_drop=a.distill_max_top1_drop, distill_max_tau_drop=a.distill_max_tau_drop,
     )
 
 

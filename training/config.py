@@ -62,6 +62,14 @@ class TrainConfig(BaseModel):
     force: bool = Field(False, description="with promote: promote even if worse or not comparable")
     output_json: str | None = Field(None, description="write the final metrics JSON here")
     work_dir: str | None = Field(None, description="keep checkpoints, the ONNX package and plots here (None: a temp dir)")
+    distill_to: int | None = Field(None, ge=1, description="also train a student of N encoder layers (initialised from the "
+                                   "trained model's) on its bucket probabilities and the labels; the student ships when "
+                                   "within distill_max_top1_drop and distill_max_tau_drop of it on the test split")
+    distill_alpha: float = Field(0.5, ge=0.0, le=1.0, description="weight of the teacher's probabilities in the "
+                                 "student's target (the rest: the label)")
+    distill_lr: float = Field(2e-4, gt=0, description="the student's peak learning rate (every weight trains)")
+    distill_max_top1_drop: float = Field(0.01, ge=0, description="top-1 the student may lose and still ship")
+    distill_max_tau_drop: float = Field(0.02, ge=0, description="Kendall tau the student may lose and still ship")
     optimize: bool = Field(False, description="also ship the fused graph (onnxruntime's transformer optimizer) in the "
                                               "package, with its parity, so serving --precision fused or fused-int8 "
                                               "needs no optimizer at start")

@@ -176,10 +176,15 @@ def run(cfg: TrainConfig) -> dict:
     with mlflow.start_run(experiment_id=exp_id) as run_:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
-        package, onnx_pred, parity = _export(cfg, prep, inputs, trained.model, work)
+        model, distilled = trained.model, None
+        if cfg.distill_to:  # a smaller student of the trained model; it replaces it only if as good (training.distill)
+            model, distilled = _distill(cfg, prep, inputs, trained.model, work, run_.info.run_id)
+        shipped = {"student": distilled["student_meta"]} if distilled and distilled["ships"] == "student" else None
+        package, onnx_pred, parity = _export(cfg, prep, inputs, model, work, shipped)
         fitted: dict[str, dict] = {}
         report = evaluate_all(cfg, prep, onnx_pred, inputs.enc, work, fitted)
         report["routes"] = _route(cfg, package, report, fitted)
+        report["distillation"] = distilled
         splits = prep.splits
         report.update(
             onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
@@ -218,7 +223,16 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
     tok = load_backbone_tokenizer(base)
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(base, local_files_only=True).model_type
+    base_config = AutoConfig.from_pretrained(base, local_files_only=True)
+    model_type = base_config.model_type
+    if cfg.distill_to:  # before any training: a student the backbone cannot give is the caller's error
+        from predictor.model import layers_kept
+        from training.data import DataError
+
+        try:
+            layers_kept(int(getattr(base_config, "num_hidden_layers", 0)), cfg.distill_to)
+        except ValueError as exc:
+            raise DataError(f"--distill-to: {exc}") from None
     fmt_in = input_format_for(tok, cfg.max_prompt_tokens, None, cfg.length_hints)
     parts = {"train": splits.train, "val": splits.val, "test": splits.test}
     y = {name: scheme.assign(labels_of(part)) for name, part in parts.items()}
@@ -274,8 +288,9 @@ def _run_params(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, lora: Any) ->
     return params
 
 
-def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path, run_id: str) -> _Trained:
-    """Fit with early stopping on validation accuracy, logging to the open MLflow run; the best checkpoint is loaded back."""
+def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path, run_id: str, prefix: str = "") -> _Trained:
+    """Fit with early stopping on validation accuracy, logging to the open MLflow run (every key under ``prefix-`` when
+    given: a distilled student's curves beside its teacher's); the best checkpoint is loaded back."""
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -283,7 +298,7 @@ def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path
 
     from registry import store
 
-    logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=store.tracking_uri(), run_id=run_id)
+    logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=store.tracking_uri(), run_id=run_id, prefix=prefix)
     ckpt = ModelCheckpoint(dirpath=work / "ckpt", monitor="val_acc", mode="max", save_top_k=1, save_weights_only=True)
     trainer = L.Trainer(
         max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=logger, deterministic=False,
@@ -293,7 +308,7 @@ def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path
     t_train = time.perf_counter()
     trainer.fit(module, train_dl, val_dl)
     train_seconds = time.perf_counter() - t_train
-    epoch_times = [float(v) for v in _metric_history(run_id, "epoch_time_s")]
+    epoch_times = [float(v) for v in _metric_history(run_id, f"{prefix}-epoch_time_s" if prefix else "epoch_time_s")]
     if ckpt.best_model_path:
         state = torch.load(ckpt.best_model_path, map_location="cpu", weights_only=False)["state_dict"]
         module.load_state_dict(state)
@@ -301,26 +316,65 @@ def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path
                     float(ckpt.best_model_score or float("nan")))
 
 
-def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work: Path) -> tuple[Path, Any, float]:
-    """The ONNX package, its predictor, and the largest logit difference from the torch model on test prompts:
-    (package, ONNX predictor, parity)."""
+def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work: Path, extra_meta: dict | None = None,
+            out: Path | None = None, fused: bool = True) -> tuple[Path, Any, float]:
+    """The ONNX package (``out``, default ``work/package``; ``extra_meta`` added to its meta.json), its predictor, and
+    the largest logit difference from the torch model on test prompts: (package, ONNX predictor, parity)."""
     from predictor.runtime import OnnxLengthPredictor
     from training.export import export_package, parity_max_abs_diff
 
     base, splits = inputs.base, prep.splits
-    package = export_package(model, work / "package", base, prep.scheme, inputs.fmt_in, {
+    package = export_package(model, out or work / "package", base, prep.scheme, inputs.fmt_in, {
         "backbone": str(base.name), "model_type": inputs.model_type,
         "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
         "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
+        **(extra_meta or {}),
     }, target=prep.target)
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]
     parity_ids = test_ids[:: max(1, len(test_ids) // 256)][:256]
-    if cfg.optimize:  # the fused graph ships in the package (meta.json records it): serving it needs no optimizer
+    if cfg.optimize and fused:  # the fused graph ships in the package (meta.json records it): serving it needs no optimizer
         from predictor.runtime import add_fused_variant
 
         add_fused_variant(package, parity_ids)
     return package, onnx_pred, parity_max_abs_diff(model, onnx_pred, parity_ids)
+
+
+def _distill(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, teacher: Any, work: Path, run_id: str) -> tuple[Any, dict]:
+    """Train a student of ``cfg.distill_to`` layers on the teacher's probabilities and the labels, export both, score
+    both on the test rows and keep the one :func:`training.distill.judge` picks: (that model, the report's block)."""
+    import mlflow
+
+    from predictor.model import layers_kept, student_of
+    from predictor.runtime import OnnxLengthPredictor
+    from training.distill import describe, judge, package_dir, score, student_targets, teacher_probs
+    from training.module import LengthModule, make_loader
+
+    enc, pad_id, n = inputs.enc, inputs.fmt_in.pad_id, inputs.lengths
+    t0 = time.perf_counter()
+    targets = student_targets(inputs.y["train"], teacher_probs(teacher, [e.ids for e in enc["train"]], pad_id),
+                              cfg.distill_alpha)
+    teacher_layers = int(teacher.backbone.config.num_hidden_layers)
+    student = student_of(teacher, cfg.distill_to)
+    module = LengthModule(student, prep.scheme.centers, lr=cfg.distill_lr, rank_loss_weight=cfg.rank_loss_weight)
+    train_dl = make_loader([e.ids for e in enc["train"]], targets.tolist(), pad_id, cfg.batch_size, True, cfg.seed,
+                           n["train"].tolist())
+    val_dl = make_loader([e.ids for e in enc["val"]], inputs.y["val"].tolist(), pad_id, 64, False, cfg.seed,
+                         n["val"].tolist())
+    trained = _train(cfg, module, train_dl, val_dl, work / "student", run_id, prefix="student")
+    y_len = labels_of(prep.splits.test).astype(np.float64)
+    scores = {}
+    for role, model in (("teacher", teacher), ("student", trained.model)):
+        pkg, _, _ = _export(cfg, prep, inputs, model, work, out=package_dir(work, role), fused=False)
+        scores[role] = score(OnnxLengthPredictor(pkg), enc["test"], y_len, prep.scheme, cfg.padding)
+    verdict = judge(scores["teacher"], scores["student"], cfg.distill_max_top1_drop, cfg.distill_max_tau_drop)
+    meta = describe(cfg.distill_to, teacher_layers, layers_kept(teacher_layers, cfg.distill_to), cfg.distill_alpha)
+    mlflow.log_metrics({f"distill_{role}_{k}": v for role, m in scores.items() for k, v in m.items()})
+    mlflow.set_tag("distill_ships", verdict.ships)
+    log.info("distillation: the %s ships (%s)", verdict.ships, verdict.reason)
+    block = dict(verdict.to_dict(), student_meta=meta, student_train_seconds=trained.train_seconds,
+                 student_epochs_run=trained.epochs_run, seconds=time.perf_counter() - t0)
+    return (trained.model if verdict.ships == "student" else teacher), block
 
 
 def _route(cfg: TrainConfig, package: Path, report: dict, fitted: dict[str, dict]) -> dict | None:

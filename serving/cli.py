@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from serving.argtypes import OneLineParser
@@ -168,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_relabel(sub)
     from serving.gateway.cli import add_parser as add_serve
+    from serving.gateway.cli import run as run_serve
 
-    add_serve(sub)
+    add_serve(sub).set_defaults(func=functools.partial(run_serve, backends={"ray": _serve_ray}))
     from serving.replay import add_parser as add_replay
 
     add_replay(sub)
@@ -280,6 +282,13 @@ def _one_line(exc: BaseException) -> str:
         e = exc.errors()[0]
         return f"policy setting {'.'.join(map(str, e['loc']))}: {e['msg']}"
     return " ".join(str(exc).split())
+
+
+def _serve_ray(settings, a: argparse.Namespace) -> int:
+    """``lengthwise serve --backend ray``: the Ray Serve application (serving/ray), imported only when asked for."""
+    from serving.ray.cli import serve_ray
+
+    return serve_ray(settings, a.ray_address, a.ray_predictor_model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
@@ -416,8 +417,9 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
                          "first or raise --engine-start-timeout") from None
 
 
-def run(a: argparse.Namespace) -> int:
-    """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us."""
+def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings, argparse.Namespace], int]] | None = None) -> int:
+    """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us. ``backends``:
+    what serves ``--backend NAME`` other than ``http`` (given the checked settings and the arguments)."""
     from serving.gateway.launcher import EngineStartError, start_engines, stop_engines, wait_healthy
 
     try:
@@ -426,12 +428,15 @@ def run(a: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"lengthwise serve: error: {exc}", file=sys.stderr)
         return 2
-    if getattr(a, "backend", "http") == "ray":
-        # the Ray backend sits above the gateway (it reuses its request steps): looked up by name, so the gateway's
-        # modules keep importing nothing of it
-        import importlib
-
-        return importlib.import_module("serving.ray.cli").serve_ray(settings, a.ray_address, a.ray_predictor_model)
+    backend = getattr(a, "backend", "http")
+    if backend != "http":
+        # another backend sits above the gateway (the Ray one reuses its request steps), so the gateway imports nothing
+        # of it: the top-level CLI hands it in (serving/cli.py)
+        serve_other = (backends or {}).get(backend)
+        if serve_other is None:
+            print(f"lengthwise serve: error: --backend {backend} is not available in this command", file=sys.stderr)
+            return 2
+        return serve_other(settings, a)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -104,9 +104,17 @@ class KeyMiddleware:
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
                predictor_target: TargetCheck | None = None) -> FastAPI:
-    """The app over a :class:`~serving.gateway.gateway.Gateway` with these arguments (see there); its routes call the
-    gateway's methods, and the app adds the lifespan, the error handlers and the HTTP around each request."""
-    gw = Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target)
+    """The app over a :class:`~serving.gateway.gateway.Gateway` with these arguments (see there)."""
+    return gateway_app(Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target))
+
+
+def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
+                description: str = "OpenAI-compatible endpoint in front of vLLM engines running the lengthwise scheduler."
+                ) -> FastAPI:
+    """The FastAPI app over ``gw`` (this gateway, or a subclass that forwards elsewhere, as the Ray Serve ingress does):
+    its routes call the gateway's methods, and the app adds the lifespan, the error handlers, the published contract
+    (:mod:`serving.gateway.openapi`) and the HTTP around each request."""
+    settings = gw.settings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -114,8 +122,7 @@ def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
         yield
         await gw.aclose()
 
-    app = FastAPI(title="lengthwise gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="OpenAI-compatible endpoint in front of vLLM engines running the lengthwise scheduler.")
+    app = FastAPI(title=title, version="1", lifespan=lifespan, docs_url=None, redoc_url=None, description=description)
     app.state.gateway, app.state.pool, app.state.metrics = gw, gw.pool, gw.metrics
     app.add_middleware(KeyMiddleware, gateway=gw)
 

@@ -19,20 +19,19 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import Response
 from ray import serve
 from starlette.responses import StreamingResponse
 
-from serving.gateway.app import KeyMiddleware, read_body, unless_client_leaves
-from serving.gateway.errors import ApiError, error_body
+from serving.gateway.app import gateway_app
+from serving.gateway.errors import ApiError
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call, Gateway, Waiter
-from serving.gateway.requests import ClientRequest, Kind
+from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
 from serving.placement import Job
@@ -151,55 +150,11 @@ class RayGateway(Gateway):
 
 
 def create_ingress_app(settings: GatewaySettings, engine: Any) -> FastAPI:
-    """The ingress's FastAPI app (the HTTP gateway's routes and error handling) over a :class:`RayGateway`."""
-    gw = RayGateway(settings, engine)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await gw.start()
-        yield
-        await gw.aclose()
-
-    app = FastAPI(title="lengthwise gateway (Ray Serve)", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.gateway = gw
-    app.add_middleware(KeyMiddleware, gateway=gw)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        gw.count(request.url.path, 500)
-        return JSONResponse(error_body(f"internal gateway error ({type(exc).__name__}); see the ingress log", "server_error"),
-                            status_code=500)
-
-    async def generate(request: Request, kind: Kind) -> Response:
-        call = Call(kind)
-        try:
-            raw = await read_body(request, settings.max_body_bytes)
-            return await gw.serve(call, raw, request.headers, lambda answer: unless_client_leaves(request, answer))
-        except ApiError as exc:
-            return gw.refused(call, exc)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate(request, "chat")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return await gw.models()
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse(gw.health())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
+    """The ingress's FastAPI app: the HTTP gateway's app (routes, error handling, published contract) over a
+    :class:`RayGateway`."""
+    return gateway_app(RayGateway(settings, engine), title="lengthwise gateway (Ray Serve)",
+                       description="OpenAI-compatible endpoint in front of vLLM engine replicas on Ray Serve, placed by "
+                                   "predicted length.")
 
 
 @serve.ingress()

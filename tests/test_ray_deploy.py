@@ -1,0 +1,79 @@
+"""The Serve config file's applications build from their import paths and args, as ``serve run``/KubeRay builds them.
+
+No cluster: Ray validates the file with its own schema (``ServeDeploySchema``), imports each ``import_path``, calls the
+builder with ``args`` and builds the application into its deployments (``build_app``), which is what the controller
+deploys. What is checked is what got built: the engine deployment's replicas, resources and request router with the
+configured placement, the ingress's settings (the predictor URL), the sidecar's model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+CONFIG = Path(__file__).resolve().parents[1] / "serving/ray/serve_config.yaml"
+
+
+def _build(app_cfg):
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve._private.build_app import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg.import_path), app_cfg.args)
+    built = build_app(app, name=app_cfg.name, route_prefix=app_cfg.route_prefix)
+    return {d.name: d for d in built.deployments}, built
+
+
+@pytest.mark.unit
+def test_the_example_config_builds_the_applications():
+    from ray.serve.schema import ServeDeploySchema
+
+    from serving.gateway.settings import GatewaySettings
+    from serving.ray.router import LengthwiseRequestRouter
+
+    cfg = ServeDeploySchema.parse_obj(yaml.safe_load(CONFIG.read_text()))
+    apps = {a.name: a for a in cfg.applications}
+    assert set(apps) == {"predictor", "lengthwise"} and apps["lengthwise"].route_prefix == "/"
+
+    deps, built = _build(apps["lengthwise"])
+    assert set(deps) == {"engine", "ingress"} and built.ingress_deployment_name == "ingress"
+    engine = deps["engine"]
+    assert engine.num_replicas == 2 and engine.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
+    router = engine._deployment_config.request_router_config
+    assert router.get_request_router_class() is LengthwiseRequestRouter
+    assert router.request_router_kwargs["placement"] == "lengthwise"
+    settings = deps["ingress"].init_args[0]
+    assert isinstance(settings, GatewaySettings)
+    assert settings.predictor_url == "http://127.0.0.1:8000/predictor" and settings.engines == 2
+    assert "--scheduler-cls" in " ".join(engine.init_args[0]) and "./SmolLM2-135M-Instruct" in engine.init_args[0]
+
+    deps, _ = _build(apps["predictor"])
+    assert set(deps) == {"sidecar"} and deps["sidecar"].init_args[0] == {"model": "models:/length-predictor@champion"}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("args", "says"), [
+    ({"model": "m", "engines": 0}, "engines"),
+    ({"model": "m", "placement": "no-such-placement"}, "placement"),
+    ({"model": "m", "engine_urls": ["http://127.0.0.1:9"]}, "starts its own engine replicas"),
+    ({"engines": 2}, "give --model"),
+    ({"model": "m", "engine_gpus": -1}, "engine_gpus"),
+    ({"model": "m", "no_such_field": 1}, "no_such_field"),
+])
+def test_bad_args_fail_the_build_naming_the_field(args, says):
+    from serving.ray.deploy import gateway
+
+    with pytest.raises(ValueError, match=says):
+        gateway(args)
+
+
+@pytest.mark.unit
+def test_bad_sidecar_args_fail_the_build():
+    from serving.ray.deploy import predictor
+
+    with pytest.raises(ValueError, match="no_such_field"):
+        predictor({"model": "x", "no_such_field": 1})

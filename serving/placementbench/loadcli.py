@@ -100,6 +100,9 @@ def add_soak_parser(bench_sub) -> argparse.ArgumentParser:
                    help="the sidecar's predictor: models:/NAME@ALIAS, models:/NAME/VERSION or a package directory "
                         "(default: %(default)s)")
     p.add_argument("--placement", default="lengthwise", help="the gateway's placement (default: %(default)s)")
+    p.add_argument("--predictor-timeout-ms", type=float, metavar="MS",
+                   help="the gateway's prediction timeout, past which a request runs on the fallback length (default: "
+                        "the gateway's own); the JSON counts the fallbacks either way")
     _fleet_args(p, 160, 64, "distinct prompts of the trace, cycled")
     p.add_argument("--json", default="bench-results/soak/bench_soak.json", help="(default: %(default)s; the PNG beside it)")
     p.set_defaults(func=run_soak_cli)
@@ -182,7 +185,7 @@ def _soak_config(a: argparse.Namespace):
     fleet = _fleet_config(a, [a.placement])
     registered(a.model)  # last: it loads MLflow
     return SoakConfig(duration_s=a.duration, load=a.load, sample_interval_s=a.sample_interval, model=a.model,
-                      placement=a.placement, fleet=fleet)
+                      placement=a.placement, predictor_timeout_ms=a.predictor_timeout_ms, fleet=fleet)
 
 
 def run_overload_cli(a: argparse.Namespace) -> int:

@@ -57,6 +57,8 @@ class SoakConfig(BaseModel):
     sample_interval_s: float = Field(5.0, gt=0, description="seconds between samples, and the width of a window")
     model: str = "models:/length-predictor@champion"
     placement: str = "lengthwise"
+    predictor_timeout_ms: float | None = Field(None, gt=0, description="the gateway's --predictor-timeout-ms (default: "
+                                               "the gateway's own)")
     fleet: FleetBenchConfig
 
 
@@ -223,6 +225,8 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
         with running_sidecar(cfg.model, fleet.work) as (sc_url, sc):
             port = free_port()
             args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [], predictor_url=sc_url)
+            if cfg.predictor_timeout_ms is not None:
+                args += ["--predictor-timeout-ms", f"{cfg.predictor_timeout_ms:g}"]
             with running_gateway(args, port, fleet.work / "gateway.log") as (url, gw):
                 pids = {"gateway": gw.pid, "sidecar": sc.pid, **{p.name: p.proc.pid for p in fleet.procs}}
                 console.print(f"[bold]soak[/]: {len(jobs)} requests at {rate:.3g} req/s for {cfg.duration_s:g} s "

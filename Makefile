@@ -38,7 +38,7 @@ demo: setup
 
 # Everything CI runs: the lint, then every test (unit tier, real data, real engines, servers, MLflow).
 test: setup lint
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 # The unit tier alone: no data, no engine process, no server, no MLflow (policy core, placement, latency models,
 # buckets, batcher, the plug-in against vLLM's scheduler class); under 2 minutes on 2 cores.

@@ -143,6 +143,7 @@ def test_router_ranks_the_cores_choice_first_and_forgets_completed_requests():
         ranks = await router.choose_replicas(router._replicas_list, _pending({"rid": "x", "prompt_len": 10, "pred_len": 10}))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["b"], ["a"]]
         assert router.fallbacks == {} and len(router._sent) == 1
+        assert router.timing()["decisions"] == 1 and router.timing()["choose_s"] > 0
         router.on_request_completed(b.replica_id, "req-1")
         assert router._sent == {}
 
@@ -160,6 +161,10 @@ def test_router_without_stats_is_power_of_two_and_counts_it():
         ranks = await router.choose_replicas(router._replicas_list, _pending(None, "q-none"))
         assert len(ranks[0]) == 2
         assert router.fallbacks == {"no_report": 5, "no_hint": 1} and router._sent == {}
+        from serving.ray.router import router_timings
+
+        mine = router_timings()["LengthwiseRequestRouter"]  # this process's routers: this one and the test above's
+        assert mine["decisions"] >= 6 and mine["fallbacks"]["no_report"] >= 5
 
     asyncio.run(main())
 

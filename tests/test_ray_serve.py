@@ -8,14 +8,14 @@ sidecar deployment; and the requests spread over both engine replicas (counted p
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.ray_app import RayApp, start_app
 
 pytest.importorskip("ray")
 pytest.importorskip("vllm")
@@ -24,39 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ray_app(model_dir, data, tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from serving.gateway.settings import GatewaySettings
-    from serving.ray.app import run
-    from tests.tiny_package import tiny_packages
-
-    work = tmp_path_factory.mktemp("ray-serve")
-    pkg = tiny_packages(work / "pkg", data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "LENGTHWISE_HOME": str(work / "home"), "LENGTHWISE_DATA": str(data)}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _temp_dir=str(work / "ray"), runtime_env={"env_vars": env})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = GatewaySettings(
-            model=str(model_dir), engines=2, placement="lengthwise", predictor_timeout_ms=2000,
-            engine_args=["--load-format dummy", "--enforce-eager", "--max-model-len 2048", "--max-num-seqs 8", "--seed 0"])
-        t0 = time.time()
-        run(settings, sidecar={"model": str(pkg), "reload_interval": 0, "feedback_store": False})
-        print(f"application up in {time.time() - t0:.0f} s")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def ray_app(model_dir, data, tmp_path_factory) -> Iterator[RayApp]:
+    with start_app(model_dir, data, tmp_path_factory.mktemp("ray-serve")) as app:
+        yield app
 
 
 def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
     from openai import OpenAI
 
-    client = OpenAI(base_url=ray_app + "/v1", api_key="none", timeout=180, max_retries=0)
+    client = OpenAI(base_url=ray_app.url + "/v1", api_key="none", timeout=180, max_retries=0)
     lengths = [3, 7, 12, 20, 5, 16, 9, 24, 4, 11, 30, 6]
 
     def one(i: int) -> tuple[int, int, str]:
@@ -77,7 +53,7 @@ def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
     assert [got for _, got, _ in results] == lengths
     assert {how for _, _, how in results if how != "stream"} == {"sidecar"}, results
 
-    health = httpx.get(ray_app + "/health", timeout=30).json()
+    health = httpx.get(ray_app.url + "/health", timeout=30).json()
     served = health["served_by_engine"]
     print("requests per engine replica:", served)
     assert sum(served.values()) == len(lengths) and len(served) == 2 and min(served.values()) >= 1, served
@@ -85,9 +61,9 @@ def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
 
 
 def test_bad_input_is_a_4xx_with_a_message(ray_app):
-    r = httpx.post(ray_app + "/v1/completions", content=b"{not json", timeout=30)
+    r = httpx.post(ray_app.url + "/v1/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
-    r = httpx.post(ray_app + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"}, timeout=30)
+    r = httpx.post(ray_app.url + "/v1/completions", json={"model": "no-such-model", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
 
 
@@ -96,6 +72,6 @@ def test_cli_refuses_what_does_not_apply_in_one_line():
 
     lengthwise = str(Path(os.sys.executable).parent / "lengthwise")
     r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--engine-url", "http://127.0.0.1:9"], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "--backend ray starts its own engine replicas" in r.stderr

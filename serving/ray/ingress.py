@@ -5,8 +5,15 @@ validate → SLO headers → prompt tokens → predict through the sidecar → d
 engine's headers → the request as placement sees it → forward → feedback and headers). Only the last step differs:
 :meth:`RayGateway.forward` sends the engine body through the engine deployment's handle, with the request's
 :class:`~serving.ray.routing.RouteHint` (its id, prompt tokens and predicted length) as the ``route`` keyword, where
-:class:`~serving.ray.router.LengthwiseRequestRouter` reads it. Placement, retries on another engine and engine health
-are Ray's here (its router, its replica health checks), not the gateway pool's, so the pool stays empty.
+:class:`~serving.ray.router.LengthwiseRequestRouter` reads it. Placement and engine health are Ray's here (its
+router, its replica health checks and restarts), not the gateway pool's, so the pool stays empty.
+
+A replica that dies under a request (its actor or process gone: ``RayActorError``) is handled as the HTTP gateway
+handles a failed engine: while the client has seen nothing (a non-streamed request before its whole answer, a stream
+before its first event) the request is sent again, to whichever replica Ray's router picks now (it drops a dead replica
+at once), up to ``max(2, engines)`` tries, then a 503 in OpenAI's error format; a stream that already sent events ends
+with an error event and ``[DONE]``. Both are counted (``engine_retries`` and ``stream_errors`` on ``/health`` and in the
+gateway's metrics).
 
 Streams are relayed with the gateway's SSE relay (:class:`~serving.gateway.sse.StreamRelay`: the usage chunk the
 gateway asked for on its own behalf is dropped again, the actual length feeds the sidecar).
@@ -18,16 +25,17 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from ray import serve
+from ray.exceptions import RayActorError, RayError, WorkerCrashedError
 from starlette.responses import StreamingResponse
 
 from serving.gateway.app import gateway_app
-from serving.gateway.errors import ApiError
+from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call, Gateway, Waiter
@@ -35,9 +43,11 @@ from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
 from serving.placement import Job
+from serving.ray.router import router_timings
 from serving.ray.routing import ROUTE_KWARG, RouteHint
 
 log = logging.getLogger("serving.ray")
+REPLICA_GONE = (RayActorError, WorkerCrashedError)  # the replica (its actor, its process) is gone: retry elsewhere
 
 
 async def _lines(chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
@@ -59,6 +69,8 @@ class RayGateway(Gateway):
         super().__init__(settings.model_copy(update={"engine_urls": [], "prefill_urls": []}), engine_urls=[])
         self.engine = engine
         self.served: dict[str, int] = {}  # answers by engine replica
+        self.retries = 0  # requests sent again because their replica died before the client saw anything
+        self.stream_errors = 0  # streams cut by a replica that died after their first event
 
     async def start(self) -> None:
         """The tokenizer and the sidecar watchers as the HTTP gateway starts them; the models from an engine replica."""
@@ -74,26 +86,56 @@ class RayGateway(Gateway):
 
     async def forward(self, call: Call, req: ClientRequest, body: dict[str, Any], headers: dict[str, str], job: Job,
                       wait: Waiter) -> Response | None:
-        hint = RouteHint(call.rid, job.prompt_len, job.pred_len)
-        gen = self.engine.options(stream=True).generate.remote(
-            req.path, json.dumps(body).encode(), {"content-type": "application/json", **headers}, **{ROUTE_KWARG: hint.as_dict()})
+        hint = RouteHint(call.rid, job.prompt_len, job.pred_len).as_dict()
+        raw, hdrs = json.dumps(body).encode(), {"content-type": "application/json", **headers}
+
+        def send() -> Any:
+            return self.engine.options(stream=True).generate.remote(req.path, raw, hdrs, **{ROUTE_KWARG: hint})
+
         if req.stream:
-            return await self._stream(call, req, gen)
-        return await wait(self._unary(call, req, gen))
+            return await self._stream(call, req, send)
+        return await wait(self._unary(call, req, send))
+
+    def _tries(self) -> int:
+        return max(2, self.settings.engines)
+
+    def _gone(self, exc: BaseException, engine: str | None, tries: int, rid: str) -> None:
+        """A replica died under a request the client has seen nothing of: count it, or give up after ``tries``."""
+        self.metrics.engine_retries.labels(engine or "?", "replica_died").inc()
+        self.retries += 1
+        if tries >= self._tries():
+            raise ApiError(503, f"no engine replica could answer: {tries} died under this request (last: "
+                                f"{type(exc).__name__}); retry later", code="engine_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        log.warning("request %s: engine replica %s died before answering (%s); sending it again", rid, engine or "?",
+                    type(exc).__name__)
 
     async def _start(self, gen: Any) -> tuple[int, dict[str, str]]:
         try:
-            status, headers = await gen.__anext__()
+            return await gen.__anext__()
         except StopAsyncIteration:
             raise ApiError(502, "the engine replica closed the answer before it began", code="engine_error") from None
-        name = headers.get("x-lengthwise-engine", "?")
-        self.served[name] = self.served.get(name, 0) + 1
-        return status, headers
 
-    async def _unary(self, call: Call, req: ClientRequest, gen: Any) -> Response:
-        status, headers = await self._start(gen)
-        content = b"".join([chunk async for chunk in gen])
-        out = Outcome(status, headers.get("x-lengthwise-engine"))
+    def _served(self, engine: str | None) -> None:
+        name = engine or "?"
+        self.served[name] = self.served.get(name, 0) + 1
+
+    async def _unary(self, call: Call, req: ClientRequest, send: Callable[[], Any]) -> Response:
+        """The whole answer; a replica that dies before it is complete costs a retry (the client saw nothing)."""
+        tries = 0
+        while True:
+            tries += 1
+            engine = None
+            try:
+                gen = send()
+                status, headers = await self._start(gen)
+                engine = headers.get("x-lengthwise-engine")
+                content = b"".join([chunk async for chunk in gen])
+                break
+            except REPLICA_GONE as exc:
+                self._gone(exc, engine, tries, call.rid)
+        self._served(engine)
+        out = Outcome(status, engine)
         if status == 200:
             try:
                 answer = json.loads(content)
@@ -105,31 +147,56 @@ class RayGateway(Gateway):
         return Response(content, status_code=status, media_type=headers.get("content-type", "application/json"),
                         headers={"x-lengthwise-engine": out.engine or "?"})
 
-    async def _stream(self, call: Call, req: ClientRequest, gen: Any) -> Response:
-        status, headers = await self._start(gen)
-        engine = headers.get("x-lengthwise-engine")
-        if status != 200:  # vLLM's refusal, whole
-            content = b"".join([chunk async for chunk in gen])
-            self.finished(call, req, Outcome(status, engine))
-            return Response(content, status_code=status, media_type=headers.get("content-type", "application/json"))
+    async def _stream(self, call: Call, req: ClientRequest, send: Callable[[], Any]) -> Response:
+        """The stream, once its first event came (a replica that dies before that costs a retry); a replica that dies
+        after that ends the client's stream with an error event and ``[DONE]`` (the client holds half an answer)."""
+        tries = 0
+        while True:
+            tries += 1
+            engine = None
+            try:
+                gen = send()
+                status, headers = await self._start(gen)
+                engine = headers.get("x-lengthwise-engine")
+                if status != 200:  # vLLM's refusal, whole
+                    content = b"".join([chunk async for chunk in gen])
+                    self._served(engine)
+                    self.finished(call, req, Outcome(status, engine))
+                    return Response(content, status_code=status, media_type=headers.get("content-type", "application/json"))
+                events = sse_data(_lines(gen))
+                first = await anext(events, None)
+                break
+            except REPLICA_GONE as exc:
+                self._gone(exc, engine, tries, call.rid)
+        self._served(engine)
         relay = StreamRelay(req.wants_usage)
 
-        async def events() -> AsyncIterator[bytes]:
+        async def relayed() -> AsyncIterator[bytes]:
             out = Outcome(200, engine)
             try:
-                async for data in sse_data(_lines(gen)):
+                data = first
+                while data is not None:
                     piece = relay.relay(data)
                     if piece is not None:
                         yield piece
+                    data = await anext(events, None)
+            except RayError as exc:
+                if not relay.done:
+                    out.status = 502
+                    self.metrics.stream_errors.labels(engine or "?").inc()
+                    self.stream_errors += 1
+                    log.warning("stream %s cut after %d events: engine replica %s failed (%s)", call.rid, relay.events,
+                                engine, type(exc).__name__)
+                    yield sse_error(f"the engine replica failed after part of the answer was sent: {type(exc).__name__}")
             finally:
                 out.completion_tokens, out.finish_reason = relay.completion_tokens, relay.finish_reason
                 out.first_token_at = relay.first_token_at
                 if not relay.done:
-                    out.status = 499
+                    out.status = 499 if out.status == 200 else out.status
                     gen.cancel()
                 self.finished(call, req, out)
 
-        return StreamingResponse(events(), status_code=200, media_type="text/event-stream",
+        return StreamingResponse(relayed(), status_code=200, media_type="text/event-stream",
                                  headers={"x-lengthwise-engine": engine or "?"})
 
     async def models(self) -> Response:
@@ -143,6 +210,7 @@ class RayGateway(Gateway):
         reasons = [] if state in ("ok", "none", "unchecked") else [down]
         body = {"status": "degraded" if reasons else "ok", "reasons": reasons, "backend": "ray",
                 "healthy_engines": 1 if self.pool.known_models else 0, "served_by_engine": dict(self.served),
+                "engine_retries": self.retries, "stream_errors": self.stream_errors, "routers": router_timings(),
                 "predictor_url": self.settings.predictor_url, "predictor": {"state": state, "detail": detail},
                 "placement": self.settings.placement, "inflight": self.admission.inflight}
         self.count("/health", 200)

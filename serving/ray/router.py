@@ -19,12 +19,18 @@ not reported complete are added to each replica's view until the replica reports
 
 Configuration (``request_router_kwargs``, JSON): ``placement`` (a placement name), ``stale_after_s``, ``seed``,
 ``others_pred_len``, ``ttft_s``, ``atgt_s``.
+
+**Overhead.** Every router here times its ``choose_replicas`` (:class:`RouterTiming`: decisions and seconds, kept per
+process in :data:`ROUTERS` and in the Ray metric ``lengthwise_ray_router_choose_seconds``), and so does
+:class:`TimedPowerOfTwoRouter`, Ray's default router with only that timing added, the baseline ``lengthwise bench ray``
+compares against. The ingress reports both on ``/health`` (``routers``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -35,9 +41,63 @@ from serving.placement import Job
 from serving.ray.routing import ROUTE_KWARG, RouteHint, StatsPlacement
 
 log = logging.getLogger("serving.ray")
+ROUTERS: weakref.WeakSet[RouterTiming] = weakref.WeakSet()  # the timed routers of this process (one per handle)
 
 
-class LengthwiseRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+class RouterTiming:
+    """Decisions made and seconds spent in ``choose_replicas`` by one router (Ray may call it again for a request whose
+    chosen replicas were all full: each call counts)."""
+
+    decisions: int = 0
+    choose_s: float = 0.0
+    _hist: Any = None
+
+    def _timed(self, seconds: float) -> None:
+        if not self.decisions:
+            ROUTERS.add(self)
+            try:
+                from ray.util.metrics import Histogram
+
+                self._hist = Histogram("lengthwise_ray_router_choose_seconds", "time in the engine router's choose_replicas",
+                                       boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1],
+                                       tag_keys=("router",))
+            except Exception:  # noqa: BLE001 - metrics are optional (no Ray metrics agent in this process)
+                self._hist = None
+        self.decisions += 1
+        self.choose_s += seconds
+        if self._hist is not None:
+            self._hist.observe(seconds, tags={"router": type(self).__name__})
+
+    def timing(self) -> dict[str, Any]:
+        return {"decisions": self.decisions, "choose_s": self.choose_s,
+                "fallbacks": dict(getattr(self, "fallbacks", {}) or {})}
+
+
+def router_timings() -> dict[str, dict[str, Any]]:
+    """The timed routers of this process by class name (several of one class summed)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in list(ROUTERS):
+        t, o = r.timing(), out.setdefault(type(r).__name__, {"decisions": 0, "choose_s": 0.0, "fallbacks": {}})
+        o["decisions"] += t["decisions"]
+        o["choose_s"] += t["choose_s"]
+        for k, v in t["fallbacks"].items():
+            o["fallbacks"][k] = o["fallbacks"].get(k, 0) + v
+    return out
+
+
+class TimedPowerOfTwoRouter(RouterTiming, PowerOfTwoChoicesRequestRouter):
+    """Ray Serve's default router (power-of-two choice), unchanged but for the timing of its decisions."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
+        try:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        finally:
+            self._timed(time.perf_counter() - t0)
+
+
+class LengthwiseRequestRouter(RouterTiming, LocalityMixin, MultiplexMixin, RequestRouter):
     """Ranks replicas with the configured placement policy over their routing stats; power-of-two choice without them."""
 
     def initialize_state(self, placement: str = "lengthwise", stale_after_s: float = 6.0, seed: int = 0,
@@ -68,6 +128,14 @@ class LengthwiseRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
+        try:
+            return await self._choose(candidate_replicas, pending_request)
+        finally:
+            self._timed(time.perf_counter() - t0)
+
+    async def _choose(self, candidate_replicas: list[RunningReplica],
+                      pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         if not hasattr(self, "placement"):  # Ray calls initialize_state only with kwargs; be usable without
             self.initialize_state()
         hint = RouteHint.parse(pending_request.kwargs.get(ROUTE_KWARG)) if pending_request is not None else None

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.loopbench import add_parser as add_bench_loop
 
     add_bench_loop(bsub)
+    from serving.placementbench.raycli import add_parser as add_bench_ray
+
+    add_bench_ray(bsub)
 
     _add_simulate(sub)
     add_scale_parser(sub)

@@ -161,7 +161,7 @@ def test_router_without_stats_is_power_of_two_and_counts_it():
         ranks = await router.choose_replicas(router._replicas_list, _pending(None, "q-none"))
         assert len(ranks[0]) == 2
         assert router.fallbacks == {"no_report": 5, "no_hint": 1} and router._sent == {}
-        from serving.ray.router import router_timings
+        from serving.ray.timing import router_timings
 
         mine = router_timings()["LengthwiseRequestRouter"]  # this process's routers: this one and the test above's
         assert mine["decisions"] >= 6 and mine["fallbacks"]["no_report"] >= 5
@@ -226,6 +226,12 @@ def _app(serve, placement: str):
     return serve.run(dep.bind(), name=placement, route_prefix=None)
 
 
+def _decisions() -> int:
+    from serving.ray.timing import router_timings
+
+    return router_timings().get("LengthwiseRequestRouter", {}).get("decisions", 0)
+
+
 def _core_choice(placement: str) -> int:
     """Rank of the replica the placement core picks for a new request over what the two replicas report."""
     views = [Instance("r0", kv_tokens=8192), Instance("r1", kv_tokens=8192)]
@@ -246,6 +252,10 @@ def test_live_requests_go_where_the_core_says(serve_cluster, placement):
     assert len(seen) == 2, f"both replicas report routing stats: {seen}"
     time.sleep(1.0)  # the controller pushes the latest stats to the handle's router
     want = _core_choice(placement)
+    before = _decisions()
     got = [handle.remote(route=RouteHint(f"lw-{placement}-{i}", 50, 40.0).as_dict()).result(timeout_s=30) for i in range(20)]
     assert got == [want] * 20, f"{placement}: the core picks rank {want}; the router sent {got}"
+    # the handle's router is Ray's copy of the class (its module pickled by value): its timing still reaches this process's
+    # registry, where the ingress's /health reads it
+    assert _decisions() - before >= 20
     serve_cluster.delete(placement)

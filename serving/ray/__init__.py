@@ -3,7 +3,8 @@
 ========================= ===========================================================================
 ``routing.py``            replicas' routing stats as placement views; the placement core decides (no Ray here)
 ``router.py``             ``LengthwiseRequestRouter``: Ray Serve's request router over ``routing.py``, power-of-two
-                          choice when the stats are missing or stale; both routers time their decisions
+                          choice when the stats are missing or stale; Ray's default router, timed (the bench's baseline)
+``timing.py``             the routers' time in ``choose_replicas``, shared with the ingress's ``/health``
 ``engine.py``             an engine replica: vLLM ``AsyncLLM`` with the scheduler plug-in, per-request routing stats
 ``ingress.py``            the OpenAI ingress: the gateway's request steps, forwarding through the engine handle; a
                           replica that dies costs a retry, or ends a stream that began with an error event

@@ -18,7 +18,7 @@ from serving.gateway.launcher import engine_command, is_cpu_build
 from serving.gateway.settings import GatewaySettings
 from serving.ray.engine import EngineReplica
 from serving.ray.ingress import Ingress
-from serving.ray.router import LengthwiseRequestRouter
+from serving.ray.router import LengthwiseRequestRouter, TimedPowerOfTwoRouter
 from serving.ray.sidecar import ROUTE, SidecarReplica
 
 STATS_PERIOD_S = 0.5  # how often each replica's routing stats are collected
@@ -29,26 +29,37 @@ def engine_argv(settings: GatewaySettings) -> list[str]:
     return engine_command(settings, 0, is_cpu_build())[3:]
 
 
-def router_config(settings: GatewaySettings) -> RequestRouterConfig:
+ROUTERS = ("lengthwise", "power-of-two")  # the engine deployment's request router: ours, or Ray's default (timed)
+
+
+def router_config(settings: GatewaySettings, router: str = "lengthwise") -> RequestRouterConfig:
+    """The engine deployment's request router: ``LengthwiseRequestRouter`` with the settings' placement, or with
+    ``power-of-two`` Ray's default router (timed: the baseline ``lengthwise bench ray`` compares against)."""
+    if router == "power-of-two":
+        return RequestRouterConfig(request_router_class=TimedPowerOfTwoRouter)
+    if router != "lengthwise":
+        raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
     return RequestRouterConfig(
         request_router_class=LengthwiseRequestRouter, request_routing_stats_period_s=STATS_PERIOD_S,
         request_router_kwargs={"placement": settings.placement, "stale_after_s": max(settings.stale_after_s, 4 * STATS_PERIOD_S),
                                "others_pred_len": settings.fallback_tokens})
 
 
-def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0) -> Any:
-    """The engine deployment, bound: ``settings.engines`` replicas."""
+def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
+               router: str = "lengthwise") -> Any:
+    """The engine deployment, bound: ``settings.engines`` replicas behind ``router`` (see :func:`router_config`)."""
     dep = serve.deployment(EngineReplica, name="engine", num_replicas=settings.engines,
-                           max_ongoing_requests=2 * settings.engine_seqs, request_router_config=router_config(settings),
+                           max_ongoing_requests=2 * settings.engine_seqs, request_router_config=router_config(settings, router),
                            ray_actor_options={"num_cpus": engine_cpus, "num_gpus": engine_gpus}, health_check_period_s=5)
     return dep.bind(engine_argv(settings), settings.fallback_tokens)
 
 
-def ingress_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0) -> Any:
+def ingress_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
+                router: str = "lengthwise") -> Any:
     """The ingress over the engines, bound (the application ``serve.run`` starts at ``/``)."""
     dep = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=max(1000, settings.outstanding_bounds(settings.engines)[1]))
-    return dep.bind(settings, engine_app(settings, engine_cpus, engine_gpus))
+    return dep.bind(settings, engine_app(settings, engine_cpus, engine_gpus, router))
 
 
 def sidecar_app(sidecar: dict[str, Any]) -> Any:
@@ -57,7 +68,7 @@ def sidecar_app(sidecar: dict[str, Any]) -> Any:
 
 
 def run(settings: GatewaySettings, sidecar: dict[str, Any] | None = None, engine_cpus: float = 1.0,
-        engine_gpus: float = 0.0) -> Any:
+        engine_gpus: float = 0.0, router: str = "lengthwise") -> Any:
     """Deploy the sidecar (when given) and the gateway on the connected Ray cluster; returns the ingress handle.
 
     The ingress reaches the sidecar on its node's Serve proxy, ``http://127.0.0.1:{port}/predictor``.
@@ -66,4 +77,4 @@ def run(settings: GatewaySettings, sidecar: dict[str, Any] | None = None, engine
         serve.run(sidecar_app(sidecar), name="predictor", route_prefix=ROUTE)
         port = serve.context._get_global_client().http_config.port
         settings = settings.model_copy(update={"predictor_url": f"http://127.0.0.1:{port}{ROUTE}"})
-    return serve.run(ingress_app(settings, engine_cpus, engine_gpus), name="lengthwise", route_prefix="/")
+    return serve.run(ingress_app(settings, engine_cpus, engine_gpus, router), name="lengthwise", route_prefix="/")

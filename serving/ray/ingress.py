@@ -43,8 +43,8 @@ from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
 from serving.placement import Job
-from serving.ray.router import router_timings
 from serving.ray.routing import ROUTE_KWARG, RouteHint
+from serving.ray.timing import router_timings
 
 log = logging.getLogger("serving.ray")
 REPLICA_GONE = (RayActorError, WorkerCrashedError)  # the replica (its actor, its process) is gone: retry elsewhere

@@ -20,8 +20,8 @@ not reported complete are added to each replica's view until the replica reports
 Configuration (``request_router_kwargs``, JSON): ``placement`` (a placement name), ``stale_after_s``, ``seed``,
 ``others_pred_len``, ``ttft_s``, ``atgt_s``.
 
-**Overhead.** Every router here times its ``choose_replicas`` (:class:`RouterTiming`: decisions and seconds, kept per
-process in :data:`ROUTERS` and in the Ray metric ``lengthwise_ray_router_choose_seconds``), and so does
+**Overhead.** Every router here times its ``choose_replicas`` (:class:`~serving.ray.timing.RouterTiming`: decisions and
+seconds, kept per process and in the Ray metric ``lengthwise_ray_router_choose_seconds``), and so does
 :class:`TimedPowerOfTwoRouter`, Ray's default router with only that timing added, the baseline ``lengthwise bench ray``
 compares against. The ingress reports both on ``/health`` (``routers``).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -39,52 +38,9 @@ from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingReque
 from serving.gateway.placement import PlacementConfig
 from serving.placement import Job
 from serving.ray.routing import ROUTE_KWARG, RouteHint, StatsPlacement
+from serving.ray.timing import RouterTiming
 
 log = logging.getLogger("serving.ray")
-ROUTERS: weakref.WeakSet[RouterTiming] = weakref.WeakSet()  # the timed routers of this process (one per handle)
-
-
-class RouterTiming:
-    """Decisions made and seconds spent in ``choose_replicas`` by one router (Ray may call it again for a request whose
-    chosen replicas were all full: each call counts)."""
-
-    decisions: int = 0
-    choose_s: float = 0.0
-    _hist: Any = None
-
-    def _timed(self, seconds: float) -> None:
-        if not self.decisions:
-            ROUTERS.add(self)
-            try:
-                from ray.util.metrics import Histogram
-
-                self._hist = Histogram("lengthwise_ray_router_choose_seconds", "time in the engine router's choose_replicas",
-                                       boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1],
-                                       tag_keys=("router",))
-            except Exception:  # noqa: BLE001 - metrics are optional (no Ray metrics agent in this process)
-                self._hist = None
-        self.decisions += 1
-        self.choose_s += seconds
-        if self._hist is not None:
-            self._hist.observe(seconds, tags={"router": type(self).__name__})
-
-    def timing(self) -> dict[str, Any]:
-        return {"decisions": self.decisions, "choose_s": self.choose_s,
-                "fallbacks": dict(getattr(self, "fallbacks", {}) or {})}
-
-
-def router_timings() -> dict[str, dict[str, Any]]:
-    """The timed routers of this process by class name (several of one class summed)."""
-    out: dict[str, dict[str, Any]] = {}
-    for r in list(ROUTERS):
-        t, o = r.timing(), out.setdefault(type(r).__name__, {"decisions": 0, "choose_s": 0.0, "fallbacks": {}})
-        o["decisions"] += t["decisions"]
-        o["choose_s"] += t["choose_s"]
-        for k, v in t["fallbacks"].items():
-            o["fallbacks"][k] = o["fallbacks"].get(k, 0) + v
-    return out
-
-
 class TimedPowerOfTwoRouter(RouterTiming, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router (power-of-two choice), unchanged but for the timing of its decisions."""
 

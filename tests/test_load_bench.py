@@ -232,8 +232,9 @@ def test_soak_on_the_real_stack(trained, data, tmp_path):
     for name, samples in res["samples"].items():
         assert len(samples) >= 12 and all(s["rss_bytes"] > 0 and s["fds"] > 0 for s in samples), name
         g = v["processes"][name]
-        assert g["warm_t_s"] <= 12.0 + 1 and g["end_t_s"] >= 60 and set(g["rss_bytes"]) == {"warm", "end", "growth",
-                                                                                              "growth_pct"}
+        # the last sample is within one interval of the end (sampling stops with the run)
+        assert g["warm_t_s"] <= 12.0 + 1 and g["end_t_s"] >= 60 - 5 and set(g["rss_bytes"]) == {"warm", "end", "growth",
+                                                                                                  "growth_pct"}
     assert len(res["windows"]) >= 12 and sum(w["sent"] for w in res["windows"]) == res["requests"]
     assert sum(w["completed"] for w in res["windows"]) == res["requests"]
     assert Path(res["png"]).stat().st_size > 10_000 and "RSS warm" in run.stdout

@@ -121,6 +121,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+BACKEND_FLAGS = ("backend", "ray_address", "ray_predictor_model")
+"""The flags that choose what serves (this process, or a Ray Serve application) rather than set the gateway's settings:
+the only ``serve`` flags without a :class:`GatewaySettings` field."""
+
+
 def _backend_flags(b: argparse._ActionsContainer) -> None:
     b.add_argument("--backend", choices=["http", "ray"], default="http",
                    help="http: this process is the gateway over engine processes (default); ray: deploy the engines (one "

@@ -412,25 +412,33 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
 
 
 @contextlib.contextmanager
-def running_gateway(args: list[str], port: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A ``lengthwise serve`` process (``args``, listening on ``port``) from ready to stopped: yields (its URL, the
-    process). It gets SIGTERM with this process (Linux), so a killed bench leaves no gateway behind."""
+def service_process(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A service the bench starts (``args``, its output in ``log_path``), stopped on exit: SIGTERM, then SIGKILL after
+    30 s. It also gets SIGTERM with this process (Linux), so a killed bench leaves nothing behind."""
     from serving.gateway.launcher import _die_with_parent as die_with_parent
 
     log = log_path.open("w")
-    gw = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                          preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
     try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@contextlib.contextmanager
+def running_gateway(args: list[str], port: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A ``lengthwise serve`` process (``args``, listening on ``port``) from ready to stopped: yields (its URL, the
+    process)."""
+    with service_process(args, log_path) as gw:
         _wait_gateway(f"http://127.0.0.1:{port}", gw)
         yield f"http://127.0.0.1:{port}", gw
-    finally:
-        gw.terminate()
-        try:
-            gw.wait(30)
-        except subprocess.TimeoutExpired:
-            gw.kill()
-            gw.wait(10)
-        log.close()
 
 
 def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | None, health: dict,
@@ -509,17 +517,24 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _wait_gateway(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    wait_ready(url, "/health", proc, "the gateway", timeout_s)
+
+
+def wait_ready(url: str, path: str, proc: subprocess.Popen, what: str, timeout_s: float, log: Path | None = None) -> None:
+    """Until ``url + path`` answers 200; a RuntimeError naming ``what`` (and its ``log``) when the process exits first or
+    ``timeout_s`` passes."""
+    where = f"; log {log}" if log else ""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with status {proc.returncode} before it was ready")
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready{where}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the gateway at {url} was not ready after {timeout_s:.0f} s")
+    raise RuntimeError(f"{what} at {url} was not ready after {timeout_s:.0f} s{where}")
 
 
 def _table(results: dict[str, Any], console: Console) -> None:

@@ -42,6 +42,8 @@ from serving.placementbench.fleet import (
     _wrong_or_lost,
     request_settings,
     running_gateway,
+    service_process,
+    wait_ready,
 )
 from serving.placementbench.loadrun import calibrated_fleet, error_kind, pct
 from serving.replay import Job, Result, poisson_arrivals
@@ -181,37 +183,15 @@ async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: 
 def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``predictor-sidecar`` with ``uri`` on a free loopback port, from ready to stopped: yields (its URL, the process).
     Its feedback store lives in ``work``, not the operator's."""
-    from serving.gateway.launcher import _die_with_parent as die_with_parent
     from serving.gateway.launcher import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (work / "sidecar.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "predictor.sidecar", "--model", uri, "--port", str(port),
-                             "--feedback-db", str(work / "feedback.db"), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
-                            preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the sidecar exited with status {proc.returncode} before it was ready; log "
-                                   f"{work / 'sidecar.log'}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the sidecar at {url} was not ready after {timeout_s:.0f} s; log {work / 'sidecar.log'}")
-            time.sleep(0.5)
+    args = [sys.executable, "-m", "predictor.sidecar", "--model", uri, "--port", str(port), "--feedback-db",
+            str(work / "feedback.db"), "--log-level", "warning"]
+    with service_process(args, work / "sidecar.log", env={**os.environ}) as proc:
+        wait_ready(url, "/ready", proc, "the sidecar", timeout_s, work / "sidecar.log")
         yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[str, Any]:

@@ -138,6 +138,19 @@ def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
 
 
 @pytest.mark.unit
+def test_lengthwise_takes_the_least_loaded_alone_and_one_of_the_two_least_loaded_beside_other_replicas():
+    lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
+    insts = [Instance(f"i{k}", jobs={k * 10 + m: Job(k * 10 + m, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
+                                     for m in range(k + 1)}) for k in range(3)]  # i0 the least loaded, i2 the most
+    new = Job(99, 1_000, 50.0)
+    assert all(lim.violation(x, new, 1.0) is None for x in insts)
+    alone = {make_placement("lengthwise", lim, seed=s).choose(insts, new, now=1.0) for s in range(20)}
+    assert alone == {0}  # a lone gateway's view is fresh: no coin flip between i0 and i1
+    shared = {make_placement("lengthwise", lim, seed=s, replica=(0, 4)).choose(insts, new, now=1.0) for s in range(20)}
+    assert shared == {0, 1}  # several replicas: one of the two least loaded, never the most loaded
+
+
+@pytest.mark.unit
 def test_baselines_round_robin_jsq_p2c_and_health():
     insts = [Instance(f"i{k}") for k in range(3)]
     rr = make_placement("round-robin")

@@ -15,9 +15,10 @@ constraint that rejected each candidate).
   constraint; otherwise the least loaded, counted as ``would_open``.
 * ``lengthwise-pack``: Aladdin's best fit (and its re-balancing), trying last the instances that still have a
   prompt to prefill, and with several gateway replicas each replica's own share of the fleet first.
-* ``lengthwise``: Aladdin's constraints with the opposite choice: one of the two least loaded feasible
-  instances. Spreading the predicted work keeps every batch small and keeps prompts' prefills apart on a
-  colocated fleet, and the random pick of two keeps gateway replicas with stale views from herding. In a
+* ``lengthwise``: Aladdin's constraints with the opposite choice: the least loaded feasible instance (with several
+  gateway replicas, one of the two least loaded). Spreading the predicted work keeps every batch small and keeps
+  prompts' prefills apart on a colocated fleet, and the random pick of two keeps gateway replicas with stale views
+  from herding. In a
   decode pool with long contexts best fit (``lengthwise-pack``) serves more: packing keeps instances free
   for them (docs/results/placement.md, "Aladdin's best fit and lengthwise-pack on the whole trace");
   ``lengthwise bench placement`` measures which wins.
@@ -201,19 +202,23 @@ class Pack(Aladdin):
 
 
 class Spread(Aladdin):
-    """Ours: Aladdin's constraints, then a random one of the two least loaded feasible instances.
+    """Ours: Aladdin's constraints, then the least loaded feasible instance; with several gateway replicas, a random one
+    of the two least loaded.
 
-    Least loaded rather than most (no instance is saved by packing a fixed fleet), and one of two rather
-    than the single least loaded: several gateway replicas see each other's requests only at their
-    metrics refresh, and all of them sending to the same least-loaded instance in between is the herding
-    that choosing among two breaks (measured in ``lengthwise bench placement --gateways``).
+    Least loaded rather than most (no instance is saved by packing a fixed fleet). A lone gateway counts its own
+    requests the moment it sends them, so its view is fresh and the least loaded is the right pick; choosing at random
+    between two there only throws away what it knows (with two instances, it is a coin flip). Several gateway replicas
+    see each other's requests only at their metrics refresh, and all of them sending to the same least-loaded instance
+    in between is the herding that choosing among two breaks (measured in ``lengthwise bench placement --gateways``).
     """
 
     name = "lengthwise"
+    uses_replica = True
 
-    def __init__(self, limits: Limits | None = None, seed: int = 0) -> None:
+    def __init__(self, limits: Limits | None = None, seed: int = 0, replica: tuple[int, int] = (0, 1)) -> None:
         super().__init__(limits, seed)
         self.rng = random.Random(seed)
+        self.shared = replica[1] > 1  # other gateway replicas send to the same instances unseen between refreshes
 
     def _choose(self, instances, ok, job, now):
         lim = self.limits
@@ -224,6 +229,8 @@ class Spread(Aladdin):
             why = lim.violation(instances[i], job, now)
             if why is None:
                 feasible.append(i)
+                if not self.shared:
+                    return i
                 if len(feasible) == 2:
                     return self.rng.choice(feasible)
             else:

@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -120,8 +120,12 @@ class RayGateway(Gateway):
         name = engine or "?"
         self.served[name] = self.served.get(name, 0) + 1
 
-    async def _unary(self, call: Call, req: ClientRequest, send: Callable[[], Any]) -> Response:
-        """The whole answer; a replica that dies before it is complete costs a retry (the client saw nothing)."""
+    async def _begin(self, call: Call, send: Callable[[], Any],
+                     opening: Callable[[Any, int], Awaitable[Any]]) -> tuple[Any, int, dict[str, str], str | None, Any]:
+        """Send until a replica gets as far as ``opening`` reads (the whole answer, or a stream's first event): the
+        client has seen nothing before that, so a replica that dies on the way costs a retry elsewhere.
+
+        Returns the answer's generator, status, headers, the replica that answered and what ``opening`` read."""
         tries = 0
         while True:
             tries += 1
@@ -130,11 +134,18 @@ class RayGateway(Gateway):
                 gen = send()
                 status, headers = await self._start(gen)
                 engine = headers.get("x-lengthwise-engine")
-                content = b"".join([chunk async for chunk in gen])
-                break
+                opened = await opening(gen, status)
+                self._served(engine)
+                return gen, status, headers, engine, opened
             except REPLICA_GONE as exc:
                 self._gone(exc, engine, tries, call.rid)
-        self._served(engine)
+
+    async def _unary(self, call: Call, req: ClientRequest, send: Callable[[], Any]) -> Response:
+        """The whole answer, sent again while a replica dies before it is complete."""
+        async def whole(gen: Any, status: int) -> bytes:
+            return b"".join([chunk async for chunk in gen])
+
+        _, status, headers, engine, content = await self._begin(call, send, whole)
         out = Outcome(status, engine)
         if status == 200:
             try:
@@ -148,27 +159,19 @@ class RayGateway(Gateway):
                         headers={"x-lengthwise-engine": out.engine or "?"})
 
     async def _stream(self, call: Call, req: ClientRequest, send: Callable[[], Any]) -> Response:
-        """The stream, once its first event came (a replica that dies before that costs a retry); a replica that dies
+        """The stream, once its first event came (sent again while a replica dies before that); a replica that dies
         after that ends the client's stream with an error event and ``[DONE]`` (the client holds half an answer)."""
-        tries = 0
-        while True:
-            tries += 1
-            engine = None
-            try:
-                gen = send()
-                status, headers = await self._start(gen)
-                engine = headers.get("x-lengthwise-engine")
-                if status != 200:  # vLLM's refusal, whole
-                    content = b"".join([chunk async for chunk in gen])
-                    self._served(engine)
-                    self.finished(call, req, Outcome(status, engine))
-                    return Response(content, status_code=status, media_type=headers.get("content-type", "application/json"))
-                events = sse_data(_lines(gen))
-                first = await anext(events, None)
-                break
-            except REPLICA_GONE as exc:
-                self._gone(exc, engine, tries, call.rid)
-        self._served(engine)
+        async def first_event(gen: Any, status: int) -> Any:
+            if status != 200:  # vLLM's refusal, whole
+                return b"".join([chunk async for chunk in gen])
+            events = sse_data(_lines(gen))
+            return events, await anext(events, None)
+
+        gen, status, headers, engine, opened = await self._begin(call, send, first_event)
+        if status != 200:
+            self.finished(call, req, Outcome(status, engine))
+            return Response(opened, status_code=status, media_type=headers.get("content-type", "application/json"))
+        events, first = opened
         relay = StreamRelay(req.wants_usage)
 
         async def relayed() -> AsyncIterator[bytes]:

@@ -7,9 +7,6 @@ minutes on a small machine; each test module starts it once, in a module-scoped 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,20 +32,16 @@ class RayApp:
 @contextmanager
 def start_app(model_dir: Path, data: Path, work: Path, **overrides: Any) -> Iterator[RayApp]:
     """Start Ray, Serve and the application; take all of it down again, also when starting fails."""
-    import ray
     from ray import serve
 
     from serving.gateway.settings import GatewaySettings
     from serving.ray.app import run
+    from serving.ray.local import local_ray
     from tests.tiny_package import tiny_packages
 
     pkg = tiny_packages(work / "pkg", data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "LENGTHWISE_HOME": str(work / "home"), "LENGTHWISE_DATA": str(data)}
-    temp = tempfile.mkdtemp(prefix="lwray-")  # short: Ray's socket paths under it must fit in 107 bytes
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False, _temp_dir=temp,
-             runtime_env={"env_vars": env})
-    try:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "LENGTHWISE_HOME": str(work / "home"), "LENGTHWISE_DATA": str(data)}
+    with local_ray(4, env):
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = GatewaySettings(**{"model": str(model_dir), "engines": 2, "placement": "lengthwise",
@@ -58,9 +51,3 @@ def start_app(model_dir: Path, data: Path, work: Path, **overrides: Any) -> Iter
         run(settings, sidecar=sidecar)
         print(f"application up in {time.time() - t0:.0f} s")
         yield RayApp(f"http://127.0.0.1:{port}", settings, sidecar)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)

@@ -25,10 +25,8 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,29 +128,6 @@ def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any,
     return res, wall, health
 
 
-@contextlib.contextmanager
-def local_ray(work: Path, engines: int) -> Iterator[None]:
-    """A local Ray cluster with Serve for the Ray arms, taken down after (also on failure). Engine replicas import this
-    checkout (``PYTHONPATH``) and run vLLM's V1 model runner (the exact-length processor's interface)."""
-    import ray
-    from ray import serve
-
-    root = Path(__file__).resolve().parents[2]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p),
-           "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
-    temp = tempfile.mkdtemp(prefix="lwray-")  # short: Ray's socket paths under it must fit in 107 bytes
-    ray.init(num_cpus=engines + 1, include_dashboard=False, log_to_driver=False, configure_logging=False, _temp_dir=temp,
-             runtime_env={"env_vars": env})
-    try:
-        yield
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)
-
-
 def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, dtype: str, work: Path, router: str,
              console: Any) -> tuple[list, float, dict]:
     """The Ray application with ``router`` on fresh engine replicas (the same engine arguments as the HTTP arm's)."""
@@ -163,13 +138,15 @@ def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, 
     from serving.gateway.settings import GatewaySettings
     from serving.placementbench import fleet
     from serving.ray.app import run
+    from serving.ray.local import local_ray
 
     slo = cal.slo
     settings = GatewaySettings(model=model, engines=cfg.engines, policy=cfg.local_policy, placement=cfg.placement,
                                engine_args=fleet._engine_args(cfg, dtype), trust_client_predictions=True,
                                t_p_s=slo.t_p, t_g_s=slo.t_g, slo_scale=cfg.slo_scale, slo_ttft_ms=slo.ttft_s * 1e3,
                                slo_tpot_ms=slo.tpot_s * 1e3, engine_max_num_seqs=cfg.max_num_seqs, log_level="warning")
-    with local_ray(work, cfg.engines):
+    env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}  # the exact-length processor's runner
+    with local_ray(cfg.engines + 1, env):
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.monotonic()

@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast faults lint
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ test: setup lint
 # buckets, batcher, the plug-in against vLLM's scheduler class); under 2 minutes on 2 cores.
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m unit tests
+
+# The fault matrix: every test that injects a fault into running parts (an engine killed or frozen, the sidecar killed
+# or hung, MLflow down, a corrupt or deleted model version, the gateway restarted, ...); prints fault -> what the
+# client saw -> what was lost. About 15 minutes on 2 cores (engines, Ray and MLflow start).
+faults: setup
+	$(VENV)/bin/python -m pytest -q -m fault tests
 
 # ruff (line length included) and the layer contracts in pyproject.toml [tool.importlinter].
 lint: setup

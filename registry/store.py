@@ -71,6 +71,31 @@ def tracking_uri() -> str:
     return f"sqlite:///{home / 'mlflow.db'}"
 
 
+class RegistryUnreachable(RuntimeError):
+    """The tracking server ``MLFLOW_TRACKING_URI`` names does not answer."""
+
+
+def check_reachable(timeout_s: float = 5.0) -> str:
+    """The tracking URI in use, once a tracking server there has answered; raises :class:`RegistryUnreachable` if not.
+
+    Why: a job that logs to MLflow would otherwise learn that the server is down only when it first logs (after its data
+    and model are prepared, or its training has run) and then only after MLflow's own retries, minutes later, as a
+    traceback. Any HTTP answer counts (a 401 from a server with authentication is a server that is up); the embedded
+    SQLite store needs no check.
+    """
+    import httpx
+
+    uri = tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return uri
+    try:
+        httpx.get(uri.rstrip("/") + "/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise RegistryUnreachable(f"the MLflow tracking server at {uri} does not answer ({type(exc).__name__}): start it, "
+                                  "or unset MLFLOW_TRACKING_URI to use the embedded store under $LENGTHWISE_HOME") from None
+    return uri
+
+
 def configure() -> str:
     """Point the MLflow client at our tracking + registry store; returns the URI in use."""
     uri = tracking_uri()

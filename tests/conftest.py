@@ -151,3 +151,32 @@ def mlflow_server(tmp_path):
     yield url
     os.killpg(proc.pid, 15)
     proc.wait(timeout=30)
+
+
+# --- the fault matrix ------------------------------------------------------------------------------------------------
+# A test marked ``@pytest.mark.fault(FAULT, saw=..., lost=...)`` injects FAULT into running parts and asserts what a
+# client saw and what was lost; ``make faults`` runs them all and this prints one line per fault with its result.
+FAULTS: list[tuple[str, str, str, str, str]] = []  # fault, saw, lost, outcome, test id
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    mark = item.get_closest_marker("fault")
+    if mark is not None and (rep.when == "call" or (rep.when == "setup" and not rep.passed)):
+        FAULTS.append((mark.args[0], mark.kwargs["saw"], mark.kwargs["lost"], rep.outcome, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FAULTS:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fault matrix (make faults)", show_lines=True)
+    for col in ("fault", "what the client saw", "what was lost", "result", "test"):
+        table.add_column(col, overflow="fold")
+    for fault, saw, lost, outcome, test in FAULTS:
+        table.add_row(fault, saw, lost, outcome if outcome == "passed" else f"[bold red]{outcome.upper()}[/]", test)
+    console = Console(file=terminalreporter._tw, width=max(terminalreporter._tw.fullwidth, 160), force_terminal=False)
+    console.print(table)

@@ -75,10 +75,11 @@ class Gateway:
         return self.proc.returncode
 
 
-def start_gateway(log_dir: Path, *args: str, env: dict | None = None, wait: float | None = 60.0) -> Gateway:
-    """``lengthwise serve ARGS`` on a free port; waits for /health unless ``wait`` is None."""
-    port = free_port()
-    log = log_dir / f"gateway-{port}.log"
+def start_gateway(log_dir: Path, *args: str, env: dict | None = None, wait: float | None = 60.0,
+                  port: int | None = None) -> Gateway:
+    """``lengthwise serve ARGS`` on ``port`` (default: a free one); waits for /health unless ``wait`` is None."""
+    port = port or free_port()
+    log = log_dir / f"gateway-{port}-{time.monotonic_ns()}.log"  # a restart on the same port keeps both logs
     with open(log, "wb") as f:
         proc = subprocess.Popen([LENGTHWISE, "serve", "--port", str(port), *args], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})

@@ -1,11 +1,13 @@
 """Bad input to train-predictor: exit status 2 and one clear line, never a traceback."""
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.conftest import SHAREGPT
+from tests.conftest import SHAREGPT, free_port
 
 
 def run_cli(*args, env=None):
@@ -39,6 +41,20 @@ def test_bad_input_exits_2_with_one_line(case, files, data, home):
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("train-predictor: error:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.fault("MLflow down when train-predictor starts",
+                   saw="exit 2 and one line naming the server and how to fix it, before any data is read or model trained",
+                   lost="nothing (no run was started)")
+def test_an_unreachable_tracking_server_is_one_line_before_any_training(data, home):
+    dead = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = run_cli("--data", str(data / SHAREGPT), "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"),
+                "--max-samples", "200", env={**os.environ, "MLFLOW_TRACKING_URI": dead})
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("train-predictor: error:") and dead in lines[0] and "MLFLOW_TRACKING_URI" in lines[0]
+    assert time.monotonic() - t0 < 120  # the imports' time, not MLflow's retries
 
 
 @pytest.mark.unit

@@ -121,6 +121,9 @@ def test_a_full_queue_drops_and_counts(tmp_path):
         w.close()
 
 
+@pytest.mark.fault("the feedback store unwritable (its directory cannot be made)",
+                   saw="nothing (the write is in the background)",
+                   lost="the row, counted as an io error")
 def test_an_unwritable_place_is_counted(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -30,7 +30,7 @@ import pytest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
-from tests.conftest import HTTP, SHAREGPT
+from tests.conftest import HTTP, SHAREGPT, free_port
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
 
@@ -275,6 +275,10 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
     assert gw_sidecar.metric("lengthwise_gateway_predictor_latency_seconds_count") == 2
 
 
+@pytest.mark.fault("the sidecar killed (SIGKILL) behind the gateway",
+                   saw="answers of the length asked, on the fallback prediction (x-lengthwise-prediction: "
+                       "fallback:unreachable); /health degraded, naming the predictor",
+                   lost="nothing")
 def test_sidecar_crash_falls_back_and_keeps_serving(fleet, sidecar, gw_sidecar):
     sidecar.proc.send_signal(signal.SIGKILL)
     sidecar.proc.wait(timeout=10)
@@ -290,6 +294,9 @@ def test_sidecar_crash_falls_back_and_keeps_serving(fleet, sidecar, gw_sidecar):
     assert h.status_code == 200 and h.json()["status"] == "degraded" and "predictor" in h.json()["reasons"][0]
 
 
+@pytest.mark.fault("the sidecar hung (accepts, never answers)",
+                   saw="the answer, the prediction costing at most --predictor-timeout-ms (fallback:timeout)",
+                   lost="nothing")
 def test_hung_sidecar_costs_at_most_the_timeout(fleet, gw_hung):
     client = _client(gw_hung)
     t0 = time.perf_counter()
@@ -637,6 +644,9 @@ def _engine_group(fleet: Gateway, url: str) -> int:
     return proc.pid  # started with its own session: its pid is its process group
 
 
+@pytest.mark.fault("an engine frozen (SIGSTOP) under a burst",
+                   saw="every answer in full from the other engine within 60 s; the engine back in placement once resumed",
+                   lost="nothing")
 def test_hung_engine_is_taken_out_and_comes_back(fleet, gw_aladdin):
     """SIGSTOP: the engine's sockets stay open but nothing answers; its requests must not wait for it."""
     hung = fleet.engines[1]
@@ -728,6 +738,34 @@ def test_prompt_tokens_are_counted_with_the_models_tokenizer(fleet, gw_aladdin):
     assert gw_aladdin.metric("lengthwise_gateway_prompt_token_counts_total", method="tokenizer") >= 2
 
 
+@pytest.mark.fault("the gateway restarted (SIGTERM, then started again on its port)",
+                   saw="its stream in flight to the end, then connection refused, then answers from the new process",
+                   lost="nothing that ends within --shutdown-grace")
+def test_a_restarted_gateway_finishes_what_it_holds_then_serves_again(fleet, logs):
+    port = free_port()
+    args = (*_attach(fleet), "--shutdown-grace", "120")
+    gw = start_gateway(logs, *args, port=port)
+    stream = _client(gw).completions.create(model=fleet.model, prompt="in flight at the restart", max_tokens=300,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    pieces = [next(iter(stream))]  # the request is on an engine now
+    gw.proc.send_signal(signal.SIGTERM)
+    pieces += list(stream)
+    assert pieces[-1].usage.completion_tokens == 300  # the stream ran to its end
+    assert gw.proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(gw.url + "/health", timeout=5)
+    again = start_gateway(logs, *args, port=port)
+    try:
+        assert _client(again).completions.create(model=fleet.model, prompt="back", max_tokens=5).usage.completion_tokens == 5
+    finally:
+        again.stop()
+
+
+@pytest.mark.fault("an engine killed (SIGKILL) under load, behind two gateways",
+                   saw="every request that had not started streaming: its whole answer, retried on the other "
+                       "engine; a stream already sending: an error event and [DONE]",
+                   lost="the rest of the streams that were on the dead engine (the client holds their first part)")
 # --- an engine dies under load; the gateway that started the engines stops them --------------------------------------
 def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     """SIGKILL of an engine that two gateways use: the fleet's (JSQ) and one placing by Aladdin's best fit.

@@ -68,6 +68,9 @@ def test_alarm_when_online_accuracy_drops_below_offline(caplog):
     assert len(closed) == 1 and not closed[0].alarm
 
 
+@pytest.mark.fault("MLflow down while online windows close",
+                   saw="nothing (writes never block)",
+                   lost="windows past the buffer bound (1 of 4 here), counted; the rest logged once MLflow is back")
 def test_windows_buffered_while_mlflow_is_down_then_logged(home, monkeypatch):
     """A real outage: the tracking URI points at a closed port; windows wait in the buffer and are written once it is back."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

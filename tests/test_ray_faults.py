@@ -110,6 +110,9 @@ def engine_replicas() -> set[str]:
     return {a["name"].removeprefix(prefix) for a in list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
 
 
+@pytest.mark.fault("Ray Serve: the sidecar application deleted, then deployed again",
+                   saw="answers of the length asked on the fallback prediction; /health degraded, then ok and predictions again",
+                   lost="nothing")
 def test_sidecar_down_requests_run_on_the_fallback_and_health_says_why(ray_app, model_dir):
     from ray import serve
 
@@ -137,6 +140,9 @@ def test_sidecar_down_requests_run_on_the_fallback_and_health_says_why(ray_app, 
     assert unary(url, model, "the sidecar is back", 5)[1:4:2] == (5, "sidecar")
 
 
+@pytest.mark.fault("Ray Serve: an engine replica killed under streams",
+                   saw="streams on it end with an error event and [DONE]; new requests answered; Ray starts a replacement",
+                   lost="the rest of the streams on the dead replica")
 def test_killed_engine_replica_cuts_its_streams_with_an_error_event_and_is_replaced(ray_app, model_dir):
     import ray
 

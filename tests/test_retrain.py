@@ -16,6 +16,7 @@ import pytest
 
 from predictor.buckets import BucketScheme
 from registry.feedback_store import FeedbackRow, FeedbackStore
+from tests.conftest import free_port
 from training.retrain import RetrainError, Settings, decided, retrain_once, split_window
 
 NAME = "retrain-test"
@@ -143,6 +144,30 @@ def test_prompts_not_kept_refuse_and_bad_input_exits_2(champion, tmp_path, capsy
     rc = main(["retrain", "--once"])  # the served model is what the labels are lengths of: never guessed
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and "--served-model" in err[0], err
+
+
+@pytest.mark.fault("MLflow down when retrain runs",
+                   saw="--once: exit 2 and one line naming the server; as a loop: the pass skipped with that line, the next "
+                       "one tried after --interval", lost="nothing (the feedback stays in its store)")
+def test_an_unreachable_registry_is_one_line_once_and_a_skipped_pass_in_a_loop(tmp_path, capsys, monkeypatch):
+    from serving.cli import main
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", dead)
+    rc = main(["retrain", "--once", "--trigger", "always", "--served-model", "M", "--name", NAME])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and err[0].startswith("lengthwise retrain: error:") and dead in err[0], err
+    sleeps: list[float] = []
+
+    def interval(seconds: float) -> None:  # the loop's wait: counted, and the second one ends the test
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("training.retrain.time.sleep", interval)
+    rc = main(["retrain", "--interval", "7", "--trigger", "always", "--served-model", "M", "--name", NAME])
+    out = capsys.readouterr().err
+    assert rc == 130 and sleeps == [7.0, 7.0] and out.count("retrain: skipped: the registry failed") == 2, out
 
 
 def test_too_little_feedback_is_a_skip_not_an_error(champion, tmp_path):

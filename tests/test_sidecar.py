@@ -178,6 +178,10 @@ def _register_copy(package: Path, trained, tmp: Path, break_it: bool = False) ->
         return store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"]).version
 
 
+@pytest.mark.fault("a corrupt model artifact behind the alias at hot reload",
+                   saw="predictions from the old version; /health degraded, naming the failed version; no error "
+                       "during the later good swap",
+                   lost="nothing")
 def test_hot_reload(sidecar, trained, package, tmp_path):
     """Alias -> broken version: the load fails and the old model keeps serving. Alias -> good version: swapped in while
     requests keep flowing, none failing."""
@@ -187,6 +191,8 @@ def test_hot_reload(sidecar, trained, package, tmp_path):
     wait_for(lambda: (sidecar.metric("lengthwise_sidecar_model_reloads_total", result="failed") or 0) >= 1,
              what="a failed reload")
     assert _predict(sidecar, {"prompt": "hi"})["model_version"] == old
+    health = sidecar.get("/health").json()  # still serving, and says why it is not on the alias's version
+    assert health["status"] == "degraded" and f"version {broken} failed" in health["reasons"][0], health
 
     new = _register_copy(package, trained, tmp_path)
     seen, errors, stop = [], [], threading.Event()
@@ -211,6 +217,7 @@ def test_hot_reload(sidecar, trained, package, tmp_path):
             t.join()
     assert not errors and set(seen) <= {old, new}
     assert sidecar.get("/ready").json()["model_version"] == new
+    assert sidecar.get("/health").json()["status"] == "ok"  # a good reload clears the failed one's reason
     assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=new) == 1
     assert sidecar.metric("lengthwise_sidecar_model_info", name=NAME, version=old) is None
     from predictor.sidecar.cache import cache_root
@@ -220,6 +227,25 @@ def test_hot_reload(sidecar, trained, package, tmp_path):
     wait_for(lambda: _predict(sidecar, {"prompt": "hi"})["model_version"] == old, what="the swap back")
 
 
+@pytest.mark.fault("the alias moved to a version that is then deleted", saw="predictions from the loaded version; "
+                    "/health degraded, saying the alias cannot be resolved", lost="nothing")
+def test_an_alias_whose_version_is_deleted_keeps_the_loaded_version_serving(sidecar, trained, package, tmp_path):
+    old = trained["registered_version"]
+    doomed = _register_copy(package, trained, tmp_path)
+    store.set_alias(NAME, ALIAS, doomed)
+    wait_for(lambda: _predict(sidecar, {"prompt": "hi"})["model_version"] == doomed, what=f"version {doomed} to be served")
+    mlflow.MlflowClient().delete_model_version(NAME, doomed)
+    wait_for(lambda: sidecar.get("/health").json()["status"] == "degraded", what="/health to say the alias is gone")
+    assert "cannot resolve" in sidecar.get("/health").json()["reasons"][0]
+    assert _predict(sidecar, {"prompt": "still predicting?"})["model_version"] == doomed
+    store.set_alias(NAME, ALIAS, old)
+    wait_for(lambda: _predict(sidecar, {"prompt": "hi"})["model_version"] == old, what="the alias's new version")
+    assert sidecar.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.fault("MLflow down at sidecar start (the alias resolved before) and while serving",
+                   saw="predictions from the cached version; feedback accepted",
+                   lost="nothing: the closed window waits in a bounded buffer")
 def test_offline_restart_serves_the_cached_model(sidecar, trained, tmp_path):
     """Registry down (MLFLOW_TRACKING_URI at a closed port) but the alias was resolved before: start from the cache."""
     assert sidecar.get("/ready").status_code == 200  # the module's sidecar has cached the package and the alias

@@ -187,6 +187,10 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries(args.verbose)
+    from mlflow.exceptions import MlflowException
+
+    from registry.store import RegistryUnreachable
+
     try:
         cfg = config_from_args(args)
         from training.pipeline import run
@@ -197,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except FileNotFoundError as exc:
         return _fail(str(exc))
+    except RegistryUnreachable as exc:
+        return _fail(str(exc))
+    except MlflowException as exc:  # the tracking server failed during the run (after the check at its start)
+        return _fail(f"MLflow failed during the run ({str(exc).splitlines()[0][:300]}); the run is not registered: "
+                     "check the tracking server and run again")
     except KeyboardInterrupt:
         return _fail("interrupted")
     print_report(report)

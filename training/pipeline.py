@@ -163,6 +163,7 @@ def run(cfg: TrainConfig) -> dict:
     from registry import store
 
     silence_loggers()
+    store.check_reachable()  # before minutes of data and training, not at the first log line
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))

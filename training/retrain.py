@@ -228,6 +228,7 @@ def retrain_once(s: Settings) -> Outcome:
     if not s.served_model:
         raise RetrainError("--served-model is needed: the challenger learns that model's lengths and records it as its "
                            "target (give the directory or name the engines serve)")
+    reg.check_reachable()
     reg.configure()
     champion = reg.alias_version(s.name, reg.CHAMPION)
     if champion is None:
@@ -390,15 +391,26 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
 
 def run_cli(a: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
     from rich.console import Console
+
+    from registry.store import RegistryUnreachable
 
     con = Console(stderr=True)
     try:
         s = settings_from_args(a)
         while True:
             t0 = time.monotonic()
-            with con.status("retrain: reading feedback, training, judging ..."):
-                out = retrain_once(s)
+            try:
+                with con.status("retrain: reading feedback, training, judging ..."):
+                    out = retrain_once(s)
+            except (RegistryUnreachable, MlflowException) as exc:  # a loop outlives a registry outage: next interval
+                if a.once:
+                    raise RetrainError(f"the registry failed: {str(exc).splitlines()[0][:300]}") from None
+                con.print(f"retrain: skipped: the registry failed ({str(exc).splitlines()[0][:300]}); trying again in "
+                          f"{a.interval:.0f} s")
+                time.sleep(a.interval)
+                continue
             con.print(f"retrain: {out.action}: {out.reason}")
             if out.counts:
                 con.print("  rows: " + ", ".join(f"{k} {v}" for k, v in out.counts.items()))

@@ -183,11 +183,13 @@ def _add_routes(app: FastAPI, state: SidecarState) -> None:
     async def feedback(req: FeedbackRequest):
         return _feedback(state, req)
 
-    @app.get("/health", response_model=Health, summary="the process is alive; the served model's target and drift alarms")
+    @app.get("/health", response_model=Health,
+             summary="the process is alive; the served model's target, drift alarms, and why it is degraded")
     async def health():
         m = state.model
-        return {"status": "ok", "model_name": m.name if m else None, "model_version": m.version if m else None,
-                "target": m.target if m else "unknown: no model loaded yet",
+        reasons = [r for r in (state.registry_error, state.reload_error) if r]
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons, "model_name": m.name if m else None,
+                "model_version": m.version if m else None, "target": m.target if m else "unknown: no model loaded yet",
                 "drift": {d.model_version: vars(d) for d in state.drift.values()}}
 
     @app.get("/ready", response_model=Ready, responses=_error_responses(503), summary="a model is loaded and serving")

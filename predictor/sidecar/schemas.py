@@ -187,7 +187,9 @@ class Drift(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    status: str = Field(description="ok, or degraded: still serving, but see reasons")
+    reasons: list[str] = Field(default_factory=list, description="why degraded: the alias cannot be resolved (registry "
+                               "down, alias gone) or the last hot reload failed; the loaded version keeps serving")
     model_name: str | None = Field(None, description="the served model (null before the first load)")
     model_version: str | None = None
     target: dict[str, Any] | str = Field(description="the model the served version predicts lengths for, or why unknown")

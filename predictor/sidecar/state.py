@@ -105,6 +105,8 @@ class SidecarState:
                      "prompts kept" if settings.store_prompts else "prompt hashes only", settings.feedback_max_rows,
                      settings.feedback_max_age_days)
         self._registry_down = False
+        self.registry_error: str | None = None  # why the alias cannot be resolved now (registry down, alias gone)
+        self.reload_error: str | None = None  # the last failed hot reload, until a reload succeeds
         self._failed: dict[str, float] = {}  # version -> when its load last failed
 
     # --- model ---------------------------------------------------------------------------------
@@ -157,10 +159,12 @@ class SidecarState:
                     log.warning("cannot resolve %s (registry unreachable or alias gone); keep serving: %s", self.ref.uri,
                                 " ".join(str(exc).split())[:200])
                 self._registry_down = True
+                self.registry_error = (f"cannot resolve {self.ref.uri} (registry unreachable or alias gone: "
+                                       f"{' '.join(str(exc).split())[:200]}); serving the version loaded before")
                 continue
             if self._registry_down:
                 log.info("registry reachable again")
-            self._registry_down = False
+            self._registry_down, self.registry_error = False, None
             if self.model is not None and version == self.model.version:
                 continue
             retry_after = max(5 * self.settings.reload_interval, 60.0)  # a broken version is not reloaded every poll
@@ -172,11 +176,12 @@ class SidecarState:
             except Exception as exc:  # noqa: BLE001
                 self.metrics.reloads.labels("failed").inc()
                 self._failed[version] = time.monotonic()
-                log.error("hot reload of %s version %s failed; still serving version %s: %s", self.ref.name, version,
-                          self.model.version if self.model else "none", " ".join(str(exc).split())[:300])
+                self.reload_error = (f"hot reload of {self.ref.name} version {version} failed; still serving version "
+                                     f"{self.model.version if self.model else 'none'}: {' '.join(str(exc).split())[:300]}")
+                log.error("%s", self.reload_error)
                 continue
             self.swap(served)
-            self.load_error = None
+            self.load_error = self.reload_error = None
             self.metrics.reloads.labels("ok").inc()
             await asyncio.to_thread(remember_alias, self.ref.name, self.ref.alias, version)
 

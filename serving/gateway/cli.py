@@ -240,6 +240,9 @@ def _gateway_flags(g: argparse._ActionsContainer) -> None:
     _setting(g, "--health-timeout", "health_timeout_s", metavar="S",
              help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
                   "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
+    _setting(g, "--shutdown-grace", "shutdown_grace_s", metavar="S",
+             help="on SIGTERM the gateway stops accepting, lets the requests in flight finish for up to S seconds, "
+                  "then exits; keep it below your orchestrator's own grace period (default: %(default)s)")
     _setting(g, "--log-level", "log_level", choices=["debug", "info", "warning", "error"])
     _setting(g, "--log-prompts", "log_prompts", action="store_true",
              help="log each request's prompt text (default: no prompt text in any gateway log line)")
@@ -492,7 +495,8 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
         from serving.gateway.app import create_app
 
         app = create_app(settings, urls, plugin_metrics, prefill_urls, target)
-        config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_graceful_shutdown=10)
+        config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
+                                timeout_graceful_shutdown=settings.shutdown_grace_s)
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])
         return 0

@@ -57,6 +57,8 @@ class GatewaySettings(BaseModel):
     replicas: int = Field(1, ge=1, description="gateway replicas sharing the engines (lengthwise-pack gives each its "
                                                  "own share of them to fill first)")
     load_stale_after: int = Field(3, ge=1, description="a load report older than this many intervals is stale")
+    shutdown_grace_s: float = Field(30.0, gt=0, description="on SIGTERM, how long the requests in flight may run to their "
+                                                             "end before the gateway exits (what is left then is cut)")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
     health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")

@@ -264,6 +264,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="alpaca-eval: whose rows to read (default: any; the instructions are the same)")
     g.add_argument("--first-turns-only", action="store_true", help="only each conversation's first turn")
     g.add_argument("--max-prompts", type=int, metavar="N", help="the first N distinct prompts (default: all)")
+    g.add_argument("--shard", metavar="K/N", help="only the prompts in shard K of N (by prompt hash): run N processes on "
+                   "the same --out, each pinned to its own cores (VLLM_CPU_OMP_THREADS_BIND), together faster than one "
+                   "engine on all of them for a small model")
     g.add_argument("--out", required=True, type=Path, metavar="OUT.jsonl", help="the JSONL to append to (created if missing)")
     g.add_argument("--no-text", dest="text", action="store_false",
                    help="ids and lengths only, without the prompt's messages (for committing; see below)")
@@ -301,8 +304,30 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {a.top_p}")
     if not a.repetition_penalty > 0 or not a.kv_cache_gib > 0:
         raise ValueError("--repetition-penalty and --kv-cache-gib must be above 0")
+    shard_of(a.shard)
     if a.out.suffix == ".xz":
         raise ValueError(f"--out {a.out}: relabel appends to plain JSONL; compress the file when it is complete")
+
+
+def shard_of(spec: str | None) -> tuple[int, int] | None:
+    """``K/N`` as (K, N), None without a shard; ValueError for anything else."""
+    if spec is None:
+        return None
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: give K/N, e.g. 0/2") from None
+    if not 0 <= k < n:
+        raise ValueError(f"--shard {spec}: K must be in [0, N)")
+    return k, n
+
+
+def in_shard(prompts: list[Prompt], shard: tuple[int, int] | None) -> list[Prompt]:
+    """The prompts of shard (K, N): those whose hash is K modulo N, so N processes split a set without talking."""
+    if shard is None:
+        return prompts
+    k, n = shard
+    return [p for p in prompts if int(p.hash[:16], 16) % n == k]
 
 
 def command_line(a: argparse.Namespace) -> str:
@@ -328,7 +353,7 @@ def run(a: argparse.Namespace) -> int:
         name = Path(a.model).name.split(".")[0] if model_dir != Path(a.model).expanduser() else model_dir.name
         sampling = {"temperature": a.temperature, "top_p": a.top_p, "repetition_penalty": a.repetition_penalty}
         settings = Settings(model_id(model_dir, name, a.load_format), sampling, a.max_tokens, a.seed, a.text)
-        prompts = load_prompts(a.data, a.fmt, a.generator, a.first_turns_only, a.max_prompts)
+        prompts = in_shard(load_prompts(a.data, a.fmt, a.generator, a.first_turns_only, a.max_prompts), shard_of(a.shard))
         if not prompts:
             raise ValueError(f"no prompts to relabel in {a.data}")
         old = resume(a.out, settings)
@@ -356,7 +381,8 @@ def run(a: argparse.Namespace) -> int:
                "run": {**stats, "wall_s": round(wall, 1),
                        "output_tokens_per_s": stats["output_tokens"] / stats["engine_s"] if stats["engine_s"] else None},
                "labels": summarize(records)}
-    a.out.with_name(a.out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    part = f".shard{a.shard.replace('/', 'of')}" if a.shard else ""
+    a.out.with_name(a.out.name + part + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary)
     return 0
 

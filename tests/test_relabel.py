@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from serving.cli import main
-from serving.relabel import Prompt, Settings, load_prompts, model_id, pending, record, resume, sample_seed
+from serving.relabel import Prompt, Settings, in_shard, load_prompts, model_id, pending, record, resume, sample_seed, shard_of
 from training.data import DataError, Turn, load_examples
 from training.data.served import join_served_lengths, prompt_hash, read_served
 
@@ -67,6 +67,17 @@ def test_prompts_are_deduplicated_filtered_and_capped(tmp_path):
     assert [(p.group, p.turn) for p in every] == [("c0", 0), ("c0", 1), ("c1", 0), ("c2", 0)]
     assert [p.group for p in load_prompts(str(data), "sharegpt", first_turns_only=True)] == ["c0", "c1", "c2"]
     assert len(load_prompts(str(data), "sharegpt", max_prompts=2)) == 2
+
+
+@pytest.mark.unit
+def test_shards_split_a_prompt_set_without_overlap():
+    prompts = [_prompt(i) for i in range(60)]
+    parts = [in_shard(prompts, shard_of(f"{k}/3")) for k in range(3)]
+    assert sorted(p.hash for part in parts for p in part) == sorted(p.hash for p in prompts)
+    assert all(parts) and in_shard(prompts, shard_of(None)) == prompts
+    for bad in ("2", "3/3", "-1/2", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            shard_of(bad)
 
 
 @pytest.mark.unit

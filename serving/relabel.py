@@ -264,9 +264,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="alpaca-eval: whose rows to read (default: any; the instructions are the same)")
     g.add_argument("--first-turns-only", action="store_true", help="only each conversation's first turn")
     g.add_argument("--max-prompts", type=int, metavar="N", help="the first N distinct prompts (default: all)")
-    g.add_argument("--shard", metavar="K/N", help="only the prompts in shard K of N (by prompt hash): run N processes on "
-                   "the same --out, each pinned to its own cores (VLLM_CPU_OMP_THREADS_BIND), together faster than one "
-                   "engine on all of them for a small model")
+    g.add_argument("--shard", metavar="K/N", help="only the prompts in shard K of N (by prompt hash): N processes on the "
+                   "same --out, one per GPU (CUDA_VISIBLE_DEVICES). Not on a small CPU: on 2 cores two one-core engines "
+                   "labelled SmolLM2 at a quarter of one two-core engine's rate")
     g.add_argument("--out", required=True, type=Path, metavar="OUT.jsonl", help="the JSONL to append to (created if missing)")
     g.add_argument("--no-text", dest="text", action="store_false",
                    help="ids and lengths only, without the prompt's messages (for committing; see below)")

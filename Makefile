@@ -47,7 +47,7 @@ test-fast: setup
 
 # The fault matrix: every test that injects a fault into running parts (an engine killed or frozen, the sidecar killed
 # or hung, MLflow down, a corrupt or deleted model version, the gateway restarted, ...); prints fault -> what the
-# client saw -> what was lost. About 15 minutes on 2 cores (engines, Ray and MLflow start).
+# client saw -> what was lost. It starts engines, Ray Serve and MLflow: minutes, not seconds.
 faults: setup
 	$(VENV)/bin/python -m pytest -q -m fault tests
 

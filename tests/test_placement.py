@@ -118,13 +118,20 @@ def test_pack_best_fits_but_tries_instances_with_a_prompt_to_prefill_last():
     assert pack.choose(insts, new, now=2.0) == 2 and pack.stats["would_open"] == 0
 
 
-@pytest.mark.unit
-def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
+def _graded_fleet(n: int) -> tuple[Limits, list[Instance], Job]:
+    """``n`` instances, instance k holding k + 1 running jobs (so i0 is the least loaded), and a new job every one of
+    them can take."""
     lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
     insts = [Instance(f"i{k}", jobs={k * 10 + m: Job(k * 10 + m, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
-                                     for m in range(k + 1)}) for k in range(4)]  # i3 the most loaded, i0 the least
+                                     for m in range(k + 1)}) for k in range(n)]
     new = Job(99, 1_000, 50.0)
     assert all(lim.violation(x, new, 1.0) is None for x in insts)
+    return lim, insts, new
+
+
+@pytest.mark.unit
+def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
+    lim, insts, new = _graded_fleet(4)  # i3 the most loaded, i0 the least
     picks = [make_placement("lengthwise-pack", lim, replica=(g, 2)).choose(insts, new, now=1.0) for g in range(2)]
     assert picks == [2, 3]  # replica 0 packs i0/i2, replica 1 i1/i3: each its own most loaded, not both the same
     assert make_placement("lengthwise-pack", lim).choose(insts, new, now=1.0) == 3  # one replica: plain best fit
@@ -139,11 +146,7 @@ def test_pack_replicas_fill_their_own_share_of_the_fleet_first():
 
 @pytest.mark.unit
 def test_lengthwise_takes_the_least_loaded_alone_and_one_of_the_two_least_loaded_beside_other_replicas():
-    lim = Limits(kv_tokens=400_000, block_size=16, latency=LAT, ttft_s=5.0, atgt_s=0.5)
-    insts = [Instance(f"i{k}", jobs={k * 10 + m: Job(k * 10 + m, 2_000, 100.0, generated=5, started=True, first_token_at=0.0)
-                                     for m in range(k + 1)}) for k in range(3)]  # i0 the least loaded, i2 the most
-    new = Job(99, 1_000, 50.0)
-    assert all(lim.violation(x, new, 1.0) is None for x in insts)
+    lim, insts, new = _graded_fleet(3)  # i0 the least loaded, i2 the most
     alone = {make_placement("lengthwise", lim, seed=s).choose(insts, new, now=1.0) for s in range(20)}
     assert alone == {0}  # a lone gateway's view is fresh: no coin flip between i0 and i1
     shared = {make_placement("lengthwise", lim, seed=s, replica=(0, 4)).choose(insts, new, now=1.0) for s in range(20)}

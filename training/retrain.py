@@ -405,10 +405,10 @@ def run_cli(a: argparse.Namespace) -> int:
                 with con.status("retrain: reading feedback, training, judging ..."):
                     out = retrain_once(s)
             except (RegistryUnreachable, MlflowException) as exc:  # a loop outlives a registry outage: next interval
+                why = str(exc).splitlines()[0][:300]
                 if a.once:
-                    raise RetrainError(f"the registry failed: {str(exc).splitlines()[0][:300]}") from None
-                con.print(f"retrain: skipped: the registry failed ({str(exc).splitlines()[0][:300]}); trying again in "
-                          f"{a.interval:.0f} s")
+                    raise RetrainError(f"the registry failed: {why}") from None
+                con.print(f"retrain: skipped: the registry failed ({why}); trying again in {a.interval:.0f} s")
                 time.sleep(a.interval)
                 continue
             con.print(f"retrain: {out.action}: {out.reason}")

@@ -104,7 +104,6 @@ class SidecarState:
             log.info("feedback store: %s (%s, up to %d rows and %g days)", store.path,
                      "prompts kept" if settings.store_prompts else "prompt hashes only", settings.feedback_max_rows,
                      settings.feedback_max_age_days)
-        self._registry_down = False
         self.registry_error: str | None = None  # why the alias cannot be resolved now (registry down, alias gone)
         self.reload_error: str | None = None  # the last failed hot reload, until a reload succeeds
         self._failed: dict[str, float] = {}  # version -> when its load last failed
@@ -155,16 +154,15 @@ class SidecarState:
             try:
                 version = await asyncio.to_thread(registry_version, self.ref)
             except Exception as exc:  # noqa: BLE001 - registry down: keep serving what we have
-                if not self._registry_down:
+                if self.registry_error is None:
                     log.warning("cannot resolve %s (registry unreachable or alias gone); keep serving: %s", self.ref.uri,
                                 " ".join(str(exc).split())[:200])
-                self._registry_down = True
                 self.registry_error = (f"cannot resolve {self.ref.uri} (registry unreachable or alias gone: "
                                        f"{' '.join(str(exc).split())[:200]}); serving the version loaded before")
                 continue
-            if self._registry_down:
+            if self.registry_error is not None:
                 log.info("registry reachable again")
-            self._registry_down, self.registry_error = False, None
+            self.registry_error = None
             if self.model is not None and version == self.model.version:
                 continue
             retry_after = max(5 * self.settings.reload_interval, 60.0)  # a broken version is not reloaded every poll

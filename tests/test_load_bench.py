@@ -260,10 +260,9 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
         assert r["bounds"]["gateway_max_outstanding"] == (2 if r["arm"] == "bounded" else 1_000_000)
     by = {(r["multiple"], r["arm"]): r for r in res["runs"]}
     assert by[(3, "unbounded")]["rejected_429"] == 0 and by[(3, "unbounded")]["peak_in_flight"] > 2
-    # the bound itself is the gateway's count, which never passes it (tests/test_gateway_overload.py); the bench's
-    # peak is the client's view, where an answer ends after the gateway freed its slot, so on a busy machine several
-    # answers may still be in their last step there (a CI run beside another job saw 4 open at a bound of 2)
-    assert by[(3, "bounded")]["rejected_429"] > 0
+    # the peak is the client's view: an answer's end reaches the client just after the gateway freed its slot, so one
+    # request more than the bound may overlap there (the gateway's own count never passes it: tests/test_gateway_overload.py)
+    assert by[(3, "bounded")]["rejected_429"] > 0 and by[(3, "bounded")]["peak_in_flight"] <= 2 + 1
     assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
     assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
     assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout

@@ -180,6 +180,8 @@ def owner(model_dir, logs):
                        env={**ENGINE_ENV, "LENGTHWISE_API_KEY": ""}, wait=None)
     try:
         health = gw.wait_ready(timeout=540)
+        # counts below compare requests, so none may be estimated while the tokenizer still loads
+        wait_for(lambda: gw.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
     except AssertionError:
         gw.stop()
         raise

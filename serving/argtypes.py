@@ -30,3 +30,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def flag_error(exc: object, flags: dict[str, str] | None = None) -> str:
+    """A pydantic ``ValidationError`` from settings built out of flags, as one line naming the flag at fault.
+
+    ``flags`` maps a field to its flag where the two differ; otherwise ``max_tokens`` is ``--max-tokens``. An error of
+    the whole model (a check across fields) names no flag: its message does.
+    """
+    err = exc.errors()[0]  # type: ignore[attr-defined]
+    msg = " ".join(str(err["msg"]).removeprefix("Value error, ").split())
+    if not err["loc"]:
+        return msg
+    field = str(err["loc"][0])
+    return f"{(flags or {}).get(field, '--' + field.replace('_', '-'))}: {msg}"

@@ -53,7 +53,7 @@ from serving.perf.slo import derive_slo
 from serving.policy.request import Prediction
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
-from serving.sim.predictions import LengthOracle, PredictorSpecError, make_predictor
+from serving.sim.predictions import LengthOracle, PredictorSpecError, check_spec, make_predictor
 from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
 from serving.sim.sweep import sweep_policy
 from serving.sim.workload import TraceRequest, Workload, load_workload
@@ -130,6 +130,18 @@ class EngineBenchConfig(BaseModel):
             raise ValueError(f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens cannot hold one "
                              f"{self.max_model_len}-token request (vLLM refuses to start); use at least {need}")
         return self
+
+    @field_validator("predictor", "compare_predictors")
+    @classmethod
+    def _specs(cls, v: str | list[str]) -> str | list[str]:
+        """A malformed spec is refused here, not after minutes of calibration."""
+        for spec in [v] if isinstance(v, str) else v:
+            if spec != MATCHED_NOISE:
+                try:
+                    check_spec(spec)
+                except PredictorSpecError as exc:
+                    raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("rates", "rate_factors")
     @classmethod

@@ -89,6 +89,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from rich.console import Console
 
+    from serving.argtypes import flag_error
     from serving.enginebench.bench import EngineBenchConfig, EngineBenchError, run_bench
     from serving.perf.latency import LatencyError
     from serving.policy.base import PolicyError
@@ -115,8 +116,7 @@ def run_cli(a: argparse.Namespace) -> int:
             console = Console(width=170)  # the table has 14 columns; logs and pipes get them unsquashed
         run_bench(cfg, json_path, json_path.with_suffix(".png"), console)
     except ValidationError as exc:
-        e = exc.errors()[0]
-        print(f"lengthwise: error: --{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}", file=sys.stderr)
+        print(f"lengthwise: error: {flag_error(exc)}", file=sys.stderr)
         return 2
     except (PolicyError, PredictorSpecError, WorkloadError, LatencyError, EngineBenchError, ValueError, FileNotFoundError) as exc:
         print(f"lengthwise: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
 
+from serving.argtypes import flag_error
 from serving.gateway.auth import KEY_ENV
 from serving.gateway.settings import GatewaySettings
 from serving.policy.registry import policy_help
@@ -312,10 +313,7 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     try:
         settings = GatewaySettings(**fields)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else ""
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        raise UsageError(f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {msg}" if field else msg) from None
+        raise UsageError(flag_error(exc, _FLAGS)) from None
     try:
         settings.client_keys()
     except ValueError as exc:

@@ -310,6 +310,22 @@ def _load_model(spec: str):
                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
+def names_a_model(spec: str) -> bool:
+    """Whether ``spec`` names a trained model (a registry URI or a package directory) rather than a synthetic predictor."""
+    s = spec.strip()
+    if s.lower().startswith("point:"):
+        return names_a_model(s[len("point:"):])
+    kind = s.partition(":")[0].lower()
+    return s.startswith(("models:/", "runs:/")) or (
+        kind not in ("oracle", "noise", "gauss") and ("/" in s or Path(s).expanduser().is_dir()))
+
+
+def check_spec(spec: str) -> None:
+    """Raise :class:`PredictorSpecError` for a malformed spec before any work is done; a model is only loaded later."""
+    if not isinstance(spec, str) or not names_a_model(spec):
+        make_predictor(spec)
+
+
 def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> LengthOracle:
     """Build the predictor a spec names (see the module doc); a bad spec raises :class:`PredictorSpecError`.
 
@@ -323,8 +339,7 @@ def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> L
         return PointOnly(make_predictor(s[len("point:"):], seed, quantile))
     kind, _, value = s.partition(":")
     kind_l = kind.lower()
-    is_model = s.startswith(("models:/", "runs:/")) or (
-        kind_l not in ("oracle", "noise", "gauss") and ("/" in s or Path(s).expanduser().is_dir()))
+    is_model = names_a_model(s)
     if quantile is not None:
         if not is_model:
             raise PredictorSpecError(f"quantile applies only to a real model predictor, not to {s!r}")

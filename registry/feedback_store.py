@@ -108,14 +108,17 @@ def default_path() -> Path:
 
 
 def error_kind(exc: BaseException) -> str:
-    """``locked`` (another connection holds the lock past the busy timeout), ``disk_full``, ``io`` or ``error``."""
+    """``locked`` (another connection holds the lock past the busy timeout), ``disk_full``, ``read_only`` (the file or
+    its file system), ``io`` or ``error``: the reason an operator reads in the store's error counter."""
     name = getattr(exc, "sqlite_errorname", "") or ""
     text = str(exc).lower()
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
         return "locked"
     if name.startswith("SQLITE_FULL") or "disk is full" in text or isinstance(exc, OSError) and exc.errno == 28:
         return "disk_full"
-    if name.startswith(("SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_READONLY")) or isinstance(exc, OSError):
+    if name.startswith("SQLITE_READONLY") or "readonly" in text or isinstance(exc, OSError) and exc.errno == 30:
+        return "read_only"
+    if name.startswith(("SQLITE_IOERR", "SQLITE_CANTOPEN")) or isinstance(exc, OSError):
         return "io"
     return "error"
 

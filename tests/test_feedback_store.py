@@ -138,6 +138,8 @@ def test_error_kinds():
     assert error_kind(sqlite3.OperationalError("database is locked")) == "locked"
     assert error_kind(sqlite3.OperationalError("database or disk is full")) == "disk_full"
     assert error_kind(OSError(28, "No space left on device")) == "disk_full"
+    assert error_kind(sqlite3.OperationalError("attempt to write a readonly database")) == "read_only"
+    assert error_kind(OSError(30, "Read-only file system")) == "read_only"
     assert error_kind(sqlite3.DatabaseError("file is not a database")) == "error"
 
 

@@ -5,9 +5,11 @@ target model in every answer, and the drift alarm in /health and Prometheus."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 
@@ -342,3 +344,67 @@ def test_online_error_counts_in_the_prompts_slice(sidecar):
     assert slices["first_turn"].n == before.get("first_turn", 0) + 1
     assert slices["later_turns"].n == before.get("later_turns", 0) + 1
     assert "first_turn_accuracy_n" in total().metrics()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs of its own: a real file system that fills and that can be remounted read-only."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], check=False, capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.fault("the feedback store's disk full, then read-only",
+                   saw="feedback accepted (200) at once; /health 200",
+                   lost="the rows written meanwhile, counted by reason (disk_full, read_only); writing resumes once "
+                        "there is space; the rows already stored are kept")
+def test_a_full_or_read_only_disk_is_counted_never_the_clients_error(package, small_disk):
+    store = FeedbackStore(small_disk / "feedback.db")
+
+    def feedback(client: TestClient, rid: str) -> None:
+        predict(client, {"prompt": f"Explain {rid}, with an example. " * 20, "request_id": rid})
+        t0 = time.perf_counter()
+        r = client.post("/v1/feedback", json={"request_id": rid, "actual_tokens": 90, "finish_reason": "stop"})
+        assert r.status_code == 200 and r.json()["accepted"] and time.perf_counter() - t0 < 0.9
+        assert client.get("/health").status_code == 200
+
+    def errors(client: TestClient, reason: str) -> float:
+        return metric(client, "lengthwise_sidecar_feedback_store_errors_total", reason=reason) or 0.0
+
+    client = open_client(package, store.path)
+    try:
+        feedback(client, "before")
+        wait_for(lambda: [x.prediction_id for x in store.read()] == ["before"], what="the first row")
+        filler = small_disk / "filler"
+        with open(filler, "wb", buffering=0) as f:  # every free block taken, as a log that filled the disk would
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+        for i in range(30):  # each row appends to the write-ahead log until a page finds no block
+            feedback(client, f"full-{i}")
+        wait_for(lambda: errors(client, "disk_full") > 0, timeout=30, what="a write on the full disk to be counted")
+        filler.unlink()
+        feedback(client, "freed")
+        wait_for(lambda: "freed" in [x.prediction_id for x in store.read()], what="writing to resume")
+    finally:
+        client.__exit__(None, None, None)
+    kept = [x.prediction_id for x in store.read()]
+    assert kept[0] == "before" and len(kept) < 32  # the rows of the full disk were dropped, nothing older
+    # read-only, as a pod's readOnlyRootFilesystem or a file system the kernel remounted after errors
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    client = open_client(package, store.path)
+    try:
+        feedback(client, "read-only")
+        wait_for(lambda: errors(client, "read_only") > 0, timeout=30, what="the write on the read-only disk to be counted")
+    finally:
+        client.__exit__(None, None, None)
+    assert [x.prediction_id for x in store.read()] == kept

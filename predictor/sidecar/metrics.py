@@ -70,7 +70,7 @@ class SidecarMetrics:
                                   "written, dropped (writer queue full), failed (write error), pruned (retention), "
                                   "skipped (no prompt known: the prediction was not served here)", ["outcome"], registry=r)
         self.store_errors = Counter(p + "feedback_store_errors", "failed writes to the feedback store by cause: locked, "
-                                    "disk_full, io, error", ["reason"], registry=r)
+                                    "disk_full, read_only, io, error", ["reason"], registry=r)
         self.store_queue = Gauge(p + "feedback_store_queue", "feedback rows waiting for the store's writer", registry=r)
         self._served: tuple[str, str] | None = None
 

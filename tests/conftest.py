@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -126,8 +127,9 @@ def make_gateway():
 
 
 @pytest.fixture()
-def mlflow_server(tmp_path):
-    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store; stopped after the test."""
+def mlflow_server_proc(tmp_path):
+    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store (its own process group, so a fault test
+    can kill it whole); stopped after the test. ``.url`` is its tracking URI."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
@@ -148,9 +150,17 @@ def mlflow_server(tmp_path):
     else:
         proc.kill()
         pytest.fail("mlflow server did not start")
-    yield url
-    os.killpg(proc.pid, 15)
+    proc.url = url
+    yield proc
+    with contextlib.suppress(ProcessLookupError):  # a fault test may have killed it already
+        os.killpg(proc.pid, 15)
     proc.wait(timeout=30)
+
+
+@pytest.fixture()
+def mlflow_server(mlflow_server_proc) -> str:
+    """The tracking URI of :func:`mlflow_server_proc`."""
+    return mlflow_server_proc.url
 
 
 # --- the fault matrix ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Bad input to train-predictor: exit status 2 and one clear line, never a traceback."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from tests.conftest import SHAREGPT, free_port
+from tests.sidecar_proc import wait_for
 
 
 def run_cli(*args, env=None):
@@ -55,6 +57,33 @@ def test_an_unreachable_tracking_server_is_one_line_before_any_training(data, ho
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("train-predictor: error:") and dead in lines[0] and "MLFLOW_TRACKING_URI" in lines[0]
     assert time.monotonic() - t0 < 120  # the imports' time, not MLflow's retries
+
+
+@pytest.mark.fault("MLflow killed in the middle of a train-predictor run",
+                   saw="exit 2 and, as its last line, one naming the server that stopped answering; no traceback",
+                   lost="the run (not registered; the alias and earlier versions untouched)")
+def test_a_tracking_server_killed_mid_run_is_one_line(data, home, mlflow_server, mlflow_server_proc, tmp_path):
+    from mlflow import MlflowClient
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # MLflow's own retries (7, with backoff) would take minutes here
+    job = subprocess.Popen([sys.executable, "-m", "training.cli", "--data", str(data / SHAREGPT), "--tokenizer",
+                            str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "300", "--epochs", "2",
+                            "--max-prompt-tokens", "64", "--no-baselines", "--route-slices", "off", "--work-dir",
+                            str(tmp_path / "work")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = MlflowClient(mlflow_server)
+        wait_for(lambda: job.poll() is not None or client.search_runs(
+            [e.experiment_id for e in client.search_experiments()]), timeout=240, what="the run to start")
+        assert job.poll() is None, job.communicate()[1]
+        os.killpg(mlflow_server_proc.pid, signal.SIGKILL)  # training and logging are under way
+        _, err = job.communicate(timeout=240)
+    finally:
+        job.kill()
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert job.returncode == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith("train-predictor: error: the tracking server") and mlflow_server in lines[-1], err
+    assert "the run is not registered" in lines[-1]
 
 
 @pytest.mark.unit

@@ -161,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mlflow_failed(exc: BaseException) -> str:
+    """One line for a tracking server that failed mid-run: a server gone is named as such, anything else quoted."""
+    from registry.store import tracking_uri
+
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "Max retries exceeded" in first or "Connection refused" in first:
+        why = f"the tracking server {tracking_uri()} stopped answering (after MLflow's retries, " \
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES)"
+    else:
+        why = f"MLflow failed: {first[:300]}"
+    return f"{why}; the run is not registered: check the tracking server and run again"
+
+
 def _fail(msg: str) -> int:
     print(f"train-predictor: error: {msg}", file=sys.stderr)
     return 2
@@ -204,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except RegistryUnreachable as exc:
         return _fail(str(exc))
     except MlflowException as exc:  # the tracking server failed during the run (after the check at its start)
-        return _fail(f"MLflow failed during the run ({str(exc).splitlines()[0][:300]}); the run is not registered: "
-                     "check the tracking server and run again")
+        return _fail(_mlflow_failed(exc))
     except KeyboardInterrupt:
         return _fail("interrupted")
     print_report(report)

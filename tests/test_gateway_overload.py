@@ -48,6 +48,7 @@ def test_the_bounds_default_to_the_engines_batch_and_a_slot_is_released_once():
     gate.admit()
     with pytest.raises(ApiError):
         gate.admit()
+    assert gate.peak == 2  # the most in flight at once, never past the bound
 
 
 @pytest.fixture(scope="module")

@@ -259,10 +259,11 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
         assert math.isclose(r["rate"], r["multiple"] * 1.0)
         assert r["bounds"]["gateway_max_outstanding"] == (2 if r["arm"] == "bounded" else 1_000_000)
     by = {(r["multiple"], r["arm"]): r for r in res["runs"]}
-    assert by[(3, "unbounded")]["rejected_429"] == 0 and by[(3, "unbounded")]["peak_in_flight"] > 2
-    # the peak is the client's view: an answer's end reaches the client just after the gateway freed its slot, so one
-    # request more than the bound may overlap there (the gateway's own count never passes it: tests/test_gateway_overload.py)
-    assert by[(3, "bounded")]["rejected_429"] > 0 and by[(3, "bounded")]["peak_in_flight"] <= 2 + 1
+    assert by[(3, "unbounded")]["rejected_429"] == 0 and by[(3, "unbounded")]["gateway_peak_in_flight"] > 2
+    # the bound as the gateway kept it; the client's view (peak_in_flight) also counts answers on their way to it after
+    # the gateway freed their slots, which a loaded machine delays (4 open at a bound of 2 was seen)
+    assert by[(3, "bounded")]["rejected_429"] > 0 and by[(3, "bounded")]["gateway_peak_in_flight"] == 2
+    assert by[(3, "bounded")]["peak_in_flight"] >= 2
     assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
     assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
     assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout

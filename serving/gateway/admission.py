@@ -39,15 +39,17 @@ class Slot:
 
 
 class Admission:
-    """Counts requests in flight; :meth:`admit` refuses one past ``limit``."""
+    """Counts requests in flight; :meth:`admit` refuses one past ``limit``. ``peak`` is the most ever in flight at once:
+    the bound as the gateway kept it, where a client's view also counts answers still on their way to it."""
 
     def __init__(self, limit: int, on_change=None) -> None:
-        self.limit, self.inflight, self._on_change = limit, 0, on_change
+        self.limit, self.inflight, self.peak, self._on_change = limit, 0, 0, on_change
 
     def admit(self) -> Slot:
         if self.inflight >= self.limit:
             raise overloaded(f"{self.limit} requests in flight")
         self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
         self._changed()
         return Slot(self)
 

@@ -443,7 +443,8 @@ class Gateway:
                 "predictor": {"state": state, "detail": detail},
                 "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
                 "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method,
-                "inflight": self.admission.inflight, "max_outstanding": self.admission.limit}
+                "inflight": self.admission.inflight, "inflight_peak": self.admission.peak,
+                "max_outstanding": self.admission.limit}
         self.count("/health", self.health_status(body))
         return body
 

@@ -284,7 +284,7 @@ def print_table(report: dict, console) -> None:
                  f"trained budget ({report['trained_budget']} tokens); batch 1: lone requests with THREADS threads; "
                  "batch 32: WORKERS sessions side by side" + ("" if report["split_matches_package"]
                                                               else "; the split differs from the package's own"))
-    cols = ["precision", "budget", "layout", "top-1", "within-1", "tau", "pairwise", "max |dlogit|", "agree",
+    cols = ["precision", "budget", "layout", "top-1", "within-1", "MAE", "tau", "pairwise", "max |dlogit|", "agree",
             "b1 p50 ms", "b1 p99 ms", "b1 CPU ms", "b32 pred/s", "b32 CPU ms"]
     http = any("sidecar" in r for r in report["rows"])
     if http:
@@ -294,8 +294,9 @@ def print_table(report: dict, console) -> None:
     for r in report["rows"]:
         q = r["quality"].get("all", {})
         cells = [r["precision"], str(r["budget"]), r["layout"], f"{q.get('accuracy', float('nan')):.3f}",
-                 f"{q.get('accuracy_within_1', float('nan')):.3f}", f"{q.get('kendall_tau', float('nan')):.3f}",
-                 f"{q.get('pairwise_accuracy', float('nan')):.3f}", f"{r['parity']['parity_max_abs_diff']:.2g}",
+                 f"{q.get('accuracy_within_1', float('nan')):.3f}", f"{q.get('mae_tokens', float('nan')):.0f}",
+                 f"{q.get('kendall_tau', float('nan')):.3f}", f"{q.get('pairwise_accuracy', float('nan')):.3f}",
+                 f"{r['parity']['parity_max_abs_diff']:.2g}",
                  f"{r['parity']['bucket_agreement']:.3f}", f"{r['batch1']['p50_ms']:.2f}", f"{r['batch1']['p99_ms']:.2f}",
                  f"{r['batch1']['cpu_ms_per_prediction']:.2f}", f"{r['batch32']['predictions_per_s']:.0f}",
                  f"{r['batch32']['cpu_ms_per_prediction']:.2f}"]

@@ -103,7 +103,7 @@ def test_malformed_hints_are_no_hints(raw):
 # --- the router itself, over Ray's in-memory replica stand-ins ------------------------------------------------------------
 
 
-def _router(placement: str, replicas: dict[str, dict]):
+def _router(placement: str, replicas: dict[str, dict], **kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     from ray.serve._private.test_utils import FakeRunningReplica
 
@@ -119,7 +119,9 @@ def _router(placement: str, replicas: dict[str, dict]):
             return self.stats
 
     router = LengthwiseRequestRouter(deployment_id=DeploymentID(name="engine"), handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(placement=placement, stale_after_s=5.0)
+    # stats stay fresh however loaded the machine: building the first router imports Ray's metrics, seconds under load,
+    # and staleness itself is tested on StatsPlacement above
+    router.initialize_state(placement=placement, stale_after_s=300.0, **kwargs)
     fakes = [Reporting(n, s) for n, s in replicas.items()]
     router.update_replicas(fakes)
     return router, fakes
@@ -167,6 +169,47 @@ def test_router_without_stats_is_power_of_two_and_counts_it():
         assert mine["decisions"] >= 6 and mine["fallbacks"]["no_report"] >= 5
 
     asyncio.run(main())
+
+
+def _graded(now: float) -> dict[str, dict]:
+    """Three replicas holding 0, 2 and 4 running jobs."""
+    return {n: ReplicaStats(now, 8192, jobs=tuple(JobRow(f"{n}{i}", 100, 100, 5, True) for i in range(k))).as_dict()
+            for n, k in (("c", 4), ("a", 0), ("b", 2))}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ingresses", [1, 2])
+def test_one_ingress_takes_the_least_loaded_several_pick_among_the_two_least_loaded(ingresses):
+    """A lone router sees every request it sends, so the least loaded is right; routers of several ingress replicas
+    see each other's only at the next stats, and all sending to the same least-loaded replica in between is herding."""
+    async def main():
+        chosen = []
+        for i in range(40):
+            router, _ = _router("lengthwise", _graded(time.time()), ingresses=ingresses, seed=i)
+            ranks = await router.choose_replicas(router._replicas_list,
+                                                 _pending({"rid": f"x{i}", "prompt_len": 10, "pred_len": 10}, f"q{i}"))
+            chosen.append(ranks[0][0].replica_id.unique_id)
+        return chosen
+
+    chosen = asyncio.run(main())
+    assert set(chosen) == ({"a"} if ingresses == 1 else {"a", "b"}), chosen
+
+
+@pytest.mark.unit
+def test_every_router_orders_the_replicas_alike():
+    """Shares (lengthwise-pack) and tie-breaks need the same replica order in every ingress replica's router, whatever
+    order Ray lists the candidates in."""
+    async def main():
+        picks = []
+        for reverse in (False, True):
+            router, fakes = _router("jsq", {n: ReplicaStats(time.time(), 8192).as_dict() for n in ("b", "c", "a")})
+            order = fakes[::-1] if reverse else fakes
+            ranks = await router.choose_replicas(order, _pending({"rid": "x", "prompt_len": 10, "pred_len": 10}))
+            picks.append([[r.replica_id.unique_id for r in rank] for rank in ranks])
+        return picks
+
+    first, second = asyncio.run(main())
+    assert first == second == [["a"], ["b", "c"]]
 
 
 # --- a real local Ray Serve application: two cheap replicas reporting fixed routing stats -------------------------------

@@ -2,7 +2,9 @@
 deployment with a small ONNX package, the ingress, and the ``openai`` client.
 
 Every request completes with exactly its ``max_tokens`` (``ignore_eos``), streamed or not; its prediction came from the
-sidecar deployment; and the requests spread over both engine replicas (counted per replica on ``/health``).
+sidecar deployment; and the requests spread over both engine replicas (counted per replica on ``/health``). The
+application runs two ingress replicas (``replicas=2``, each with its own router), as a user scaling out the ingress
+would: each counts what it served, so the test reads ``/health`` from both.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def ray_app(model_dir, data, tmp_path_factory) -> Iterator[RayApp]:
-    with start_app(model_dir, data, tmp_path_factory.mktemp("ray-serve")) as app:
+    with start_app(model_dir, data, tmp_path_factory.mktemp("ray-serve"), replicas=2) as app:
         yield app
 
 
@@ -53,11 +55,20 @@ def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
     assert [got for _, got, _ in results] == lengths
     assert {how for _, _, how in results if how != "stream"} == {"sidecar"}, results
 
-    health = httpx.get(ray_app.url + "/health", timeout=30).json()
-    served = health["served_by_engine"]
-    print("requests per engine replica:", served)
+    by_ingress: dict[int, dict] = {}  # Ray's proxy spreads /health over the ingress replicas too: read until both answer
+    for _ in range(60):
+        health = httpx.get(ray_app.url + "/health", timeout=30).json()
+        assert health["ingress"]["replicas"] == 2 and health["predictor"]["state"] == "ok", health
+        by_ingress[health["ingress"]["rank"]] = health
+        if len(by_ingress) == 2:
+            break
+    assert sorted(by_ingress) == [0, 1], by_ingress.keys()
+    served: dict[str, int] = {}
+    for h in by_ingress.values():
+        for engine, n in h["served_by_engine"].items():
+            served[engine] = served.get(engine, 0) + n
+    print("requests per engine replica:", served, "per ingress:", {r: h["served_by_engine"] for r, h in by_ingress.items()})
     assert sum(served.values()) == len(lengths) and len(served) == 2 and min(served.values()) >= 1, served
-    assert health["predictor"]["state"] == "ok", health
 
 
 def test_bad_input_is_a_4xx_with_a_message(ray_app):
@@ -75,3 +86,6 @@ def test_cli_refuses_what_does_not_apply_in_one_line():
                        text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "--backend ray starts its own engine replicas" in r.stderr
+    r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--model", "m", "--replicas", "2", "--replica-index", "1"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "leave out --replica-index" in r.stderr, r.stderr

@@ -193,8 +193,9 @@ def _placement_flags(pl: argparse._ActionsContainer) -> None:
     _setting(pl, "--replicas", "replicas", metavar="G",
              help="gateway replicas sharing these engines; with lengthwise-pack each replica fills its own share "
                   "of the engines first (the i-th --engine-url for i %% G == --replica-index), so replicas do not "
-                  "all pack the same engine between metrics reads. Every replica must list the engines in the same "
-                  "order (default: %(default)s)")
+                  "all pack the same engine between metrics reads, and lengthwise picks at random between the two "
+                  "least loaded. Every replica must list the engines in the same order. With --backend ray: the "
+                  "ingress replicas Ray Serve runs, each with its own router, numbered by Ray (default: %(default)s)")
     _setting(pl, "--replica-index", "replica_index", metavar="I",
              help="this replica's index, 0 to G-1, e.g. a StatefulSet pod's ordinal (default: %(default)s)")
 

@@ -1,8 +1,9 @@
 """The Ray Serve application: engine replicas behind ``LengthwiseRequestRouter``, the ingress, and the sidecar.
 
 What runs where: ``settings.engines`` engine replicas (one vLLM engine each, one CPU or GPU each as Ray places them),
-routed by :class:`~serving.ray.router.LengthwiseRequestRouter` with ``settings.placement``; the ingress (the gateway's
-request steps, OpenAI API at ``/``) calling them through its handle; and, when a predictor model is given, the sidecar
+routed by :class:`~serving.ray.router.LengthwiseRequestRouter` with ``settings.placement``; ``settings.replicas``
+ingress replicas (the gateway's request steps, OpenAI API at ``/``; Ray's HTTP proxy spreads requests over them), each
+calling the engines through its own handle and so deciding with its own router; and, when a predictor model is given, the sidecar
 at ``/predictor`` as a separate application, whose URL on the local Serve proxy becomes the ingress's
 ``predictor_url``.
 """
@@ -42,7 +43,7 @@ def router_config(settings: GatewaySettings, router: str = "lengthwise") -> Requ
     return RequestRouterConfig(
         request_router_class=LengthwiseRequestRouter, request_routing_stats_period_s=STATS_PERIOD_S,
         request_router_kwargs={"placement": settings.placement, "stale_after_s": max(settings.stale_after_s, 4 * STATS_PERIOD_S),
-                               "others_pred_len": settings.fallback_tokens})
+                               "others_pred_len": settings.fallback_tokens, "ingresses": settings.replicas})
 
 
 def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
@@ -56,8 +57,8 @@ def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus:
 
 def ingress_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
                 router: str = "lengthwise") -> Any:
-    """The ingress over the engines, bound (the application ``serve.run`` starts at ``/``)."""
-    dep = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+    """The ingress over the engines, bound (the application ``serve.run`` starts at ``/``): ``settings.replicas`` replicas."""
+    dep = serve.deployment(Ingress, name="ingress", num_replicas=settings.replicas, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=max(1000, settings.outstanding_bounds(settings.engines)[1]))
     return dep.bind(settings, engine_app(settings, engine_cpus, engine_gpus, router))
 

@@ -27,6 +27,8 @@ def serve_ray(settings: GatewaySettings, address: str | None, predictor_model: s
     if settings.engine_urls or settings.prefill_urls or settings.prefill_engines:
         return _fail("--backend ray starts its own engine replicas: --engine-url, --prefill-url and --prefill-engines do "
                      "not apply")
+    if settings.replica_index:
+        return _fail("--backend ray numbers its --replicas ingress replicas itself: leave out --replica-index")
     try:
         import ray
         from ray import serve
@@ -46,8 +48,8 @@ def serve_ray(settings: GatewaySettings, address: str | None, predictor_model: s
 
         serve.start(http_options={"host": settings.host, "port": settings.port})
         run(settings, {"model": predictor_model} if predictor_model else None)
-        log.info("lengthwise on Ray Serve: http://%s:%d/v1 (%d engine replica(s), placement %s)", settings.host,
-                 settings.port, settings.engines, settings.placement)
+        log.info("lengthwise on Ray Serve: http://%s:%d/v1 (%d engine replica(s), %d ingress replica(s), placement %s)",
+                 settings.host, settings.port, settings.engines, settings.replicas, settings.placement)
         stop.wait()
         return 0
     except KeyboardInterrupt:

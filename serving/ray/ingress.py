@@ -43,6 +43,7 @@ from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
 from serving.placement import Job
+from serving.ray.router import ingress_rank
 from serving.ray.routing import ROUTE_KWARG, RouteHint
 from serving.ray.timing import router_timings
 
@@ -215,7 +216,8 @@ class RayGateway(Gateway):
                 "healthy_engines": 1 if self.pool.known_models else 0, "served_by_engine": dict(self.served),
                 "engine_retries": self.retries, "stream_errors": self.stream_errors, "routers": router_timings(),
                 "predictor_url": self.settings.predictor_url, "predictor": {"state": state, "detail": detail},
-                "placement": self.settings.placement, "inflight": self.admission.inflight}
+                "placement": self.settings.placement, "inflight": self.admission.inflight,
+                "ingress": {"rank": ingress_rank(), "replicas": self.settings.replicas}}
         self.count("/health", 200)
         return body
 

@@ -18,7 +18,13 @@ power-of-two class's FIFO matching would hand one request's decision to another)
 not reported complete are added to each replica's view until the replica reports them itself.
 
 Configuration (``request_router_kwargs``, JSON): ``placement`` (a placement name), ``stale_after_s``, ``seed``,
-``others_pred_len``, ``ttft_s``, ``atgt_s``.
+``others_pred_len``, ``ttft_s``, ``atgt_s``, ``ingresses``.
+
+**Several ingress replicas.** Each ingress replica holds its own handle, so its own router, which sees the others'
+requests only in the replicas' next stats: the placement is told it is one of ``ingresses`` senders (the gateway's
+``--replicas``), so ``lengthwise`` picks at random among the two least loaded instead of all of them herding to the
+least loaded, and ``lengthwise-pack`` fills its own share first. Its index is the ingress replica's rank in Ray Serve,
+which also offsets the seed, so no two routers draw the same choices.
 
 **Overhead.** Every router here times its ``choose_replicas`` (:class:`~serving.ray.timing.RouterTiming`: decisions and
 seconds, kept per process and in the Ray metric ``lengthwise_ray_router_choose_seconds``), and so does
@@ -41,6 +47,18 @@ from serving.ray.routing import ROUTE_KWARG, RouteHint, StatsPlacement
 from serving.ray.timing import RouterTiming
 
 log = logging.getLogger("serving.ray")
+
+
+def ingress_rank() -> int:
+    """The rank of the Serve replica this process runs (the ingress holding the handle), 0 outside a replica."""
+    try:
+        from ray import serve
+
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # noqa: BLE001 - not in a Serve replica (a driver, a test): the only sender
+        return 0
+
+
 class TimedPowerOfTwoRouter(RouterTiming, PowerOfTwoChoicesRequestRouter):
     """Ray Serve's default router (power-of-two choice), unchanged but for the timing of its decisions."""
 
@@ -58,10 +76,12 @@ class LengthwiseRequestRouter(RouterTiming, LocalityMixin, MultiplexMixin, Reque
 
     def initialize_state(self, placement: str = "lengthwise", stale_after_s: float = 6.0, seed: int = 0,
                          others_pred_len: int = 256, ttft_s: float | None = None, atgt_s: float | None = None,
-                         **_: Any) -> None:
+                         ingresses: int = 1, **_: Any) -> None:
         """Ray calls this with the deployment's ``request_router_kwargs``."""
-        self.placement = StatsPlacement(PlacementConfig(name=placement, stale_after_s=stale_after_s, seed=seed,
-                                                        others_pred_len=others_pred_len, ttft_s=ttft_s, atgt_s=atgt_s))
+        index = ingress_rank() % max(1, ingresses)
+        self.placement = StatsPlacement(PlacementConfig(name=placement, stale_after_s=stale_after_s, seed=seed + index,
+                                                        others_pred_len=others_pred_len, ttft_s=ttft_s, atgt_s=atgt_s,
+                                                        replica=(index, max(1, ingresses))))
         self._sent: dict[str, tuple[str, Job]] = {}  # Ray's internal request id -> (replica, job) until completed
         self._metric = None
         try:
@@ -95,7 +115,7 @@ class LengthwiseRequestRouter(RouterTiming, LocalityMixin, MultiplexMixin, Reque
         if not hasattr(self, "placement"):  # Ray calls initialize_state only with kwargs; be usable without
             self.initialize_state()
         hint = RouteHint.parse(pending_request.kwargs.get(ROUTE_KWARG)) if pending_request is not None else None
-        replicas = list(candidate_replicas)
+        replicas = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)  # one order in every router (shares)
         decision = self.placement.decide([(r.replica_id.unique_id, r.routing_stats) for r in replicas], hint, self._own(),
                                          time.time())
         if decision.index is None:

@@ -84,3 +84,31 @@ def test_accuracy_at_widths_leaves_out_a_width_at_or_above_the_cap():
     lengths = np.array([10.0, 100.0, 250.0])
     pred = Predictions(np.eye(scheme.n)[scheme.assign(lengths)], lengths)
     assert set(accuracy_at_widths(pred, scheme, lengths)) == {"100", "200"}
+
+
+def _sampled(rng: np.random.Generator, means: np.ndarray, noise: float) -> list[Example]:
+    """Two samples per prompt: the prompt's mean length plus independent Gaussian noise of sd ``noise``."""
+    out = []
+    for i, m in enumerate(means):
+        turns = (Turn("user", f"prompt {i}"),)
+        out += [Example(f"g{i}", turns, response_tokens=int(max(1, m + noise * rng.standard_normal()))) for _ in range(2)]
+    return out
+
+
+def test_between_samples_measures_the_served_models_own_noise():
+    from training.evaluate import between_samples
+
+    rng = np.random.default_rng(0)
+    means = rng.uniform(50, 950, 400)
+    exact = between_samples(_sampled(rng, means, 0.0))
+    assert exact["prompts"] == 400 and exact["kendall_tau"] == pytest.approx(1.0) and exact["ideal_tau_estimate"] == 1.0
+    noisy = between_samples(_sampled(rng, means, 300.0))  # rho = var(mean) / (var(mean) + 300^2) = 67500 / 157500
+    assert 0.2 < noisy["kendall_tau"] < 0.4 and 0.55 < noisy["pairwise_accuracy"] < 0.75
+    # a predictor of the mean itself, scored against sample 1, lands near the estimate (the model holds by construction)
+    sample1 = np.array([e.response_tokens for e in _sampled(rng, means, 300.0)][1::2], dtype=float)
+    from scipy.stats import kendalltau
+
+    assert noisy["ideal_tau_estimate"] == pytest.approx(kendalltau(means, sample1).statistic, abs=0.06)
+    assert noisy["kendall_tau"] < noisy["ideal_tau_estimate"]
+    assert between_samples(_sampled(rng, means[:5], 10.0)) is None  # too few prompts to say
+    assert between_samples([e for e in _sampled(rng, means, 10.0)][::2]) is None  # one sample per prompt

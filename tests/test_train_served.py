@@ -212,6 +212,9 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     assert r["labels"]["label"] == "soft" and r["labels"]["train_examples"] == -(-r["n_train"] // 2)
     want = load_served(lengths).target()
     assert r["labels"]["target"] == want
+    agree = r["labels"]["between_samples"]["all"]  # the served model's own noise, over every prompt with two samples
+    assert set(r["labels"]["between_samples"]) == {"all", "first_turn", "later_turns"}
+    assert agree["prompts"] >= 10 and -1 <= agree["kendall_tau"] <= agree["ideal_tau_estimate"] <= 1
     meta = json.loads((tmp_path / "work" / "package" / "meta.json").read_text())
     assert meta["target"] == want
     assert store.version_target("served-predictor", r["registered_version"])["model"] == MODEL

@@ -13,6 +13,8 @@ first turn has nothing but the request, and one average over both hides which of
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +100,29 @@ def pairwise_accuracy(point: np.ndarray, lengths: np.ndarray, max_pairs: int = 2
         return float("nan")
     agree = np.sign(point[i[keep]] - point[j[keep]]) * np.sign(lengths[i[keep]] - lengths[j[keep]])
     return float(((agree > 0) + 0.5 * (agree == 0)).mean())
+
+
+def between_samples(examples: Sequence[Example], min_prompts: int = 10) -> dict | None:
+    """How well one sampled answer's length ranks another's of the same prompt: the served model's own noise, and so a
+    bound on the ranking any predictor can score against single samples.
+
+    With K >= 2 samples per prompt (``lengthwise relabel --samples K``) the first two samples of each prompt give
+    ``kendall_tau`` and ``pairwise_accuracy`` of sample 0 as a predictor of sample 1. A predictor of each prompt's true
+    mean does better than another sample, but not without bound: if lengths are the prompt's mean plus independent
+    noise, two samples correlate by the mean's share of the variance (rho) and the mean correlates with a sample by
+    sqrt(rho); ``ideal_tau_estimate`` converts through the Gaussian relation r = sin(pi tau / 2) (Greiner). It is an
+    estimate under that model, not a measurement. None with fewer than ``min_prompts`` prompts of two samples or more.
+    """
+    from training.data.served import group_samples
+
+    pairs = [(s[0][0], s[1][0]) for _, s in group_samples(examples) if len(s) >= 2]
+    if len(pairs) < min_prompts:
+        return None
+    a, b = (np.array(x, dtype=np.float64) for x in zip(*pairs))
+    tau = float(kendalltau(a, b).statistic)
+    rho = max(math.sin(math.pi * tau / 2), 0.0) if math.isfinite(tau) else 0.0
+    return {"prompts": len(pairs), "kendall_tau": tau, "pairwise_accuracy": pairwise_accuracy(a, b),
+            "ideal_tau_estimate": 2 / math.pi * math.asin(math.sqrt(rho))}
 
 
 def censored_tau(expected: np.ndarray, actual: np.ndarray, censored: np.ndarray) -> tuple[float | None, int]:

@@ -493,7 +493,8 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
                         if prep.served and prep.served.max_tokens else 0,
                         "train_examples": len(enc["train"]) if "train" in enc else len(splits.train),
                         "censored_train_rows": int(censored_of(splits.train).sum()),
-                        "undecided_left_out_of_eval": prep.undecided or {}}
+                        "undecided_left_out_of_eval": prep.undecided or {},
+                        "between_samples": _between_samples([*splits.train, *splits.val, *test]) if prep.served else None}
     # top-level keys the CLI contract promises
     for k in ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "kendall_tau", "under_prediction_rate", "ece"):
         report[k] = report["model"][k]
@@ -504,6 +505,15 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     reliability_png(batch.probs, truth, plots / "reliability.png", report["model"]["ece"])
     error_by_prompt_length_png(rows["test"].prompt_len, errors, plots / "error_by_prompt_length.png")
     return report
+
+
+def _between_samples(examples: list[Example]) -> dict[str, dict | None]:
+    """:func:`training.evaluate.between_samples` over every labelled prompt (a property of the labels, not of a split),
+    and per slice."""
+    from training.evaluate import between_samples
+
+    return {"all": between_samples(examples), "first_turn": between_samples([e for e in examples if e.first_turn]),
+            "later_turns": between_samples([e for e in examples if not e.first_turn])}
 
 
 def config_from_params(params: dict[str, str]) -> TrainConfig:

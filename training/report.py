@@ -82,6 +82,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"{labels['censored_samples_in_file']} samples of the served-length file ran to the cap (censored; "
                       f"{labels.get('at_cap_test_rows', 0)} test rows at the cap): labelled with the cap, they land in "
                       "the top bucket")
+    agree = (labels.get("between_samples") or {}).get("all")
+    if agree:
+        console.print(f"between two samples of the same prompt ({agree['prompts']} prompts): Kendall tau "
+                      f"{agree['kendall_tau']:.3f}, pairwise {agree['pairwise_accuracy']:.3f}: the served model's own noise; "
+                      f"a predictor of each prompt's mean length would score about tau {agree['ideal_tau_estimate']:.2f} "
+                      "against single samples (an estimate; per slice in the JSON, labels.between_samples)")
     console.print(f"ONNX parity: max |logit diff| = {report['onnx_parity_max_abs_diff']:.2e}  "
                   f"training {report['train_seconds']:.0f}s over {len(report.get('epoch_seconds', []))} epochs "
                   f"({', '.join(f'{s:.0f}s' for s in report.get('epoch_seconds', []))})")

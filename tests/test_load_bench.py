@@ -175,6 +175,26 @@ def test_soak_jobs_cycle_the_trace_within_the_duration():
     assert [j.index for j in jobs] == list(range(len(jobs)))
 
 
+@pytest.mark.unit
+def test_a_soak_past_what_the_stack_sustains_says_so():
+    from collections import Counter
+
+    from serving.placementbench.soak import overload_signs
+    from serving.replay import Result
+
+    def done(i: int, ttft: float, prediction: str = "sidecar") -> Result:
+        return Result(i, 0.0, 64, 10, 5, ok=True, status=200, ttft=ttft, prediction=prediction)
+
+    calm = [done(i, 0.1) for i in range(10)]
+    assert overload_signs(calm, Counter(), 0.25) == {"http_429": 0, "unreachable": 0, "prediction_timeouts_share": 0.0,
+                                                     "ttft_over_slo_share": 0.0, "kept_up": True}
+    late = [done(i, 5.0, "fallback:timeout") for i in range(6)] + calm[:4]
+    got = overload_signs(late, Counter(), 0.25)  # slow, but no backlog: nothing was refused
+    assert got["kept_up"] and got["ttft_over_slo_share"] == 0.6 and got["prediction_timeouts_share"] == 0.6
+    refused = overload_signs(calm, Counter({"http_429": 3, "ConnectTimeout": 1}), 0.25)
+    assert not refused["kept_up"] and (refused["http_429"], refused["unreachable"]) == (3, 1)
+
+
 def test_tree_stats_sums_a_process_and_its_children(tmp_path):
     code = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -228,6 +248,8 @@ def test_soak_on_the_real_stack(trained, data, tmp_path):
     assert v["errors_total"] == 0 and v["errors_by_kind"] == {}, v
     assert v["wrong_or_lost"] == 0 and v["completed"] == res["requests"] >= 15
     assert v["prediction_sources"].get("sidecar", 0) > 0, v["prediction_sources"]  # the gateway asked the sidecar
+    assert set(v["load"]) == {"http_429", "unreachable", "prediction_timeouts_share", "ttft_over_slo_share", "kept_up"}
+    assert v["load"]["http_429"] == v["load"]["unreachable"] == 0
     assert set(res["samples"]) == {"gateway", "sidecar", "engine-0", "engine-1"}
     for name, samples in res["samples"].items():
         assert len(samples) >= 12 and all(s["rss_bytes"] > 0 and s["fds"] > 0 for s in samples), name

@@ -149,19 +149,28 @@ def growth(samples: list[dict[str, float]], warmup_end_s: float) -> dict[str, An
     return out
 
 
-async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: float
+async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: float, console: Console | None = None,
+                duration_s: float = 0.0, report_every_s: float = 60.0
                 ) -> tuple[list[Result], float, dict[str, list[dict[str, Any]]]]:
     """The replay with a sampler beside it: (results, wall seconds, samples per process), the last sample taken after
-    the last answer."""
+    the last answer. With ``console``, a line every ``report_every_s`` with the time and each process's memory, so a
+    long soak shows it is alive and how it is doing."""
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in pids}
     finished = asyncio.Event()
     t0 = time.perf_counter()
+    next_report = report_every_s
 
     def sample() -> None:
+        nonlocal next_report
         t = time.perf_counter() - t0
         for name, pid in pids.items():
             got = tree_stats(pid)
             samples[name].append({"t_s": t, "rss_bytes": got[0] if got else None, "fds": got[1] if got else None})
+        if console is not None and t >= next_report:
+            next_report += report_every_s
+            mem = ", ".join(f"{name} {s[-1]['rss_bytes'] / 2**20:.0f} MiB/{s[-1]['fds']} fds"
+                            for name, s in samples.items() if s[-1]["rss_bytes"] is not None)
+            console.print(f"  t={t:5.0f}s of {duration_s:g}: {mem}")
 
     async def sampler() -> None:
         while not finished.is_set():
@@ -212,9 +221,10 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
                 console.print(f"[bold]soak[/]: {len(jobs)} requests at {rate:.3g} req/s for {cfg.duration_s:g} s "
                               f"({cfg.placement}, predictions from {cfg.model}); samples every {cfg.sample_interval_s:g} s")
                 sends = request_settings(url, fleet.model, jobs, None)
-                results, wall, samples = asyncio.run(_soak(jobs, sends, pids, cfg.sample_interval_s))
+                results, wall, samples = asyncio.run(_soak(jobs, sends, pids, cfg.sample_interval_s, console,
+                                                            cfg.duration_s))
                 health = httpx.get(url + "/health", timeout=10).json()
-        out = _result(cfg, fleet.rate, rate, results, wall, samples, health)
+        out = _result(cfg, fleet.rate, rate, results, wall, samples, health, fleet.cal.slo.ttft_s)
         out["slo"] = {"ttft_s": fleet.cal.slo.ttft_s, "atgt_s": fleet.cal.slo.tpot_s}
         out["config"]["fleet"] = fc.model_dump()
         out["work_dir"] = str(fleet.work)
@@ -226,8 +236,27 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
     return out
 
 
+def overload_signs(results: list[Result], errors: Counter, ttft_slo_s: float | None) -> dict[str, Any]:
+    """Whether the stack kept up with the offered rate: a soak measures leaks at a rate the stack sustains, and past it
+    the errors and the growth are the backlog's, not a leak's. Signs: refusals at the gateway's bound (``http_429``),
+    clients that could not even connect (``ConnectTimeout``/``ConnectError``), predictions that timed out (the CPU the
+    sidecar shares is saturated), and the share of completed requests past the SLO's TTFT. ``kept_up`` is false when
+    any request was refused or could not connect: the gateway refuses only past its bound on requests in flight, that
+    is when a backlog has built up. The other two are context, not the verdict: on a small machine the SLO calibrated on
+    the engines alone is missed by the gateway's own steps at any rate (a prediction may wait its whole timeout)."""
+    done = [r for r in results if r.ok]
+    late = sum(1 for r in done if ttft_slo_s and r.ttft is not None and r.ttft > ttft_slo_s)
+    timed_out = sum(1 for r in results if r.status == 200 and (r.prediction or "").startswith("fallback:timeout"))
+    refused, unreachable = errors.get("http_429", 0), errors.get("ConnectTimeout", 0) + errors.get("ConnectError", 0)
+    late_share = late / len(done) if done else None
+    return {"http_429": refused, "unreachable": unreachable,
+            "prediction_timeouts_share": timed_out / len(done) if done else None, "ttft_over_slo_share": late_share,
+            "kept_up": not refused and not unreachable}
+
+
 def _result(cfg: SoakConfig, saturation: float, rate: float, results: list[Result], wall: float,
-            samples: dict[str, list[dict[str, Any]]], health: dict[str, Any]) -> dict[str, Any]:
+            samples: dict[str, list[dict[str, Any]]], health: dict[str, Any], ttft_slo_s: float | None = None
+            ) -> dict[str, Any]:
     warm_end = WARMUP_SHARE * cfg.duration_s
     lost = _wrong_or_lost(results)
     errors = Counter(error_kind(r) for r in results if not r.ok)
@@ -242,6 +271,7 @@ def _result(cfg: SoakConfig, saturation: float, rate: float, results: list[Resul
             "prediction_sources": dict(Counter(r.prediction or "(no header)" for r in results if r.status == 200)),
             "warmup_end_s": warm_end,
             "processes": {name: growth(s, warm_end) for name, s in samples.items()},
+            "load": overload_signs(results, errors, ttft_slo_s),
         },
         "gateway_health": {k: health[k] for k in ("status", "reasons", "predictor", "predictor_target", "max_outstanding")
                            if k in health},
@@ -274,6 +304,14 @@ def print_soak(out: dict[str, Any], console: Console) -> None:
     console.print(f"completed {v['completed']}/{out['requests']}; errors: {errs}; not ended at their true length or "
                   f"failed: {v['wrong_or_lost']}; predictions: "
                   + (" ".join(f"{k}:{n}" for k, n in v["prediction_sources"].items()) or "-"))
+    load = v.get("load") or {}
+    if load and not load["kept_up"]:
+        late = load["ttft_over_slo_share"]
+        console.print(f"[bold red]the stack did not keep up with {out['rate_rps']:.3g} req/s[/]: {load['http_429']} refused "
+                      f"at the gateway's bound, {load['unreachable']} could not connect"
+                      + (f", {100 * late:.0f}% of completed requests past the SLO's TTFT" if late is not None else "")
+                      + ". Errors and growth here are the backlog's, not a leak's: run again at a lower --load or --rate "
+                        "(the calibrated rate R does not count the gateway's, the sidecar's and the client's CPU)")
 
 
 def plot_soak(out: dict[str, Any], path: Path) -> Path:

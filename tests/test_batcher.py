@@ -112,3 +112,36 @@ def test_workers_run_batches_side_by_side():
         return out
 
     assert run(main()) == [["a"], ["b"]]
+
+
+def test_items_whose_caller_stopped_waiting_are_dropped_unrun():
+    """A sidecar slower than its arrivals must not spend its CPU on predictions whose callers have fallen back."""
+    from predictor.sidecar.batcher import Expired
+
+    seen: list[str] = []
+    gate = threading.Event()
+
+    def run_batch(items: list[str]) -> list[str]:
+        gate.wait(5)  # the first batch holds the only worker while the others queue
+        seen.extend(items)
+        return items
+
+    async def main():
+        b = MicroBatcher(run_batch, max_batch=8, max_wait_s=0.0)
+        b.start()
+        loop = asyncio.get_running_loop()
+        first = asyncio.create_task(b.submit(["first"]))
+        await asyncio.sleep(0.05)
+        gone = asyncio.create_task(b.submit(["gone"], expires_at=loop.time() + 0.05))
+        waits = asyncio.create_task(b.submit(["waits"], expires_at=loop.time() + 30))
+        forever = asyncio.create_task(b.submit(["forever"]))
+        await asyncio.sleep(0.2)  # past "gone"'s time while the worker is still busy
+        gate.set()
+        results = await asyncio.gather(first, gone, waits, forever, return_exceptions=True)
+        await b.stop()
+        return results, b.expired
+
+    (first, gone, waits, forever), expired = run(main())
+    assert first == ["first"] and waits == ["waits"] and forever == ["forever"]
+    assert isinstance(gone, Expired) and expired == 1
+    assert "gone" not in seen and sorted(seen) == ["first", "forever", "waits"]

@@ -19,13 +19,14 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from predictor.sidecar.auth import BearerAuth, send_error
+from predictor.sidecar.batcher import Expired
 from predictor.sidecar.cache import ModelRef, ResolvedModel
 from predictor.sidecar.feedback import Refused, take
 from predictor.sidecar.loading import PredictItem, ServedModel
@@ -173,10 +174,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 def _add_routes(app: FastAPI, state: SidecarState) -> None:
     """The endpoints; their function names are the OpenAPI operation ids."""
 
-    @app.post("/v1/predict", response_model=PredictResponse, responses=_error_responses(400, 401, 413, 422, 503),
+    @app.post("/v1/predict", response_model=PredictResponse, responses=_error_responses(400, 401, 413, 422, 503, 504),
               summary="predict response lengths for one prompt, several prompts or a chat conversation")
-    async def predict(req: PredictRequest):
-        return await _predict(state, req)
+    async def predict(req: PredictRequest, x_lengthwise_timeout_ms: float | None = Header(
+            None, gt=0, description="how long the caller waits; prompts still queued after that are dropped unrun (504)")):
+        return await _predict(state, req, x_lengthwise_timeout_ms)
 
     @app.post("/v1/feedback", response_model=FeedbackResponse, responses=_error_responses(400, 401, 404, 413, 422, 503),
               summary="report the actual output length of a predicted request (online error tracking)")
@@ -212,12 +214,22 @@ def _require_model(state: SidecarState) -> ServedModel:
     return m
 
 
-async def _predict(state: SidecarState, req: PredictRequest) -> JSONResponse:
-    """Batch the request's conversations with whatever else is waiting; remember each prediction for its feedback."""
+async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float | None = None) -> JSONResponse:
+    """Batch the request's conversations with whatever else is waiting; remember each prediction for its feedback.
+
+    With the caller's timeout (``x-lengthwise-timeout-ms``, which the gateway sends) prompts still queued when it has
+    passed are not run: the caller has fallen back already, and a sidecar slower than its arrivals would otherwise
+    spend its CPU on answers nobody reads while its queue grows."""
     t0 = time.perf_counter()
     _require_model(state)
     convs = req.conversations()
-    results = await state.batcher.submit([PredictItem(c, req.quantile) for c in convs])
+    expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
+    try:
+        results = await state.batcher.submit([PredictItem(c, req.quantile) for c in convs], expires)
+    except Expired:
+        state.metrics.expired.inc(len(convs))
+        raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
+                                 "was free (the sidecar is saturated; the caller has its fallback)") from None
     ms = (time.perf_counter() - t0) * 1000.0
     preds, truncated = [], 0
     for i, (d, model) in enumerate(results):

@@ -9,11 +9,17 @@ at an idle sidecar runs at once instead of paying the wait for company that is n
 the queue refills while a batch runs, so the next batch forms without waiting. ``workers`` sets how
 many batches run at once: on a small CPU, two single-threaded forward passes side by side do more
 work per core than one pass split across two threads (no synchronisation inside each operator).
+
+An item may carry the time its caller stops waiting (``submit(items, expires_at=...)``, the event
+loop's clock). One still queued at that time is not run: its caller gets :class:`Expired` instead.
+Without this, a sidecar slower than its arrivals spends its CPU on predictions whose callers have
+already fallen back, so its queue, and every later caller's wait, only grows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,6 +28,10 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class Expired(Exception):
+    """The item's caller stopped waiting before a worker was free to run it."""
 
 
 class MicroBatcher(Generic[T, R]):
@@ -47,12 +57,13 @@ class MicroBatcher(Generic[T, R]):
         self.workers = workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inference")
         self._on_batch = on_batch or (lambda size, seconds: None)
-        self._pending: deque[tuple[T, asyncio.Future, float]] = deque()
+        self._pending: deque[tuple[T, asyncio.Future, float, float]] = deque()  # item, future, arrival, expiry
         self._wakeup: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
         self._last_size = 0
+        self.expired = 0  # items dropped unrun because their caller's time was up
 
     def start(self) -> None:
         """Start the collector on the running event loop."""
@@ -69,7 +80,7 @@ class MicroBatcher(Generic[T, R]):
                 pass
         if self._running:
             await asyncio.wait(self._running, timeout=10)
-        for _, fut, _ in self._pending:
+        for _, fut, _, _ in self._pending:
             if not fut.done():
                 fut.set_exception(RuntimeError("the predictor is shutting down"))
         self._pending.clear()
@@ -79,13 +90,14 @@ class MicroBatcher(Generic[T, R]):
     def queued(self) -> int:
         return len(self._pending)
 
-    async def submit(self, items: Sequence[T]) -> list[R]:
+    async def submit(self, items: Sequence[T], expires_at: float = math.inf) -> list[R]:
+        """The results of ``items``; :class:`Expired` if they are still queued at ``expires_at`` (``loop.time()``)."""
         if self._task is None or self._wakeup is None:
             raise RuntimeError("MicroBatcher.start() was not called")
         loop = asyncio.get_running_loop()
         now = loop.time()
         futures = [loop.create_future() for _ in items]
-        self._pending.extend((item, fut, now) for item, fut in zip(items, futures))
+        self._pending.extend((item, fut, now, expires_at) for item, fut in zip(items, futures))
         self._wakeup.set()
         return list(await asyncio.gather(*futures))
 
@@ -103,7 +115,7 @@ class MicroBatcher(Generic[T, R]):
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[tuple[T, asyncio.Future, float]]:
+    async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[tuple[T, asyncio.Future, float, float]]:
         assert self._wakeup is not None
         while True:
             if not self._pending:
@@ -123,11 +135,16 @@ class MicroBatcher(Generic[T, R]):
                     break
             batch = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
             batch = [b for b in batch if not b[1].done()]  # the client went away: skip its work
+            now = loop.time()
+            for b in [b for b in batch if b[3] <= now]:  # its caller's time is up: it has fallen back already
+                b[1].set_exception(Expired())
+                self.expired += 1
+            batch = [b for b in batch if b[3] > now]
             if batch:
                 self._last_size = len(batch)
                 return batch
 
-    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[T, asyncio.Future, float]]) -> None:
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[T, asyncio.Future, float, float]]) -> None:
         assert self._slots is not None
         t0 = time.perf_counter()
         try:
@@ -135,13 +152,13 @@ class MicroBatcher(Generic[T, R]):
             if len(results) != len(batch):
                 raise RuntimeError(f"run_batch returned {len(results)} results for {len(batch)} items")
         except Exception as exc:  # noqa: BLE001 - delivered to every waiting request
-            for _, fut, _ in batch:
+            for _, fut, _, _ in batch:
                 if not fut.done():
                     fut.set_exception(exc)
             return
         finally:
             self._slots.release()
             self._on_batch(len(batch), time.perf_counter() - t0)
-        for (_, fut, _), res in zip(batch, results):
+        for (_, fut, _, _), res in zip(batch, results):
             if not fut.done():
                 fut.set_result(res)

@@ -37,6 +37,8 @@ class SidecarMetrics:
         self.batch_seconds = Histogram(p + "batch_seconds", "tokenisation + inference time per micro-batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "prompts waiting for a micro-batch", registry=r)
+        self.expired = Counter(p + "expired_prompts", "prompts dropped unrun because the caller's x-lengthwise-timeout-ms "
+                               "passed while they were queued (answered 504: the caller had fallen back already)", registry=r)
         self.model_info = Gauge(p + "model_info", "the served model (value 1)", ["name", "version"], registry=r)
         self.model_version = Gauge(p + "model_version", "the served registry version number (-1 if not numeric)", registry=r)
         self.model_ready = Gauge(p + "model_ready", "1 when a model is loaded and serving", registry=r)

@@ -58,8 +58,10 @@ class Predictor:
 
     def __init__(self, url: str | None, timeout_ms: float, fallback_tokens: int, metrics: GatewayMetrics):
         self.url, self.timeout, self.fallback_tokens, self.metrics = url, timeout_ms / 1000.0, fallback_tokens, metrics
+        # the sidecar drops a prediction still queued when this timeout has passed (it is a fallback here by then)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(max(1.0, self.timeout * 4)),
-                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                                        headers={"x-lengthwise-timeout-ms": f"{timeout_ms:g}"})
 
     async def aclose(self) -> None:
         await self.client.aclose()

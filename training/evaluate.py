@@ -14,7 +14,6 @@ first turn has nothing but the request, and one average over both hides which of
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

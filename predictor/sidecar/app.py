@@ -226,8 +226,7 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
     expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
     try:
         results = await state.batcher.submit([PredictItem(c, req.quantile) for c in convs], expires)
-    except Expired:
-        state.metrics.expired.inc(len(convs))
+    except Expired:  # counted by the batcher, prompt by prompt
         raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
                                  "was free (the sidecar is saturated; the caller has its fallback)") from None
     ms = (time.perf_counter() - t0) * 1000.0

@@ -40,11 +40,12 @@ class MicroBatcher(Generic[T, R]):
     ``run_batch(items) -> results`` (same length and order) runs in one of ``workers`` threads; an
     exception fails every request of that batch. A batch is cut only when a worker is free, so while
     all workers are busy the queue grows into the next batch. ``on_batch(size, seconds)`` observes
-    each batch.
+    each batch, ``on_expired(n)`` each drop of items whose caller's time was up.
     """
 
     def __init__(self, run_batch: Callable[[list[T]], Sequence[R]], max_batch: int = 32, max_wait_s: float = 0.002,
-                 workers: int = 1, on_batch: Callable[[int, float], None] | None = None):
+                 workers: int = 1, on_batch: Callable[[int, float], None] | None = None,
+                 on_expired: Callable[[int], None] | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_wait_s < 0:
@@ -57,13 +58,13 @@ class MicroBatcher(Generic[T, R]):
         self.workers = workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inference")
         self._on_batch = on_batch or (lambda size, seconds: None)
+        self._on_expired = on_expired or (lambda n: None)
         self._pending: deque[tuple[T, asyncio.Future, float, float]] = deque()  # item, future, arrival, expiry
         self._wakeup: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
         self._last_size = 0
-        self.expired = 0  # items dropped unrun because their caller's time was up
 
     def start(self) -> None:
         """Start the collector on the running event loop."""
@@ -133,13 +134,18 @@ class MicroBatcher(Generic[T, R]):
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
                 except TimeoutError:
                     break
-            batch = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
-            batch = [b for b in batch if not b[1].done()]  # the client went away: skip its work
-            now = loop.time()
-            for b in [b for b in batch if b[3] <= now]:  # its caller's time is up: it has fallen back already
-                b[1].set_exception(Expired())
-                self.expired += 1
-            batch = [b for b in batch if b[3] > now]
+            now, batch, expired = loop.time(), [], 0
+            for _ in range(min(self.max_batch, len(self._pending))):
+                b = self._pending.popleft()
+                if b[1].done():  # the client went away: skip its work
+                    continue
+                if b[3] <= now:  # its caller's time is up: it has fallen back already
+                    b[1].set_exception(Expired())
+                    expired += 1
+                    continue
+                batch.append(b)
+            if expired:
+                self._on_expired(expired)
             if batch:
                 self._last_size = len(batch)
                 return batch

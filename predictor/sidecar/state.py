@@ -89,7 +89,8 @@ class SidecarState:
         self.served: OrderedDict[str, ServedPrediction] = OrderedDict()
         self.fed_back: OrderedDict[str, None] = OrderedDict()  # ids whose feedback counted, the last --lru-size
         self.batcher: MicroBatcher[PredictItem, tuple[dict, ServedModel]] = MicroBatcher(
-            self._run_batch, settings.max_batch, settings.max_wait_ms / 1000.0, settings.workers, on_batch=self._observe_batch)
+            self._run_batch, settings.max_batch, settings.max_wait_ms / 1000.0, settings.workers, on_batch=self._observe_batch,
+            on_expired=self.metrics.expired.inc)
         self.aggregator = WindowAggregator(settings.window_size, settings.window_seconds, settings.padding,
                                            settings.alarm_margin)
         self.window_logger = MlflowWindowLogger(on_change=self._observe_buffer)

@@ -78,10 +78,11 @@ class LengthwiseRequestRouter(RouterTiming, LocalityMixin, MultiplexMixin, Reque
                          others_pred_len: int = 256, ttft_s: float | None = None, atgt_s: float | None = None,
                          ingresses: int = 1, **_: Any) -> None:
         """Ray calls this with the deployment's ``request_router_kwargs``."""
-        index = ingress_rank() % max(1, ingresses)
+        count = max(1, ingresses)
+        index = ingress_rank() % count
         self.placement = StatsPlacement(PlacementConfig(name=placement, stale_after_s=stale_after_s, seed=seed + index,
                                                         others_pred_len=others_pred_len, ttft_s=ttft_s, atgt_s=atgt_s,
-                                                        replica=(index, max(1, ingresses))))
+                                                        replica=(index, count)))
         self._sent: dict[str, tuple[str, Job]] = {}  # Ray's internal request id -> (replica, job) until completed
         self._metric = None
         try:

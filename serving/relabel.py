@@ -142,13 +142,14 @@ def pending(prompts: list[Prompt], records: list[dict[str, Any]], samples: int) 
 
 
 def record(p: Prompt, sample: int, seed: int, prompt_tokens: int, output_tokens: int, finish_reason: str | None,
-           settings: Settings) -> dict[str, Any]:
+           settings: Settings, engine: str = "vllm") -> dict[str, Any]:
     """One output line. ``response_tokens`` is the label (the jsonl loader's column for a counted length); a sample
-    that stopped on the cap (finish_reason ``length``) is censored: its true length is at least that."""
+    that stopped on the cap (finish_reason ``length``) is censored: its true length is at least that. ``engine`` says
+    what drew it (vLLM, or :mod:`serving.relabel_torch` where vLLM was not at hand)."""
     rec = {"prompt_hash": p.hash, "group": p.group, "turn": p.turn, "first_turn": p.turn == 0, "sample": sample,
            "seed": seed, "response_tokens": output_tokens, "finish_reason": finish_reason,
            "censored": finish_reason == "length", "prompt_tokens": prompt_tokens, "model": settings.model,
-           "sampling": settings.sampling, "max_tokens": settings.max_tokens}
+           "sampling": settings.sampling, "max_tokens": settings.max_tokens, "engine": engine}
     if settings.text:
         rec["messages"] = [{"role": t.role, "content": t.text} for t in p.turns]
     return rec
@@ -205,11 +206,7 @@ class _Run:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from serving.enginebench.realmodel import chat_prompt_ids
-        from serving.sim.workload import TraceRequest
-
-        ids = chat_prompt_ids(self.model_dir, [TraceRequest(i, 0.0, 0, 0, tuple((t.role, t.text) for t in p.turns))
-                                               for i, (p, _) in enumerate(chunk)])
+        ids = prompt_ids(self.model_dir, [p for p, _ in chunk])
         limit = self.llm.model_config.max_model_len
         for i, (p, samples) in enumerate(chunk):
             if len(ids[i]) + self.settings.max_tokens > limit:  # no room for a full answer: a label cut by the context
@@ -240,6 +237,88 @@ class _Run:
         if self.progress is not None:
             bar, task = self.progress
             bar.update(task, advance=1, rate=f"{self.output_tokens / (time.monotonic() - self.t0):.0f} out tok/s")
+
+
+def prompt_ids(model_dir: Path, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt as the engine gets it: its turns in the model's chat template, as token ids (the bench's prompts)."""
+    from serving.enginebench.realmodel import chat_prompt_ids
+    from serving.sim.workload import TraceRequest
+
+    ids = chat_prompt_ids(model_dir, [TraceRequest(i, 0.0, 0, 0, tuple((t.role, t.text) for t in p.turns))
+                                      for i, p in enumerate(prompts)])
+    return [ids[i] for i in range(len(prompts))]
+
+
+# --- another engine: jobs out, results in -------------------------------------------------------------------------
+def _context_limit(model_dir: Path, a: argparse.Namespace) -> int:
+    """The context vLLM would give the model: ``--max-model-len``, else the model's own."""
+    if a.max_model_len:
+        return a.max_model_len
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
+def _export_jobs(a: argparse.Namespace, model_dir: Path, settings: Settings, todo: list[tuple[Prompt, list[int]]]) -> int:
+    """Write what is left to label, for :mod:`serving.relabel_torch` on a host without vLLM: each sample's prompt token
+    ids and seed, keyed ``prompt_hash:sample``; prompts with no room for ``--max-tokens`` are left out, as vLLM's run
+    skips them."""
+    import gzip
+
+    from rich.console import Console
+    from rich.progress import track
+
+    limit, skipped, n = _context_limit(model_dir, a), 0, 0
+    header = {"model": settings.model, "sampling": settings.sampling, "max_tokens": settings.max_tokens,
+              "seed": settings.seed, "context_limit": limit}
+    a.export_jobs.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(a.export_jobs, "wt") as f:
+        f.write(json.dumps(header) + "\n")
+        for start in track(range(0, len(todo), 256), description="tokenizing", console=Console(stderr=True)):
+            chunk = todo[start:start + 256]
+            for (p, samples), ids in zip(chunk, prompt_ids(model_dir, [p for p, _ in chunk])):
+                if len(ids) + settings.max_tokens > limit:
+                    skipped += 1
+                    continue
+                for s in samples:
+                    f.write(json.dumps({"key": f"{p.hash}:{s}", "seed": sample_seed(settings.seed, p.hash, s),
+                                        "prompt_ids": ids}) + "\n")
+                    n += 1
+    print(f"relabel: {n} samples to label in {a.export_jobs} ({skipped} prompts skipped: no room for --max-tokens in "
+          f"the context of {limit}); label them with\n  python -m serving.relabel_torch {a.export_jobs} RESULTS.jsonl "
+          f"--model {model_dir}\nand append them with the same command and --import-results RESULTS.jsonl")
+    return 0
+
+
+def _import_results(a: argparse.Namespace, settings: Settings, todo: list[tuple[Prompt, list[int]]]) -> dict[str, Any]:
+    """Append the results :mod:`serving.relabel_torch` wrote as this file's records: only samples still pending (a
+    result imported twice is counted once), each checked against its seed."""
+    wanted = {f"{p.hash}:{s}": (p, s) for p, samples in todo for s in samples}
+    new, tokens, stale = [], 0, 0
+    try:
+        lines = a.import_results.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--import-results {a.import_results}: {exc.strerror}") from None
+    run_info = a.import_results.with_name(a.import_results.name + ".run.json")
+    engine = json.loads(run_info.read_text()) if run_info.is_file() else {}
+    name = f"transformers {engine['transformers']} on {engine['device']}" if "device" in engine else "transformers"
+    with open(a.out, "ab") as out:
+        for line in filter(str.strip, lines):
+            res = json.loads(line)
+            if res["key"] not in wanted:
+                stale += 1
+                continue
+            p, s = wanted.pop(res["key"])
+            seed = sample_seed(settings.seed, p.hash, s)
+            if int(res["seed"]) != seed:
+                raise ValueError(f"--import-results: {res['key']} was drawn with seed {res['seed']}, this run's is {seed}; "
+                                 "export the jobs again with this --seed")
+            rec = record(p, s, seed, int(res["prompt_tokens"]), int(res["output_tokens"]), res["finish_reason"], settings,
+                         name)
+            out.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+            new.append(rec)
+            tokens += rec["response_tokens"]
+    print(f"relabel: imported {len(new)} samples ({stale} already in {a.out} or not asked for)", file=sys.stderr)
+    return {"new_samples": len(new), "output_tokens": tokens, "skipped_too_long": 0,
+            "engine_s": float(engine.get("generate_s", 0.0)), "engine": engine or "imported"}
 
 
 # --- the command --------------------------------------------------------------------------------------------------
@@ -287,6 +366,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-gib", type=float, metavar="GIB", default=4.0, help="KV cache memory (default: %(default)s)")
     e.add_argument("--model-cache", type=Path, metavar="DIR", default=DEFAULT_MODEL_CACHE,
                    help="where a GGUF is converted (default: %(default)s)")
+    e.add_argument("--export-jobs", type=Path, metavar="JOBS.jsonl.gz",
+                   help="no vLLM here: write the samples still to label (prompt token ids, seeds) and stop; label them "
+                        "on a host with PyTorch and transformers (python -m serving.relabel_torch, vLLM's sampling) "
+                        "and bring the results back with --import-results")
+    e.add_argument("--import-results", type=Path, metavar="RESULTS.jsonl",
+                   help="append the results serving.relabel_torch wrote for --export-jobs, instead of running vLLM")
     e.add_argument("--load-format", default="auto", help=argparse.SUPPRESS)  # "dummy": random weights, for tests
     p.set_defaults(func=run)
     return p
@@ -305,6 +390,8 @@ def check_args(a: argparse.Namespace) -> None:
     if not a.repetition_penalty > 0 or not a.kv_cache_gib > 0:
         raise ValueError("--repetition-penalty and --kv-cache-gib must be above 0")
     shard_of(a.shard)
+    if a.export_jobs and a.import_results:
+        raise ValueError("--export-jobs and --import-results are two steps: give one")
     if a.out.suffix == ".xz":
         raise ValueError(f"--out {a.out}: relabel appends to plain JSONL; compress the file when it is complete")
 
@@ -366,7 +453,15 @@ def run(a: argparse.Namespace) -> int:
           file=sys.stderr)
     t0 = time.monotonic()
     stats: dict[str, Any] = {"new_samples": 0, "output_tokens": 0, "skipped_too_long": 0, "engine_s": 0.0}
-    if todo:
+    if a.export_jobs:
+        return _export_jobs(a, model_dir, settings, todo)
+    if a.import_results:
+        try:
+            stats = _import_results(a, settings, todo)
+        except ValueError as exc:
+            print(f"lengthwise relabel: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2
+    elif todo:
         try:
             stats = _label(model_dir, a, settings, todo, len(prompts))
         except KeyboardInterrupt:

@@ -1,0 +1,123 @@
+"""The transformers engine of ``lengthwise relabel`` (:mod:`serving.relabel_torch`): vLLM's sampling rules, a sample's
+tokens a function of its seed alone, vLLM's stop semantics, and the jobs-out / results-in round trip through the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from serving.cli import main
+from serving.relabel_torch import Job, SamplingSpec, batches, generate, hashed_uniform, sample
+from serving.relabel_torch import main as relabel_torch_main
+from training.data.served import read_served
+
+
+def _tiny(vocab: int = 97):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.unit
+def test_the_noise_of_a_row_depends_on_its_seed_and_step_alone():
+    seeds = torch.tensor([5, 6, 7], dtype=torch.int64)
+    u = hashed_uniform(seeds, 3, 1000)
+    assert torch.equal(u[1], hashed_uniform(torch.tensor([6]), 3, 1000)[0])  # not on the batch
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], hashed_uniform(seeds, 4, 1000)[0])
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
+
+
+@pytest.mark.unit
+def test_top_p_temperature_and_the_race_draw_vllms_distribution():
+    """probs .5/.3/.15/.05 with top_p 0.9: the last token is cut (the tokens above it hold 0.95 >= 0.9), the rest are
+    drawn in proportion; 4,000 seeds pass a chi-square test."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 4000
+    logits = torch.log(probs).repeat(n, 1)
+    s = SamplingSpec(temperature=1.0, top_p=0.9, repetition_penalty=1.0, max_tokens=1)
+    tok = sample(logits, torch.zeros_like(logits, dtype=torch.bool), torch.arange(n), 0, s)
+    counts = np.bincount(tok.numpy(), minlength=4)
+    assert counts[3] == 0
+    expected = np.array([0.5, 0.3, 0.15]) / 0.95 * n
+    assert chisquare(counts[:3], expected).pvalue > 1e-3, counts
+
+
+@pytest.mark.unit
+def test_the_repetition_penalty_lowers_seen_tokens_either_sign():
+    logits = torch.tensor([[2.0, -1.0, 2.0, -1.0]]).repeat(3000, 1)
+    seen = torch.tensor([[True, True, False, False]]).repeat(3000, 1)
+    s = SamplingSpec(temperature=1.0, top_p=1.0, repetition_penalty=2.0, max_tokens=1)
+    counts = np.bincount(sample(logits, seen, torch.arange(3000), 0, s).numpy(), minlength=4)
+    # penalised logits 1.0 and -2.0 against 2.0 and -1.0: the unseen twin of each wins
+    assert counts[2] > counts[0] > counts[3] > counts[1], counts
+
+
+@pytest.mark.unit
+def test_a_sample_is_the_same_alone_or_in_a_padded_batch_and_stops_as_vllm_stops():
+    model = _tiny()
+    stops = torch.arange(0, 97, 9)  # 11 of 97 tokens end a sample: lengths spread below the cap
+    s = SamplingSpec(temperature=0.8, top_p=0.95, repetition_penalty=1.1, max_tokens=12)
+    rng = np.random.default_rng(0)
+    jobs = [Job(f"j{i}", 1000 + i, tuple(int(x) for x in rng.integers(1, 97, size=3 + 5 * i))) for i in range(6)]
+    together: list[list[int]] = []
+    out = generate(model, jobs, s, stops, 0, together)
+    for i, j in enumerate(jobs):
+        alone: list[list[int]] = []
+        assert generate(model, [j], s, stops, 0, alone) == [out[i]]
+        assert alone[0] == together[i]
+    for (n, reason), toks in zip(out, together):
+        assert n == len(toks) and 1 <= n <= s.max_tokens
+        assert not any(t in stops.tolist() for t in toks[:-1])  # nothing after the first stop token
+        assert reason == ("stop" if n < s.max_tokens else "length")
+        assert (toks[-1] in stops.tolist()) or reason == "length"
+    assert len({n for n, _ in out}) > 1, out  # the seeds differ, so do the lengths
+
+
+@pytest.mark.unit
+def test_batches_hold_their_budgets_and_every_job_once():
+    jobs = [Job(str(i), i, tuple(range(1 + (i * 37) % 300))) for i in range(200)]
+    bs = list(batches(jobs, 64, kv_tokens=5000, attn_elems=2e6, max_rows=32))
+    assert sorted(j.key for b in bs for j in b) == sorted(j.key for j in jobs)
+    for b in bs:
+        longest = max(len(j.prompt_ids) for j in b)
+        assert len(b) <= 32 and (len(b) == 1 or (len(b) * (longest + 64) <= 5000 and len(b) * longest**2 <= 2e6))
+
+
+def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
+    """Export the jobs, label them with the module on a random-weight model, import: one record per sample with the
+    engine named, read back by train-predictor's reader; importing again adds nothing."""
+    from serving.enginebench.model import dummy_model
+
+    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json"))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).save_pretrained(model)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} " * (i + 1)},
+                                                                     {"from": "gpt", "value": "an answer"}]}
+                                   for i in range(4)]))
+    out, jobs, res = tmp_path / "l.jsonl", tmp_path / "jobs.jsonl.gz", tmp_path / "res.jsonl"
+    base = ["relabel", "--model", str(model), "--data", str(prompts), "--out", str(out), "--no-text", "--max-tokens", "6"]
+    assert main([*base, "--export-jobs", str(jobs)]) == 0 and not out.exists()
+    with gzip.open(jobs, "rt") as f:
+        header, lines = json.loads(next(f)), [json.loads(x) for x in f]
+    assert header["max_tokens"] == 6 and len(lines) == 8 and all(x["prompt_ids"] for x in lines)
+    assert relabel_torch_main([str(jobs), str(res), "--model", str(model), "--device", "cpu"]) == 0
+    assert json.loads(res.with_name("res.jsonl.run.json").read_text())["samples"] == 8
+    assert main([*base, "--import-results", str(res)]) == 0
+    recs, _ = read_served(out)
+    assert len(recs) == 8 and {r["sample"] for r in recs} == {0, 1}
+    assert all(r["engine"].startswith("transformers") and 1 <= r["response_tokens"] <= 6 for r in recs)
+    before = out.read_bytes()
+    assert main([*base, "--import-results", str(res)]) == 0 and out.read_bytes() == before
+    assert main([*base, "--export-jobs", str(jobs), "--import-results", str(res)]) == 2

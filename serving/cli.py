@@ -169,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_scale_parser(sub)
     _add_convert_gguf(sub)
     from serving.relabel import add_parser as add_relabel
+    from serving.relabel_agreement import add_parser as add_relabel_agreement
 
     add_relabel(sub)
+    add_relabel_agreement(sub)
     from serving.gateway.cli import add_parser as add_serve
     from serving.gateway.cli import run as run_serve
 

@@ -421,13 +421,13 @@ def command_line(a: argparse.Namespace) -> str:
     """The run as one command with every setting explicit: what OUT.summary.json records to rerun it."""
     argv = ["lengthwise", "relabel"]
     for k, v in vars(a).items():
+        if k == "text":  # stored as text=False: the one flag whose False is what was asked
+            argv += [] if v else ["--no-text"]
+            continue
         if k in ("func", "command") or v is None or v is False or (k == "load_format" and v == "auto"):
             continue
         flag = "--format" if k == "fmt" else "--" + k.replace("_", "-")
-        if k == "text":
-            argv += [] if v else ["--no-text"]
-        else:
-            argv += [flag] if v is True else [flag, str(v)]
+        argv += [flag] if v is True else [flag, str(v)]
     return shlex.join(argv)
 
 

@@ -118,6 +118,42 @@ def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     recs, _ = read_served(out)
     assert len(recs) == 8 and {r["sample"] for r in recs} == {0, 1}
     assert all(r["engine"].startswith("transformers") and 1 <= r["response_tokens"] <= 6 for r in recs)
+    command = json.loads((tmp_path / "l.jsonl.summary.json").read_text())["command"]
+    assert "--no-text" in command and "--import-results" in command  # the summary reruns what was run
     before = out.read_bytes()
     assert main([*base, "--import-results", str(res)]) == 0 and out.read_bytes() == before
     assert main([*base, "--export-jobs", str(jobs), "--import-results", str(res)]) == 2
+
+
+def _records(seed: int, means: np.ndarray, model: str = "m@1", engine: str = "vllm") -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_hash": f"p{i}", "sample": k, "response_tokens": int(min(max(1, rng.normal(m, 40)), 512)),
+             "model": model, "sampling": {"temperature": 0.7}, "max_tokens": 512, "engine": engine}
+            for i, m in enumerate(means) for k in range(2)]
+
+
+@pytest.mark.unit
+def test_agreement_finds_two_draws_of_one_model_alike_and_a_shifted_one_not():
+    from serving.relabel_agreement import agreement
+
+    means = np.random.default_rng(9).uniform(50, 450, size=300)
+    same = agreement(_records(1, means), _records(2, means), 512)
+    assert same["prompts"] == 300 and same["ks_pvalue"] > 0.01
+    assert abs(same["tau_across"][0] - same["tau_within_a"]) < 0.1 and same["tau_of_means"] > 0.6
+    shifted = agreement(_records(1, means), _records(2, means * 0.6), 512)
+    assert shifted["ks_pvalue"] < 1e-6 and shifted["b"]["mean"] < shifted["a"]["mean"]
+    with pytest.raises(ValueError, match="only 5 prompts"):
+        agreement(_records(1, means[:5]), _records(2, means[:5]), 512)
+
+
+@pytest.mark.unit
+def test_agreement_cli_refuses_files_of_other_settings(tmp_path, capsys):
+    means = np.full(20, 200.0)
+    for name, model in (("a.jsonl", "m@1"), ("b.jsonl", "m@2")):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in _records(0, means, model)))
+    assert main(["relabel-agreement", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "different settings" in err and "\n" not in err
+    assert main(["relabel-agreement", str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl"), "--json",
+                 str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["tau_across"][0] == pytest.approx(1.0)

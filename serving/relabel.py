@@ -49,6 +49,12 @@ examples:
   train-predictor --data sharegpt.json.xz --format sharegpt --first-turn-only \\
       --served-lengths smollm2.lengths.jsonl --max-tokens 1024
 
+  # no vLLM where the GPU is: export the jobs here, draw them there with transformers, import the results here
+  lengthwise relabel ... --out smollm2.lengths.jsonl --export-jobs jobs.jsonl.gz
+  python -m serving.relabel_torch jobs.jsonl.gz results.jsonl --model SmolLM2-135M-Instruct.Q4_1.gguf
+  lengthwise relabel ... --out smollm2.lengths.jsonl --import-results results.jsonl
+  lengthwise relabel-agreement smollm2.lengths.jsonl vllm.lengths.jsonl   # do the engines draw alike?
+
 Each line: prompt_hash (sha256 of the prompt's turns), group, turn, first_turn, sample, seed, response_tokens (the
 label: output tokens of the served model), finish_reason, censored (ran to --max-tokens), prompt_tokens, model
 (name@hash of its config, tokenizer and chat template), sampling, max_tokens, and without --no-text the prompt's messages.

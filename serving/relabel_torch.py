@@ -69,18 +69,24 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) noise of shape (len(seeds), vocab), a pure function of (seed, step, token): each row is its
-    sample's own stream, whatever else is in the batch."""
-    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+def noise_at(seeds: torch.Tensor, step: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) noise for each row's ``tokens`` (shape (rows, k)), a pure function of (seed, step, token): each
+    row is its sample's own stream, whatever else is in the batch and whichever tokens are asked for."""
     key = _mix32(seeds.to(torch.int64)[:, None] ^ _mix32(torch.tensor(step + 0x9E3779B9, device=seeds.device)))
-    h = _mix32(_mix32(key ^ tok[None, :]) + 0x2545F491)
+    h = _mix32(_mix32(key ^ tokens.to(torch.int64)) + 0x2545F491)
     return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def hashed_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """:func:`noise_at` for the whole vocabulary: shape (len(seeds), vocab)."""
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    return noise_at(seeds, step, tok[None, :].expand(len(seeds), vocab))
 
 
 def sample(logits: torch.Tensor, seen: torch.Tensor, seeds: torch.Tensor, step: int, s: SamplingSpec) -> torch.Tensor:
     """The next token of each row, as vLLM's sampler draws it (module docstring); ``seen`` marks the tokens of each row's
-    prompt and output so far (for the repetition penalty)."""
+    prompt and output so far (for the repetition penalty). The race runs over the tokens top-p keeps, with each token's
+    own noise: the same draw as over the whole vocabulary, where the others have probability 0."""
     logits = logits.float()
     if s.repetition_penalty != 1.0:
         penalized = torch.where(logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty)
@@ -88,11 +94,13 @@ def sample(logits: torch.Tensor, seen: torch.Tensor, seeds: torch.Tensor, step: 
     probs = torch.softmax(logits / s.temperature, dim=-1)
     if s.top_p < 1.0:
         p_sorted, order = probs.sort(dim=-1, descending=True)
-        before = p_sorted.cumsum(dim=-1) - p_sorted  # the mass of the more likely tokens
-        p_sorted = p_sorted.masked_fill(before >= s.top_p, 0.0)  # the most likely token always stays
-        probs = torch.zeros_like(probs).scatter_(-1, order, p_sorted)
-    race = -torch.log(hashed_uniform(seeds, step, probs.shape[-1]))
-    return (probs / race).argmax(dim=-1)
+        kept = (p_sorted.cumsum(dim=-1) - p_sorted) < s.top_p  # the mass of the more likely tokens; the first stays
+        k = int(kept.sum(dim=-1).max())
+        probs, ids = p_sorted[:, :k].masked_fill(~kept[:, :k], 0.0), order[:, :k]
+    else:
+        ids = torch.arange(probs.shape[-1], device=probs.device)[None, :].expand_as(probs)
+    race = -torch.log(noise_at(seeds, step, ids))
+    return ids.gather(1, (probs / race).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 def stop_ids(model_dir: Path) -> list[int]:
@@ -157,27 +165,41 @@ def generate(model, batch: list[Job], s: SamplingSpec, stops: torch.Tensor, pad_
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
     length = torch.zeros(rows, dtype=torch.int64, device=dev)
-    steps = []
+    orig = torch.arange(rows, device=dev)  # the batch row each current row is: finished rows leave the batch
+    final_len = torch.zeros(rows, dtype=torch.int64, device=dev)
+    final_stop = torch.zeros(rows, dtype=torch.bool, device=dev)
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     for step in range(s.max_tokens):
         tok = sample(logits, seen, seeds, step, s)
         live = ~done
         if drawn is not None:
-            steps.append(torch.where(live, tok, -1))
+            steps.append((orig, torch.where(live, tok, -1)))
         length += live.to(torch.int64)
         hit = torch.isin(tok, stops) & live
         stopped |= hit & (length < s.max_tokens)  # vLLM checks the cap before the EOS
         done |= hit | (length >= s.max_tokens)
-        if bool(done.all()):
+        n_live = int((~done).sum())
+        if n_live == 0:
             break
-        seen[torch.arange(rows, device=dev), tok] = True
+        seen[torch.arange(len(tok), device=dev), tok] = True
         tok = torch.where(live, tok, torch.full_like(tok, pad_id))
-        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=dev)], dim=1)
+        if n_live <= 0.75 * len(tok):  # a quarter of the rows have ended: stop computing them (their KV is copied out)
+            final_len[orig[done]], final_stop[orig[done]] = length[done], stopped[done]
+            keep = (~done).nonzero().squeeze(1)
+            cache.reorder_cache(keep)
+            tok, seen, seeds, mask, pos, orig = tok[keep], seen[keep], seeds[keep], mask[keep], pos[keep], orig[keep]
+            done, stopped, length = done[keep], stopped[keep], length[keep]
+        mask = torch.cat([mask, torch.ones((len(tok), 1), dtype=mask.dtype, device=dev)], dim=1)
         pos = pos + 1
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1, :vocab]
+    final_len[orig], final_stop[orig] = length, stopped
     if drawn is not None:
-        drawn.extend([t for t in row if t >= 0] for row in torch.stack(steps, dim=1).tolist())
-    return [(int(n), "stop" if st else "length") for n, st in zip(length.tolist(), stopped.tolist())]
+        table = torch.full((rows, len(steps)), -1, dtype=torch.int64, device=dev)
+        for t, (who, toks) in enumerate(steps):
+            table[who, t] = toks
+        drawn.extend([t for t in row if t >= 0] for row in table.tolist())
+    return [(int(n), "stop" if st else "length") for n, st in zip(final_len.tolist(), final_stop.tolist())]
 
 
 def load_model(path: Path, device: str):

@@ -236,10 +236,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="what the sidecar serves (default: %(default)s)")
     p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
     p.add_argument("--rate", type=float, default=0.25, metavar="R", help="Poisson arrivals, requests/s (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+    p.add_argument("--max-tokens", type=int, default=512, metavar="N",
                    help="every request's max_tokens, as a client would send it: SmolLM2 answers until it stops or "
-                        "reaches N, so the prediction is judged against the served model's own length "
-                        "(default: %(default)s)")
+                        "reaches N, so the prediction is judged against the served model's own length; the default is "
+                        "the cap the committed SmolLM2 labels were drawn with, so a prediction is not cut below what "
+                        "the predictor learned (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals (default: %(default)s)")
     p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
     p.add_argument("--engine-cores", default="1", metavar="N|all",

@@ -437,6 +437,12 @@ def command_line(a: argparse.Namespace) -> str:
     return shlex.join(argv)
 
 
+def _bad_input(exc: Exception) -> int:
+    """Bad input: one line on stderr, exit status 2."""
+    print(f"lengthwise relabel: error: {' '.join(str(exc).split())}", file=sys.stderr)
+    return 2
+
+
 def run(a: argparse.Namespace) -> int:
     try:
         check_args(a)
@@ -451,8 +457,7 @@ def run(a: argparse.Namespace) -> int:
             raise ValueError(f"no prompts to relabel in {a.data}")
         old = resume(a.out, settings)
     except (ValueError, FileNotFoundError) as exc:  # DataError is a ValueError
-        print(f"lengthwise relabel: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return _bad_input(exc)
     todo = pending(prompts, old, a.samples)
     wanted = {p.hash for p in prompts}
     print(f"{len(prompts)} prompts x {a.samples} samples; {len(prompts) - len(todo)} done in {a.out}, {len(todo)} to go",
@@ -465,8 +470,7 @@ def run(a: argparse.Namespace) -> int:
         try:
             stats = _import_results(a, settings, todo)
         except ValueError as exc:
-            print(f"lengthwise relabel: error: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 2
+            return _bad_input(exc)
     elif todo:
         try:
             stats = _label(model_dir, a, settings, todo, len(prompts))

@@ -22,19 +22,12 @@ from typing import Any
 import numpy as np
 
 
-def _by_prompt(records: list[dict]) -> dict[str, dict[int, int]]:
-    out: dict[str, dict[int, int]] = {}
-    for r in records:
-        out.setdefault(r["prompt_hash"], {})[int(r["sample"])] = int(r["response_tokens"])
-    return out
-
-
-def agreement(a: list[dict], b: list[dict], cap: int) -> dict[str, Any]:
-    """The comparison of the module docstring on the prompts with two samples or more in both record lists."""
+def agreement(pa: dict[str, list[int]], pb: dict[str, list[int]], cap: int) -> dict[str, Any]:
+    """The comparison of the module docstring on the prompts with two samples or more in both files (each a prompt
+    hash -> sample lengths map, as :class:`training.data.served.ServedLabels` holds them)."""
     from scipy.stats import kendalltau, ks_2samp
 
-    pa, pb = _by_prompt(a), _by_prompt(b)
-    common = sorted(h for h in pa if h in pb and {0, 1} <= set(pa[h]) and {0, 1} <= set(pb[h]))
+    common = sorted(h for h in pa if h in pb and len(pa[h]) >= 2 and len(pb[h]) >= 2)
     if len(common) < 10:
         raise ValueError(f"only {len(common)} prompts have two samples in both files; need 10 or more")
 
@@ -65,23 +58,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace) -> int:
-    from training.data.served import read_served
+    from training.data.served import load_served
 
     try:
-        ra, rb = read_served(a.a)[0], read_served(a.b)[0]
-        if not ra or not rb:
-            raise ValueError(f"{a.a if not ra else a.b} holds no labels")
-        keys = [(r.get("model"), json.dumps(r.get("sampling"), sort_keys=True), r.get("max_tokens")) for r in (ra[0], rb[0])]
-        if keys[0] != keys[1]:
-            raise ValueError(f"the files label different settings: {keys[0]} vs {keys[1]}")
-        res = agreement(ra, rb, int(ra[0]["max_tokens"]))
+        la, lb = load_served(a.a), load_served(a.b)  # each refuses a file that mixes set-ups
+        for path, lab in ((a.a, la), (a.b, lb)):
+            if not lab.lengths:
+                raise ValueError(f"{path} holds no labels")
+        setups = [(lab.model, json.dumps(lab.sampling, sort_keys=True), lab.max_tokens) for lab in (la, lb)]
+        if setups[0] != setups[1]:
+            raise ValueError(f"the files label different settings: {setups[0]} vs {setups[1]}")
+        res = agreement(la.lengths, lb.lengths, int(la.max_tokens))
     except ValueError as exc:  # DataError is one
         print(f"lengthwise relabel-agreement: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    engines = [sorted({str(r.get("engine", "vllm")) for r in recs}) for recs in (ra, rb)]
-    res = {"a": {"file": str(a.a), "engines": engines[0], **res["a"]},
-           "b": {"file": str(a.b), "engines": engines[1], **res["b"]}, **{k: v for k, v in res.items() if k not in ("a", "b")}}
-    print(f"{res['prompts']} prompts with two samples in both files (model {ra[0].get('model')})")
+    for k, path, lab in (("a", a.a, la), ("b", a.b, lb)):
+        res[k] = {"file": str(path), "engines": list(lab.engines), **res[k]}
+    print(f"{res['prompts']} prompts with two samples in both files (model {la.model})")
     print(f"{'':4} {'engine':44} {'samples':>8} {'mean':>7} {'median':>7} {'capped':>7} {'tau s0-s1':>10}")
     for k in ("a", "b"):
         r = res[k]

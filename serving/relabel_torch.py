@@ -77,12 +77,6 @@ def noise_at(seeds: torch.Tensor, step: int, tokens: torch.Tensor) -> torch.Tens
     return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
-def hashed_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """:func:`noise_at` for the whole vocabulary: shape (len(seeds), vocab)."""
-    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    return noise_at(seeds, step, tok[None, :].expand(len(seeds), vocab))
-
-
 def sample(logits: torch.Tensor, seen: torch.Tensor, seeds: torch.Tensor, step: int, s: SamplingSpec) -> torch.Tensor:
     """The next token of each row, as vLLM's sampler draws it (module docstring); ``seen`` marks the tokens of each row's
     prompt and output so far (for the repetition penalty). The race runs over the tokens top-p keeps, with each token's

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from serving.cli import main
-from serving.relabel_torch import Job, SamplingSpec, batches, generate, hashed_uniform, sample
+from serving.relabel_torch import Job, SamplingSpec, batches, generate, noise_at, sample
 from serving.relabel_torch import main as relabel_torch_main
 from training.data.served import read_served
 
@@ -30,9 +30,11 @@ def _tiny(vocab: int = 97):
 @pytest.mark.unit
 def test_the_noise_of_a_row_depends_on_its_seed_and_step_alone():
     seeds = torch.tensor([5, 6, 7], dtype=torch.int64)
-    u = hashed_uniform(seeds, 3, 1000)
-    assert torch.equal(u[1], hashed_uniform(torch.tensor([6]), 3, 1000)[0])  # not on the batch
-    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], hashed_uniform(seeds, 4, 1000)[0])
+    vocab = torch.arange(1000)[None, :]
+    u = noise_at(seeds, 3, vocab.expand(3, -1))
+    assert torch.equal(u[1], noise_at(torch.tensor([6]), 3, vocab)[0])  # not on the batch
+    assert torch.equal(u[2, [7, 500]], noise_at(seeds[2:], 3, torch.tensor([[7, 500]]))[0])  # nor on the tokens asked
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], noise_at(seeds, 4, vocab.expand(3, -1))[0])
     assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
 
 
@@ -125,6 +127,14 @@ def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     assert main([*base, "--export-jobs", str(jobs), "--import-results", str(res)]) == 2
 
 
+def _lengths(records: list[dict]) -> dict[str, list[int]]:
+    """Records as ServedLabels holds them: prompt hash -> sample lengths in sample order."""
+    out: dict[str, list[int]] = {}
+    for r in sorted(records, key=lambda r: (r["prompt_hash"], r["sample"])):
+        out.setdefault(r["prompt_hash"], []).append(r["response_tokens"])
+    return out
+
+
 def _records(seed: int, means: np.ndarray, model: str = "m@1", engine: str = "vllm") -> list[dict]:
     rng = np.random.default_rng(seed)
     return [{"prompt_hash": f"p{i}", "sample": k, "response_tokens": int(min(max(1, rng.normal(m, 40)), 512)),
@@ -137,13 +147,13 @@ def test_agreement_finds_two_draws_of_one_model_alike_and_a_shifted_one_not():
     from serving.relabel_agreement import agreement
 
     means = np.random.default_rng(9).uniform(50, 450, size=300)
-    same = agreement(_records(1, means), _records(2, means), 512)
+    same = agreement(_lengths(_records(1, means)), _lengths(_records(2, means)), 512)
     assert same["prompts"] == 300 and same["ks_pvalue"] > 0.01
     assert abs(same["tau_across"][0] - same["tau_within_a"]) < 0.1 and same["tau_of_means"] > 0.6
-    shifted = agreement(_records(1, means), _records(2, means * 0.6), 512)
+    shifted = agreement(_lengths(_records(1, means)), _lengths(_records(2, means * 0.6)), 512)
     assert shifted["ks_pvalue"] < 1e-6 and shifted["b"]["mean"] < shifted["a"]["mean"]
     with pytest.raises(ValueError, match="only 5 prompts"):
-        agreement(_records(1, means[:5]), _records(2, means[:5]), 512)
+        agreement(_lengths(_records(1, means[:5])), _lengths(_records(2, means[:5])), 512)
 
 
 @pytest.mark.unit

@@ -79,6 +79,7 @@ class ServedLabels:
     max_tokens: int | None         # the cap a sample ran to when censored
     censored: int                  # samples that ran to the cap: their true length is at least max_tokens
     cut: dict[str, list[bool]] = dataclasses.field(default_factory=dict)  # prompt hash -> each sample's censored flag
+    engines: tuple[str, ...] = ()  # what drew them (``engine`` of each record; files before it were all vLLM's)
 
     def target(self) -> dict[str, Any]:
         """The labels' target (:mod:`predictor.target`): the served model's own output tokens, at its sampling and cap."""
@@ -100,7 +101,8 @@ def load_served(path: str | Path) -> ServedLabels:
         raise DataError(f"{path} mixes labels of {len(setups)} set-ups (model, sampling, max_tokens): "
                         "relabel each into a file of its own")
     model, sampling, cap = json.loads(setups.pop()) if setups else (None, None, None)
-    return ServedLabels(lengths, model, sampling, cap, sum(bool(r.get("censored")) for r in records), cut)
+    engines = tuple(sorted({str(r.get("engine", "vllm")) for r in records}))
+    return ServedLabels(lengths, model, sampling, cap, sum(bool(r.get("censored")) for r in records), cut, engines)
 
 
 def join_served_lengths(examples: Sequence[Example], served: str | Path | ServedLabels) -> list[Example]:

@@ -222,8 +222,10 @@ def read_jobs(path: Path) -> tuple[dict[str, Any], list[Job]]:
 
 
 def run(jobs_path: Path, results: Path, model_path: Path, device: str, kv_tokens: int, attn_elems: float,
-        max_rows: int) -> dict[str, Any]:
-    """Label every job not yet in ``results`` (append-only, so a stopped run resumes) and say how fast it went."""
+        max_rows: int, stop_after: float | None = None) -> dict[str, Any]:
+    """Label every job not yet in ``results`` (append-only, so a stopped run resumes) and say how fast it went.
+    With ``stop_after`` seconds, no batch starts that the last batch's time says would end past it: a run on a lent
+    machine with a hard limit ends cleanly rather than losing the batch it was killed in."""
     header, jobs = read_jobs(jobs_path)
     s = SamplingSpec(**header["sampling"], max_tokens=int(header["max_tokens"]))
     done = set()
@@ -236,9 +238,14 @@ def run(jobs_path: Path, results: Path, model_path: Path, device: str, kv_tokens
     pad_id = int(stops[0])
     loaded, n, tokens = time.monotonic(), 0, 0
     work = list(batches(todo, s.max_tokens, kv_tokens, attn_elems, max_rows))[::-1]
+    last_s = 0.0
     with open(results, "a") as f:
         while work:
-            batch = work.pop()
+            if stop_after is not None and time.monotonic() - t0 + last_s > stop_after:
+                print(f"relabel_torch: stopping with {len(todo) - n} samples left (--stop-after {stop_after:.0f})",
+                      file=sys.stderr, flush=True)
+                break
+            batch, started = work.pop(), time.monotonic()
             try:
                 drawn = generate(model, batch, s, stops, pad_id)
             except torch.OutOfMemoryError:  # the budgets were too generous for this device: halve the batch
@@ -253,11 +260,11 @@ def run(jobs_path: Path, results: Path, model_path: Path, device: str, kv_tokens
                                     "prompt_tokens": len(j.prompt_ids)}) + "\n")
                 tokens += length
             f.flush()
-            n += len(batch)
+            n, last_s = n + len(batch), time.monotonic() - started
             el = time.monotonic() - loaded
             print(f"relabel_torch: {n}/{len(todo)} samples, {tokens} output tokens, {el:.0f} s, "
                   f"{tokens / max(el, 1e-9):.0f} out tok/s", file=sys.stderr, flush=True)
-    return {"samples": n, "output_tokens": tokens, "load_s": round(loaded - t0, 1),
+    return {"samples": n, "left": len(todo) - n, "output_tokens": tokens, "load_s": round(loaded - t0, 1),
             "generate_s": round(time.monotonic() - loaded, 1), "device": torch.cuda.get_device_name() if device == "cuda"
             else device, "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -274,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                         "holds 46 KB of KV per token)")
     p.add_argument("--attn-elems", type=float, default=4e8, help="rows x longest prompt^2 per batch (prefill memory)")
     p.add_argument("--max-rows", type=int, default=1024, help="samples per batch at most (default: %(default)s)")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="start no batch that would end past this many seconds after launch (for a machine lent "
+                        "for a fixed time; the results file resumes next time)")
     a = p.parse_args(argv)
     if not a.jobs.is_file():
         print(f"relabel_torch: error: no jobs file {a.jobs}", file=sys.stderr)
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.model.exists():
         print(f"relabel_torch: error: no model at {a.model}", file=sys.stderr)
         return 2
-    stats = run(a.jobs, a.results, a.model, a.device, a.kv_tokens, a.attn_elems, a.max_rows)
+    stats = run(a.jobs, a.results, a.model, a.device, a.kv_tokens, a.attn_elems, a.max_rows, a.stop_after)
     a.results.with_name(a.results.name + ".run.json").write_text(json.dumps(stats, indent=2) + "\n")
     print(json.dumps(stats))
     return 0

@@ -114,6 +114,9 @@ def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     with gzip.open(jobs, "rt") as f:
         header, lines = json.loads(next(f)), [json.loads(x) for x in f]
     assert header["max_tokens"] == 6 and len(lines) == 8 and all(x["prompt_ids"] for x in lines)
+    cut = [str(jobs), str(res), "--model", str(model), "--device", "cpu", "--max-rows", "2", "--stop-after", "0"]
+    assert relabel_torch_main(cut) == 0  # out of time before the first batch: nothing drawn, all left for a resume
+    assert json.loads(res.with_name("res.jsonl.run.json").read_text())["left"] == 8 and not res.read_text()
     assert relabel_torch_main([str(jobs), str(res), "--model", str(model), "--device", "cpu"]) == 0
     assert json.loads(res.with_name("res.jsonl.run.json").read_text())["samples"] == 8
     assert main([*base, "--import-results", str(res)]) == 0

@@ -70,9 +70,10 @@ class LoopError(DemoError):
 
 # --- the prompts ----------------------------------------------------------------------------------------------------
 def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: int, max_model_len: int,
-                 seed: int) -> tuple[list[Job], list[Job]]:
+                 seed: int) -> tuple[list[Job], list[Job], frozenset[str]]:
     """Two disjoint prompt sets (no conversation in both): one turn per conversation, drawn at random (first turns
-    and later ones, whose prompt is the conversation so far), each fitting ``max_model_len`` with ``max_tokens``."""
+    and later ones, whose prompt is the conversation so far), each fitting ``max_model_len`` with ``max_tokens``; and
+    the conversations they come from, which the retrain's base set must leave out."""
     from tokenizers import Tokenizer
 
     from serving.replay import CONTEXT_MARGIN, Job
@@ -86,6 +87,7 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
     rng.shuffle(groups)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     picked: list[Job] = []
+    used: list[str] = []
     for start in range(0, len(groups), 256):
         chunk = [rng.choice(by_group[g]) for g in groups[start:start + 256]]
         prompts = tok.encode_batch(["\n".join(t.text for t in e.turns) for e in chunk])
@@ -94,12 +96,13 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
             if len(p.ids) + max_tokens + CONTEXT_MARGIN <= max_model_len:
                 picked.append(Job(len(picked), 0.0, tuple((t.role, t.text) for t in e.turns), len(p.ids), len(r.ids),
                                   max_tokens))
+                used.append(e.group)
         if len(picked) >= n1 + n2:
             break
     if len(picked) < n1 + n2:
         raise LoopError(f"{sharegpt} holds only {len(picked)} conversations with a turn that fits {max_model_len} tokens")
     return picked[:n1], [Job(i, 0.0, j.turns, j.prompt_tokens, j.trace_output_tokens, max_tokens)
-                         for i, j in enumerate(picked[n1:n1 + n2])]
+                         for i, j in enumerate(picked[n1:n1 + n2])], frozenset(used[:n1 + n2])
 
 
 # --- metrics with censoring -----------------------------------------------------------------------------------------
@@ -381,7 +384,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     t0 = time.time()
     with con.status("the model (a GGUF is converted once) and the prompts ..."):
         model_dir = resolve_model(a.model_dir or _gguf(), work / "models")
-        jobs1, jobs2 = plan_prompts(sharegpt, a.phase1, a.phase2, model_dir, a.max_tokens, a.max_model_len, a.seed)
+        jobs1, jobs2, replayed = plan_prompts(sharegpt, a.phase1, a.phase2, model_dir, a.max_tokens, a.max_model_len, a.seed)
     procs = start(a, model_dir, work / "logs", children, con)
     before = str(health(procs.sidecar_url)["model_version"])
     first = sum(sum(r == "user" for r, _ in j.turns) <= 1 for j in jobs1)
@@ -398,7 +401,8 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
                  served_max_tokens=a.max_tokens,
                  base_data=None if a.base_data is None else str(a.base_data),
                  base_served_lengths=None if a.base_served_lengths is None else str(a.base_served_lengths),
-                 epochs=a.epochs, max_prompt_tokens=a.max_prompt_tokens, work_dir=str(work / "retrain"))
+                 base_exclude_groups=replayed, epochs=a.epochs, max_prompt_tokens=a.max_prompt_tokens,
+                 work_dir=str(work / "retrain"))
     with con.status(f"retrain (trigger {a.trigger}) ..."):
         try:
             outcome = retrain_once(s)

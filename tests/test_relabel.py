@@ -259,6 +259,25 @@ def test_join_labels_each_prompt_once_per_sample_and_says_when_nothing_matches(t
         join_served_lengths(examples, tmp_path / "other.jsonl")
 
 
+@pytest.mark.unit
+def test_a_retrains_base_set_leaves_out_the_conversations_a_bench_replays(tmp_path):
+    """lengthwise bench loop replays conversations of the slice as traffic: the retrain's base set (the same slice,
+    relabelled) must not train on them, or the guard's held-out feedback and phase 2 would judge seen prompts."""
+    import dataclasses
+
+    from training.retrain import Settings as RetrainSettings
+    from training.retrain import _base_examples
+
+    sharegpt = _sharegpt(tmp_path / "set.json", 4, turns=2)
+    _relabelled(load_prompts(str(sharegpt), "sharegpt"), tmp_path / "lengths.jsonl", text=False)
+    s = RetrainSettings(base_data=str(sharegpt), base_served_lengths=str(tmp_path / "lengths.jsonl"))
+    everything = _base_examples(s)
+    groups = sorted({e.group for e in everything})
+    assert len(groups) == 4 and len(everything) == 16  # 4 conversations x 2 turns x 2 samples
+    kept = _base_examples(dataclasses.replace(s, base_exclude_groups=frozenset(groups[:2])))
+    assert {e.group for e in kept} == set(groups[2:]) and len(kept) == 8
+
+
 # --- the real engine: a dummy-weight model with GPT-2's tokenizer and a chat template --------------------------------
 def _relabel(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "serving.cli", "relabel", *args], capture_output=True, text=True,

@@ -214,6 +214,7 @@ class Settings:
     base_data: str | None = None
     base_format: str = "sharegpt"
     base_served_lengths: str | None = None
+    base_exclude_groups: frozenset[str] = frozenset()  # conversations of the base set not to train on (see below)
     epochs: int = 2
     max_prompt_tokens: int = 128
     batch_size: int = 32
@@ -289,9 +290,12 @@ def _base_examples(s: Settings) -> list[Any]:
         raise RetrainError("--base-data needs --base-served-lengths (lengthwise relabel --no-text of that set): the "
                            "challenger must learn the served model's lengths, not the dataset's answers")
     try:
-        return join_served_lengths(load_examples(s.base_data, s.base_format), s.base_served_lengths)
+        base = join_served_lengths(load_examples(s.base_data, s.base_format), s.base_served_lengths)
     except (DataError, FileNotFoundError) as exc:
         raise RetrainError(" ".join(str(exc).split())) from None
+    # A caller that replays conversations of the base set as traffic (a benchmark of the loop) leaves them out: the
+    # guard's held-out feedback and any later measurement must be prompts the challenger never trained on.
+    return [e for e in base if e.group not in s.base_exclude_groups]
 
 
 def _target(s: Settings, n_rows: int) -> dict[str, Any]:

@@ -130,12 +130,9 @@ def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     assert main([*base, "--export-jobs", str(jobs), "--import-results", str(res)]) == 2
 
 
-def _lengths(records: list[dict]) -> dict[str, list[int]]:
-    """Records as ServedLabels holds them: prompt hash -> sample lengths in sample order."""
-    out: dict[str, list[int]] = {}
-    for r in sorted(records, key=lambda r: (r["prompt_hash"], r["sample"])):
-        out.setdefault(r["prompt_hash"], []).append(r["response_tokens"])
-    return out
+def _written(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def _records(seed: int, means: np.ndarray, model: str = "m@1", engine: str = "vllm") -> list[dict]:
@@ -146,24 +143,28 @@ def _records(seed: int, means: np.ndarray, model: str = "m@1", engine: str = "vl
 
 
 @pytest.mark.unit
-def test_agreement_finds_two_draws_of_one_model_alike_and_a_shifted_one_not():
+def test_agreement_finds_two_draws_of_one_model_alike_and_a_shifted_one_not(tmp_path):
     from serving.relabel_agreement import agreement
+    from training.data.served import load_served
+
+    def lengths(seed: int, means: np.ndarray) -> dict[str, list[int]]:  # as the CLI reads a file
+        return load_served(_written(tmp_path / f"{seed}-{len(means)}-{means[0]:.0f}.jsonl", _records(seed, means))).lengths
 
     means = np.random.default_rng(9).uniform(50, 450, size=300)
-    same = agreement(_lengths(_records(1, means)), _lengths(_records(2, means)), 512)
+    same = agreement(lengths(1, means), lengths(2, means), 512)
     assert same["prompts"] == 300 and same["ks_pvalue"] > 0.01
     assert abs(same["tau_across"][0] - same["tau_within_a"]) < 0.1 and same["tau_of_means"] > 0.6
-    shifted = agreement(_lengths(_records(1, means)), _lengths(_records(2, means * 0.6)), 512)
+    shifted = agreement(lengths(1, means), lengths(2, means * 0.6), 512)
     assert shifted["ks_pvalue"] < 1e-6 and shifted["b"]["mean"] < shifted["a"]["mean"]
     with pytest.raises(ValueError, match="only 5 prompts"):
-        agreement(_lengths(_records(1, means[:5])), _lengths(_records(2, means[:5])), 512)
+        agreement(lengths(1, means[:5]), lengths(2, means[:5]), 512)
 
 
 @pytest.mark.unit
 def test_agreement_cli_refuses_files_of_other_settings(tmp_path, capsys):
     means = np.full(20, 200.0)
     for name, model in (("a.jsonl", "m@1"), ("b.jsonl", "m@2")):
-        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in _records(0, means, model)))
+        _written(tmp_path / name, _records(0, means, model))
     assert main(["relabel-agreement", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 2
     err = capsys.readouterr().err.strip()
     assert "different settings" in err and "\n" not in err

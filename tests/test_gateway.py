@@ -783,18 +783,24 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     retries0 = {name: (fleet.metric("lengthwise_gateway_engine_retries_total", engine=name),
                        gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=name)) for name in groups}
     # two streams already producing tokens: the fleet's goes where JSQ puts it; the aladdin gateway's picks the victim
+    t0, marks = time.perf_counter(), {}  # when each step returned: a stream that completes below says where time went
     raw = client.completions.with_raw_response.create(model=model, prompt="a long answer", max_tokens=2000, stream=True,
                                                       extra_body={"ignore_eos": True})
+    marks["fleet headers"] = time.perf_counter() - t0
     stream = raw.parse()
     first = [next(stream) for _ in range(3)]
+    marks["fleet 3 events"] = time.perf_counter() - t0
     assert all(c.choices for c in first)
     a_raw = a_client.completions.with_raw_response.create(model=model, prompt="another long answer", max_tokens=2000,
                                                           stream=True, extra_body={"ignore_eos": True})
+    marks["aladdin headers"] = time.perf_counter() - t0
     victim_name = a_raw.headers["x-lengthwise-engine"]
     a_stream = a_raw.parse()
     assert next(iter(a_stream)).choices
+    marks["aladdin first event"] = time.perf_counter() - t0
     victim_pid = groups[victim_name]
     _stop_engine_cores([victim_pid], {})  # until the kill: nothing on it finishes before
+    marks["victim frozen"] = time.perf_counter() - t0
     stream_on_victim = raw.headers["x-lengthwise-engine"] == victim_name
     survivor_name = next(e["name"] for e in fleet.get("/health").json()["engines"] if e["name"] != victim_name)
     # a burst through each gateway that fills both engines and queues inside them: best fit packs the aladdin
@@ -828,8 +834,9 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     a_cut, a_events = cut(a_stream)
     # a stream that completes here had its 2000 tokens before the freeze, or the engine ran on through it: the count
     # and the gateway's log tell which
+    when = ", ".join(f"{k} {v:.1f} s" for k, v in marks.items())
     assert a_cut, (f"the aladdin gateway's stream on {victim_name} completed ({a_events} events after the first) instead "
-                   f"of being cut by the kill; its log ends:\n{gw_aladdin.tail()}")
+                   f"of being cut by the kill (steps returned at: {when}); its log ends:\n{gw_aladdin.tail()}")
     f_cut, _ = cut(stream)
     assert f_cut == stream_on_victim  # the fleet's stream ends with the error event iff it ran on the victim
     # every request of both bursts got its whole answer, in bounded time: those on the dead engine (all but the

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
+import socket
 import time
 from pathlib import Path
 
@@ -219,6 +221,29 @@ def test_bad_bodies_are_400s_that_leave_the_keep_alive_connection_usable(owner):
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
             socks.add(ok.extensions["network_stream"].get_extra_info("socket").getsockname())
         assert len(socks) == 1  # one TCP connection served all four
+
+
+def test_an_idle_client_connection_outlives_the_clients_own_5_s_and_the_flag_sets_it(owner, logs):
+    """The server must not be the side that closes an idle connection at the clients' usual 5 s (httpx, the OpenAI SDK):
+    a close that meets a reuse resets that request. Default 75 s; --timeout-keep-alive sets it."""
+    with httpx.Client(base_url=owner.url, timeout=120, limits=httpx.Limits(keepalive_expiry=60)) as client:
+        first = _completion(owner, client)
+        sock = first.extensions["network_stream"].get_extra_info("socket")
+        time.sleep(6.5)
+        assert select.select([sock], [], [], 0)[0] == []  # no FIN (nor anything else) from the gateway after 6.5 s idle
+        again = _completion(owner, client)
+        assert again.status_code == 200 and again.extensions["network_stream"].get_extra_info("socket") is sock
+    gw = _attach(owner, logs, "--timeout-keep-alive", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])), timeout=10) as raw:
+            raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer, last = b"", time.monotonic()
+            while chunk := raw.recv(65536):  # to the gateway's close
+                answer, last = answer + chunk, time.monotonic()
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert 0.5 < time.monotonic() - last < 5  # closed about the 1 s it was given after the answer
+    finally:
+        gw.stop()
 
 
 def test_n_above_max_n_and_the_prompt_token_header(owner):

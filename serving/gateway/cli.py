@@ -242,6 +242,10 @@ def _gateway_flags(g: argparse._ActionsContainer) -> None:
     _setting(g, "--health-timeout", "health_timeout_s", metavar="S",
              help="a probe slower than this fails; two failures in a row take an engine out, unless its answers "
                   "kept arriving while the probes failed (busy, not hung) (default: %(default)s)")
+    _setting(g, "--timeout-keep-alive", "client_keepalive_s", metavar="S",
+             help="seconds an idle client connection stays open (as uvicorn's flag); keep it above the idle timeout of "
+                  "your clients (httpx and the OpenAI SDK: 5 s) and load balancer, so that they close first: a server "
+                  "that closes a connection as a client reuses it makes that request fail (default: %(default)s)")
     _setting(g, "--shutdown-grace", "shutdown_grace_s", metavar="S",
              help="on SIGTERM the gateway stops accepting, lets the requests in flight finish for up to S seconds, "
                   "then exits; keep it below your orchestrator's own grace period (default: %(default)s)")
@@ -495,7 +499,8 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
 
         app = create_app(settings, urls, plugin_metrics, prefill_urls, target)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
-                                timeout_graceful_shutdown=settings.shutdown_grace_s)
+                                timeout_graceful_shutdown=settings.shutdown_grace_s,
+                                timeout_keep_alive=settings.client_keepalive_s)
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])
         return 0

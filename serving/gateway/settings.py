@@ -59,6 +59,10 @@ class GatewaySettings(BaseModel):
     load_stale_after: int = Field(3, ge=1, description="a load report older than this many intervals is stale")
     shutdown_grace_s: float = Field(30.0, gt=0, description="on SIGTERM, how long the requests in flight may run to their "
                                                              "end before the gateway exits (what is left then is cut)")
+    # A client's idle connection must be closed by the client first: a server that closes it at the moment the client
+    # reuses it resets the request (httpx and the OpenAI SDK keep idle connections 5 s, as uvicorn's default does).
+    client_keepalive_s: float = Field(75.0, gt=0, description="an idle client connection is kept open this long; keep it "
+                                                               "above your clients' and load balancer's own idle timeout")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
     health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")

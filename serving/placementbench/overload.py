@@ -81,6 +81,10 @@ def run_summary(results: list[Result], slo: SLO) -> dict[str, Any]:
         "slowest_429_s": max((r.jct for r in refused if r.jct is not None), default=None),
         "peak_in_flight": peak_in_flight(accepted),
         "wrong_length": sum(1 for r in accepted if r.ok and r.output_tokens != r.trace_output_tokens),
+        # enough of each failure to tell a request refused on arrival (no status) from a stream cut part-way
+        "failures": [{"index": r.index, "status": r.status, "error": r.error, "sent_s": round(r.sent, 3),
+                      "after_s": None if r.jct is None else round(r.jct, 3), "output_tokens": r.output_tokens}
+                     for r in accepted if not r.ok][:5],
     }
 
 

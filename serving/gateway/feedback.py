@@ -20,7 +20,7 @@ import logging
 import httpx
 
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.prediction import SIDECAR_KEEPALIVE_S, LengthPrediction
+from serving.gateway.prediction import LengthPrediction
 
 log = logging.getLogger("serving.gateway")
 
@@ -40,9 +40,10 @@ def finish_reason_of(answer: object) -> str | None:
 
 
 class FeedbackPoster:
-    def __init__(self, url: str | None, metrics: GatewayMetrics, timeout_s: float = 5.0, max_pending: int = 1000):
+    def __init__(self, url: str | None, metrics: GatewayMetrics, timeout_s: float = 5.0, max_pending: int = 1000,
+                 keepalive_s: float = 2.0):
         self.url, self.metrics, self.max_pending = url, metrics, max_pending
-        self.client = (httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=SIDECAR_KEEPALIVE_S))
+        self.client = (httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=keepalive_s))
                        if url else None)
         self.pending: set[asyncio.Task] = set()
 

@@ -98,8 +98,10 @@ class Gateway:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
         self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
-        self.predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics)
-        self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics)
+        self.predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics,
+                                   settings.keepalive_s)
+        self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics,
+                                      keepalive_s=settings.keepalive_s)
         if settings.predictor_token is not None:  # the sidecar's token on every call to it, predictions and feedback
             bearer = f"Bearer {settings.predictor_token.get_secret_value()}"
             for client in (self.predictor.client, self.feedback.client):

@@ -53,20 +53,18 @@ def clamp(tokens: float, max_tokens: int | None) -> int:
     return int(max(1, min(round(tokens), cap)))
 
 
-# The sidecar (uvicorn) closes a connection idle 5 s; closing ours sooner keeps a reuse from racing that close
-# (which resets the call: a needless fallback).
-SIDECAR_KEEPALIVE_S = 2.0
-
-
 class Predictor:
     """Asks ``POST {url}/v1/predict``; anything but a timely, well-formed answer gives the fallback."""
 
-    def __init__(self, url: str | None, timeout_ms: float, fallback_tokens: int, metrics: GatewayMetrics):
+    def __init__(self, url: str | None, timeout_ms: float, fallback_tokens: int, metrics: GatewayMetrics,
+                 keepalive_s: float = 2.0):
+        """``keepalive_s``: an idle connection is dropped after this long, below the sidecar's own 5 s (uvicorn's),
+        so that a reuse never races the sidecar closing it (which resets the call: a needless fallback)."""
         self.url, self.timeout, self.fallback_tokens, self.metrics = url, timeout_ms / 1000.0, fallback_tokens, metrics
         # the sidecar drops a prediction still queued when this timeout has passed (it is a fallback here by then)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(max(1.0, self.timeout * 4)),
                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
-                                                            keepalive_expiry=SIDECAR_KEEPALIVE_S),
+                                                            keepalive_expiry=keepalive_s),
                                         headers={"x-lengthwise-timeout-ms": f"{timeout_ms:g}"})
 
     async def aclose(self) -> None:

@@ -75,8 +75,9 @@ class GatewaySettings(BaseModel):
                                    "the request only by a connect timeout or a connection dropped or reset before any "
                                    "answer, and passes a health probe")
     retry_backoff_s: float = Field(0.5, ge=0, description="pause before the first of those tries; it doubles for each next one")
-    keepalive_s: float = Field(2.0, gt=0, description="an idle connection to an engine is reused for this long: "
-                                                      "below the engine server's keep-alive (vLLM: 5 s)")
+    keepalive_s: float = Field(2.0, gt=0, description="an idle connection of the gateway's own (to an engine, the sidecar "
+                                                      "or its feedback endpoint) is reused for this long: below those "
+                                                      "servers' keep-alive (vLLM and the sidecar: uvicorn's 5 s)")
     # predictor
     predictor_url: str | None = Field(None, description="prediction sidecar base URL; none: every request uses the fallback")
     predictor_timeout_ms: float = Field(50.0, gt=0, description="a prediction slower than this falls back")

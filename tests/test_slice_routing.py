@@ -23,7 +23,7 @@ from training.baselines import TfidfLogReg, rows_of
 from training.data import Example, load_examples
 from training.data.labels import attach_labels, load_counter
 from training.evaluate import Predictions, compute_metrics, recommend, slice_masks, take
-from training.routing import served_slice_metrics, ship_routes
+from training.routing import fastest_within, served_slice_metrics, ship_routes
 from training.split import cap_groups, split_by_group
 
 ROUTED = {"first_turn": TFIDF, "later_turns": MODEL}  # what a report that TF-IDF wins on first turns ships
@@ -158,6 +158,47 @@ def test_route_slices_off_ships_nothing(shipped, tmp_path):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--data", "x", "--route-slices", "sometimes"])
     assert exc.value.code == 2
+
+
+def _m(top1: float, tau: float) -> dict:
+    return {"accuracy": top1, "kendall_tau": tau}
+
+
+@pytest.mark.parametrize("block, want", [
+    ({MODEL: _m(0.461, 0.470), TFIDF: _m(0.452, 0.455)}, TFIDF),          # within 1 point and 0.02: the cheaper serves
+    ({MODEL: _m(0.461, 0.470), TFIDF: _m(0.449, 0.470)}, MODEL),          # 1.2 points of top-1 lost: too much
+    ({MODEL: _m(0.461, 0.470), TFIDF: _m(0.461, 0.449)}, MODEL),          # 0.021 of tau lost: too much
+    ({MODEL: _m(0.40, 0.40), TFIDF: _m(0.45, 0.48)}, TFIDF),              # better on both: certainly
+    ({MODEL: _m(0.30, 0.00), "global-median": _m(0.30, 0.00), TFIDF: _m(0.30, 0.0)}, "global-median"),  # cheapest first
+    ({MODEL: _m(0.40, 0.40), TFIDF: _m(0.45, float("nan"))}, MODEL),      # a NaN never qualifies
+    # the best of each metric is any predictor's, servable or not
+    ({MODEL: _m(0.40, 0.40), TFIDF: _m(0.40, 0.40), "prompt-length-bin": _m(0.45, 0.40)}, MODEL),
+    ({}, MODEL),
+])
+def test_fastest_within_ships_the_cheapest_inside_the_agreed_loss(block, want):
+    assert fastest_within(block, 0.01, 0.02) == want
+
+
+def test_route_slices_fastest_ships_tfidf_where_it_is_within_the_loss(shipped, tmp_path):
+    """On the fixture's report TF-IDF outranks the untrained model on first turns, so ``fastest`` ships it there, and
+    later turns, where it was not fitted, stay the model's; with no allowed loss and a model made best it ships none."""
+    from training.cli import build_parser, config_from_args
+
+    pkg = shutil.copytree(shipped["plain"], tmp_path / "fastest")
+    routes = ship_routes(pkg, shipped["report"], {TFIDF: shipped["fitted"]}, mode="fastest")
+    assert {k: r["predictor"] for k, r in routes.items()} == ROUTED
+    meta = json.loads((pkg / "meta.json").read_text())
+    assert meta["routes_by"].startswith("fastest within top-1 -0.01 and tau -0.02")
+    assert OnnxLengthPredictor(pkg).route([[("user", "hi")]]) == [TFIDF]
+    report = json.loads(json.dumps(shipped["report"]))
+    report["slices"]["first_turn"][MODEL] = _m(1.0, 1.0)
+    strict = shutil.copytree(shipped["plain"], tmp_path / "strict")
+    routes = ship_routes(strict, report, {TFIDF: shipped["fitted"]}, mode="fastest", max_top1_drop=0, max_tau_drop=0)
+    assert {k: r["predictor"] for k, r in routes.items()} == {"first_turn": MODEL, "later_turns": MODEL}
+    assert OnnxLengthPredictor(strict).routes == {}
+    cfg = config_from_args(build_parser().parse_args(["--data", "x", "--route-slices", "fastest", "--route-max-top1-drop",
+                                                      "0.02", "--route-max-tau-drop", "0.05"]))
+    assert (cfg.route_slices, cfg.route_max_top1_drop, cfg.route_max_tau_drop) == ("fastest", 0.02, 0.05)
 
 
 def test_a_package_without_routes_predicts_as_before(shipped, splits):

@@ -226,3 +226,23 @@ def test_parity_reports_disagreement(tiny, tmp_path):
     ids = [e.ids for e in OnnxLengthPredictor(tiny).encode(sharegpt_prompts(16))]
     parity = logit_parity(OnnxLengthPredictor(tiny), OnnxLengthPredictor(pkg), ids)
     assert parity["parity_max_abs_diff"] > 1e-2 and np.isfinite(parity["parity_max_abs_diff"])
+
+
+def test_bench_predictor_variants_tfidf_row_skips_the_encoder_and_is_served_over_http(tiny, tmp_path):
+    """The TF-IDF route is fitted on the package's training split, scored on the same rows as the encoder and served by
+    a real sidecar from a routed copy of the package; the package itself is left without routes."""
+    out = tmp_path / "variants.json"
+    r = subprocess.run([LENGTHWISE, "bench", "predictor-variants", "--package", str(tiny), "--precisions", "fp32",
+                        "--budgets", "32", "--layouts", "1x1", "--max-samples", "300", "--first-turn-only",
+                        "--speed-prompts", "16", "--tfidf", "--sidecar-levels", "1", "--sidecar-duration", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {x["precision"]: x for x in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp32", "tfidf-logreg"}
+    tf, enc = rows["tfidf-logreg"], rows["fp32"]
+    assert tf["budget"] is None and tf["fit"]["first_turn"]["n_train"] > 20 and tf["fit"]["first_turn"]["C"] is not None
+    # its own probabilities, not the encoder's (the routed copy answers every test prompt from TF-IDF)
+    assert tf["quality"]["all"]["mae_tokens"] != enc["quality"]["all"]["mae_tokens"]
+    assert 0 <= tf["quality"]["all"]["pairwise_accuracy"] <= 1 and tf["batch1"]["predictions"] == 16
+    assert tf["sidecar"]["1"]["requests"] > 0 and tf["sidecar"]["1"]["errors"] == 0
+    assert "tfidf-logreg" in r.stdout and "routes" not in json.loads((tiny / "meta.json").read_text())

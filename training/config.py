@@ -74,7 +74,12 @@ class TrainConfig(BaseModel):
                                               "package, with its parity, so serving --precision fused or fused-int8 "
                                               "needs no optimizer at start")
     baselines: bool = Field(True, description="evaluate the baseline predictors beside the model")
-    route_slices: Literal["auto", "off"] = Field(
+    route_slices: Literal["auto", "fastest", "off"] = Field(
         "auto", description="auto: where a baseline that can serve (tfidf-logreg, global-median) ranks a slice (first "
         "turns, later turns) better than the model on the test split, ship it in the package for that slice and route "
-        "that slice's prompts to it; off: the model answers every prompt")
+        "that slice's prompts to it; fastest: ship the cheapest predictor within route_max_top1_drop and "
+        "route_max_tau_drop of the slice's best; off: the model answers every prompt")
+    route_max_top1_drop: float = Field(0.01, ge=0, description="top-1 a cheaper predictor may lose on a slice against the "
+                                                               "slice's best and still serve it (--route-slices fastest)")
+    route_max_tau_drop: float = Field(0.02, ge=0, description="Kendall tau a cheaper predictor may lose on a slice against "
+                                                              "the slice's best and still serve it (--route-slices fastest)")

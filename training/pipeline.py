@@ -383,7 +383,7 @@ def _route(cfg: TrainConfig, package: Path, report: dict, fitted: dict[str, dict
     its file and the routing table go into the package. None with ``--route-slices off``."""
     from training.routing import ship_routes
 
-    return ship_routes(package, report, fitted, cfg.route_slices)
+    return ship_routes(package, report, fitted, cfg.route_slices, cfg.route_max_top1_drop, cfg.route_max_tau_drop)
 
 
 def _log_results(report: dict, parity: float, train_seconds: float, work: Path) -> None:

@@ -77,6 +77,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
             console.print(slice_table(report, name))
     for line in verdicts(report):
         console.print(line)
+    if report.get("routes"):
+        console.print("serves: " + ", ".join(f"{SLICE_TITLES.get(part, part)} by {route.get('predictor')}"
+                                             for part, route in report["routes"].items()))
     labels = report.get("labels", {})
     if labels.get("censored_samples_in_file"):
         console.print(f"{labels['censored_samples_in_file']} samples of the served-length file ran to the cap (censored; "

@@ -11,6 +11,12 @@ prediction at batch 32 with W workers side by side, each with its own T-thread s
 sidecar runs a micro-batch. With ``--sidecar-levels`` each row is also measured over HTTP by ``lengthwise bench
 sidecar``'s machinery (a started sidecar, closed-loop clients), with the gateway's fallback rate.
 
+With ``--tfidf`` one more row: the cheap per-slice predictor a package can ship instead of its encoder
+(:mod:`predictor.slices`: TF-IDF + logistic regression over the same buckets, with the same length hints), fitted here
+on the package's own training split exactly as ``train-predictor`` fits its baseline, and served from a copy of the
+package whose routing table sends every slice to it: quality, speed and (with ``--sidecar-levels``) HTTP figures measured
+the same way as the encoder's rows, so the table shows what skipping the encoder gives and costs.
+
 The test split is rebuilt the way ``train-predictor`` made it (the same data, label tokenizer, sample cap and seed;
 ``--served-lengths`` for labels that are the served model's own lengths), with the package's buckets; its fingerprint
 is compared with the one the package recorded, so a table scored on rows the model trained on says so.
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +62,7 @@ class LabelledTest:
     first_turn: np.ndarray
     fingerprint: str
     package_fingerprint: str | None
+    splits: object = None  # training.split.Splits the test rows came from (train and val for the --tfidf row's fit)
 
     @property
     def matches_package(self) -> bool:
@@ -84,6 +92,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                                      f"{','.join(map(str, DEFAULT_BUDGETS))} up to the trained budget)")
     p.add_argument("--layouts", help="THREADSxWORKERS for the speed columns, e.g. 1x2,2x1 (default: Nx1,1xN with N the "
                                      "cores, at most 4)")
+    p.add_argument("--tfidf", action="store_true",
+                   help="add a row for the per-slice TF-IDF + logistic-regression route (what a package can ship instead "
+                        "of its encoder for a slice): fitted on the package's training split as train-predictor fits it, "
+                        "served from a copy of the package that routes every slice to it")
     d = p.add_argument_group("the labelled test split (as train-predictor made it; defaults from the package's meta.json)")
     d.add_argument("--data", help="the data the package was trained on (default: its recorded path, else ShareGPT)")
     d.add_argument("--format", dest="fmt", help="its format (default: the recorded one, else sharegpt)")
@@ -166,10 +178,42 @@ def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
                       generator=a.generator or meta.get("generator"), first_turn_only=a.first_turn_only,
                       served_lengths=a.served_lengths, bucket_width=None, edges=",".join(map(str, scheme.edges[1:])),
                       max_tokens=scheme.max_tokens, max_samples=a.max_samples or None, seed=a.seed)
-    test = prepare(cfg).splits
-    rows = test.test[: a.test_limit] if a.test_limit else test.test
+    splits = prepare(cfg).splits
+    rows = splits.test[: a.test_limit] if a.test_limit else splits.test
     return LabelledTest([[(t.role, t.text) for t in e.turns] for e in rows], labels_of(rows).astype(np.float64),
-                        np.array([e.first_turn for e in rows], dtype=bool), test.fingerprint(), meta.get("eval_split"))
+                        np.array([e.first_turn for e in rows], dtype=bool), splits.fingerprint(), meta.get("eval_split"),
+                        splits)
+
+
+def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, dict]:
+    """A copy of ``package`` (its files linked, not copied) whose routing table sends every slice to a TF-IDF +
+    logistic-regression model fitted per slice on the package's training split, C chosen on its validation split:
+    ``training.baselines.fit_sliced`` with ``TfidfLogReg``, what ``train-predictor`` fits and ships. Returns the copy and
+    each slice's fit (C, rows)."""
+    from predictor.buckets import BucketScheme
+    from predictor.runtime import META_FILE
+    from predictor.slices import ROUTES_KEY, SLICES, SLICES_DIR, TFIDF, save_model
+    from training.baselines import TfidfLogReg, fit_sliced, rows_of
+
+    meta = json.loads((package / META_FILE).read_text())
+    scheme = BucketScheme.from_dict(meta["buckets"])
+    splits = test.splits
+    rows = {k: rows_of(getattr(splits, k), np.zeros(len(getattr(splits, k)))) for k in ("train", "val", "test")}
+    fitted: dict = {}
+    _, info = fit_sliced(TfidfLogReg, scheme, rows["train"], rows["val"], rows["test"], fitted=fitted)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in package.iterdir():
+        if f.name != META_FILE and f.name != SLICES_DIR and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    routes = {}
+    for part in SLICES:
+        if part in fitted:
+            save_model(fitted[part].servable(), dst / SLICES_DIR / f"{part}.skops")
+            routes[part] = {"predictor": TFIDF, "file": f"{SLICES_DIR}/{part}.skops"}
+    meta[ROUTES_KEY] = routes
+    meta["routes_by"] = "bench predictor-variants --tfidf"
+    (dst / META_FILE).write_text(json.dumps(meta, indent=2))
+    return dst, info
 
 
 def quality(probs: np.ndarray, test: LabelledTest, scheme) -> dict:
@@ -222,8 +266,10 @@ def batched(preds: list, prompts: list, batch: int = 32) -> dict:
 
 
 def bench_variants(package: Path, precisions: list[str], budgets: list[int], layouts: list[Layout], test: LabelledTest,
-                   speed_prompts: int, console, sidecar: dict | None = None, token_budget: int = 256) -> dict:
-    """Score and time every (precision, budget, layout); returns the JSON report."""
+                   speed_prompts: int, console, sidecar: dict | None = None, token_budget: int = 256,
+                   tfidf_dir: Path | None = None) -> dict:
+    """Score and time every (precision, budget, layout), and with ``tfidf_dir`` the TF-IDF route built there
+    (:func:`tfidf_package`); returns the JSON report."""
     from predictor.runtime import OnnxLengthPredictor, softmax
 
     reference = OnnxLengthPredictor(package, threads=layouts[0].threads, precision="fp32")
@@ -257,10 +303,39 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
                 if sidecar:
                     row["sidecar"] = _over_http(package, precision, budget, layout, test, sidecar, console)
                 rows.append(row)
+    if tfidf_dir is not None:
+        rows += _tfidf_rows(package, tfidf_dir, layouts, test, timed, ref_logits, console, sidecar)
     return {"package": str(package), "cpus": os.cpu_count(), "trained_budget": trained, "test_rows": len(test.turns),
             "test_split": test.fingerprint, "package_split": test.package_fingerprint,
             "split_matches_package": test.matches_package, "speed_prompts": len(timed),
             "layouts": [x.name for x in layouts], "token_budget": token_budget, "rows": rows}
+
+
+def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledTest, timed: list, ref_logits: np.ndarray,
+                console, sidecar: dict | None) -> list[dict]:
+    """The TF-IDF route's rows, one per layout: scored on the same test rows, timed on the same prompts (the encoder is
+    loaded but never run: every prompt's slice is routed), its bucket agreement with the fp32 encoder."""
+    from predictor.runtime import OnnxLengthPredictor
+
+    with console.status("fitting the per-slice TF-IDF route on the package's training split ..."):
+        routed, fit = tfidf_package(package, test, dst)
+        pred = OnnxLengthPredictor(routed, threads=layouts[0].threads)
+        probs = pred.predict(test.turns).probs
+    base = {"precision": "tfidf-logreg", "budget": None, "trained_budget": pred.trained_max_tokens, "fit": fit,
+            "quality": quality(probs, test, pred.scheme),
+            "parity": {"parity_max_abs_diff": None, "bucket_agreement": float((probs.argmax(1) == ref_logits.argmax(1)).mean())},
+            "truncated": None, "mean_prompt_tokens": None}
+    rows = []
+    for layout in layouts:
+        with console.status(f"tfidf-logreg, {layout.name}: timing ..."):
+            lone = OnnxLengthPredictor(routed, threads=layout.threads)
+            workers = [OnnxLengthPredictor(routed, threads=layout.threads) for _ in range(layout.workers)]
+            row = dict(base, layout=layout.name, threads=layout.threads, workers=layout.workers,
+                       batch1=lone_requests(lone, timed), batch32=batched(workers, timed))
+        if sidecar:
+            row["sidecar"] = _over_http(routed, "fp32", pred.trained_max_tokens, layout, test, sidecar, console)
+        rows.append(row)
+    return rows
 
 
 def _over_http(package: Path, precision: str, budget: int, layout: Layout, test: LabelledTest, sidecar: dict,
@@ -290,13 +365,14 @@ def print_table(report: dict, console) -> None:
     if http:
         cols += ["http p99 ms @lowest", "http pred/s @highest", "fallback @highest"]
     for c in cols:
-        t.add_column(c, justify="left" if c == "precision" else "right")
+        t.add_column(c, justify="left" if c == "precision" else "right", min_width=12 if c == "precision" else None)
     for r in report["rows"]:
         q = r["quality"].get("all", {})
-        cells = [r["precision"], str(r["budget"]), r["layout"], f"{q.get('accuracy', float('nan')):.3f}",
+        budget = "-" if r["budget"] is None else str(r["budget"])
+        cells = [r["precision"], budget, r["layout"], f"{q.get('accuracy', float('nan')):.3f}",
                  f"{q.get('accuracy_within_1', float('nan')):.3f}", f"{q.get('mae_tokens', float('nan')):.0f}",
                  f"{q.get('kendall_tau', float('nan')):.3f}", f"{q.get('pairwise_accuracy', float('nan')):.3f}",
-                 f"{r['parity']['parity_max_abs_diff']:.2g}",
+                 "-" if r["parity"]["parity_max_abs_diff"] is None else f"{r['parity']['parity_max_abs_diff']:.2g}",
                  f"{r['parity']['bucket_agreement']:.3f}", f"{r['batch1']['p50_ms']:.2f}", f"{r['batch1']['p99_ms']:.2f}",
                  f"{r['batch1']['cpu_ms_per_prediction']:.2f}", f"{r['batch32']['predictions_per_s']:.0f}",
                  f"{r['batch32']['cpu_ms_per_prediction']:.2f}"]
@@ -323,7 +399,8 @@ def plot(report: dict, path: Path) -> Path:
         ys = [r["quality"].get("all", {}).get("pairwise_accuracy", float("nan")) for r in pts]
         ax.plot(xs, ys, "o-", label=precision)
         for r, x, y in zip(pts, xs, ys):
-            ax.annotate(str(r["budget"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            label = "" if r["budget"] is None else str(r["budget"])
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set(xlabel=f"CPU ms per lone prediction ({first})", ylabel="pairwise ranking accuracy",
            title="predictor variants (labels: input budget in tokens)")
     ax.grid(alpha=0.3)
@@ -373,7 +450,9 @@ def run_cli(a: argparse.Namespace) -> int:
         elif not test.matches_package:
             console.print(f"[yellow]note: this test split ({test.fingerprint}) is not the one the package recorded "
                           f"({test.package_fingerprint}); pass the data, --max-samples and --seed it was trained with[/]")
-        report = bench_variants(package, precisions, budgets, layouts, test, a.speed_prompts, console, sidecar, a.token_budget)
+        with tempfile.TemporaryDirectory(prefix="lengthwise-tfidf-") as tmp:
+            report = bench_variants(package, precisions, budgets, layouts, test, a.speed_prompts, console, sidecar,
+                                    a.token_budget, Path(tmp) / "package" if a.tfidf else None)
     except BenchError as exc:
         print(f"lengthwise bench predictor-variants: error: {exc}", file=sys.stderr)
         return 2

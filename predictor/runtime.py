@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded, InputFormat, encode_turns
-from predictor.slices import MODEL, load_routes, slice_of
+from predictor.slices import MODEL, load_fast_tier, load_routes, slice_of
 from predictor.target import check_target
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,7 @@ class OnnxLengthPredictor:
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
         self.routes = load_routes(d, self.meta, self.scheme.n)  # {slice: baseline}; empty: the model answers every prompt
+        self.fast_tier = load_fast_tier(d, self.meta, self.scheme.n)  # {slice: cheap model}; empty: no fast tier
         model = model_file(d, precision)
         self.session = ort.InferenceSession(str(model), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size
@@ -329,6 +330,26 @@ class OnnxLengthPredictor:
             truncated[onnx_rows] = [e.truncated for e in encoded]
             tokens[onnx_rows] = [len(e.ids) for e in encoded]
         return RoutedProbs(probs, who, truncated, tokens)
+
+    def has_fast_tier(self, prompts: Sequence[Prompt]) -> bool:
+        """Whether the package's fast tier covers the slice of every one of ``prompts``."""
+        return bool(self.fast_tier) and all(slice_of(self._as_turns(p)) in self.fast_tier for p in prompts)
+
+    def probs_fast(self, prompts: Sequence[Prompt]) -> RoutedProbs:
+        """Bucket probabilities from the package's fast tier alone (each prompt by its slice's model, the encoder never
+        runs): what a saturated sidecar answers with. ``KeyError`` for a prompt whose slice the tier does not cover
+        (:meth:`has_fast_tier` says beforehand)."""
+        convs = [self._as_turns(p) for p in prompts]
+        n = len(convs)
+        probs, who = np.zeros((n, self.scheme.n)), np.full(n, MODEL, dtype=object)
+        by_slice: dict[str, list[int]] = {}
+        for i, conv in enumerate(convs):
+            by_slice.setdefault(slice_of(conv), []).append(i)
+        for part, rows in by_slice.items():
+            model = self.fast_tier[part]
+            probs[rows] = model.probs([convs[i] for i in rows])
+            who[rows] = model.name
+        return RoutedProbs(probs, who, np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64))
 
     def predict(self, prompts: Sequence[Prompt], quantile: float = 0.9) -> PredictionBatch:
         """Predict for prompts given as strings or as ``[(role, text), ...]`` conversations, each by its slice's

@@ -16,6 +16,10 @@ it wins a slice, which takes a model that ranks worse than a coin). ``prompt-len
 the prompt's length in the *target* model's tokens, and a package carries the predictor backbone's tokenizer, not the
 target's; counting with the wrong tokenizer would move every prompt across the bins it was fitted on.
 
+A package may also carry a **fast tier** (``meta.json``'s ``fast_tier``: ``fast/<slice>.skops``, the TF-IDF model training
+fitted for each slice, whatever the routes say): what a saturated sidecar answers with when its encoder's queue would
+make a prediction late (predictor.sidecar.batcher), instead of the caller's constant fallback.
+
 Files are written with ``skops.io``, not pickle: loading one builds only the types listed in :data:`TRUSTED_TYPES`
 (and numpy/builtins), so a package from the registry cannot run code when the sidecar opens it.
 """
@@ -39,6 +43,8 @@ CONSTANT = "global-median"
 SERVABLE = (TFIDF, CONSTANT)
 ROUTES_KEY = "routes"
 SLICES_DIR = "slices"
+FAST_TIER_KEY = "fast_tier"
+FAST_TIER_DIR = "fast"
 FILE_FORMAT = 1
 # What a slice file may hold beyond numpy arrays and builtins: the vectorizer and the classifier of tfidf-logreg.
 TRUSTED_TYPES = ("sklearn.feature_extraction.text.TfidfVectorizer", "sklearn.linear_model._logistic.LogisticRegression")
@@ -182,3 +188,20 @@ def routes_tag(routes: Mapping | None) -> str | None:
         return None
     return ",".join(f"{part}={route.get('predictor', MODEL)}" for part, route in routes.items())
 
+
+
+def load_fast_tier(package_dir: Path, meta: Mapping, n_buckets: int) -> dict[str, BucketModel]:
+    """``{slice: model}`` of a package's fast tier (empty without one); :class:`SliceModelError` for one recorded but
+    unreadable, as for a route."""
+    tier = meta.get(FAST_TIER_KEY) or {}
+    files = tier.get("files") if isinstance(tier, Mapping) else None
+    if not isinstance(files, Mapping):
+        if tier:
+            raise SliceModelError(f"meta.json's {FAST_TIER_KEY} must name its files per slice")
+        return {}
+    out: dict[str, BucketModel] = {}
+    for part, file in files.items():
+        if part not in SLICES:
+            raise SliceModelError(f"meta.json's {FAST_TIER_KEY} names slice {part!r}; this runtime knows {', '.join(SLICES)}")
+        out[part] = load_model(Path(package_dir) / str(file), n_buckets)
+    return out

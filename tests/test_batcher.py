@@ -146,3 +146,102 @@ def test_items_whose_caller_stopped_waiting_are_dropped_unrun():
     assert first == ["first"] and waits == ["waits"] and forever == ["forever"]
     assert isinstance(gone, Expired) and expired == 1
     assert "gone" not in seen and sorted(seen) == ["first", "forever", "waits"]
+
+
+def test_items_still_queued_near_their_callers_deadline_are_spilled_in_time():
+    """With a spill (the package's fast tier), an item the busy worker cannot reach before its caller's time is up is
+    answered by the spill before that time, never also run by a batch; items with time to spare, or none set, wait for
+    the worker; an item the spill cannot answer gives Expired, and only that one."""
+    from predictor.sidecar.batcher import Expired
+
+    seen: list[str] = []
+    gate = threading.Event()
+
+    def run_batch(items: list[str]) -> list[str]:
+        gate.wait(5)  # the first batch holds the only worker while the others queue
+        seen.extend(items)
+        return [f"model:{x}" for x in items]
+
+    def spill(items: list[str]) -> list[str | None]:
+        return [None if x == "uncovered" else f"fast:{x}" for x in items]  # None: it cannot answer that one
+
+    async def main():
+        spills: list[int] = []
+        b = MicroBatcher(run_batch, max_batch=8, max_wait_s=0.0, spill=spill, spill_margin_s=0.02, on_spill=spills.append)
+        b.start()
+        loop = asyncio.get_running_loop()
+        first = asyncio.create_task(b.submit(["first"]))
+        await asyncio.sleep(0.05)
+        t0 = loop.time()
+        late = asyncio.create_task(b.submit(["late-a", "late-b"], expires_at=t0 + 0.1))
+        uncovered = asyncio.create_task(b.submit(["uncovered"], expires_at=t0 + 0.1))
+        spare = asyncio.create_task(b.submit(["spare"], expires_at=t0 + 30))
+        forever = asyncio.create_task(b.submit(["forever"]))
+        done_late = await late
+        answered_in = loop.time() - t0
+        await asyncio.sleep(0.1)
+        gate.set()
+        results = await asyncio.gather(first, uncovered, spare, forever, return_exceptions=True)
+        await b.stop()
+        return done_late, answered_in, results, sum(spills)
+
+    late, answered_in, (first, uncovered, spare, forever), spilled = run(main())
+    assert late == ["fast:late-a", "fast:late-b"] and 0.07 <= answered_in < 0.1
+    assert isinstance(uncovered, Expired) and spilled == 3
+    assert first == ["model:first"] and spare == ["model:spare"] and forever == ["model:forever"]
+    assert sorted(seen) == ["first", "forever", "spare"]  # nothing spilled was run by the worker too
+
+
+def test_an_item_a_batch_has_taken_is_not_spilled():
+    """Once a batch runs an item, its deadline passing mid-run does not answer it twice: the batch's answer stands."""
+    def slow(items: list[str]) -> list[str]:
+        time.sleep(0.15)
+        return [f"model:{x}" for x in items]
+
+    async def main():
+        spills: list[int] = []
+        b = MicroBatcher(slow, max_batch=8, max_wait_s=0.0, spill=lambda xs: [f"fast:{x}" for x in xs],
+                         spill_margin_s=0.02, on_spill=spills.append)
+        b.start()
+        out = await b.submit(["x"], expires_at=asyncio.get_running_loop().time() + 0.05)
+        await b.stop()
+        return out, sum(spills)
+
+    assert run(main()) == (["model:x"], 0)
+
+
+def test_spill_margin_is_checked():
+    with pytest.raises(ValueError, match="spill_margin_s"):
+        MicroBatcher(lambda xs: xs, spill=lambda xs: xs, spill_margin_s=-1)
+
+
+def test_a_request_the_queue_would_make_late_is_spilled_on_arrival():
+    """Once batches have shown their pace (50 ms an item here), a request arriving behind a queue it cannot clear before
+    its caller's timeout goes to the spill at once, not at the deadline; one with time enough waits for the worker."""
+    gate = threading.Event()
+
+    def slow(items: list[str]) -> list[str]:
+        if items != ["pace"]:
+            gate.wait(5)
+        time.sleep(0.05 * len(items))
+        return [f"model:{x}" for x in items]
+
+    async def main():
+        b = MicroBatcher(slow, max_batch=1, max_wait_s=0.0, spill=lambda xs: [f"fast:{x}" for x in xs], spill_margin_s=0.01)
+        b.start()
+        loop = asyncio.get_running_loop()
+        await b.submit(["pace"])  # one batch: 50 ms an item
+        backlog = [asyncio.create_task(b.submit([f"q{i}"])) for i in range(4)]  # 200 ms of work, no deadline
+        await asyncio.sleep(0.01)
+        t0 = loop.time()
+        late = await b.submit(["late"], expires_at=t0 + 0.1)
+        answered_in = loop.time() - t0
+        roomy = asyncio.create_task(b.submit(["roomy"], expires_at=t0 + 5))
+        gate.set()
+        rest = await asyncio.gather(*backlog, roomy)
+        await b.stop()
+        return late, answered_in, rest
+
+    late, answered_in, rest = run(main())
+    assert late == ["fast:late"] and answered_in < 0.05  # at once: not held until the 90 ms spill time
+    assert rest == [[f"model:q{i}"] for i in range(4)] + [["model:roomy"]]

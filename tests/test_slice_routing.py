@@ -341,11 +341,18 @@ def test_train_predictor_ships_what_the_report_recommends(data, home, tmp_path_f
         assert float(tags[f"{part}.accuracy"]) == pytest.approx(want, abs=1e-6)
     served = OnnxLengthPredictor(root / "auto/package")
     assert set(served.routes) == {p for p, r in meta["routes"].items() if r["predictor"] != MODEL}
+    # every slice's TF-IDF model ships as the fast tier too, with its test figures, whatever the routes say
+    assert meta["fast_tier"]["files"] == {p: f"fast/{p}.skops" for p in ("first_turn", "later_turns")}
+    assert report["fast_tier"] == meta["fast_tier"]
+    for part in ("first_turn", "later_turns"):
+        assert meta["fast_tier"]["test_metrics"][part] == pytest.approx(report["slices"][part][TFIDF], nan_ok=True)
+    assert set(served.fast_tier) == {"first_turn", "later_turns"}
 
     off = _train(data, root / "off", "--route-slices", "off", "--no-baselines")
     assert off["routes"] is None
     assert "routes" not in json.loads((root / "off/package/meta.json").read_text())
     assert not (root / "off/package/slices").exists()
+    assert off["fast_tier"] is None and not (root / "off/package/fast").exists()  # no baselines, no fast tier
     assert store.TAG_ROUTES not in MlflowClient().get_model_version("routing-train", off["registered_version"]).tags
 
 
@@ -374,3 +381,80 @@ def test_cpu_per_first_turn_prediction_baseline_vs_onnx(shipped, splits, capsys)
             print(f"  batch {b:>2}: tfidf-logreg {tf:.2f} ms   onnx {ox:.2f} ms   ({ox / tf:.1f}x)")
     assert set(baseline.predict(prompts[:4]).predictor) == {TFIDF}
     assert all(tf > 0 and ox > 0 for tf, ox in rows.values())
+
+
+@pytest.fixture(scope="module")
+def with_fast_tier(shipped, tmp_path_factory) -> Path:
+    """The plain package plus the first-turn TF-IDF model as its fast tier (routes untouched)."""
+    from training.routing import ship_fast_tier
+
+    pkg = shutil.copytree(shipped["plain"], tmp_path_factory.mktemp("fast") / "pkg")
+    tier = ship_fast_tier(pkg, shipped["report"], {TFIDF: shipped["fitted"]})
+    assert tier["files"] == {"first_turn": "fast/first_turn.skops"} and "first_turn" in tier["test_metrics"]
+    return pkg
+
+
+def test_the_fast_tier_answers_as_the_fitted_baseline_and_leaves_routing_alone(with_fast_tier, shipped, splits):
+    from predictor.slices import FAST_TIER_KEY
+
+    pkg = OnnxLengthPredictor(with_fast_tier)
+    first = [_turns(e) for e in splits.test if e.first_turn][:50]
+    later = [_turns(e) for e in splits.test if not e.first_turn][:5]
+    assert pkg.routes == {} and set(pkg.fast_tier) == {"first_turn"}
+    assert pkg.has_fast_tier(first) and not pkg.has_fast_tier(first + later)
+    fast = pkg.probs_fast(first)
+    np.testing.assert_allclose(fast.probs, shipped["fitted"]["first_turn"].servable().probs(first))
+    assert set(fast.predictor) == {TFIDF}
+    # predict() still runs the encoder: the fast tier serves only a saturated sidecar
+    np.testing.assert_array_equal(pkg.predict(first).probs, OnnxLengthPredictor(shipped["plain"]).predict(first).probs)
+    assert OnnxLengthPredictor(shipped["plain"]).fast_tier == {}
+    meta = json.loads((with_fast_tier / "meta.json").read_text())
+    assert ship_routes is not None and meta[FAST_TIER_KEY]["predictor"] == TFIDF
+
+
+def test_a_saturated_sidecar_answers_late_callers_from_the_fast_tier_in_time(with_fast_tier, splits, tmp_path):
+    """A real sidecar, one worker, its queue filled with four thousand prompts: a caller with a 200 ms timeout gets a
+    fast-tier answer inside it (overflow true, predictor tfidf-logreg), the queue's own callers still get the encoder's,
+    the metric counts the spill; with --no-fast-tier the same caller gets 504."""
+    import asyncio
+
+    import httpx
+
+    from training.bench_sidecar import free_port, start_sidecar, wait_ready
+
+    texts = [e.turns[-1].text[:2000] for e in splits.test if e.first_turn][:64]
+    first = {"prompts": texts}
+
+    async def saturate(url: str):
+        async with httpx.AsyncClient(timeout=120) as c:
+            backlog = [asyncio.create_task(c.post(f"{url}/v1/predict", json=first)) for _ in range(64)]
+            await asyncio.sleep(0.1)  # the backlog is queued behind the first batches (about a second of work)
+            t = time.perf_counter()
+            late = await c.post(f"{url}/v1/predict", json={"prompt": texts[0]}, headers={"x-lengthwise-timeout-ms": "200"})
+            took = time.perf_counter() - t
+            queued = await asyncio.gather(*backlog)
+            metrics = (await c.get(f"{url}/metrics")).text
+        return late, took, queued, metrics
+
+    for fast in (True, False):
+        port = free_port()
+        proc = start_sidecar(str(with_fast_tier), port, tmp_path / f"sidecar-{fast}.log",
+                             ["--workers", "1", "--threads", "1"] + ([] if fast else ["--no-fast-tier"]))
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc, tmp_path / f"sidecar-{fast}.log")
+            late, took, queued, metrics = asyncio.run(saturate(url))
+        finally:
+            proc.terminate()
+            proc.wait(20)
+        assert all(r.status_code == 200 for r in queued)
+        assert all(not p["overflow"] and p["predictor"] == MODEL for r in queued for p in r.json()["predictions"])
+        if fast:
+            assert late.status_code == 200, late.text
+            (p,) = late.json()["predictions"]
+            assert p["overflow"] is True and p["predictor"] == TFIDF, p
+            print(f"fast-tier answer: {p['latency_ms']:.0f} ms in the sidecar, {took * 1e3:.0f} ms at the client")
+            assert p["latency_ms"] < 200 and took < 0.4
+            assert "lengthwise_sidecar_fast_tier_prompts_total 1.0" in metrics
+        else:
+            assert late.status_code == 504 and "expired" in late.json()["detail"]

@@ -10,7 +10,9 @@ beside an engine; the client's own CPU time is reported too, so the reader can j
 
 The fallback rate is what the gateway would see at that load: the share of predictions slower than its prediction
 timeout (``lengthwise serve --predictor-timeout-ms``; a request whose prediction is late runs on the fallback length),
-failed ones included.
+failed ones included. Each request carries that timeout as the gateway sends it (``x-lengthwise-timeout-ms``), so the
+sidecar drops what it cannot answer in time (504, a fallback) or, with a package that has a fast tier, answers it from
+there: the fast-tier column is the share of answers that came from it (``overflow`` in the response).
 """
 
 from __future__ import annotations
@@ -65,11 +67,14 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, help="padded tokens per onnxruntime run of the started sidecar")
     p.add_argument("--ort-spin", action="store_true", help="passed to the started sidecar")
     p.add_argument("--precision", choices=PRECISIONS, help="passed to the started sidecar")
+    p.add_argument("--no-fast-tier", action="store_true", help="passed to the started sidecar: drop late prompts (504) "
+                   "instead of answering them from the package's fast tier (the ablation of that tier)")
     p.add_argument("--max-prompt-tokens", type=int, metavar="N",
                    help="passed to the started sidecar (ablation: a smaller input budget than the model was trained with)")
     p.add_argument("--fallback-ms", type=float, default=GATEWAY_PREDICTOR_TIMEOUT_MS, metavar="MS",
-                   help="the gateway's prediction timeout: predictions slower than this count as fallbacks "
-                        "(default: %(default)s, the gateway's default)")
+                   help="the gateway's prediction timeout, sent with each request as the gateway sends it "
+                        "(x-lengthwise-timeout-ms): predictions slower than this, or dropped by the sidecar for it, count "
+                        "as fallbacks (default: %(default)s, the gateway's default)")
     p.add_argument("--json", help="write results here (default: bench-results/sidecar/bench_sidecar.json; PNG beside it)")
     p.set_defaults(func=run_cli)
     return p
@@ -161,7 +166,7 @@ class _Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def post(self, request: bytes, timeout: float = 60.0) -> int:
+    async def post(self, request: bytes, timeout: float = 60.0) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         self.writer.write(request)
@@ -169,11 +174,11 @@ class _Connection:
         status = int(head[9:12])
         length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
         if length is None:  # no length: read to close (never sent by uvicorn for JSON responses)
-            await self.reader.read()
+            body = await self.reader.read()
             self.close()
         else:
-            await self.reader.readexactly(int(length[1]))
-        return status
+            body = await self.reader.readexactly(int(length[1]))
+        return status, body
 
     def close(self) -> None:
         if self.writer is not None:
@@ -181,10 +186,13 @@ class _Connection:
         self.reader = self.writer = None
 
 
-def encode_requests(url: str, bodies: list[bytes]) -> list[bytes]:
+def encode_requests(url: str, bodies: list[bytes], timeout_ms: float | None = None) -> list[bytes]:
+    """Pre-encoded ``POST /v1/predict`` requests; with ``timeout_ms`` each carries ``x-lengthwise-timeout-ms`` as the
+    gateway's do, so the sidecar drops (504) or hands to its fast tier what it cannot answer in time."""
     host = url.split("://", 1)[-1].split("/", 1)[0]
-    return [b"POST /v1/predict HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b for b in bodies]
+    extra = b"" if timeout_ms is None else b"x-lengthwise-timeout-ms: " + f"{timeout_ms:g}".encode() + b"\r\n"
+    return [b"POST /v1/predict HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n" + extra
+            + b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b for b in bodies]
 
 
 def fallback_rate(latencies_ms: np.ndarray, errors: int, timeout_ms: float) -> float | None:
@@ -200,12 +208,12 @@ async def closed_loop(url: str, requests: list[bytes], concurrency: int, duratio
     hostport = url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = hostport.rpartition(":")
     lat: list[float] = []
-    errors = 0
+    errors = overflow = 0
     t0 = time.perf_counter()
     start, stop = t0 + warmup, t0 + warmup + duration
 
     async def worker(i: int) -> None:
-        nonlocal errors
+        nonlocal errors, overflow
         conn = _Connection(host, int(port or 80))
         k = i
         try:
@@ -214,14 +222,16 @@ async def closed_loop(url: str, requests: list[bytes], concurrency: int, duratio
                 k += concurrency
                 t = time.perf_counter()
                 try:
-                    ok = await conn.post(req) == 200
+                    status, body = await conn.post(req)
+                    ok = status == 200
                 except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
                     conn.close()
-                    ok = False
+                    ok, body = False, b""
                 done = time.perf_counter()
                 if start <= done <= stop:
                     if ok:
                         lat.append(done - t)
+                        overflow += b'"overflow":true' in body
                     else:
                         errors += 1
         finally:
@@ -233,7 +243,8 @@ async def closed_loop(url: str, requests: list[bytes], concurrency: int, duratio
     return {"concurrency": concurrency, "requests": len(lat), "errors": errors,
             "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
             "mean_ms": float(arr.mean()), "throughput_rps": len(lat) / duration,
-            "fallback_timeout_ms": timeout_ms, "fallback_rate": fallback_rate(ms, errors, timeout_ms)}
+            "fallback_timeout_ms": timeout_ms, "fallback_rate": fallback_rate(ms, errors, timeout_ms),
+            "fast_tier_rate": overflow / len(lat) if lat else None}
 
 
 def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, warmup: float, pid: int | None,
@@ -242,7 +253,7 @@ def run_level(url: str, bodies: list[bytes], concurrency: int, duration: float, 
     b_sum0, b_n0 = _batch_counters(url)
     busy0 = _machine_busy_seconds()
     cpu0, client0, w0 = _cpu_seconds(pid), time.process_time(), time.perf_counter()
-    res = asyncio.run(closed_loop(url, encode_requests(url, bodies), concurrency, duration, warmup, timeout_ms))
+    res = asyncio.run(closed_loop(url, encode_requests(url, bodies, timeout_ms), concurrency, duration, warmup, timeout_ms))
     cpu1, client1, wall = _cpu_seconds(pid), time.process_time(), time.perf_counter() - w0
     busy1 = _machine_busy_seconds()
     b_sum1, b_n1 = _batch_counters(url)
@@ -308,15 +319,16 @@ def print_table(report: dict, console) -> None:
     t.caption = ("sidecar CPU: its process CPU time per prediction; other cores: CPU used by other processes on the "
                  "machine during the level (competition for the same cores); fallback: share of predictions slower "
                  f"than the gateway's {report.get('fallback_timeout_ms', GATEWAY_PREDICTOR_TIMEOUT_MS):g} ms timeout or "
-                 "failed")
-    for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "fallback", "mean batch",
+                 "failed (each request carries it, as the gateway's do); fast tier: share of answers from the package's "
+                 "fast tier")
+    for c in ("concurrency", "requests", "errors", "p50 ms", "p99 ms", "predictions/s", "fallback", "fast tier", "mean batch",
               "sidecar CPU ms/pred", "client CPU ms/req", "other cores"):
         t.add_column(c, justify="right")
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for lv in report["levels"].values():
         t.add_row(str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), fmt(lv["p50_ms"], ".1f"),
                   fmt(lv["p99_ms"], ".1f"), fmt(lv["throughput_rps"], ".0f"), fmt(lv.get("fallback_rate"), ".1%"),
-                  fmt(lv["mean_batch"], ".1f"),
+                  fmt(lv.get("fast_tier_rate"), ".1%"), fmt(lv["mean_batch"], ".1f"),
                   fmt(lv["cpu_s_per_prediction"] and lv["cpu_s_per_prediction"] * 1e3, ".2f"),
                   fmt(lv["client_cpu_s_per_request"] and lv["client_cpu_s_per_request"] * 1e3, ".2f"),
                   fmt(lv.get("other_cpu_cores"), ".2f"))
@@ -332,7 +344,9 @@ def plot(report: dict, path: Path) -> Path:
     a, b = fig.subplots(1, 2)
     a.plot(x, [v["p50_ms"] for v in lv], "o-", label="p50")
     a.plot(x, [v["p99_ms"] for v in lv], "s-", label="p99")
-    a.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (ms)", title="latency")
+    answered = any(v["requests"] for v in lv)  # none answered (every one dropped past its timeout): no latency to log-scale
+    a.set(xscale="log", yscale="log" if answered else "linear", xlabel="concurrent clients", ylabel="latency (ms)",
+          title="latency" if answered else "latency (none answered)")
     a.legend()
     b.plot(x, [v["throughput_rps"] for v in lv], "o-")
     b.set(xscale="log", xlabel="concurrent clients", ylabel="predictions / s", title="throughput")
@@ -351,7 +365,8 @@ def run_cli(a: argparse.Namespace) -> int:
     extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
                                ("--workers", a.workers), ("--token-budget", a.token_budget), ("--precision", a.precision),
                                ("--max-prompt-tokens", a.max_prompt_tokens))
-             if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else [])
+             if v is not None for f in (flag, str(v))] + (["--ort-spin"] if a.ort_spin else []) \
+        + (["--no-fast-tier"] if a.no_fast_tier else [])
     try:
         levels = parse_levels(a.levels)
         if not a.duration > 0 or a.warmup < 0:

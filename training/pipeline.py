@@ -185,6 +185,7 @@ def run(cfg: TrainConfig) -> dict:
         fitted: dict[str, dict] = {}
         report = evaluate_all(cfg, prep, onnx_pred, inputs.enc, work, fitted)
         report["routes"] = _route(cfg, package, report, fitted)
+        report["fast_tier"] = _fast_tier(package, report, fitted)
         report["distillation"] = distilled
         splits = prep.splits
         report.update(
@@ -384,6 +385,14 @@ def _route(cfg: TrainConfig, package: Path, report: dict, fitted: dict[str, dict
     from training.routing import ship_routes
 
     return ship_routes(package, report, fitted, cfg.route_slices, cfg.route_max_top1_drop, cfg.route_max_tau_drop)
+
+
+def _fast_tier(package: Path, report: dict, fitted: dict[str, dict]) -> dict | None:
+    """Ship the per-slice TF-IDF models as the package's fast tier (training.routing.ship_fast_tier): a saturated
+    sidecar's answer instead of the caller's constant fallback. None without baselines."""
+    from training.routing import ship_fast_tier
+
+    return ship_fast_tier(package, report, fitted)
 
 
 def _log_results(report: dict, parity: float, train_seconds: float, work: Path) -> None:

@@ -20,7 +20,18 @@ from pathlib import Path
 from typing import Literal
 
 from predictor.runtime import META_FILE
-from predictor.slices import CONSTANT, MODEL, ROUTES_KEY, SERVABLE, SLICES, SLICES_DIR, TFIDF, save_model
+from predictor.slices import (
+    CONSTANT,
+    FAST_TIER_DIR,
+    FAST_TIER_KEY,
+    MODEL,
+    ROUTES_KEY,
+    SERVABLE,
+    SLICES,
+    SLICES_DIR,
+    TFIDF,
+    save_model,
+)
 
 RouteMode = Literal["auto", "fastest", "off"]
 ROUTE_MODES = ("auto", "fastest", "off")
@@ -98,3 +109,24 @@ def served_slice_metrics(report: Mapping, routes: Mapping | None) -> dict[str, d
         if who in block:
             out[part] = block[who]
     return out
+
+
+def ship_fast_tier(package: Path, report: Mapping, fitted: Mapping[str, Mapping[str, object]]) -> dict | None:
+    """Write the TF-IDF model fitted for each slice into ``package`` as its fast tier (``fast/<slice>.skops``) and record
+    it in ``meta.json`` with its test metrics per slice: what a saturated sidecar answers with instead of the caller's
+    constant fallback (predictor.slices). None when no TF-IDF model was fitted (``--no-baselines``)."""
+    models = {part: m for part, m in fitted.get(TFIDF, {}).items() if part in SLICES}
+    if not models:
+        return None
+    files = {}
+    for part, model in models.items():
+        files[part] = f"{FAST_TIER_DIR}/{part}.skops"
+        save_model(model.servable(), Path(package) / files[part])  # type: ignore[attr-defined]
+    slices = report.get("slices", {})
+    tier = {"predictor": TFIDF, "files": files,
+            "test_metrics": {part: dict(slices[part][TFIDF]) for part in files if TFIDF in slices.get(part, {})}}
+    meta_path = Path(package) / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta[FAST_TIER_KEY] = tier
+    meta_path.write_text(json.dumps(meta, indent=2, default=float))
+    return tier

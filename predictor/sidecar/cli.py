@@ -28,7 +28,7 @@ log = logging.getLogger("predictor.sidecar")
 # Where a field's flag appears in --help (fields not named here are general options); --help lists them in field order.
 FLAG_GROUPS = {
     "batching and inference": ("max_batch", "max_wait_ms", "threads", "workers", "token_budget", "precision", "ort_spin",
-                               "max_body_bytes", "lru_size"),
+                               "fast_tier", "spill_margin_ms", "max_body_bytes", "lru_size"),
     "authentication": ("token", "token_file", "protect_health"),
     "registry and online monitoring": ("reload_interval", "window_size", "window_seconds", "alarm_margin", "padding",
                                        "max_actual_tokens"),

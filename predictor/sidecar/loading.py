@@ -76,10 +76,27 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
     pred = model.sessions.get()  # at most `workers` batches run at once, so one is always free
     try:
         routed = pred.probs_routed([it.turns for it in items])
-        probs = routed.probs
     finally:
         model.sessions.put(pred)
-    scheme = pred.scheme
+    return _answers(model, items, routed, overflow=False)
+
+
+def predict_fast(model: ServedModel, items: list[PredictItem]) -> list[tuple[dict[str, Any], ServedModel] | None]:
+    """The same answers from the package's fast tier alone (the encoder never runs): for items a saturated sidecar
+    could not run in time. None for an item whose slice the version's fast tier does not cover (none: all None)."""
+    covered = [i for i, it in enumerate(items) if model.predictor.has_fast_tier([it.turns])]
+    out: list[tuple[dict[str, Any], ServedModel] | None] = [None] * len(items)
+    if covered:
+        some = [items[i] for i in covered]
+        for i, answer in zip(covered, _answers(model, some, model.predictor.probs_fast([it.turns for it in some]), True)):
+            out[i] = answer
+    return out
+
+
+def _answers(model: ServedModel, items: list[PredictItem], routed, overflow: bool) -> list[tuple[dict[str, Any], ServedModel]]:
+    """Each item's response row from its bucket probabilities (``routed``: predictor.runtime.RoutedProbs)."""
+    probs = routed.probs
+    scheme = model.predictor.scheme
     expected = scheme.expected(probs)
     buckets = probs.argmax(1)
     qs = np.array([it.quantile for it in items])
@@ -97,6 +114,6 @@ def predict_items(model: ServedModel, items: list[PredictItem]) -> list[tuple[di
             "bucket": b, "range": [int(scheme.edges[b]), int(upper[b])], "probs": probs[i].tolist(), "edges": list(inner),
             "expected_tokens": float(expected[i]), "quantile": float(qs[i]), "quantile_tokens": float(quant[i]),
             "truncated": bool(routed.truncated[i]), "prompt_tokens": int(routed.prompt_tokens[i]), "model_name": model.name,
-            "model_version": model.version, "target": target, "predictor": str(routed.predictor[i]),
+            "model_version": model.version, "target": target, "predictor": str(routed.predictor[i]), "overflow": overflow,
         }, model))
     return out

@@ -39,6 +39,8 @@ class SidecarMetrics:
         self.queue_depth = Gauge(p + "queue_depth", "prompts waiting for a micro-batch", registry=r)
         self.expired = Counter(p + "expired_prompts", "prompts dropped unrun because the caller's x-lengthwise-timeout-ms "
                                "passed while they were queued (answered 504: the caller had fallen back already)", registry=r)
+        self.spilled = Counter(p + "fast_tier_prompts", "prompts still queued near their caller's x-lengthwise-timeout-ms, "
+                               "answered by the package's fast tier instead of the encoder", registry=r)
         self.model_info = Gauge(p + "model_info", "the served model (value 1)", ["name", "version"], registry=r)
         self.model_version = Gauge(p + "model_version", "the served registry version number (-1 if not numeric)", registry=r)
         self.model_ready = Gauge(p + "model_ready", "1 when a model is loaded and serving", registry=r)

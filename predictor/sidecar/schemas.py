@@ -119,6 +119,8 @@ class Prediction(BaseModel):
                                   "model) or the baseline its package routes this prompt's slice to (e.g. 'tfidf-logreg' "
                                   "for first turns; such a row reads the text directly: truncated false, prompt_tokens 0); "
                                   "absent from sidecars older than this field")
+    overflow: bool = Field(False, description="true when the encoder could not reach this prompt before the caller's "
+                           "x-lengthwise-timeout-ms and the package's fast tier answered it instead (predictor says which)")
 
 
 class PredictResponse(BaseModel):

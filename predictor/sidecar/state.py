@@ -21,7 +21,7 @@ from predictor.buckets import BucketScheme
 from predictor.features import is_first_turn
 from predictor.sidecar.batcher import MicroBatcher
 from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, registry_version, remember_alias
-from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_items
+from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_fast, predict_items
 from predictor.sidecar.metrics import SidecarMetrics
 from predictor.sidecar.settings import SidecarSettings
 from registry.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter
@@ -90,7 +90,8 @@ class SidecarState:
         self.fed_back: OrderedDict[str, None] = OrderedDict()  # ids whose feedback counted, the last --lru-size
         self.batcher: MicroBatcher[PredictItem, tuple[dict, ServedModel]] = MicroBatcher(
             self._run_batch, settings.max_batch, settings.max_wait_ms / 1000.0, settings.workers, on_batch=self._observe_batch,
-            on_expired=self.metrics.expired.inc)
+            on_expired=self.metrics.expired.inc, spill=self._run_fast if settings.fast_tier else None,
+            spill_margin_s=settings.spill_margin_ms / 1000.0, on_spill=self.metrics.spilled.inc)
         self.aggregator = WindowAggregator(settings.window_size, settings.window_seconds, settings.padding,
                                            settings.alarm_margin)
         self.window_logger = MlflowWindowLogger(on_change=self._observe_buffer)
@@ -115,6 +116,17 @@ class SidecarState:
         if model is None:
             raise RuntimeError("no model loaded")
         return predict_items(model, items)
+
+    def _run_fast(self, items: list[PredictItem]) -> list[tuple[dict, ServedModel] | None]:
+        """Items the encoder could not answer in time, by the served version's fast tier (None where it has none: those
+        expire, counted)."""
+        model = self.model
+        if model is None:
+            raise RuntimeError("no model loaded")
+        out = predict_fast(model, items)
+        if missed := sum(r is None for r in out):
+            self.metrics.expired.inc(missed)
+        return out
 
     @property
     def trusted(self) -> bool:

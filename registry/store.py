@@ -33,7 +33,7 @@ from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
 from predictor.runtime import META_FILE, OnnxLengthPredictor
-from predictor.slices import ROUTES_KEY, routes_tag
+from predictor.slices import FAST_TIER_KEY, ROUTES_KEY, routes_tag
 from predictor.target import check_target
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ TARGET_TAGS = {"model": TAG_TARGET_MODEL, "label_tokenizer": "lengthwise.label_t
                "source": "lengthwise.label_source"}
 TAG_VARIANT = "lengthwise.variant"
 TAG_ROUTES = "lengthwise.routes"
+TAG_FAST_TIER = "lengthwise.fast_tier"  # e.g. "tfidf-logreg:first_turn,later_turns": what a saturated sidecar answers with
 
 
 class PromotionRefused(RuntimeError):
@@ -178,6 +179,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
     tags[TAG_VARIANT] = package_variant(Path(package_dir))
     if (routes := package_routes(Path(package_dir))) is not None:
         tags[TAG_ROUTES] = routes
+    if (fast := package_fast_tier(Path(package_dir))) is not None:
+        tags[TAG_FAST_TIER] = fast
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
     return Registered(name, version, f"models:/{name}/{version}")
@@ -214,6 +217,15 @@ def package_routes(package_dir: Path) -> str | None:
     try:
         return routes_tag(json.loads((package_dir / META_FILE).read_text()).get(ROUTES_KEY))
     except (OSError, ValueError, AttributeError):
+        return None
+
+
+def package_fast_tier(package_dir: Path) -> str | None:
+    """The package's fast tier as ``predictor:slice,slice`` (``meta.json``'s ``fast_tier``), or None without one."""
+    try:
+        tier = json.loads((package_dir / META_FILE).read_text()).get(FAST_TIER_KEY)
+        return f"{tier['predictor']}:{','.join(tier['files'])}" if tier else None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
 
 

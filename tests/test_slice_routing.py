@@ -347,12 +347,14 @@ def test_train_predictor_ships_what_the_report_recommends(data, home, tmp_path_f
     for part in ("first_turn", "later_turns"):
         assert meta["fast_tier"]["test_metrics"][part] == pytest.approx(report["slices"][part][TFIDF], nan_ok=True)
     assert set(served.fast_tier) == {"first_turn", "later_turns"}
+    assert tags[store.TAG_FAST_TIER] == "tfidf-logreg:first_turn,later_turns"
 
     off = _train(data, root / "off", "--route-slices", "off", "--no-baselines")
     assert off["routes"] is None
     assert "routes" not in json.loads((root / "off/package/meta.json").read_text())
     assert not (root / "off/package/slices").exists()
     assert off["fast_tier"] is None and not (root / "off/package/fast").exists()  # no baselines, no fast tier
+    assert store.TAG_FAST_TIER not in MlflowClient().get_model_version("routing-train", off["registered_version"]).tags
     assert store.TAG_ROUTES not in MlflowClient().get_model_version("routing-train", off["registered_version"]).tags
 
 

@@ -38,10 +38,11 @@ class SidecarSettings(BaseModel):
         "fp32", description="int8 quantizes the model's weights once at load (kept beside it): about 1.7x predictions/s on "
                             "a CPU at equal measured accuracy; fused runs onnxruntime's fused encoder graph (shipped by "
                             "train-predictor --optimize, else made once at load), fused-int8 that graph quantized")
-    fast_tier: bool = Field(True, description="answer a prompt still queued spill_margin_ms before its caller's "
-                                              "x-lengthwise-timeout-ms from the package's fast tier (TF-IDF per slice, "
-                                              "about 1 ms) instead of letting it expire; packages without one expire "
-                                              "as before")
+    fast_tier: bool = Field(True, description="answer from the package's fast tier (TF-IDF per slice, about 1 ms) a "
+                                              "prompt the encoder would answer after its caller's x-lengthwise-timeout-ms "
+                                              "(judged on arrival from the queue, or still queued spill_margin_ms before "
+                                              "it); --no-fast-tier drops such prompts unrun (504), as a package without "
+                                              "a fast tier does")
     spill_margin_ms: float = Field(10.0, ge=0, description="how long before the caller's timeout a still-queued prompt "
                                                            "goes to the fast tier: time for it to run and the answer to "
                                                            "travel back")

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded, InputFormat, encode_turns
-from predictor.slices import MODEL, load_fast_tier, load_routes, slice_of
+from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
 from predictor.target import check_target
 
 log = logging.getLogger(__name__)
@@ -311,10 +311,7 @@ class OnnxLengthPredictor:
         probs = np.zeros((n, self.scheme.n))
         who = np.full(n, MODEL, dtype=object)
         truncated, tokens = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
-        by_slice: dict[str, list[int]] = {}
-        if self.routes:
-            for i, conv in enumerate(convs):
-                by_slice.setdefault(slice_of(conv), []).append(i)
+        by_slice = rows_by_slice(convs) if self.routes else {}
         onnx_rows = list(range(n)) if not self.routes else []
         for part, rows in by_slice.items():
             if part not in self.routes:
@@ -342,10 +339,7 @@ class OnnxLengthPredictor:
         convs = [self._as_turns(p) for p in prompts]
         n = len(convs)
         probs, who = np.zeros((n, self.scheme.n)), np.full(n, MODEL, dtype=object)
-        by_slice: dict[str, list[int]] = {}
-        for i, conv in enumerate(convs):
-            by_slice.setdefault(slice_of(conv), []).append(i)
-        for part, rows in by_slice.items():
+        for part, rows in rows_by_slice(convs).items():
             model = self.fast_tier[part]
             probs[rows] = model.probs([convs[i] for i in rows])
             who[rows] = model.name

@@ -59,6 +59,14 @@ def slice_of(turns: Turns) -> str:
     return SLICES[0] if is_first_turn(turns) else SLICES[1]
 
 
+def rows_by_slice(conversations: Sequence[Turns]) -> dict[str, list[int]]:
+    """``{slice: indices of the conversations in it}``, in the conversations' order within each slice."""
+    out: dict[str, list[int]] = {}
+    for i, conv in enumerate(conversations):
+        out.setdefault(slice_of(conv), []).append(i)
+    return out
+
+
 class BucketModel(Protocol):
     """A routed predictor: bucket probabilities over the package's scheme for each conversation."""
 

@@ -89,13 +89,18 @@ def ship_routes(package: Path, report: Mapping, fitted: Mapping[str, Mapping[str
         if best in slices.get(part, {}):
             route["test_metrics"] = dict(slices[part][best])
         routes[part] = route
+    by = (report.get("recommended_by") if mode == "auto"
+          else f"fastest within top-1 -{max_top1_drop:g} and tau -{max_tau_drop:g} of the slice's best")
+    _update_meta(package, {ROUTES_KEY: routes, "routes_by": by})
+    return routes
+
+
+def _update_meta(package: Path, values: Mapping) -> None:
+    """Set ``values`` in the package's ``meta.json``, keeping everything else in it."""
     meta_path = Path(package) / META_FILE
     meta = json.loads(meta_path.read_text())
-    meta[ROUTES_KEY] = routes
-    meta["routes_by"] = (report.get("recommended_by") if mode == "auto"
-                         else f"fastest within top-1 -{max_top1_drop:g} and tau -{max_tau_drop:g} of the slice's best")
+    meta.update(values)
     meta_path.write_text(json.dumps(meta, indent=2, default=float))
-    return routes
 
 
 def served_slice_metrics(report: Mapping, routes: Mapping | None) -> dict[str, dict]:
@@ -125,8 +130,5 @@ def ship_fast_tier(package: Path, report: Mapping, fitted: Mapping[str, Mapping[
     slices = report.get("slices", {})
     tier = {"predictor": TFIDF, "files": files,
             "test_metrics": {part: dict(slices[part][TFIDF]) for part in files if TFIDF in slices.get(part, {})}}
-    meta_path = Path(package) / META_FILE
-    meta = json.loads(meta_path.read_text())
-    meta[FAST_TIER_KEY] = tier
-    meta_path.write_text(json.dumps(meta, indent=2, default=float))
+    _update_meta(package, {FAST_TIER_KEY: tier})
     return tier

@@ -192,8 +192,9 @@ def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, d
     each slice's fit (C, rows)."""
     from predictor.buckets import BucketScheme
     from predictor.runtime import META_FILE
-    from predictor.slices import ROUTES_KEY, SLICES, SLICES_DIR, TFIDF, save_model
+    from predictor.slices import SLICES, SLICES_DIR, TFIDF
     from training.baselines import TfidfLogReg, fit_sliced, rows_of
+    from training.routing import ship_routes
 
     meta = json.loads((package / META_FILE).read_text())
     scheme = BucketScheme.from_dict(meta["buckets"])
@@ -205,14 +206,10 @@ def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, d
     for f in package.iterdir():
         if f.name != META_FILE and f.name != SLICES_DIR and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f.resolve())
-    routes = {}
-    for part in SLICES:
-        if part in fitted:
-            save_model(fitted[part].servable(), dst / SLICES_DIR / f"{part}.skops")
-            routes[part] = {"predictor": TFIDF, "file": f"{SLICES_DIR}/{part}.skops"}
-    meta[ROUTES_KEY] = routes
-    meta["routes_by"] = "bench predictor-variants --tfidf"
     (dst / META_FILE).write_text(json.dumps(meta, indent=2))
+    # every slice "recommends" TF-IDF: ship_routes writes its files and table (a slice it was not fitted on stays the model's)
+    ship_routes(dst, {"recommended": {part: TFIDF for part in SLICES}, "recommended_by": "bench predictor-variants --tfidf"},
+                {TFIDF: fitted})
     return dst, info
 
 

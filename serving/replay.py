@@ -8,9 +8,9 @@ time (Poisson at ``--rate``, or all at once without it), as a chat completion wi
 
 Against ``lengthwise serve`` the report also reads what the gateway decided for each request from its response
 headers: the deadline (``x-lengthwise-deadline``, Unix seconds; a request meets its SLO when its last byte arrived
-by then), where the predicted length came from (``x-lengthwise-prediction``: ``sidecar`` or ``fallback:<reason>``)
-and the predicted length itself (``x-lengthwise-pred-len``), compared with the tokens actually generated. Any other
-OpenAI-compatible server (vLLM's own, for instance) gets the same latency report without those parts.
+by then), where the predicted length came from (``x-lengthwise-prediction``: ``sidecar``, ``sidecar:fast-tier`` or
+``fallback:<reason>``) and the predicted length itself (``x-lengthwise-pred-len``), compared with the tokens actually
+generated. Any other OpenAI-compatible server (vLLM's own, for instance) gets the same latency report without those parts.
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ def summarize(results: list[Result], duration_s: float) -> dict[str, Any]:
     met = sum(1 for r in with_deadline if r.met_slo)
     predicted = [r for r in ok if r.pred_len is not None and r.output_tokens is not None]
     err = [r.pred_len - r.output_tokens for r in predicted]
-    sidecar = [r for r in predicted if r.prediction == "sidecar"]
+    sidecar = [r for r in predicted if (r.prediction or "").startswith("sidecar")]
     sources = Counter(r.prediction or "(no header)" for r in results if r.status is not None)
     errors = Counter((r.error or "").split("\n")[0][:160] for r in failed)
     late = [r.finished_at - r.deadline for r in with_deadline if r.ok and r.finished_at is not None]

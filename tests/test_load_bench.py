@@ -47,6 +47,8 @@ def _res(i: int, sent: float, *, ttft: float | None = 0.2, jct: float | None = 1
     (["overload", "--placement", "nowhere"], "unknown placement"),
     (["overload", "--rate", "-1"], "--rate must be positive"),
     (["overload", "--max-outstanding", "0"], "--max-outstanding"),
+    (["overload", "--rate-from", "guess"], "--rate-from"),
+    (["overload", "--probe-requests", "2"], "--probe-requests"),
     (["soak", "--duration", "0"], "--duration must be positive"),
     (["soak", "--duration", "-5"], "--duration must be positive"),
     (["soak", "--duration", "10", "--sample-interval", "11"], "--sample-interval"),
@@ -193,6 +195,24 @@ def test_a_soak_past_what_the_stack_sustains_says_so():
     assert got["kept_up"] and got["ttft_over_slo_share"] == 0.6 and got["prediction_timeouts_share"] == 0.6
     refused = overload_signs(calm, Counter({"http_429": 3, "ConnectTimeout": 1}), 0.25)
     assert not refused["kept_up"] and (refused["http_429"], refused["unreachable"]) == (3, 1)
+
+
+@pytest.mark.unit
+def test_the_served_rate_ladder_steps_down_until_a_probe_meets_the_target():
+    from serving.placementbench.servedrate import ladder
+
+    def capacity(cap: float):  # a stack that meets the SLO for everyone up to cap req/s, then for fewer and fewer
+        return lambda rate: 1.0 if rate <= cap else cap / rate
+
+    rate, probes = ladder(10.0, capacity(2.0))
+    assert [round(p["rate_rps"], 3) for p in probes] == [10.0, 7.0, 4.9, 3.43, 2.401, 1.681]
+    assert rate == probes[-1]["rate_rps"] and probes[-1]["attainment"] == 1.0
+    assert probes[-2]["attainment"] == pytest.approx(2.0 / 2.401) and probes[-2]["attainment"] < 0.9  # past cap
+    assert ladder(1.0, capacity(5.0)) == (1.0, [{"rate_rps": 1.0, "attainment": 1.0}])  # the start already holds
+    never, probes = ladder(10.0, lambda rate: 0.5, max_probes=3)
+    assert never is None and len(probes) == 3
+    with pytest.raises(ValueError):
+        ladder(0.0, capacity(1.0))
 
 
 def test_tree_stats_sums_a_process_and_its_children(tmp_path):

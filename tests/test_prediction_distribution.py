@@ -21,8 +21,9 @@ import pytest
 from predictor.buckets import BucketScheme
 from predictor.prompt import Encoded
 from predictor.runtime import MODEL, RoutedProbs
-from predictor.sidecar.loading import PredictItem, ServedModel, predict_items
+from predictor.sidecar.loading import PredictItem, ServedModel, predict_fast, predict_items
 from predictor.sidecar.schemas import PredictResponse
+from predictor.slices import TFIDF
 from serving.engine.inputs import parse_inputs
 from serving.gateway.gateway import Call, Gateway
 from serving.policy.request import Prediction
@@ -51,13 +52,24 @@ class _Session:
         return RoutedProbs(np.array([PROBS] * n, dtype=np.float64), np.full(n, MODEL, dtype=object), np.zeros(n, bool),
                            np.full(n, 3))
 
+    def has_fast_tier(self, convs):
+        return True
 
-def sidecar_answer() -> dict:
-    """``/v1/predict``'s body for one prompt, as the sidecar builds it (``_predict`` adds the id and latency)."""
+    def probs_fast(self, convs):
+        """The fast tier: the same probabilities, as the TF-IDF route answers them."""
+        n = len(convs)
+        return RoutedProbs(np.array([PROBS] * n, dtype=np.float64), np.full(n, TFIDF, dtype=object), np.zeros(n, bool),
+                           np.full(n, 3))
+
+
+def sidecar_answer(fast: bool = False) -> dict:
+    """``/v1/predict``'s body for one prompt, as the sidecar builds it (``_predict`` adds the id and latency); with
+    ``fast``, as its fast tier answers a prompt its encoder would have reached too late."""
     sessions: queue.SimpleQueue = queue.SimpleQueue()
     sessions.put(_Session())
     model = ServedModel(sessions, _Session(), SimpleNamespace(name="length-predictor", version="7"))
-    [(d, _)] = predict_items(model, [PredictItem([("user", "Tell me a story")], 0.9)])
+    items = [PredictItem([("user", "Tell me a story")], 0.9)]
+    [(d, _)] = predict_fast(model, items) if fast else predict_items(model, items)
     d.update(prediction_id="lw-1", latency_ms=1.0)
     return PredictResponse.model_validate({"predictions": [d], "model_name": "length-predictor", "model_version": "7",
                                            "latency_ms": 1.0}).model_dump(mode="json")
@@ -98,6 +110,23 @@ def test_the_sidecars_distribution_goes_to_the_engine_with_the_prediction(make_g
     assert (xargs["pred_len"], xargs["pred_hi"], xargs["pred_bucket"]) == (185, 100, 0)
     assert xargs["pred_edges"] == [100, 200, 400] and xargs["pred_probs"] == pytest.approx(PROBS)
     assert dropped(gw) == {} and gw.metrics.predictions.labels("sidecar")._value.get() == 1
+
+
+def test_a_fast_tier_answer_keeps_the_sidecars_prediction_and_is_counted_and_marked(make_gateway):
+    """A saturated sidecar's fast-tier answer (overflow) is a sidecar prediction like any other for the engine; the
+    gateway counts it apart and its x-lengthwise-prediction says so, so an operator sees how much ran on the tier."""
+    answer = sidecar_answer(fast=True)
+    assert answer["predictions"][0]["overflow"] is True and answer["predictions"][0]["predictor"] == TFIDF
+    gw = make_gateway(answer)
+    call = Call("completion", arrival=1000.0)
+    req = gw.validate("completion", json.dumps({"model": "m", "prompt": "Tell me a story", "max_tokens": 1000}).encode())
+    pred = asyncio.run(gw.predict(call, req, {}))
+    assert (pred.source, pred.fast_tier, pred.label, pred.tokens) == ("sidecar", True, "sidecar:fast-tier", 185)
+    assert gw.metrics.prediction_fast_tier._value.get() == 1 and gw.metrics.predictions.labels("sidecar")._value.get() == 1
+    assert engine_xargs(gw)["pred_edges"] == [100, 200, 400]
+    plain = make_gateway(sidecar_answer())
+    pred = asyncio.run(plain.predict(Call("completion", arrival=1000.0), req, {}))
+    assert (pred.fast_tier, pred.label) == (False, "sidecar") and plain.metrics.prediction_fast_tier._value.get() == 0
 
 
 def test_a_sidecar_without_the_distribution_still_predicts_and_the_absence_is_counted(make_gateway):

@@ -417,7 +417,7 @@ def test_the_fast_tier_answers_as_the_fitted_baseline_and_leaves_routing_alone(w
 def test_a_saturated_sidecar_answers_late_callers_from_the_fast_tier_in_time(with_fast_tier, splits, tmp_path):
     """A real sidecar, one worker, its queue filled with four thousand prompts: a caller with a 200 ms timeout gets a
     fast-tier answer inside it (overflow true, predictor tfidf-logreg), the queue's own callers still get the encoder's,
-    the metric counts the spill; with --no-fast-tier the same caller gets 504."""
+    the metric counts the spill; with --no-fast-tier the same caller gets 504, counted as expired and never run."""
     import asyncio
 
     import httpx
@@ -460,3 +460,6 @@ def test_a_saturated_sidecar_answers_late_callers_from_the_fast_tier_in_time(wit
             assert "lengthwise_sidecar_fast_tier_prompts_total 1.0" in metrics
         else:
             assert late.status_code == 504 and "expired" in late.json()["detail"]
+            # counted, and dropped unrun: the encoder's batches hold the backlog's prompts and nothing more
+            assert "lengthwise_sidecar_expired_prompts_total 1.0" in metrics
+            assert f"lengthwise_sidecar_batch_size_sum {64.0 * len(texts)}" in metrics

@@ -385,7 +385,7 @@ class Gateway:
         assert pred is not None and call.deadline is not None
         resp.headers.update({
             "x-lengthwise-request-id": call.rid, "x-lengthwise-pred-len": str(pred.tokens),
-            "x-lengthwise-prediction": pred.source if pred.reason is None else f"fallback:{pred.reason}",
+            "x-lengthwise-prediction": pred.label,
             "x-lengthwise-deadline": f"{call.deadline:.3f}", "x-lengthwise-prompt-tokens": f"{call.prompt_tokens}:{call.method}"})
         if call.prefilled is not None:
             resp.headers.update({"x-lengthwise-prefill-engine": call.prefilled.engine,

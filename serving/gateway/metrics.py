@@ -29,6 +29,9 @@ class GatewayMetrics:
         self.predictions = Counter(p + "predictions", "requests by prediction source (sidecar, fallback)", ["source"], registry=r)
         self.prediction_fallbacks = Counter(p + "prediction_fallbacks", "requests that ran on the fallback length, by reason",
                                             ["reason"], registry=r)
+        self.prediction_fast_tier = Counter(p + "prediction_fast_tier", "sidecar predictions its fast tier answered "
+                                            "(the sidecar's encoder would have answered after the prediction timeout)",
+                                            registry=r)
         self.distributions_dropped = Counter(p + "prediction_distributions_dropped", "sidecar predictions sent to the engine "
                                              "without their bucket distribution, by reason (absent, invalid)", ["reason"],
                                              registry=r)

@@ -5,6 +5,10 @@ slow or confused must cost at most ``predictor_timeout_ms`` and never an error: 
 on the fallback length (``fallback_tokens``, clamped to ``max_tokens``), and the reason is counted in
 ``lengthwise_gateway_prediction_fallbacks_total`` so an operator sees how much traffic ran blind.
 
+A sidecar whose encoder is saturated answers from its fast tier (``overflow`` in its answer) rather than let the
+prediction time out: such a request keeps the sidecar's prediction, counted in
+``lengthwise_gateway_prediction_fast_tier_total`` and marked ``sidecar:fast-tier`` in ``x-lengthwise-prediction``.
+
 A sidecar prediction also carries the bucket distribution (``edges``, ``probs``), by which the engine re-predicts a
 request that outlives its prediction. It is checked here as the plug-in checks it
 (:class:`~serving.policy.hints.SchedulingHints`); one that is absent (an older sidecar) or malformed is dropped, counted
@@ -46,6 +50,15 @@ class LengthPrediction:
     model_version: str | None = None
     edges: tuple[int, ...] | None = None  # the sidecar's bucket distribution (checked): tops of all buckets but the last
     probs: tuple[float, ...] | None = None  # and one probability per bucket, len(edges) + 1
+    fast_tier: bool = False  # answered by the sidecar's fast tier: its encoder would have answered after the timeout
+
+    @property
+    def label(self) -> str:
+        """Where the length came from, as the ``x-lengthwise-prediction`` header says it: ``sidecar``,
+        ``sidecar:fast-tier``, ``client`` or ``fallback:<reason>``."""
+        if self.reason is not None:
+            return f"fallback:{self.reason}"
+        return f"{self.source}:fast-tier" if self.fast_tier else self.source
 
 
 def clamp(tokens: float, max_tokens: int | None) -> int:
@@ -122,12 +135,15 @@ class Predictor:
         hi, bucket = int(p["range"][1]), int(p["bucket"])
         qtok = float(p["quantile_tokens"]) if p.get("quantile_tokens") is not None else None
         one = len(preds) == 1
+        fast = bool(p.get("overflow"))
         edges, probs = self._distribution(p)  # last: counted only for an answer that is used
+        if fast:
+            self.metrics.prediction_fast_tier.inc()
         return LengthPrediction(
             clamp(expected, req.max_tokens), "sidecar", hi=hi, bucket=bucket, expected_tokens=expected, quantile_tokens=qtok,
             prediction_id=str(p["prediction_id"]) if one and p.get("prediction_id") else None,
             model_name=p.get("model_name"), model_version=str(p["model_version"]) if p.get("model_version") else None,
-            edges=edges, probs=probs)
+            edges=edges, probs=probs, fast_tier=fast)
 
     def _distribution(self, p: dict) -> tuple[tuple[int, ...] | None, tuple[float, ...] | None]:
         """The bucket distribution of the sidecar's prediction ``p`` as the plug-in reads it; none (counted) when the

@@ -18,7 +18,9 @@ examples:
   lengthwise bench overload --multiples 1,2,4 --rate 0.8 --max-requests 80
   lengthwise bench overload --max-outstanding 12              # the bounded gateway with a tighter bound
 
-R: the calibrated simulator's 90% point (TTFT and ATGT within target) under --placement, or --rate. Each run starts
+R: the highest rate at which 90% of requests meet their TTFT and ATGT targets, measured through an unbounded gateway
+on a ladder down from the calibrated simulator's 90% point (--rate-from simulator takes that point itself, which on a
+small machine leaves out the CPU of the HTTP path), or --rate. Each run starts
 its own gateway on the same two engines; "bounded" has the gateway's default bound (2 x --max-num-seqs per engine)
 or --max-outstanding / --max-outstanding-per-engine, "unbounded" has both far above any run. The verdict holds
 when past R the bounded goodput keeps at least 80% of its peak at or below R and at least 90% of the accepted
@@ -28,10 +30,12 @@ reached it: raise --max-requests or the multiples.
 
 SOAK_EPILOG = """\
 examples:
-  lengthwise bench soak --duration 600                        # ten minutes at 0.8 x the calibrated saturation rate
+  lengthwise bench soak --duration 600                        # ten minutes at 0.8 x the measured saturation rate R
   lengthwise bench soak --duration 3600 --load 0.6 --sample-interval 15
   lengthwise bench soak --duration 120 --rate 0.5 --model models:/length-predictor@challenger
 
+R is measured first through the soak's own gateway and sidecar (--rate-from, --probe-requests), so the load is what
+this stack sustains, not what the engines alone would.
 needs: a registered predictor (make demo, or train-predictor --promote), vLLM (the cpu or gpu extra) and ShareGPT
 prompts in $LENGTHWISE_DATA. Read the verdict: errors should be 0 and every request should end at its true length
 (wrong_or_lost 0); RSS and fds per process from the end of warm-up (the first 20% of the run) to the end should stay
@@ -46,7 +50,14 @@ def _one_line(exc: BaseException) -> str:
 def _fleet_args(p: argparse.ArgumentParser, max_requests: int, max_num_seqs: int, requests_help: str) -> None:
     from serving.enginebench.model import SHAPES
 
-    p.add_argument("--rate", type=float, help="req/s: replaces the calibrated simulator's rate")
+    p.add_argument("--rate", type=float, help="req/s: R without measuring it")
+    p.add_argument("--rate-from", choices=("served", "simulator"), default="served",
+                   help="R without --rate: 'served' measures it through the bench's own gateway (the trace at the "
+                        "simulator's rate, then x0.7 each probe, until 90%% of a probe's requests meet the SLO); "
+                        "'simulator' takes the calibrated simulator's 90%% point, which leaves out the HTTP path's CPU "
+                        "(default: %(default)s)")
+    p.add_argument("--probe-requests", type=int, default=40, metavar="N",
+                   help="requests per probe when R is measured (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=max_requests, help=f"{requests_help} (default: %(default)s)")
     p.add_argument("--shape", choices=list(SHAPES), default="tiny", help="the dummy model's shape (default: %(default)s)")
     p.add_argument("--kv-blocks", type=int, default=160, help="KV blocks of 32 tokens per engine (default: %(default)s)")
@@ -88,7 +99,7 @@ def add_soak_parser(bench_sub) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start two vLLM-CPU engines (calibrated as `bench fleet` does), the prediction sidecar with a "
                     "registered predictor and a gateway that predicts through it, all on loopback; send a real "
-                    "ShareGPT trace (cycled, Poisson arrivals) at --load x the calibrated saturation rate for --duration "
+                    "ShareGPT trace (cycled, Poisson arrivals) at --load x the saturation rate R (measured first) for --duration "
                     "seconds. Every --sample-interval seconds record each process's RSS and open fds, and per window the "
                     "requests sent, completed, errors by kind and TTFT/JCT p50/p99. Prints a table, writes JSON and a PNG.",
         epilog=SOAK_EPILOG)
@@ -170,7 +181,8 @@ def _overload_config(a: argparse.Namespace):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     return OverloadConfig(multiples=sorted(set(a.multiples)), placement=a.placement, max_outstanding=a.max_outstanding,
-                          max_outstanding_per_engine=a.max_outstanding_per_engine, fleet=_fleet_config(a, [a.placement]))
+                          max_outstanding_per_engine=a.max_outstanding_per_engine, rate_from=a.rate_from,
+                          probe_requests=a.probe_requests, fleet=_fleet_config(a, [a.placement]))
 
 
 def _soak_config(a: argparse.Namespace):
@@ -185,7 +197,8 @@ def _soak_config(a: argparse.Namespace):
     fleet = _fleet_config(a, [a.placement])
     registered(a.model)  # last: it loads MLflow
     return SoakConfig(duration_s=a.duration, load=a.load, sample_interval_s=a.sample_interval, model=a.model,
-                      placement=a.placement, predictor_timeout_ms=a.predictor_timeout_ms, fleet=fleet)
+                      placement=a.placement, predictor_timeout_ms=a.predictor_timeout_ms, rate_from=a.rate_from,
+                      probe_requests=a.probe_requests, fleet=fleet)
 
 
 def run_overload_cli(a: argparse.Namespace) -> int:

@@ -16,10 +16,11 @@ most requests the client had in flight at once (whether the bound was reached at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +53,9 @@ class OverloadConfig(BaseModel):
     placement: str = "jsq"
     max_outstanding: int | None = Field(None, ge=1, description="the bounded gateway's --max-outstanding (default: its own)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="the bounded gateway's per-engine bound")
+    rate_from: Literal["served", "simulator"] = Field("served", description="R without --rate: measured through an "
+                                                      "unbounded gateway (servedrate) or the calibrated simulator's")
+    probe_requests: int = Field(40, ge=4, description="requests per probe when R is measured")
     fleet: FleetBenchConfig
 
 
@@ -130,7 +134,12 @@ def verdict(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:
 def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """The sweep, the table, the JSON and the PNG; returns what it wrote."""
     runs: list[dict[str, Any]] = []
+    measured: dict[str, Any] | None = None
     with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-overload-") as fleet:
+        if cfg.fleet.rate is None and cfg.rate_from == "served":
+            measured = _served_rate(cfg, fleet, console)
+            fleet = dataclasses.replace(fleet, rate=measured["rate_rps"])
+            console.print(f"R = {fleet.rate:.3g} req/s, measured through the gateway")
         metrics_urls = [p.url + "/metrics" for p in fleet.procs]
         for m in cfg.multiples:
             for arm in ("bounded", "unbounded"):
@@ -144,7 +153,9 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
                               f"attainment among accepted {_f(row['attainment_accepted'])}")
         slo, rate, work, fcfg = fleet.cal.slo, fleet.rate, fleet.work, fleet.cfg
     out = {"config": {**cfg.model_dump(exclude={"fleet"}), "fleet": fcfg.model_dump()}, "saturation_rate_rps": rate,
-           "rate_from": "--rate" if cfg.fleet.rate else f"calibrated simulator ({cfg.placement}, 90% TTFT+ATGT)",
+           "rate_from": ("--rate" if cfg.fleet.rate else f"measured through the gateway ({cfg.placement}, 90% TTFT+ATGT)"
+                         if measured else f"calibrated simulator ({cfg.placement}, 90% TTFT+ATGT)"),
+           "served_rate": measured,
            "slo": {"ttft_s": slo.ttft_s, "atgt_s": slo.tpot_s, "t_p_s": slo.t_p, "t_g_s": slo.t_g},
            "runs": runs, "verdict": verdict(runs, rate), "work_dir": str(work)}
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +191,23 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
                      "gateway_max_outstanding": health.get("max_outstanding")}
     row["lost_ids"] = [i for i in _wrong_or_lost(res) if res[i].status != 429][:20]
     return row
+
+
+def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[str, Any]:
+    """R measured through an unbounded gateway (the stack's own capacity, not the bound's); RuntimeError when even the
+    ladder's last probe misses the target."""
+    from serving.gateway.launcher import free_port
+    from serving.placementbench.servedrate import served_rate
+
+    port = free_port()
+    args = _gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
+    args += ["--max-outstanding", str(UNBOUNDED), "--max-outstanding-per-engine", str(UNBOUNDED)]
+    with running_gateway(args, port, fleet.work / "gateway-probe.log") as (url, _):
+        found = served_rate(fleet, url, cfg.probe_requests, console)
+    if found["rate_rps"] is None:
+        raise RuntimeError(f"no probe down to {found['probes'][-1]['rate_rps']:.3g} req/s met the SLO for "
+                           f"{100 * found['target']:.0f}% of its requests; give --rate")
+    return found
 
 
 def _bounds(cfg: OverloadConfig, arm: str) -> tuple[int | None, int | None]:

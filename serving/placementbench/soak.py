@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,6 +61,9 @@ class SoakConfig(BaseModel):
     placement: str = "lengthwise"
     predictor_timeout_ms: float | None = Field(None, gt=0, description="the gateway's --predictor-timeout-ms (default: "
                                                "the gateway's own)")
+    rate_from: Literal["served", "simulator"] = Field("served", description="R without --rate: measured through the "
+                                                      "soak's own gateway and sidecar (servedrate) or the simulator's")
+    probe_requests: int = Field(40, ge=4, description="requests per probe when R is measured")
     fleet: FleetBenchConfig
 
 
@@ -206,17 +209,26 @@ def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[
 def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Start everything, soak, stop everything; the JSON, the PNG and the table. Returns what it wrote."""
     from serving.gateway.launcher import free_port
+    from serving.placementbench.servedrate import served_rate
 
+    measured: dict[str, Any] | None = None
     with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-soak-") as fleet:
         fc = fleet.cfg
-        rate = fc.rate if cfg.fleet.rate is not None else cfg.load * fleet.rate
-        jobs = soak_jobs(fleet.trace.reqs, rate, cfg.duration_s, fc.seed, fc.max_tokens)
         with running_sidecar(cfg.model, fleet.work) as (sc_url, sc):
             port = free_port()
             args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [], predictor_url=sc_url)
             if cfg.predictor_timeout_ms is not None:
                 args += ["--predictor-timeout-ms", f"{cfg.predictor_timeout_ms:g}"]
             with running_gateway(args, port, fleet.work / "gateway.log") as (url, gw):
+                saturation = fleet.rate
+                if cfg.fleet.rate is None and cfg.rate_from == "served":
+                    measured = served_rate(fleet, url, cfg.probe_requests, console, headers=False)
+                    if measured["rate_rps"] is None:
+                        raise RuntimeError(f"no probe down to {measured['probes'][-1]['rate_rps']:.3g} req/s met the SLO "
+                                           f"for {100 * measured['target']:.0f}% of its requests; give --rate")
+                    saturation = measured["rate_rps"]
+                rate = fc.rate if cfg.fleet.rate is not None else cfg.load * saturation
+                jobs = soak_jobs(fleet.trace.reqs, rate, cfg.duration_s, fc.seed, fc.max_tokens)
                 pids = {"gateway": gw.pid, "sidecar": sc.pid, **{p.name: p.proc.pid for p in fleet.procs}}
                 console.print(f"[bold]soak[/]: {len(jobs)} requests at {rate:.3g} req/s for {cfg.duration_s:g} s "
                               f"({cfg.placement}, predictions from {cfg.model}); samples every {cfg.sample_interval_s:g} s")
@@ -224,7 +236,9 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
                 results, wall, samples = asyncio.run(_soak(jobs, sends, pids, cfg.sample_interval_s, console,
                                                             cfg.duration_s))
                 health = httpx.get(url + "/health", timeout=10).json()
-        out = _result(cfg, fleet.rate, rate, results, wall, samples, health, fleet.cal.slo.ttft_s)
+        out = _result(cfg, saturation, rate, results, wall, samples, health, fleet.cal.slo.ttft_s)
+        out["served_rate"] = measured
+        out["simulated_rate_rps"] = fleet.rate
         out["slo"] = {"ttft_s": fleet.cal.slo.ttft_s, "atgt_s": fleet.cal.slo.tpot_s}
         out["config"]["fleet"] = fc.model_dump()
         out["work_dir"] = str(fleet.work)
@@ -311,7 +325,7 @@ def print_soak(out: dict[str, Any], console: Console) -> None:
                       f"at the gateway's bound, {load['unreachable']} could not connect"
                       + (f", {100 * late:.0f}% of completed requests past the SLO's TTFT" if late is not None else "")
                       + ". Errors and growth here are the backlog's, not a leak's: run again at a lower --load or --rate "
-                        "(the calibrated rate R does not count the gateway's, the sidecar's and the client's CPU)")
+                        "(R from --rate-from simulator does not count the gateway's, the sidecar's and the client's CPU)")
 
 
 def plot_soak(out: dict[str, Any], path: Path) -> Path:

@@ -275,6 +275,23 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
     assert gw_sidecar.metric("lengthwise_gateway_predictor_latency_seconds_count") == 2
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one engine per core needs two cores")
+def test_each_cpu_engine_runs_whole_on_its_own_cores(fleet):
+    """vLLM's CPU engine core busy-waits for its worker's output: every process of an engine (API server, engine core,
+    worker) is pinned to that engine's cores, and the two engines' cores are disjoint."""
+    import psutil
+
+    engines = [p for p in psutil.Process(fleet.proc.pid).children() if "vllm.entrypoints" in " ".join(p.cmdline())]
+    assert len(engines) == 2
+    cores = [set(e.cpu_affinity()) for e in engines]
+    assert cores[0] and cores[1] and not cores[0] & cores[1]
+    assert cores[0] | cores[1] <= os.sched_getaffinity(0)
+    for e, mine in zip(engines, cores):
+        tree = e.children(recursive=True)
+        assert len(tree) >= 2  # its engine core and the worker (and multiprocessing's helpers)
+        assert all(set(p.cpu_affinity()) <= mine for p in tree), [(p.name(), p.cpu_affinity()) for p in tree]
+
+
 @pytest.mark.fault("the sidecar killed (SIGKILL) behind the gateway",
                    saw="answers of the length asked, on the fallback prediction (x-lengthwise-prediction: "
                        "fallback:unreachable); /health degraded, naming the predictor",

@@ -163,6 +163,12 @@ def test_growth_compares_the_end_of_warm_up_with_the_end():
     gone = s + [{"t_s": 35, "rss_bytes": None, "fds": None}]  # the process exited: its last live sample counts
     assert growth(gone, 6.0)["end_t_s"] == 30
     assert growth([{"t_s": 0, "rss_bytes": None, "fds": None}], 6.0) == {"samples": 0}
+    assert "tcp" not in g  # samples without the detail
+    detailed = [{**x, "tcp": {"in:ESTABLISHED": 2, "in:CLOSE_WAIT": x["t_s"] // 10},
+                 "rss_by_process": {"api": 60 + 10 * x["t_s"], "core": 40}} for x in s]
+    d = growth(detailed, 6.0)
+    assert d["tcp"] == {"warm": {"in:ESTABLISHED": 2, "in:CLOSE_WAIT": 0}, "end": {"in:ESTABLISHED": 2, "in:CLOSE_WAIT": 3}}
+    assert d["rss_growth_by_process"] == {"api": 250, "core": 0}
 
 
 @pytest.mark.unit
@@ -199,7 +205,7 @@ def test_a_soak_past_what_the_stack_sustains_says_so():
 
 @pytest.mark.unit
 def test_the_served_rate_ladder_steps_down_until_a_probe_meets_the_target():
-    from serving.placementbench.servedrate import ladder
+    from serving.placementbench.servedrate import ladder, ladder_missed
 
     def capacity(cap: float):  # a stack that meets the SLO for everyone up to cap req/s, then for fewer and fewer
         return lambda rate: 1.0 if rate <= cap else cap / rate
@@ -211,6 +217,8 @@ def test_the_served_rate_ladder_steps_down_until_a_probe_meets_the_target():
     assert ladder(1.0, capacity(5.0)) == (1.0, [{"rate_rps": 1.0, "attainment": 1.0}])  # the start already holds
     never, probes = ladder(10.0, lambda rate: 0.5, max_probes=3)
     assert never is None and len(probes) == 3
+    why = ladder_missed({"rate_rps": never, "probes": probes, "target": 0.9})
+    assert "10 req/s 50%, 7 req/s 50%, 4.9 req/s 50%" in why and "--rate" in why and len(why.splitlines()) == 1
     with pytest.raises(ValueError):
         ladder(0.0, capacity(1.0))
 
@@ -233,6 +241,42 @@ def test_tree_stats_sums_a_process_and_its_children(tmp_path):
         proc.kill()
         proc.wait()
     assert tree_stats(proc.pid) is None
+
+
+def test_tree_detail_names_each_process_and_counts_sockets_by_direction_and_state():
+    """A child that listens, accepts one connection and never closes it: once the client hangs up, its side shows as
+    in:CLOSE_WAIT, the state of a connection a server forgot to close."""
+    import socket
+
+    from serving.placementbench.soak import tree_detail
+
+    code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(4); "
+            "print(s.getsockname()[1], flush=True); c, _ = s.accept(); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        client = socket.create_connection(("127.0.0.1", port))
+        assert _wait_for_tcp(proc.pid, "in:ESTABLISHED")["tcp"] == {"in:ESTABLISHED": 1}
+        client.close()
+        detail = _wait_for_tcp(proc.pid, "in:CLOSE_WAIT")
+        assert detail["tcp"] == {"in:CLOSE_WAIT": 1}
+        assert list(detail["rss_by_process"]) == [psutil.Process(proc.pid).name()]
+        assert detail["rss_by_process"][psutil.Process(proc.pid).name()] > 1 << 20
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tree_detail(proc.pid) is None
+
+
+def _wait_for_tcp(pid: int, state: str, timeout_s: float = 10.0) -> dict:
+    from serving.placementbench.soak import tree_detail
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        detail = tree_detail(pid)
+        if state in detail["tcp"] or time.monotonic() > deadline:
+            return detail
+        time.sleep(0.05)
 
 
 # --- real runs ---------------------------------------------------------------------------------------------------------

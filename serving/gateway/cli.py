@@ -171,6 +171,10 @@ def _engine_flags(e: argparse._ActionsContainer) -> None:
     _setting(e, "--engine-log-dir", "engine_log_dir", metavar="DIR", help="engine logs (default: a new temporary directory)")
     _setting(e, "--engine-start-timeout", "engine_start_timeout_s", metavar="S",
              help="seconds engines may take to become healthy (default: %(default)s)")
+    _setting(e, "--no-pin-engines", "pin_engines", action="store_false",
+             help="CPU engines started side by side share every core: by default each whole engine (API server, engine "
+                  "core, worker) runs on its own cores, so one engine's busy-waiting engine core does not take the "
+                  "cores another engine computes on")
 
 
 def _placement_flags(pl: argparse._ActionsContainer) -> None:

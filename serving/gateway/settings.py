@@ -44,6 +44,8 @@ class GatewaySettings(BaseModel):
     engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
     engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
+    pin_engines: bool = Field(True, description="CPU engines started side by side each run on their own cores: the whole "
+                              "process tree (API server, engine core, worker), not only the worker's compute threads")
     placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), least-kv, p2c, "
                            "aladdin, lengthwise-pack, lengthwise")
     engine_max_num_seqs: int | None = Field(None, ge=1, description="the engines' --max-num-seqs, for placement's batch "

@@ -197,7 +197,7 @@ def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[st
     """R measured through an unbounded gateway (the stack's own capacity, not the bound's); RuntimeError when even the
     ladder's last probe misses the target."""
     from serving.gateway.launcher import free_port
-    from serving.placementbench.servedrate import served_rate
+    from serving.placementbench.servedrate import ladder_missed, served_rate
 
     port = free_port()
     args = _gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
@@ -205,8 +205,7 @@ def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[st
     with running_gateway(args, port, fleet.work / "gateway-probe.log") as (url, _):
         found = served_rate(fleet, url, cfg.probe_requests, console)
     if found["rate_rps"] is None:
-        raise RuntimeError(f"no probe down to {found['probes'][-1]['rate_rps']:.3g} req/s met the SLO for "
-                           f"{100 * found['target']:.0f}% of its requests; give --rate")
+        raise RuntimeError(ladder_missed(found))
     return found
 
 

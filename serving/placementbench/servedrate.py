@@ -45,6 +45,13 @@ def ladder(start: float, attainment_at: Callable[[float], float], target: float 
     return None, probes
 
 
+def ladder_missed(found: dict[str, Any]) -> str:
+    """The one-line reason a ladder found no rate, with every probe's attainment (what to try instead)."""
+    tried = ", ".join(f"{p['rate_rps']:.3g} req/s {100 * p['attainment']:.0f}%" for p in found["probes"])
+    return (f"no rate met the SLO for {100 * found['target']:.0f}% of a probe's requests ({tried}): the SLO is out of "
+            "reach on this path at any rate tried; give --rate, or a pool where KV does not bind (--kv-blocks)")
+
+
 def probe_jobs(fleet: Fleet, rate: float, n: int) -> list[Job]:
     """The trace's first ``n`` requests at Poisson arrivals of ``rate`` (the bench's seed), each asking the cap."""
     fc, reqs = fleet.cfg, fleet.trace.reqs[:n]

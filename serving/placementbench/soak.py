@@ -112,6 +112,30 @@ def tree_stats(pid: int) -> tuple[int, int] | None:
     return rss, fds
 
 
+def tree_detail(pid: int) -> dict[str, Any] | None:
+    """What a growing total is made of: resident bytes per process of the tree (by name, summed over processes of
+    the same name), and its TCP sockets by direction and state (``in:ESTABLISHED``, ``out:CLOSE_WAIT``...). A socket
+    is inbound when its local port is one the tree listens on. Connections that pile up in one state (CLOSE_WAIT:
+    the peer closed and this side did not) show here long before they exhaust anything. None once it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    rss: Counter = Counter()
+    socks: list = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            rss[p.name()] += p.memory_info().rss
+            socks += p.net_connections(kind="tcp")
+    listening = {c.laddr.port for c in socks if c.status == psutil.CONN_LISTEN}
+    tcp = Counter(f"{'in' if c.laddr.port in listening else 'out'}:{c.status}" for c in socks
+                  if c.status != psutil.CONN_LISTEN)
+    return {"rss_by_process": dict(rss), "tcp": dict(sorted(tcp.items()))}
+
+
 def windows(results: list[Result], width_s: float, end_s: float) -> list[dict[str, Any]]:
     """The run cut into windows of ``width_s`` up to ``end_s`` (and on to the last answer): per window the requests sent
     in it, and those that ended in it: completed, errors by kind, TTFT and JCT p50/p99 of the completed."""
@@ -149,6 +173,10 @@ def growth(samples: list[dict[str, float]], warmup_end_s: float) -> dict[str, An
     for key in ("rss_bytes", "fds"):
         a, b = warm[key], end[key]
         out[key] = {"warm": a, "end": b, "growth": b - a, "growth_pct": 100.0 * (b - a) / a if a else None}
+    if "tcp" in end:  # what the totals are made of (tree_detail), where the samples have it
+        out["tcp"] = {"warm": warm.get("tcp", {}), "end": end["tcp"]}
+        by = end.get("rss_by_process", {})
+        out["rss_growth_by_process"] = {k: v - warm.get("rss_by_process", {}).get(k, 0) for k, v in by.items()}
     return out
 
 
@@ -167,8 +195,9 @@ async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: 
         nonlocal next_report
         t = time.perf_counter() - t0
         for name, pid in pids.items():
-            got = tree_stats(pid)
-            samples[name].append({"t_s": t, "rss_bytes": got[0] if got else None, "fds": got[1] if got else None})
+            got, detail = tree_stats(pid), tree_detail(pid)
+            samples[name].append({"t_s": t, "rss_bytes": got[0] if got else None, "fds": got[1] if got else None,
+                                  **(detail or {})})
         if console is not None and t >= next_report:
             next_report += report_every_s
             mem = ", ".join(f"{name} {s[-1]['rss_bytes'] / 2**20:.0f} MiB/{s[-1]['fds']} fds"
@@ -209,7 +238,7 @@ def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[
 def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Start everything, soak, stop everything; the JSON, the PNG and the table. Returns what it wrote."""
     from serving.gateway.launcher import free_port
-    from serving.placementbench.servedrate import served_rate
+    from serving.placementbench.servedrate import ladder_missed, served_rate
 
     measured: dict[str, Any] | None = None
     with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-soak-") as fleet:
@@ -224,8 +253,7 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
                 if cfg.fleet.rate is None and cfg.rate_from == "served":
                     measured = served_rate(fleet, url, cfg.probe_requests, console, headers=False)
                     if measured["rate_rps"] is None:
-                        raise RuntimeError(f"no probe down to {measured['probes'][-1]['rate_rps']:.3g} req/s met the SLO "
-                                           f"for {100 * measured['target']:.0f}% of its requests; give --rate")
+                        raise RuntimeError(ladder_missed(measured))
                     saturation = measured["rate_rps"]
                 rate = fc.rate if cfg.fleet.rate is not None else cfg.load * saturation
                 jobs = soak_jobs(fleet.trace.reqs, rate, cfg.duration_s, fc.seed, fc.max_tokens)
@@ -314,6 +342,9 @@ def print_soak(out: dict[str, Any], console: Console) -> None:
         t.add_row(name, _mib(r["warm"]), _mib(r["end"]), f"{_mib(r['growth'])} MiB ({_pct_text(r['growth_pct'])})",
                   str(f["warm"]), str(f["end"]), f"{f['growth']:+d} ({_pct_text(f['growth_pct'])})")
     Console(width=max(console.width, 140)).print(t)
+    for name, g in v["processes"].items():
+        if g.get("tcp") and g["tcp"]["warm"] != g["tcp"]["end"]:
+            console.print(f"{name} TCP sockets, end of warm-up -> end: {g['tcp']['warm']} -> {g['tcp']['end']}")
     errs = " ".join(f"{k}:{n}" for k, n in v["errors_by_kind"].items()) or "none"
     console.print(f"completed {v['completed']}/{out['requests']}; errors: {errs}; not ended at their true length or "
                   f"failed: {v['wrong_or_lost']}; predictions: "

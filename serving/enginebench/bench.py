@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rich.console import Console
 from rich.table import Table
 
+from serving.cores import parse_cores, pin_to
 from serving.enginebench.realmodel import (
     Sampling,
     chat_prompt_ids,
@@ -205,8 +206,10 @@ def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> lis
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         log = lp.open("w")
+        # pinned whole: the engine core's busy wait stays on this engine's cores (serving/cores.py)
         proc = subprocess.Popen([sys.executable, "-m", "serving.enginebench.replay", str(jp), str(op)], stdout=log,
-                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                                preexec_fn=pin_to(parse_cores(bind) if bind else None))  # noqa: PLW1509
 
         def pump(proc=proc, log=log) -> None:
             for line in proc.stderr:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import httpx
 
+from serving.cores import parse_cores, pin_to
 from serving.gateway.pool import engine_names
 from serving.gateway.settings import GatewaySettings
 
@@ -153,25 +154,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def parse_cores(bind: str) -> set[int]:
-    """A ``VLLM_CPU_OMP_THREADS_BIND`` value as a core set: ``"0,1"``, ``"2-5"``, ``"0-1,4"``."""
-    cores: set[int] = set()
-    for part in bind.split(","):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores
-
-
-def _child_setup(cores: set[int] | None):
-    """What runs in an engine's child before exec: the parent-death signal, and with ``cores`` the affinity that its
-    API server, engine core and worker all inherit."""
-    def setup() -> None:
-        _die_with_parent()
-        if cores:
-            os.sched_setaffinity(0, cores)
-    return setup
-
-
 def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProcess]:
     """Start ``settings.engines`` engines, then ``settings.prefill_engines`` prefill engines (logs ``prefill-i.log``),
     on free loopback ports; returns at once (see :func:`wait_healthy`)."""
@@ -203,7 +185,7 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True,  # started before the gateway starts any thread:
-                                    preexec_fn=_child_setup(pin) if sys.platform == "linux" else None)  # noqa: PLW1509
+                                    preexec_fn=pin_to(pin, _die_with_parent) if sys.platform == "linux" else None)  # noqa: PLW1509
         out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name))
         log.info("%s: pid %d on port %d%s, log %s", name, proc.pid, port,
                  (f", cores {binds[i]}" + (" (pinned)" if pin else "")) if binds[i] else "", path)

@@ -22,7 +22,7 @@ from serving.cli import main
 from serving.perf.slo import SLO
 from serving.placementbench.loadrun import error_kind, meets_slo
 from serving.placementbench.overload import peak_in_flight, run_summary, verdict
-from serving.placementbench.soak import growth, soak_jobs, tree_stats, windows
+from serving.placementbench.soak import growth, soak_jobs, tree_sample, windows
 from serving.replay import Result
 
 SLO_ = SLO(scale=2.0, t_p=0.05, t_g=0.01, ttft_s=1.0, tpot_s=0.1)
@@ -223,7 +223,7 @@ def test_the_served_rate_ladder_steps_down_until_a_probe_meets_the_target():
         ladder(0.0, capacity(1.0))
 
 
-def test_tree_stats_sums_a_process_and_its_children(tmp_path):
+def test_tree_sample_sums_a_process_and_its_children(tmp_path):
     code = "import subprocess, time; p = subprocess.Popen(['sleep', '60']); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
@@ -231,7 +231,8 @@ def test_tree_stats_sums_a_process_and_its_children(tmp_path):
         deadline = time.monotonic() + 20
         while not parent.children() and time.monotonic() < deadline:
             time.sleep(0.05)
-        rss, fds = tree_stats(proc.pid)
+        got = tree_sample(proc.pid)
+        rss, fds = got["rss_bytes"], got["fds"]
         child = parent.children()[0]
         assert rss == pytest.approx(parent.memory_info().rss + child.memory_info().rss, rel=0.2)
         assert fds >= parent.num_fds() + child.num_fds() - 2
@@ -240,15 +241,13 @@ def test_tree_stats_sums_a_process_and_its_children(tmp_path):
             p.kill()
         proc.kill()
         proc.wait()
-    assert tree_stats(proc.pid) is None
+    assert tree_sample(proc.pid) is None
 
 
-def test_tree_detail_names_each_process_and_counts_sockets_by_direction_and_state():
+def test_tree_sample_names_each_process_and_counts_sockets_by_direction_and_state():
     """A child that listens, accepts one connection and never closes it: once the client hangs up, its side shows as
     in:CLOSE_WAIT, the state of a connection a server forgot to close."""
     import socket
-
-    from serving.placementbench.soak import tree_detail
 
     code = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(4); "
             "print(s.getsockname()[1], flush=True); c, _ = s.accept(); time.sleep(60)")
@@ -265,15 +264,13 @@ def test_tree_detail_names_each_process_and_counts_sockets_by_direction_and_stat
     finally:
         proc.kill()
         proc.wait()
-    assert tree_detail(proc.pid) is None
+    assert tree_sample(proc.pid) is None
 
 
 def _wait_for_tcp(pid: int, state: str, timeout_s: float = 10.0) -> dict:
-    from serving.placementbench.soak import tree_detail
-
     deadline = time.monotonic() + timeout_s
     while True:
-        detail = tree_detail(pid)
+        detail = tree_sample(pid)
         if state in detail["tcp"] or time.monotonic() > deadline:
             return detail
         time.sleep(0.05)

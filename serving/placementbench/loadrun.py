@@ -29,7 +29,7 @@ from serving.placementbench.fleet import (
     _trace,
     _with_cap,
 )
-from serving.replay import Result
+from serving.replay import Job, Result, poisson_arrivals
 from serving.sim.predictions import make_predictor
 
 
@@ -72,6 +72,14 @@ def calibrated_fleet(cfg: FleetBenchConfig, placement: str, console: Console, pr
         yield Fleet(cfg, trace, cal, rate, model, procs, work)
     finally:
         stop_engines(procs)
+
+
+def trace_jobs(fleet: Fleet, rate: float, n: int | None = None) -> list[Job]:
+    """The trace's first ``n`` requests (all by default) at Poisson arrivals of ``rate`` (the bench's seed), each asking
+    the bench's cap as ``max_tokens``, never its true length."""
+    fc, reqs = fleet.cfg, fleet.trace.reqs[:n]
+    return [Job(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, fc.max_tokens)
+            for i, (r, t) in enumerate(zip(reqs, poisson_arrivals(len(reqs), rate, fc.seed)))]
 
 
 def error_kind(r: Result) -> str | None:

@@ -37,8 +37,8 @@ from serving.placementbench.fleet import (
     request_settings,
     running_gateway,
 )
-from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, meets_slo, pct
-from serving.replay import Job, Result, poisson_arrivals
+from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, meets_slo, pct, trace_jobs
+from serving.replay import Result
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
 UNBOUNDED = 1_000_000  # --max-outstanding and --max-outstanding-per-engine of the "unbounded" gateway
@@ -171,10 +171,8 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
     """The trace at m x R through a fresh gateway with the arm's bounds."""
     from serving.gateway.launcher import free_port
 
-    fc, reqs = fleet.cfg, fleet.trace.reqs
-    arrivals = poisson_arrivals(len(reqs), m * fleet.rate, fc.seed)
-    jobs = [Job(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, fc.max_tokens)
-            for i, (r, t) in enumerate(zip(reqs, arrivals))]
+    fc = fleet.cfg
+    jobs = trace_jobs(fleet, m * fleet.rate)
     port = free_port()
     args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
     bounds = _bounds(cfg, arm)
@@ -197,16 +195,13 @@ def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[st
     """R measured through an unbounded gateway (the stack's own capacity, not the bound's); RuntimeError when even the
     ladder's last probe misses the target."""
     from serving.gateway.launcher import free_port
-    from serving.placementbench.servedrate import ladder_missed, served_rate
+    from serving.placementbench.servedrate import served_rate
 
     port = free_port()
     args = _gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
     args += ["--max-outstanding", str(UNBOUNDED), "--max-outstanding-per-engine", str(UNBOUNDED)]
     with running_gateway(args, port, fleet.work / "gateway-probe.log") as (url, _):
-        found = served_rate(fleet, url, cfg.probe_requests, console)
-    if found["rate_rps"] is None:
-        raise RuntimeError(ladder_missed(found))
-    return found
+        return served_rate(fleet, url, cfg.probe_requests, console)
 
 
 def _bounds(cfg: OverloadConfig, arm: str) -> tuple[int | None, int | None]:

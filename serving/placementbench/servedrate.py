@@ -18,8 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from serving.placementbench.fleet import _replay, _wait_idle, request_settings
-from serving.placementbench.loadrun import Fleet, meets_slo
-from serving.replay import Job, poisson_arrivals
+from serving.placementbench.loadrun import Fleet, meets_slo, trace_jobs
 
 TARGET = 0.9     # the share of a probe's requests that must meet their SLO: the simulator's "90% point"
 STEP = 0.7       # each probe offers this share of the one before
@@ -52,24 +51,17 @@ def ladder_missed(found: dict[str, Any]) -> str:
             "reach on this path at any rate tried; give --rate, or a pool where KV does not bind (--kv-blocks)")
 
 
-def probe_jobs(fleet: Fleet, rate: float, n: int) -> list[Job]:
-    """The trace's first ``n`` requests at Poisson arrivals of ``rate`` (the bench's seed), each asking the cap."""
-    fc, reqs = fleet.cfg, fleet.trace.reqs[:n]
-    return [Job(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, fc.max_tokens)
-            for i, (r, t) in enumerate(zip(reqs, poisson_arrivals(len(reqs), rate, fc.seed)))]
-
-
 def served_rate(fleet: Fleet, url: str, n: int, console: Console, headers: bool = True) -> dict[str, Any]:
     """The ladder run through the gateway at ``url`` with ``n`` requests a probe, waiting for the engines to be idle
     before each. ``headers``: send each request's simulated prediction in the header the gateway trusts (the
-    overload bench's gateways), else none (the soak's gateway asks its sidecar). Returns ``rate_rps`` (None when no
-    probe met the target) and the probes."""
+    overload bench's gateways), else none (the soak's gateway asks its sidecar). Returns ``rate_rps`` and the probes;
+    RuntimeError (:func:`ladder_missed`'s line) when no probe met the target."""
     metrics_urls = [p.url + "/metrics" for p in fleet.procs]
     preds = [p.length for p in fleet.trace.preds] if headers else None
 
     def attainment(rate: float) -> float:
         _wait_idle(metrics_urls)
-        jobs = probe_jobs(fleet, rate, n)
+        jobs = trace_jobs(fleet, rate, n)
         res, _ = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, preds[:len(jobs)] if preds else None)))
         att = sum(1 for r in res if meets_slo(r, fleet.cal.slo)) / len(res)
         console.print(f"  probe {rate:.3g} req/s: {100 * att:.0f}% of {len(res)} requests within the SLO")
@@ -79,5 +71,8 @@ def served_rate(fleet: Fleet, url: str, n: int, console: Console, headers: bool 
                   f"until {100 * TARGET:.0f}% of {n} requests meet the SLO")
     rate, probes = ladder(fleet.rate, attainment)
     _wait_idle(metrics_urls)
-    return {"rate_rps": rate, "probes": probes, "probe_requests": n, "target": TARGET, "step": STEP,
-            "simulated_rate_rps": fleet.rate}
+    found = {"rate_rps": rate, "probes": probes, "probe_requests": n, "target": TARGET, "step": STEP,
+             "simulated_rate_rps": fleet.rate}
+    if rate is None:
+        raise RuntimeError(ladder_missed(found))
+    return found

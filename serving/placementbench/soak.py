@@ -94,9 +94,15 @@ def soak_jobs(reqs: list, rate: float, duration_s: float, seed: int, max_tokens:
             for i, (t, r) in enumerate(zip(times, (reqs[i % len(reqs)] for i in range(len(times)))))]
 
 
-def tree_stats(pid: int) -> tuple[int, int] | None:
-    """(resident bytes, open file descriptors) of a process and all its descendants, summed; None once it is gone.
-    Shared pages count once per process that maps them: a trend, not the machine's memory."""
+def tree_sample(pid: int) -> dict[str, Any] | None:
+    """One sample of a process and all its descendants, walked once; None once it is gone.
+
+    ``rss_bytes`` and ``fds``: resident bytes and open file descriptors, summed (shared pages count once per process
+    that maps them: a trend, not the machine's memory). What a growing total is made of: ``rss_by_process``, resident
+    bytes per process name (summed over processes of the same name), and ``tcp``, the tree's TCP sockets by direction
+    and state (``in:ESTABLISHED``, ``out:CLOSE_WAIT``...), inbound when the local port is one the tree listens on.
+    Connections that pile up in one state (CLOSE_WAIT: the peer closed and this side did not) show here long before
+    they exhaust anything."""
     import psutil
 
     try:
@@ -104,36 +110,18 @@ def tree_stats(pid: int) -> tuple[int, int] | None:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return None
-    rss = fds = 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a child that just exited
-            rss += p.memory_info().rss
-            fds += p.num_fds()
-    return rss, fds
-
-
-def tree_detail(pid: int) -> dict[str, Any] | None:
-    """What a growing total is made of: resident bytes per process of the tree (by name, summed over processes of
-    the same name), and its TCP sockets by direction and state (``in:ESTABLISHED``, ``out:CLOSE_WAIT``...). A socket
-    is inbound when its local port is one the tree listens on. Connections that pile up in one state (CLOSE_WAIT:
-    the peer closed and this side did not) show here long before they exhaust anything. None once it is gone."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return None
+    fds = 0
     rss: Counter = Counter()
     socks: list = []
     for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # a child that just exited
             rss[p.name()] += p.memory_info().rss
+            fds += p.num_fds()
             socks += p.net_connections(kind="tcp")
     listening = {c.laddr.port for c in socks if c.status == psutil.CONN_LISTEN}
     tcp = Counter(f"{'in' if c.laddr.port in listening else 'out'}:{c.status}" for c in socks
                   if c.status != psutil.CONN_LISTEN)
-    return {"rss_by_process": dict(rss), "tcp": dict(sorted(tcp.items()))}
+    return {"rss_bytes": sum(rss.values()), "fds": fds, "rss_by_process": dict(rss), "tcp": dict(sorted(tcp.items()))}
 
 
 def windows(results: list[Result], width_s: float, end_s: float) -> list[dict[str, Any]]:
@@ -173,7 +161,7 @@ def growth(samples: list[dict[str, float]], warmup_end_s: float) -> dict[str, An
     for key in ("rss_bytes", "fds"):
         a, b = warm[key], end[key]
         out[key] = {"warm": a, "end": b, "growth": b - a, "growth_pct": 100.0 * (b - a) / a if a else None}
-    if "tcp" in end:  # what the totals are made of (tree_detail), where the samples have it
+    if "tcp" in end:  # what the totals are made of (tree_sample), where the samples have it
         out["tcp"] = {"warm": warm.get("tcp", {}), "end": end["tcp"]}
         by = end.get("rss_by_process", {})
         out["rss_growth_by_process"] = {k: v - warm.get("rss_by_process", {}).get(k, 0) for k, v in by.items()}
@@ -195,9 +183,7 @@ async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: 
         nonlocal next_report
         t = time.perf_counter() - t0
         for name, pid in pids.items():
-            got, detail = tree_stats(pid), tree_detail(pid)
-            samples[name].append({"t_s": t, "rss_bytes": got[0] if got else None, "fds": got[1] if got else None,
-                                  **(detail or {})})
+            samples[name].append({"t_s": t, **(tree_sample(pid) or {"rss_bytes": None, "fds": None})})
         if console is not None and t >= next_report:
             next_report += report_every_s
             mem = ", ".join(f"{name} {s[-1]['rss_bytes'] / 2**20:.0f} MiB/{s[-1]['fds']} fds"
@@ -238,7 +224,7 @@ def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[
 def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Start everything, soak, stop everything; the JSON, the PNG and the table. Returns what it wrote."""
     from serving.gateway.launcher import free_port
-    from serving.placementbench.servedrate import ladder_missed, served_rate
+    from serving.placementbench.servedrate import served_rate
 
     measured: dict[str, Any] | None = None
     with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-soak-") as fleet:
@@ -252,8 +238,6 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
                 saturation = fleet.rate
                 if cfg.fleet.rate is None and cfg.rate_from == "served":
                     measured = served_rate(fleet, url, cfg.probe_requests, console, headers=False)
-                    if measured["rate_rps"] is None:
-                        raise RuntimeError(ladder_missed(measured))
                     saturation = measured["rate_rps"]
                 rate = fc.rate if cfg.fleet.rate is not None else cfg.load * saturation
                 jobs = soak_jobs(fleet.trace.reqs, rate, cfg.duration_s, fc.seed, fc.max_tokens)

@@ -6,6 +6,7 @@ sidecar's own behaviour is tested with the real sidecar (tests/test_sidecar*.py)
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -20,9 +21,10 @@ PREDICTION = {"bucket": 1, "range": [64, 256], "expected_tokens": 120.0, "quanti
 
 
 class RecordingSidecar:
-    """``calls``: (path, Authorization header or None, JSON body or None), in order. ``ready`` False: /ready is 503."""
+    """``calls``: (path, Authorization header or None, JSON body or None), in order. ``ready`` False: /ready is 503.
+    ``predict_delay_s``: how long each prediction takes; ``keep_alive_s``: how long an idle connection stays open."""
 
-    def __init__(self) -> None:
+    def __init__(self, predict_delay_s: float = 0.0, keep_alive_s: float = 5.0) -> None:
         self.calls: list[tuple[str, str | None, dict | None]] = []
         self.ready = True
         app = FastAPI()
@@ -44,7 +46,8 @@ class RecordingSidecar:
             return {"status": "ok", "target": None}
 
         @app.post("/v1/predict")
-        def predict():
+        async def predict():
+            await asyncio.sleep(predict_delay_s)
             return {"predictions": [PREDICTION]}
 
         @app.post("/v1/feedback")
@@ -53,7 +56,8 @@ class RecordingSidecar:
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    timeout_keep_alive=keep_alive_s))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         while not self._server.started:

@@ -79,17 +79,17 @@ class Predictor:
                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
                                                             keepalive_expiry=keepalive_s),
                                         headers={"x-lengthwise-timeout-ms": f"{timeout_ms:g}"})
-        self._late: set[asyncio.Task] = set()  # calls past the timeout, left to finish (see predict)
+        self._calls: set[asyncio.Task] = set()  # calls in flight, held until they end (see predict)
 
     async def aclose(self) -> None:
-        for task in list(self._late):
+        for task in list(self._calls):
             task.cancel()
-        await asyncio.gather(*self._late, return_exceptions=True)
+        await asyncio.gather(*self._calls, return_exceptions=True)
         await self.client.aclose()
 
     def _settle(self, task: asyncio.Task) -> None:
-        """A late call's end: forget it and consume its outcome (an exception nobody awaits would be logged)."""
-        self._late.discard(task)
+        """A call's end: forget it and consume its outcome (a late call's exception, awaited by nobody, would be logged)."""
+        self._calls.discard(task)
         if not task.cancelled():
             task.exception()
 
@@ -115,18 +115,19 @@ class Predictor:
             return self.fallback(req, req.no_predict_reason or "no_text")
         body = {**req.predict_input, "request_id": request_id}
         t0 = time.perf_counter()
-        # The call is shielded from the timeout rather than cancelled by it: a call cancelled while its connection is
-        # being opened loses the socket (httpx never closes it; it sits in CLOSE_WAIT once the sidecar hangs up, one
-        # descriptor per loss). Measured: 1,200 predictions at a 3 ms timeout left 114 such sockets. A late call runs
-        # on to the sidecar's answer (it drops a prediction queued past the timeout this gateway sends it), or to
-        # the client's own timeout, and its connection goes back to the pool.
+        # The call is shielded from the timeout rather than cancelled by it: a call cancelled at the wrong moment (as its
+        # answer arrives and its connection goes back to the pool) loses the socket, which httpx never closes; it sits
+        # in CLOSE_WAIT once the sidecar hangs up. Measured: 1,200 predictions at a 3 ms timeout left 114 such sockets.
+        # A late call runs on to the sidecar's answer (it drops a prediction queued past the timeout this gateway sends
+        # it) or to the client's own timeout, and its connection goes back to the pool. Held in ``_calls`` until it
+        # ends, also when the request awaiting it is cancelled (the event loop keeps only weak references to tasks).
         task = asyncio.ensure_future(self.client.post(self.url + "/v1/predict", json=body))
+        self._calls.add(task)
+        task.add_done_callback(self._settle)
         try:
             r = await asyncio.wait_for(asyncio.shield(task), self.timeout)
         except TimeoutError:
             reason = "timeout"
-            self._late.add(task)
-            task.add_done_callback(self._settle)
         except httpx.TransportError as exc:
             reason = "unreachable"
             log.debug("sidecar unreachable: %s", exc)

@@ -1,5 +1,5 @@
 """The gateway's prediction timeout against a real HTTP server: a prediction past it falls back at once, and the call
-it abandons leaves no socket behind (a call cancelled while its connection opens loses the socket, which then sits in
+it abandons leaves no socket behind (a call cancelled as its answer arrived lost its socket, which then sat in
 CLOSE_WAIT for the life of the gateway: the descriptor growth a soak showed when most predictions timed out)."""
 
 from __future__ import annotations

@@ -167,11 +167,13 @@ def test_items_still_queued_near_their_callers_deadline_are_spilled_in_time():
 
     async def main():
         spills: list[int] = []
-        b = MicroBatcher(run_batch, max_batch=8, max_wait_s=0.0, spill=spill, spill_margin_s=0.02, on_spill=spills.append)
+        b = MicroBatcher(run_batch, max_batch=256, max_wait_s=0.0, spill=spill, spill_margin_s=0.02,
+                         on_spill=spills.append)
         b.start()
         loop = asyncio.get_running_loop()
-        first = asyncio.create_task(b.submit(["first"]))
-        await asyncio.sleep(0.05)
+        # a large first batch: the pace it shows while held (under a ms an item) leaves the late items looking on time
+        first = asyncio.create_task(b.submit([f"first{i}" for i in range(200)]))
+        await asyncio.sleep(0.02)
         t0 = loop.time()
         late = asyncio.create_task(b.submit(["late-a", "late-b"], expires_at=t0 + 0.1))
         uncovered = asyncio.create_task(b.submit(["uncovered"], expires_at=t0 + 0.1))
@@ -188,8 +190,8 @@ def test_items_still_queued_near_their_callers_deadline_are_spilled_in_time():
     late, answered_in, (first, uncovered, spare, forever), spilled = run(main())
     assert late == ["fast:late-a", "fast:late-b"] and 0.07 <= answered_in < 0.1
     assert isinstance(uncovered, Expired) and spilled == 3
-    assert first == ["model:first"] and spare == ["model:spare"] and forever == ["model:forever"]
-    assert sorted(seen) == ["first", "forever", "spare"]  # nothing spilled was run by the worker too
+    assert first == [f"model:first{i}" for i in range(200)] and spare == ["model:spare"] and forever == ["model:forever"]
+    assert sorted(seen[200:]) == ["forever", "spare"]  # nothing spilled was run by the worker too
 
 
 def test_an_item_a_batch_has_taken_is_not_spilled():
@@ -245,3 +247,33 @@ def test_a_request_the_queue_would_make_late_is_spilled_on_arrival():
     late, answered_in, rest = run(main())
     assert late == ["fast:late"] and answered_in < 0.05  # at once: not held until the 90 ms spill time
     assert rest == [[f"model:q{i}"] for i in range(4)] + [["model:roomy"]]
+
+
+def test_before_any_batch_ends_the_running_batch_sets_the_pace_for_spilling_on_arrival():
+    """On a sidecar just started, a burst's first batch is still running when a caller with a deadline arrives: what that
+    batch has taken so far (50 ms for its one item here) is a floor on the pace, so the twenty items queued ahead send
+    the caller to the spill at once, not at its deadline; a caller with time enough still waits for the worker."""
+    gate = threading.Event()
+
+    def held(items: list[str]) -> list[str]:
+        gate.wait(5)
+        return [f"model:{x}" for x in items]
+
+    async def main():
+        b = MicroBatcher(held, max_batch=1, max_wait_s=0.0, spill=lambda xs: [f"fast:{x}" for x in xs], spill_margin_s=0.01)
+        b.start()
+        loop = asyncio.get_running_loop()
+        backlog = [asyncio.create_task(b.submit([f"q{i}"])) for i in range(21)]  # q0 runs, held; twenty queue
+        await asyncio.sleep(0.05)
+        t0 = loop.time()
+        late = await b.submit(["late"], expires_at=t0 + 0.1)
+        answered_in = loop.time() - t0
+        roomy = asyncio.create_task(b.submit(["roomy"], expires_at=t0 + 60))
+        gate.set()
+        rest = await asyncio.gather(*backlog, roomy)
+        await b.stop()
+        return late, answered_in, rest
+
+    late, answered_in, rest = run(main())
+    assert late == ["fast:late"] and answered_in < 0.05  # at once: not held until the 90 ms spill time
+    assert rest == [[f"model:q{i}"] for i in range(21)] + [["model:roomy"]]

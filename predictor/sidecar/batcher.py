@@ -145,20 +145,27 @@ class MicroBatcher(Generic[T, R]):
         return list(await asyncio.gather(*(e.fut for e in entries)))
 
     def expected_wait_s(self, n: int) -> float:
-        """How long ``n`` more items would take to be answered at recent batches' pace, ``item_s`` a second per item (0
-        before any batch ran: nothing is known, nothing is spilled on arrival): until a worker is free (the running
+        """How long ``n`` more items would take to be answered at the queue's pace: until a worker is free (the running
         batch nearest its end, when all are busy), then their own batch, which takes everything queued ahead of them up
         to ``max_batch`` and ends when all of it does, after the batches of any items beyond that, shared by the
-        workers."""
-        if self._item_s == 0.0:
-            return 0.0
+        workers.
+
+        The pace is the seconds per item of recent batches, floored by what a batch still running has already taken
+        per item: before the first batch ends (a burst on a sidecar just started) that floor is all that is known, and
+        without it a request behind thousands of queued prompts would look on time and wait for its deadline's spill
+        instead of going to the spill on arrival; later it catches a pace slowed since (a busy CPU). 0 when nothing has
+        run: nothing is spilled on arrival."""
         now = asyncio.get_running_loop().time()
+        running = max(((now - start) / size for start, size in self._in_flight.values()), default=0.0)
+        item_s = max(self._item_s, running)
+        if item_s == 0.0:
+            return 0.0
         free_in = 0.0
         if len(self._in_flight) >= self.workers:
-            free_in = min(max(0.0, start + size * self._item_s - now) for start, size in self._in_flight.values())
+            free_in = min(max(0.0, start + size * item_s - now) for start, size in self._in_flight.values())
         k = len(self._pending) + n
         own = min(k, self.max_batch)
-        return free_in + own * self._item_s + (k - own) * self._item_s / self.workers
+        return free_in + own * item_s + (k - own) * item_s / self.workers
 
     def _spill_due(self, entries: list[_Entry]) -> None:
         """The items of one submit still queued near their caller's deadline (or that would be late): handed to the spill

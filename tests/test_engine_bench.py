@@ -121,7 +121,9 @@ def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
     cap = d["config"]["max_tokens"]  # one cap for every request, none cut: the logits processor ended each one
     assert cap % 256 == 0
     runs = sorted(Path(d["work_dir"]).glob("*.out.json"))
-    assert len(runs) == 3  # the calibration, then stock and the plug-in at the one rate
+    assert len(runs) == 5  # the calibration, then stock and the plug-in at the one rate, twice (cores swapped)
+    assert {r.name for r in runs} >= {"stock-r4-0-swapped.out.json", "lengthwise-r4-0-swapped.out.json"}
+    assert [r["stock_first_cores"] for r in d["points"][0]["arms"]["lengthwise"]["replays"]] == [True, False]
     for run in runs:
         recs = json.loads(run.read_text())["records"]
         assert recs and all(r["max_tokens"] == cap and r["finish_reason"] == "stop" for r in recs)

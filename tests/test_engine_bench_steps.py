@@ -76,6 +76,8 @@ def engines(monkeypatch) -> Engines:
 
 
 def _cfg(tmp_path: Path, **kw) -> EngineBenchConfig:
+    """One replay a pair unless the test asks for the swapped second one (its own test below)."""
+    kw.setdefault("swap_cores", False)
     return EngineBenchConfig(workload=str(_trace(tmp_path / "trace.csv")), max_requests=12, calibration_requests=8,
                              tokenizer=str(tmp_path / "unused-tokenizer.json"), **kw)
 
@@ -177,3 +179,59 @@ def test_each_arm_runs_beside_a_stock_run_of_its_own(engines, tmp_path):
     for pair in point["arms"].values():
         assert pair["goodput_ratio"] == pytest.approx(pair["run"]["goodput_rps"] / pair["stock"]["goodput_rps"])
     assert result["arms"]["lengthwise+oracle"]["quality"]["kendall_tau"] == pytest.approx(1.0)
+
+
+class SlowFirstCore(Engines):
+    """The stand-in with its first cores 25% slower: whichever job runs there takes 1.25 times as long a token."""
+
+    def __call__(self, jobs: list[dict], work: Path, console: Console) -> list[dict]:
+        outs = super().__call__(jobs, work, console)
+        for r in outs[0]["records"]:
+            r["finished"] = r["first"] + 1.25 * (r["finished"] - r["first"])
+        outs[0]["preemptions"] = 3
+        return outs
+
+
+def test_swapped_cores_replay_each_pair_twice_and_report_the_mean(monkeypatch, tmp_path):
+    """With ``swap_cores`` (the default) each pair runs a second time with the jobs' order, so their cores, swapped;
+    each side's figures are its two replays' mean, lost requests summed, each replay and its ratio kept, and the table
+    shows both ratios beside the mean's."""
+    e = SlowFirstCore()
+    monkeypatch.setattr(bench, "run_engines", e)
+    con, buf = _console()
+    result = run_bench(_cfg(tmp_path, rates=[2.0], swap_cores=True, slo_scale=10), None, None, con)
+    _calibration, *runs = e.calls
+    assert [[(j["scheduler"], j["tag"]) for j in r] for r in runs] == [
+        [("stock", "r2-0"), ("lengthwise", "r2-0")], [("lengthwise", "r2-0-swapped"), ("stock", "r2-0-swapped")]]
+    assert runs[0][0]["requests"] == runs[1][1]["requests"] and runs[0][1]["requests"] == runs[1][0]["requests"]
+    pair = result["points"][0]["arms"]["lengthwise"]
+    first, swapped = pair["replays"]
+    assert first["stock_first_cores"] and not swapped["stock_first_cores"]
+    assert first["stock"]["preemptions"] == 3 and swapped["run"]["preemptions"] == 3  # the slow cores' side each time
+    for side in ("stock", "run"):
+        assert pair[side]["preemptions"] == 1.5
+        for key in ("goodput_rps", "slo_attainment", "jct_p99_s"):
+            assert pair[side][key] == pytest.approx((first[side][key] + swapped[side][key]) / 2)
+        assert pair[side]["extra"]["sim_error"]["jct_mean_s"] == pytest.approx(
+            (first[side]["extra"]["sim_error"]["jct_mean_s"] + swapped[side]["extra"]["sim_error"]["jct_mean_s"]) / 2)
+    # the slow cores hurt whichever side ran there: the stock side's JCT is worse in the first replay, better in the second
+    assert first["stock"]["jct_mean_s"] > swapped["stock"]["jct_mean_s"]
+    assert first["run"]["jct_mean_s"] < swapped["run"]["jct_mean_s"]
+    assert pair["goodput_ratio"] == pytest.approx(pair["run"]["goodput_rps"] / pair["stock"]["goodput_rps"])
+    text = buf.getvalue()
+    assert "stock and lengthwise, side by side, cores swapped, at 2 req/s (12 requests each)" in text
+    ratios = [r["goodput_ratio"] for r in pair["replays"]]
+    assert None not in ratios and ratios[0] != ratios[1]  # a loose SLO (scale 10): every run has goodput
+    assert f"{pair['goodput_ratio']:.2f}x ({ratios[0]:.2f}x, {ratios[1]:.2f}x)" in text
+
+
+@pytest.mark.unit
+def test_mean_metrics_sums_losses_and_keeps_what_is_not_a_number():
+    a = {"policy": "x", "goodput_rps": 1.0, "preemptions": 2, "extra": {"wrong_or_lost": 1, "sim": {"jct_p99_s": 4.0}},
+         "flag": True}
+    b = {"policy": "y", "goodput_rps": 3.0, "preemptions": 5, "extra": {"wrong_or_lost": 2, "sim": {"jct_p99_s": 6.0}},
+         "flag": False}
+    m = bench.mean_metrics([a, b])
+    assert m == {"policy": "x", "goodput_rps": 2.0, "preemptions": 3.5,
+                 "extra": {"wrong_or_lost": 3, "sim": {"jct_p99_s": 5.0}}, "flag": True}
+    assert bench.mean_metrics([a]) is a

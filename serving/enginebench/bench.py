@@ -8,8 +8,10 @@ Steps, each in its own engine process:
    simulator predict where stock vLLM saturates, which picks the default rates.
 2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
    predictions), both engines at once, each on its own core, so background load on a shared machine hits
-   both alike. Every request asks for the same ``max_tokens`` (the bench's cap), so neither scheduler
-   learns a length from the request. With random weights a logits processor in the sampler ends each
+   both alike; then again with the cores swapped (``swap_cores``, the default), because two cores' step
+   times can part by over 10% for a whole replay, and each figure is the two replays' mean. Every
+   request asks for the same ``max_tokens`` (the bench's cap), so neither scheduler learns a length
+   from the request. With random weights a logits processor in the sampler ends each
    request at exactly its trace length (:mod:`serving.enginebench.exactlen`); with a real model
    (:mod:`serving.enginebench.realmodel`) the model ends it, sampled with a seed per request, and the
    calibration run doubles as the seeded relabel that measures the served lengths. Each further arm (a
@@ -119,6 +121,9 @@ class EngineBenchConfig(BaseModel):
     sampling: Sampling = Field(default_factory=Sampling, description="the real model's served sampling settings")
     ablation: list[str] = Field(default_factory=list, description="more plug-in policies, each replayed beside its own "
                                                                  "stock run, with the main predictor")
+    swap_cores: bool = Field(True, description="replay each pair twice, the second time with the two engines' cores "
+                                               "swapped, and report the two replays' mean: a core that runs slower for "
+                                               "a replay then slows each scheduler once")
     compare_predictors: list[str] = Field(default_factory=list,
                                           description=f"more predictors for the main policy, each beside its own stock "
                                                       f"run; {MATCHED_NOISE} is noise at the main predictor's measured "
@@ -501,28 +506,61 @@ def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list
 def _replay_at(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None, rate: float,
                work: Path, console: Console) -> dict[str, Any]:
     """2. Replay at one rate: each arm side by side with a stock run of its own (same arrivals; same predictions for
-    the arm's plug-in), each run then set beside its simulation (:func:`_compared`). The point's ``stock`` and
-    ``lengthwise`` are the main arm's pair; ``arms`` holds every pair and its goodput ratio."""
+    the arm's plug-in), each run then set beside its simulation (:func:`_compared`). With ``swap_cores`` the pair is
+    replayed a second time with the engines' cores swapped and each figure is the two replays' mean (losses summed);
+    ``replays`` keeps each replay's pair and ratio. The point's ``stock`` and ``lengthwise`` are the main arm's pair;
+    ``arms`` holds every pair and its goodput ratio."""
     at = setup.at_rate(rate)
     point: dict[str, Any] = {"rate": rate, "arms": {}}
     served = prompts is not None
     for i, arm in enumerate(arms):
-        console.print(f"[bold]stock and {arm.label}[/], side by side, at {rate:g} req/s ({len(at)} requests each)")
-        tag = f"r{rate:g}-{i}"
-        stock_job = _job("stock", cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
-        arm_job = _job(arm.policy, cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
-        out_stock, out_arm = run_engines([stock_job, arm_job], work, console)
         arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
-        pair = {"stock": {"rate": rate, **_compared(out_stock, at, arm_setup, "stock", "vllm", cfg.max_tokens,
-                                                    served).to_dict()},
-                "run": {"rate": rate, **_compared(out_arm, at, arm_setup, arm.label, arm.policy, cfg.max_tokens,
-                                                  served).to_dict()},
-                "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor)}
+        replays = []
+        for swapped in (False, True) if cfg.swap_cores else (False,):
+            where = ", cores swapped" if swapped else ""
+            console.print(f"[bold]stock and {arm.label}[/], side by side{where}, at {rate:g} req/s ({len(at)} requests each)")
+            tag = f"r{rate:g}-{i}" + ("-swapped" if swapped else "")
+            stock_job = _job("stock", cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+            arm_job = _job(arm.policy, cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+            if swapped:  # run_engines gives the first job the first cores
+                out_arm, out_stock = run_engines([arm_job, stock_job], work, console)
+            else:
+                out_stock, out_arm = run_engines([stock_job, arm_job], work, console)
+            stock = _compared(out_stock, at, arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
+            run = _compared(out_arm, at, arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
+            replays.append({"stock": stock, "run": run, "stock_first_cores": not swapped,
+                            "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])})
+        pair = {"stock": {"rate": rate, **mean_metrics([r["stock"] for r in replays])},
+                "run": {"rate": rate, **mean_metrics([r["run"] for r in replays])},
+                "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor), "replays": replays}
         pair["goodput_ratio"] = _ratio(pair["run"]["goodput_rps"], pair["stock"]["goodput_rps"])
         point["arms"][arm.label] = pair
     main = point["arms"][arms[0].label]
     point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
     return point
+
+
+_SUMMED = frozenset({"wrong_or_lost", "relabel_mismatch"})  # losses are added up over replays, never averaged away
+
+
+def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's metrics (:meth:`RunMetrics.to_dict`) from several replays of the same trace: each number the replays'
+    mean (so a percentile is the mean of the replays' percentiles, not a percentile of their pooled requests), the
+    counts of lost or mismatched requests summed, nested dicts merged the same way, anything else the first
+    replay's. One replay is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        vals = [r.get(key) for r in runs]
+        if isinstance(first, dict) and all(isinstance(v, dict) for v in vals):
+            out[key] = mean_metrics(vals)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = sum(vals) if key in _SUMMED else float(np.mean(vals))
+        else:
+            out[key] = first
+    return out
 
 
 def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str,
@@ -629,11 +667,19 @@ def _table(points: list[dict], console: Console) -> None:
                 t.add_row(f"{p['rate']:g}", label, "stock" if lab == "stock" else pair["policy"], f"{m['goodput_rps']:.3f}",
                           f"{m['throughput_rps']:.3f}", f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}",
                           f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}", f"{m['tbt_p50_s'] * 1e3:.1f}",
-                          str(m["preemptions"]), f"{m['sched_us_per_step']:.0f}", str(m["extra"]["wrong_or_lost"]),
+                          f"{m['preemptions']:g}", f"{m['sched_us_per_step']:.0f}", str(m["extra"]["wrong_or_lost"]),
                           f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
-            ratio = "n/a" if pair["goodput_ratio"] is None else f"{pair['goodput_ratio']:.2f}x"
-            t.add_row("", label, "ratio", ratio, *[""] * 11)
+            t.add_row("", label, "ratio", _ratio_text(pair), *[""] * 11)
     console.print(t)
+
+
+def _ratio_text(pair: dict[str, Any]) -> str:
+    """The pair's goodput ratio and, over swapped replays, each replay's: ``1.04x (0.98x, 1.10x)``."""
+    def fmt(r: float | None) -> str:
+        return "n/a" if r is None else f"{r:.2f}x"
+
+    each = [r["goodput_ratio"] for r in pair.get("replays", [])]
+    return fmt(pair["goodput_ratio"]) + (f" ({', '.join(fmt(r) for r in each)})" if len(each) > 1 else "")
 
 
 def plot_engine(result: dict, path: Path) -> Path:

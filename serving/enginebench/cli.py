@@ -79,6 +79,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     arms.add_argument("--compare-predictors", metavar="SPEC,...", type=comma_list(str, "oracle,noise:matched"), default=[],
                       help="more predictors for --policy (e.g. oracle,noise:matched; noise:matched is noise at the main "
                            "predictor's measured top-1 accuracy on this trace)")
+    p.add_argument("--no-swap-cores", dest="swap_cores", action="store_false",
+                   help="replay each pair once (half the time) instead of twice with the engines' cores swapped; two "
+                        "cores can differ by over 10%% for a whole replay, so one replay's ratio carries that")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write results here (default: bench-results/engine/bench_engine.json; PNG beside it)")
     p.set_defaults(func=run_cli)
@@ -107,7 +110,7 @@ def run_cli(a: argparse.Namespace) -> int:
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
                                 calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
-                                compare_predictors=a.compare_predictors,
+                                compare_predictors=a.compare_predictors, swap_cores=a.swap_cores,
                                 sampling={"temperature": a.temperature, "top_p": a.top_p,
                                           "repetition_penalty": a.repetition_penalty}, **kw)
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")

@@ -71,6 +71,29 @@ def test_every_request_completes_with_its_exact_length(ray_app, model_dir):
     assert sum(served.values()) == len(lengths) and len(served) == 2 and min(served.values()) >= 1, served
 
 
+def test_each_engine_replica_runs_pinned_to_cores_of_its_own(ray_app):
+    """Each engine replica claimed a core no other holds and pinned itself whole to it before its engine started, so its
+    engine core and model worker processes run there, as the HTTP backend pins the engines it starts."""
+    import psutil
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to keep apart")
+    by_replica: dict[int, set[tuple[int, ...]]] = {}
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] != "VLLM::EngineCore":
+            continue
+        replica = p.parent()
+        if replica is None or not replica.name().startswith("ray::"):
+            continue  # not one of this application's engines
+        tree = [replica, p, *p.children(recursive=True)]
+        by_replica[replica.pid] = {tuple(q.cpu_affinity()) for q in tree}
+    print("cores per engine replica:", by_replica)
+    assert len(by_replica) == 2, by_replica
+    pinned = list(by_replica.values())
+    assert all(len(c) == 1 and len(next(iter(c))) == 1 for c in pinned), by_replica  # one core for the whole tree
+    assert pinned[0] != pinned[1], by_replica
+
+
 def test_bad_input_is_a_4xx_with_a_message(ray_app):
     r = httpx.post(ray_app.url + "/v1/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]

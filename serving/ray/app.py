@@ -10,6 +10,7 @@ at ``/predictor`` as a separate application, whose URL on the local Serve proxy 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray import serve
@@ -46,13 +47,24 @@ def router_config(settings: GatewaySettings, router: str = "lengthwise") -> Requ
                                "others_pred_len": settings.fallback_tokens, "ingresses": settings.replicas})
 
 
+def pinned_cores(settings: GatewaySettings, engine_cpus: float, engine_gpus: float) -> int:
+    """How many cores each engine replica pins itself to: its whole ``engine_cpus`` on the CPU build with
+    ``pin_engines`` (as the HTTP backend pins the engines it starts), 0 (unpinned) for GPU engines, a fraction of a
+    CPU, or a ``VLLM_CPU_OMP_THREADS_BIND`` the user set."""
+    if (not settings.pin_engines or engine_gpus > 0 or engine_cpus < 1 or not is_cpu_build()
+            or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return 0
+    return int(engine_cpus)
+
+
 def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
                router: str = "lengthwise") -> Any:
-    """The engine deployment, bound: ``settings.engines`` replicas behind ``router`` (see :func:`router_config`)."""
+    """The engine deployment, bound: ``settings.engines`` replicas behind ``router`` (see :func:`router_config`), each
+    pinned to :func:`pinned_cores` cores of its node."""
     dep = serve.deployment(EngineReplica, name="engine", num_replicas=settings.engines,
                            max_ongoing_requests=2 * settings.engine_seqs, request_router_config=router_config(settings, router),
                            ray_actor_options={"num_cpus": engine_cpus, "num_gpus": engine_gpus}, health_check_period_s=5)
-    return dep.bind(engine_argv(settings), settings.fallback_tokens)
+    return dep.bind(engine_argv(settings), settings.fallback_tokens, pinned_cores(settings, engine_cpus, engine_gpus))
 
 
 def ingress_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -154,20 +155,44 @@ async def call_asgi(app: Any, method: str, path: str, body: bytes, headers: Mapp
 class EngineReplica:
     """The Ray Serve deployment class of an engine replica (see the module docstring)."""
 
-    async def __init__(self, engine_argv: list[str], default_pred_len: int = 256) -> None:
-        """Start the engine (Ray Serve awaits an async constructor: the replica takes requests once it is up)."""
+    async def __init__(self, engine_argv: list[str], default_pred_len: int = 256, pin_cores: int = 0) -> None:
+        """Start the engine (Ray Serve awaits an async constructor: the replica takes requests once it is up);
+        ``pin_cores`` > 0: first claim that many cores of this node for the whole replica (:meth:`_pin`)."""
         self.argv = list(engine_argv)
         self.default_pred_len = float(default_pred_len)
         self.engine: Any = None
         self.app: Any = None
         self.served = 0
+        self.cores: str | None = None
+        self._core_lock: Any = None
         try:
             from ray import serve
 
             self.name = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a Serve replica (a test constructing the class directly)
             self.name = "engine"
+        if pin_cores > 0:
+            self._pin(pin_cores)
         await self._start()
+
+    def _pin(self, per: int) -> None:
+        """Claim ``per`` cores no other replica on this node holds and pin this replica to them, every thread, before
+        the engine starts, so its engine core and model worker processes inherit them, and bind the worker's compute
+        threads there (``VLLM_CPU_OMP_THREADS_BIND``), as the HTTP backend's launcher does for the engines it starts
+        (serving/cores.py says why the whole process). Ray's ``num_cpus`` only counts CPUs; without this two replicas'
+        spinning engine cores land on each other's worker cores. No free cores: the replica runs unpinned, logged."""
+        from serving.cores import claim_cores, pin_process
+
+        claim = claim_cores(per)
+        if claim is None:
+            log.warning("engine replica %s: no %d free cores to pin to; running unpinned", self.name, per)
+            return
+        self._core_lock = claim
+        self.cores = ",".join(str(c) for c in sorted(claim.cores))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cores
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        pin_process(claim.cores)
+        log.info("engine replica %s: pinned to cores %s", self.name, self.cores)
 
     async def _start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -77,3 +77,23 @@ def test_bad_sidecar_args_fail_the_build():
 
     with pytest.raises(ValueError, match="no_such_field"):
         predictor({"model": "x", "no_such_field": 1})
+
+
+@pytest.mark.unit
+def test_engine_replicas_pin_their_whole_cpus_on_the_cpu_build_only(monkeypatch):
+    """Each engine replica pins itself to ``engine_cpus`` cores on the CPU build; GPU engines, a fraction of a CPU,
+    ``pin_engines`` off, a bind the user set or a CUDA build leave it unpinned (0)."""
+    from serving.gateway.settings import GatewaySettings
+    from serving.ray import app
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(app, "is_cpu_build", lambda: True)
+    s = GatewaySettings(model="m")
+    assert app.pinned_cores(s, 1.0, 0.0) == 1 and app.pinned_cores(s, 2.0, 0.0) == 2
+    assert app.pinned_cores(s, 0.5, 0.0) == 0 and app.pinned_cores(s, 1.0, 1.0) == 0
+    assert app.pinned_cores(s.model_copy(update={"pin_engines": False}), 1.0, 0.0) == 0
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    assert app.pinned_cores(s, 1.0, 0.0) == 0
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(app, "is_cpu_build", lambda: False)
+    assert app.pinned_cores(s, 1.0, 0.0) == 0

@@ -1,5 +1,5 @@
 """The Ray Serve backend end to end: a local Ray cluster, two CPU vLLM engine replicas (dummy weights), the real sidecar
-deployment with a small ONNX package, the ingress, and the ``openai`` client.
+deployment with a small ONNX package, the ingress, and the ``openai`` client and ``vllm bench serve`` as clients.
 
 Every request completes with exactly its ``max_tokens`` (``ignore_eos``), streamed or not; its prediction came from the
 sidecar deployment; and the requests spread over both engine replicas (counted per replica on ``/health``). The
@@ -9,7 +9,11 @@ would: each counts what it served, so the test reads ``/health`` from both.
 
 from __future__ import annotations
 
+import json
+import lzma
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import SHAREGPT
 from tests.ray_app import RayApp, start_app
 
 pytest.importorskip("ray")
@@ -92,6 +97,26 @@ def test_each_engine_replica_runs_pinned_to_cores_of_its_own(ray_app):
     pinned = list(by_replica.values())
     assert all(len(c) == 1 and len(next(iter(c))) == 1 for c in pinned), by_replica  # one core for the whole tree
     assert pinned[0] != pinned[1], by_replica
+
+
+def test_vllm_bench_serve_against_the_ray_application(ray_app, model_dir, data, tmp_path):
+    """vLLM's own load generator, pointed at the Ray application's OpenAI endpoint, with real ShareGPT conversations:
+    every request completes with exactly the tokens it asked for."""
+    with lzma.open(data / SHAREGPT, "rt") as f:
+        convs = json.load(f)[:200]
+    sharegpt = tmp_path / "sharegpt-200.json"
+    sharegpt.write_text(json.dumps(convs))
+    r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", ray_app.url,
+                        "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
+                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "6",
+                        "--sharegpt-output-len", "24", "--ignore-eos", "--request-rate", "inf", "--seed", "0",
+                        "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                        "--result-filename", "bench.json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["completed"] == 6 and res.get("failed", 0) == 0, res
+    assert res["total_output_tokens"] == 6 * 24
 
 
 def test_bad_input_is_a_4xx_with_a_message(ray_app):

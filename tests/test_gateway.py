@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import lzma
 import os
 import re
 import signal
@@ -33,6 +32,7 @@ from serving.gateway.sse import StreamRelay
 from tests.conftest import HTTP, SHAREGPT, free_port
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
+from tests.vllm_bench import bench_sharegpt
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)  # the first engine test also waits for the engines to start
@@ -509,20 +509,8 @@ def test_unknown_routes_and_methods_and_the_openai_client_error(fleet):
 
 def test_vllm_bench_serve_against_the_gateway(fleet, data, tmp_path):
     """vLLM's own load generator, pointed at the gateway, with real ShareGPT conversations."""
-    with lzma.open(data / SHAREGPT, "rt") as f:
-        convs = json.load(f)[:200]
-    sharegpt = tmp_path / "sharegpt-200.json"
-    sharegpt.write_text(json.dumps(convs))
     before = fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200")
-    r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", fleet.url,
-                        "--endpoint", "/v1/completions", "--model", fleet.model, "--tokenizer", fleet.model,
-                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "6",
-                        "--sharegpt-output-len", "24", "--ignore-eos", "--request-rate", "inf", "--seed", "0",
-                        "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-                        "--result-filename", "bench.json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "bench.json").read_text())
+    res = bench_sharegpt(fleet.url, fleet.model, data, tmp_path)
     assert res["completed"] == 6 and res.get("failed", 0) == 0, res
     assert res["total_output_tokens"] == 6 * 24
     assert fleet.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="200") >= before + 6

@@ -9,11 +9,7 @@ would: each counts what it served, so the test reads ``/health`` from both.
 
 from __future__ import annotations
 
-import json
-import lzma
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SHAREGPT
 from tests.ray_app import RayApp, start_app
+from tests.vllm_bench import bench_sharegpt
 
 pytest.importorskip("ray")
 pytest.importorskip("vllm")
@@ -102,19 +98,7 @@ def test_each_engine_replica_runs_pinned_to_cores_of_its_own(ray_app):
 def test_vllm_bench_serve_against_the_ray_application(ray_app, model_dir, data, tmp_path):
     """vLLM's own load generator, pointed at the Ray application's OpenAI endpoint, with real ShareGPT conversations:
     every request completes with exactly the tokens it asked for."""
-    with lzma.open(data / SHAREGPT, "rt") as f:
-        convs = json.load(f)[:200]
-    sharegpt = tmp_path / "sharegpt-200.json"
-    sharegpt.write_text(json.dumps(convs))
-    r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", ray_app.url,
-                        "--endpoint", "/v1/completions", "--model", str(model_dir), "--tokenizer", str(model_dir),
-                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "6",
-                        "--sharegpt-output-len", "24", "--ignore-eos", "--request-rate", "inf", "--seed", "0",
-                        "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-                        "--result-filename", "bench.json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    res = json.loads((tmp_path / "bench.json").read_text())
+    res = bench_sharegpt(ray_app.url, str(model_dir), data, tmp_path)
     assert res["completed"] == 6 and res.get("failed", 0) == 0, res
     assert res["total_output_tokens"] == 6 * 24
 

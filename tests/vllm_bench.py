@@ -7,6 +7,9 @@ without going through that script.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 
 def main() -> None:
     from vllm.benchmarks.serve import add_cli_args
@@ -16,6 +19,32 @@ def main() -> None:
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     bench_serve(parser.parse_args())
+
+
+def bench_sharegpt(base_url: str, model: str, data: Path, work: Path, prompts: int = 6, output_len: int = 24) -> dict[str, Any]:
+    """Run ``vllm bench serve`` (this module, in a process of its own) against ``base_url``'s ``/v1/completions``: the
+    first ``prompts`` of 200 real ShareGPT conversations at once, each asking for exactly ``output_len`` tokens
+    (``--ignore-eos``); returns its saved result, after asserting it exited 0."""
+    import json
+    import lzma
+    import subprocess
+    import sys
+
+    from tests.conftest import SHAREGPT
+
+    with lzma.open(data / SHAREGPT, "rt") as f:
+        convs = json.load(f)[:200]
+    sharegpt = work / "sharegpt-200.json"
+    sharegpt.write_text(json.dumps(convs))
+    r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", base_url,
+                        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
+                        "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", str(prompts),
+                        "--sharegpt-output-len", str(output_len), "--ignore-eos", "--request-rate", "inf", "--seed", "0",
+                        "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(work),
+                        "--result-filename", "bench.json"],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads((work / "bench.json").read_text())
 
 
 if __name__ == "__main__":

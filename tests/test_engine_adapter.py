@@ -261,6 +261,29 @@ def test_vllm_victim_is_the_plans_last_request_not_a_held_one(monkeypatch, vllm_
                for r in (a, b, c))
 
 
+def test_the_kv_holding_queue_is_found_under_either_vllm_name(monkeypatch):
+    """vLLM 0.32 calls the queue of requests that wait holding KV ``kv_holding_waiting``; 0.26 (the newest CUDA build
+    for torch 2.11) ``skipped_waiting``. The plug-in works on whichever the scheduler has, and refuses at start a
+    vLLM with neither, naming the version to install."""
+    _configure(monkeypatch, "vllm")
+    assert make_scheduler(scheduler_cls=LengthwiseScheduler)._lw_kv_queue == "kv_holding_waiting"
+    init = AsyncScheduler.__init__
+
+    def renamed(to):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            queue = self.__dict__.pop("kv_holding_waiting")
+            if to:
+                setattr(self, to, queue)
+        return __init__
+
+    monkeypatch.setattr(AsyncScheduler, "__init__", renamed("skipped_waiting"))
+    assert make_scheduler(scheduler_cls=LengthwiseScheduler)._lw_kv_queue == "skipped_waiting"
+    monkeypatch.setattr(AsyncScheduler, "__init__", renamed(None))
+    with pytest.raises(RuntimeError, match=r"install vllm==0\.32\.0"):
+        make_scheduler(scheduler_cls=LengthwiseScheduler)
+
+
 def test_kv_holding_waiting_is_gated_by_the_plan(monkeypatch):
     """vLLM drains ``kv_holding_waiting`` (requests that hold KV while waiting: a KV connector's finished load,
     a streaming session) before ``waiting``. The plug-in presents it holding only what the plan admits, and

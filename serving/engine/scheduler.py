@@ -89,6 +89,14 @@ class LengthwiseScheduler(AsyncScheduler):
             raise ValueError(f"lengthwise scheduler: speculative decoding ({spec.method}, {spec.num_speculative_tokens} "
                              "tokens per step) is not supported; drop --speculative-config, or run without --scheduler-cls")
         super().__init__(*args, **kwargs)
+        # The queue of requests that wait holding KV (a KV connector's loads...): ``kv_holding_waiting`` in vLLM 0.32,
+        # ``skipped_waiting`` in 0.26, the newest CUDA build for torch 2.11 (checked on an H200).
+        self._lw_kv_queue = next((n for n in ("kv_holding_waiting", "skipped_waiting") if hasattr(self, n)), None)
+        if self._lw_kv_queue is None:
+            import vllm
+
+            raise RuntimeError(f"this vLLM ({vllm.__version__}) has a scheduler the lengthwise plug-in does not know (no "
+                               "kv_holding_waiting queue); install vllm==0.32.0 (the cpu or gpu extra)")
         self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
         budget = self.max_num_scheduled_tokens
         cfg = PolicyConfig(**{
@@ -200,7 +208,8 @@ class LengthwiseScheduler(AsyncScheduler):
 
     def _apply(self, plan: StepPlan) -> _Levers:
         """Set vLLM's levers for this step (see the module docstring); ``_restore`` undoes what is not a decision."""
-        levers = _Levers(budget=self.max_num_scheduled_tokens, waiting=self.waiting, kv_holding=self.kv_holding_waiting)
+        levers = _Levers(budget=self.max_num_scheduled_tokens, waiting=self.waiting,
+                         kv_holding=getattr(self, self._lw_kv_queue))
         timestamp = time.monotonic()  # the clock vLLM's own schedule() passes to _preempt_request (request events)
         for rid in plan.preempted:
             v = self._vreq_of.get(rid)
@@ -232,7 +241,7 @@ class LengthwiseScheduler(AsyncScheduler):
         # Every request vLLM holds that is not running sits in one of its two waiting queues; each is
         # presented holding only the admitted requests it has, in the plan's order.
         kv_holding = set(levers.kv_holding) if levers.kv_holding else ()
-        self.kv_holding_waiting = _view(levers.kv_holding, [v for v in admitted if v in kv_holding])
+        setattr(self, self._lw_kv_queue, _view(levers.kv_holding, [v for v in admitted if v in kv_holding]))
         self.waiting = _view(levers.waiting, [v for v in admitted if v not in kv_holding])
         self.max_num_scheduled_tokens = min(levers.budget, sum(planned.values()))
         return levers
@@ -246,7 +255,7 @@ class LengthwiseScheduler(AsyncScheduler):
             v.priority = old
         # what vLLM did not take from a view, plus what it put there (requests it preempted or skipped),
         # goes back to the front of the real queue, in the view's order
-        for name, real in (("waiting", levers.waiting), ("kv_holding_waiting", levers.kv_holding)):
+        for name, real in (("waiting", levers.waiting), (self._lw_kv_queue, levers.kv_holding)):
             left = list(getattr(self, name))
             if left:
                 real.prepend_requests(reversed(left))  # FCFS prepend_requests reverses; a heap orders itself

@@ -292,6 +292,24 @@ def test_each_cpu_engine_runs_whole_on_its_own_cores(fleet):
         assert all(set(p.cpu_affinity()) <= mine for p in tree), [(p.name(), p.cpu_affinity()) for p in tree]
 
 
+def test_cpu_engines_run_on_the_systems_tcmalloc_where_it_is_installed(fleet):
+    """Each engine's model worker has the system's tcmalloc mapped (vLLM's CPU platform means its engines to run on
+    it); on a system without one, the gateway's log says the engines run on glibc's malloc and how to install it."""
+    import psutil
+
+    from serving.malloc import INSTALL_HINT, find_tcmalloc
+
+    lib = find_tcmalloc()
+    engines = [p for p in psutil.Process(fleet.proc.pid).children() if "vllm.entrypoints" in " ".join(p.cmdline())]
+    workers = [p for e in engines for p in e.children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert len(engines) == 2 and len(workers) == 2
+    for w in workers:
+        maps = Path(f"/proc/{w.pid}/maps").read_text()
+        assert (lib is not None) == ("libtcmalloc" in maps), (lib, w.pid)
+    if lib is None:
+        assert INSTALL_HINT in fleet.log.read_text()
+
+
 @pytest.mark.fault("the sidecar killed (SIGKILL) behind the gateway",
                    saw="answers of the length asked, on the fallback prediction (x-lengthwise-prediction: "
                        "fallback:unreachable); /health degraded, naming the predictor",

@@ -175,6 +175,10 @@ def _engine_flags(e: argparse._ActionsContainer) -> None:
              help="CPU engines started side by side share every core: by default each whole engine (API server, engine "
                   "core, worker) runs on its own cores, so one engine's busy-waiting engine core does not take the "
                   "cores another engine computes on")
+    _setting(e, "--engine-malloc", "engine_malloc", choices=("tcmalloc", "system"),
+             help="the allocator CPU engines started here run with: 'tcmalloc' preloads the system's tcmalloc where it "
+                  "is installed (apt install libtcmalloc-minimal4), as vLLM's CPU platform intends; its model worker "
+                  "grows less than on glibc's malloc in a long run (default: %(default)s); 'system': glibc's malloc")
 
 
 def _placement_flags(pl: argparse._ActionsContainer) -> None:

@@ -15,6 +15,9 @@ the engine core of one engine spins on the cores the other engine's worker compu
 1.7 of two cores (its worker 95%, its engine core 73%, measured with ``top``), and a second request on the other
 engine waited seconds for its first token. Pinned, a spinning engine core yields to its own worker.
 
+On CPU each engine preloads the system's tcmalloc (``engine_malloc``, :mod:`serving.malloc`), as vLLM's CPU platform
+intends and the PyPI wheel cannot arrange: its model worker grows less in a long run than on glibc's malloc.
+
 The plug-in logs through ``serving.*`` loggers, which vLLM's default logging setup leaves without a handler
 (only warnings would show); engines started here get a logging config (``VLLM_LOGGING_CONFIG_PATH``)
 that is vLLM's default plus those loggers, so the plug-in's stats line appears in each engine log.
@@ -49,6 +52,7 @@ import httpx
 from serving.cores import parse_cores, pin_to
 from serving.gateway.pool import engine_names
 from serving.gateway.settings import GatewaySettings
+from serving.malloc import INSTALL_HINT, find_tcmalloc, with_tcmalloc
 
 log = logging.getLogger("serving.gateway")
 
@@ -164,6 +168,10 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
     log_cfg = log_dir / "vllm-logging.json"
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
     names = engine_names(settings.engines) + engine_names(settings.prefill_engines, prefill=True)
+    malloc = find_tcmalloc() if cpu and settings.engine_malloc == "tcmalloc" else None
+    if cpu and settings.engine_malloc == "tcmalloc" and malloc is None:
+        log.warning("no tcmalloc on this system (%s): the engines run on glibc's malloc, whose model workers grow more "
+                    "in a long run", INSTALL_HINT)
     out = []
     for i, name in enumerate(names):
         port = free_port()
@@ -174,6 +182,7 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
         if settings.engine_api_key is not None:  # vLLM reads it as --api-key; in the environment it is in no ps listing
             env["VLLM_API_KEY"] = settings.engine_api_key.get_secret_value()  # and in no log line (the command is logged)
         env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
+        env = with_tcmalloc(env, malloc)
         pin = None
         if binds[i] is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binds[i]
@@ -187,8 +196,9 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
                                     start_new_session=True,  # started before the gateway starts any thread:
                                     preexec_fn=pin_to(pin, _die_with_parent) if sys.platform == "linux" else None)  # noqa: PLW1509
         out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name))
-        log.info("%s: pid %d on port %d%s, log %s", name, proc.pid, port,
-                 (f", cores {binds[i]}" + (" (pinned)" if pin else "")) if binds[i] else "", path)
+        log.info("%s: pid %d on port %d%s%s, log %s", name, proc.pid, port,
+                 (f", cores {binds[i]}" + (" (pinned)" if pin else "")) if binds[i] else "",
+                 f", malloc {malloc}" if malloc is not None else "", path)
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -46,6 +46,9 @@ class GatewaySettings(BaseModel):
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
     pin_engines: bool = Field(True, description="CPU engines started side by side each run on their own cores: the whole "
                               "process tree (API server, engine core, worker), not only the worker's compute threads")
+    engine_malloc: Literal["tcmalloc", "system"] = Field(
+        "tcmalloc", description="the allocator CPU engines started here run with: tcmalloc preloaded where the system "
+        "has it, as vLLM's CPU platform intends (else glibc's, said once in the log), or the system's malloc")
     placement: str = Field("jsq", description="engine choice: round-robin, jsq (alias least-outstanding), least-kv, p2c, "
                            "aladdin, lengthwise-pack, lengthwise")
     engine_max_num_seqs: int | None = Field(None, ge=1, description="the engines' --max-num-seqs, for placement's batch "

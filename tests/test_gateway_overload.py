@@ -167,3 +167,53 @@ def test_past_max_outstanding_per_engine_placement_answers_429(owner, logs):
         assert json.loads(gw.get("/health").text)["engines"][0]["outstanding"] == 0
     finally:
         gw.stop()
+
+
+def _learnt_bound(gw: Gateway) -> dict:
+    return json.loads(gw.get("/health").text)["engines"][0]["bound"]
+
+
+async def _round(gw: Gateway, owner: Gateway, n: int) -> list[int]:
+    """``n`` requests placed on the frozen engine, then answered together: each lived at ``n`` requests in flight."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        with _engine_frozen(owner):
+            sent = [asyncio.ensure_future(client.post(gw.url + "/v1/completions", json={
+                "model": gw.model, "prompt": f"round {i}", "max_tokens": 3})) for i in range(n)]
+            deadline = time.monotonic() + 60
+            while (await client.get(gw.url + "/health")).json()["inflight"] < n:
+                assert time.monotonic() < deadline, "the round's requests did not take their places"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+        return [r.status_code for r in await asyncio.gather(*sent)]
+
+
+def test_a_learnt_engine_bound_falls_when_answers_near_it_miss_the_slo_and_holds_when_they_meet_it(owner, logs):
+    """``--engine-bound slo`` (serving/gateway/concurrency.py) on the real engine: under targets no engine meets
+    (1 µs), answers that lived at the bound cut it, and placement then refuses past the learnt bound with 429; under
+    targets every answer meets, the bound stays at its ceiling."""
+    loose = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
+                    "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000")
+    try:
+        assert asyncio.run(_round(loose, owner, 4)) == [200] * 4
+        wait_for(lambda: _learnt_bound(loose)["answers"] == 4, timeout=30, what="the answers learnt from")
+        b = _learnt_bound(loose)
+        assert (b["bound"], b["ceiling"], b["missed"], b["cuts"]) == (4, 4, 0, 0), b
+        assert loose.metric("lengthwise_gateway_engine_bound", engine="engine-0") == 4
+    finally:
+        loose.stop()
+    tight = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
+                    "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
+    try:
+        assert asyncio.run(_round(tight, owner, 4)) == [200] * 4
+        wait_for(lambda: _learnt_bound(tight)["answers"] == 4, timeout=30, what="the answers learnt from")
+        b = _learnt_bound(tight)
+        assert b["missed"] == 4 and b["cuts"] == 1 and 1 <= b["bound"] < 4, b
+        assert tight.metric("lengthwise_gateway_engine_bound", engine="engine-0") == b["bound"]
+        holders, answers, latencies, last = asyncio.run(_burst(tight, owner, b["bound"], 3))
+        assert holders == [200] * b["bound"] and last == 200
+        assert [r.status_code for r in answers] == [429] * 3
+        _check_429s(answers, latencies)
+        assert f"{b['bound']} requests in flight on every engine" in answers[0].json()["error"]["message"]
+        assert tight.metric("lengthwise_gateway_rejected_total", reason="engine_full") == 3
+    finally:
+        tight.stop()

@@ -21,8 +21,10 @@ vLLM's words.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.admission import overloaded
+from serving.gateway.concurrency import Served
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
@@ -110,10 +113,11 @@ class Forwarder:
             if again is None and engine.name not in tried:
                 tried.append(engine.name)
             retried_here, again = engine is (failure[0] if failure else None), None
+            done = self._learning(engine, on_done)
             try:
                 if req.stream:
-                    return await self._stream(engine, req, body, headers, job, on_done)
-                return await self._unary(engine, req, body, headers, job, on_done)
+                    return await self._stream(engine, req, body, headers, job, done)
+                return await self._unary(engine, req, body, headers, job, done)
             except _Retry as exc:
                 failure = (engine, exc)
                 if exc.reason not in SECOND_CHANCE:
@@ -125,13 +129,31 @@ class Forwarder:
                     again = engine
         if failure is None and any(e.healthy and e.name in full for e in self.pool.engines):
             self.metrics.rejected.labels("engine_full").inc()
-            raise overloaded(f"{self.per_engine} requests in flight on every engine")
+            bounds = sorted({e.limit.bound if e.limit else self.per_engine for e in self.pool.engines if e.name in full})
+            raise overloaded(f"{'/'.join(map(str, bounds))} requests in flight on every engine")
         if failure is None:
             msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
         else:
             msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "
                    f"{failure[0].name}: {failure[1]}")
         raise ApiError(503, msg + "; retry later", code="engine_unavailable", headers={"Retry-After": "1"})
+
+    def _learning(self, engine: Engine, on_done: Callable[[Outcome], None]) -> Callable[[Outcome], None]:
+        """``on_done`` for one attempt on ``engine``; with a learnt bound (:mod:`serving.gateway.concurrency`) the
+        complete answer is first shown to it: when it was sent, its first token, its end, and the engine's requests in
+        flight over its life."""
+        if engine.limit is None:
+            return on_done
+        now = time.perf_counter()
+        return functools.partial(self._learn, engine, (now, engine.clock.area(now)), on_done)
+
+    def _learn(self, engine: Engine, since: tuple[float, float], on_done: Callable[[Outcome], None], out: Outcome) -> None:
+        if out.status == 200 and out.completion_tokens and engine.limit is not None:
+            now = time.perf_counter()
+            engine.limit.observe(Served(since[0], out.first_token_at, now, out.completion_tokens,
+                                        engine.clock.average(since, now)))
+            self.metrics.engine_bound.labels(engine.name).set(engine.limit.bound)
+        on_done(out)
 
     async def _return_to(self, job: Job, transient: dict[str, Engine], returns: int) -> Engine | None:
         """Every engine was tried: after a pause, the least busy of those that failed this request only in a way a live

@@ -44,6 +44,8 @@ class GatewayMetrics:
         self.stream_errors = Counter(p + "stream_errors", "streams cut off after tokens were sent (ended with an error event)",
                                      ["engine"], registry=r)
         self.engine_outstanding = Gauge(p + "engine_outstanding", "requests in flight per engine", ["engine"], registry=r)
+        self.engine_bound = Gauge(p + "engine_bound", "requests in flight an engine may hold, as learnt from the SLO its "
+                                  "answers meet (--engine-bound slo)", ["engine"], registry=r)
         self.engine_busy_probes = Counter(p + "engine_busy_probes", "health probes slower than --health-timeout on an "
                                           "engine whose calls were receiving bytes (busy, not hung: not taken out)",
                                           ["engine"], registry=r)

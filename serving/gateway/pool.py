@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from serving.gateway.concurrency import EngineLimit, InFlightClock
 from serving.gateway.engine_load import fetch_report
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.placement import EngineView, GatewayPlacement, PlacementConfig
@@ -50,6 +51,8 @@ class Engine:
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
     last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
+    clock: InFlightClock = field(default_factory=lambda: InFlightClock(time.perf_counter()))  # requests in flight x time
+    limit: EngineLimit | None = None  # the learnt bound (--engine-bound slo); None: the fixed per-engine bound
 
     def progressed(self) -> None:
         """A call received bytes: the engine is working, whatever its /health says."""
@@ -85,6 +88,10 @@ class EnginePool:
             placer = GatewayPlacement(names, cfg, lambda reason: metrics.placement_fallbacks.labels(reason).inc())
         self.placer = placer
         self.engines = [Engine(n, u, v) for n, u, v in zip(names, urls, self.placer.views)]
+        if settings.engine_bound == "slo" and not prefill:
+            ceiling = settings.outstanding_bounds(len(urls))[0]
+            for e in self.engines:
+                e.limit = EngineLimit(ceiling, *settings.slo_targets())
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
         self.client = httpx.AsyncClient(timeout=settings.health_timeout_s, headers=engine_auth(settings),
                                         limits=httpx.Limits(keepalive_expiry=settings.keepalive_s))
@@ -97,6 +104,8 @@ class EnginePool:
         for e in self.engines:
             metrics.engine_healthy.labels(e.name).set(0)
             metrics.engine_outstanding.labels(e.name).set(0)
+            if e.limit is not None:
+                metrics.engine_bound.labels(e.name).set(e.limit.bound)
             metrics.engine_others.labels(e.name).set(0)
 
     # --- health --------------------------------------------------------------------------------
@@ -241,8 +250,9 @@ class EnginePool:
         return min(lens) if lens else None
 
     def full(self, per_engine: int) -> frozenset[str]:
-        """The engines with ``per_engine`` or more of this gateway's requests in flight."""
-        return frozenset(e.name for e in self.engines if e.outstanding >= per_engine)
+        """The engines with as many of this gateway's requests in flight as their bound: the learnt one
+        (``--engine-bound slo``), else ``per_engine``."""
+        return frozenset(e.name for e in self.engines if e.outstanding >= (e.limit.bound if e.limit else per_engine))
 
     def place(self, job: Job, exclude: frozenset[str]) -> Engine | None:
         """The engine for ``job`` (now on its view), or None when no healthy engine outside ``exclude`` is left."""
@@ -270,6 +280,7 @@ class EnginePool:
         self._gauges(e)
 
     def _gauges(self, e: Engine) -> None:
+        e.clock.set(e.outstanding, time.perf_counter())
         self.metrics.engine_outstanding.labels(e.name).set(e.outstanding)
         self.metrics.engine_others.labels(e.name).set(e.view.others)
 
@@ -278,5 +289,6 @@ class EnginePool:
         return [{"name": e.name, "url": e.url, "healthy": e.healthy, "outstanding": e.outstanding,
                  "other_requests": e.view.others, "kv_tokens": e.view.capacity,
                  "load_report_age_s": None if e.view.report is None else round(now - e.view.report.at, 3),
-                 "models": sorted(e.models), **({"last_error": e.last_error} if not e.healthy and e.last_error else {})}
+                 "models": sorted(e.models), **({"bound": e.limit.state()} if e.limit is not None else {}),
+                 **({"last_error": e.last_error} if not e.healthy and e.last_error else {})}
                 for e in self.engines]

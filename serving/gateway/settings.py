@@ -118,6 +118,9 @@ class GatewaySettings(BaseModel):
                                         "gets 429 at once (default: max_outstanding_per_engine x engines)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="requests in flight on one engine (default: "
                                                    "2 x the engines' max_num_seqs)")
+    engine_bound: Literal["static", "slo"] = Field("static", description="each engine's bound on requests in flight: "
+        "static (max_outstanding_per_engine) or slo (learnt per engine from the SLO its answers meet, at most "
+        "max_outstanding_per_engine; see serving/gateway/concurrency.py)")
     max_n: int = Field(4, ge=1, description="the largest n (sequences per prompt) a request may ask for")
     slo_min_ms: float = Field(1.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms below this are raised to it")
     slo_max_ms: float = Field(600_000.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms above this are lowered to it")
@@ -220,6 +223,13 @@ class GatewaySettings(BaseModel):
         per = self.max_outstanding_per_engine or OUTSTANDING_PER_SEQ * self.engine_seqs
         return per, self.max_outstanding or per * max(1, engines)
 
+    def slo_targets(self) -> tuple[float, float]:
+        """(TTFT, ATGT) in seconds that placement and the learnt engine bound aim for: --slo-ttft-ms / --slo-tpot-ms, else
+        slo_scale x t_p and slo_scale x t_g."""
+        ttft = self.slo_ttft_ms / 1000 if self.slo_ttft_ms else self.slo_scale * self.t_p_s
+        tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s
+        return ttft, tpot
+
     def engine_arg(self, flag: str) -> str | None:
         """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
         import shlex
@@ -248,8 +258,7 @@ class GatewaySettings(BaseModel):
                 latency = DecodePoolLatency(latency)
         seqs = self.engine_seqs
         chunk = int(self.engine_arg("--max-num-batched-tokens") or 2048)
-        ttft = self.slo_ttft_ms / 1000 if self.slo_ttft_ms else self.slo_scale * self.t_p_s
-        tpot = self.slo_tpot_ms / 1000 if self.slo_tpot_ms else self.slo_scale * self.t_g_s
+        ttft, tpot = self.slo_targets()
         return PlacementConfig(self.placement, max_num_seqs=seqs, chunk_tokens=chunk, latency=latency, ttft_s=ttft,
                                atgt_s=tpot, others_pred_len=self.fallback_tokens,
                                stale_after_s=self.stale_after_s, replica=(self.replica_index, self.replicas))

@@ -17,6 +17,7 @@ examples:
   lengthwise bench overload                                   # 0.5,1,1.5,2,3 x R, bounded and unbounded (15-20 min)
   lengthwise bench overload --multiples 1,2,4 --rate 0.8 --max-requests 80
   lengthwise bench overload --max-outstanding 12              # the bounded gateway with a tighter bound
+  lengthwise bench overload --arms bounded,learnt,unbounded    # and each engine's bound learnt from the SLO
 
 R: the highest rate at which 90% of requests meet their TTFT and ATGT targets, measured through an unbounded gateway
 on a ladder down from the calibrated simulator's 90% point (--rate-from simulator takes that point itself, which on a
@@ -82,6 +83,10 @@ def add_overload_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--multiples", type=comma_list(float, "0.5,1,2"), default=[0.5, 1.0, 1.5, 2.0, 3.0], metavar="M,M,...",
                    help="rates as multiples of R (default: 0.5,1,1.5,2,3)")
     p.add_argument("--placement", default="jsq", help="the gateways' placement (default: %(default)s)")
+    p.add_argument("--arms", type=comma_list(str, "bounded,learnt,unbounded"), default=["bounded", "unbounded"],
+                   metavar="ARM,...", help="the gateways compared at each rate: bounded (the fixed bound), learnt (the "
+                   "same bound as a ceiling, each engine's own learnt from the SLO: --engine-bound slo), unbounded "
+                   "(default: bounded,unbounded)")
     p.add_argument("--max-outstanding", type=int, metavar="N", help="the bounded gateway's bound on requests in flight "
                    "(default: the gateway's own, --max-outstanding-per-engine x engines)")
     p.add_argument("--max-outstanding-per-engine", type=int, metavar="N",
@@ -172,15 +177,19 @@ def _run(a: argparse.Namespace, build, run) -> int:
 
 
 def _overload_config(a: argparse.Namespace):
-    from serving.placementbench.overload import OverloadConfig
+    from serving.placementbench.overload import ARMS, OverloadConfig
 
     bad = [m for m in a.multiples if not m > 0]
     if bad:
         raise ValueError(f"--multiples must be positive, got {bad[0]:g}")
+    unknown = [x for x in a.arms if x not in ARMS]
+    if unknown:
+        raise ValueError(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
     for flag, value in (("--max-outstanding", a.max_outstanding), ("--max-outstanding-per-engine", a.max_outstanding_per_engine)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    return OverloadConfig(multiples=sorted(set(a.multiples)), placement=a.placement, max_outstanding=a.max_outstanding,
+    return OverloadConfig(multiples=sorted(set(a.multiples)), placement=a.placement, arms=list(dict.fromkeys(a.arms)),
+                          max_outstanding=a.max_outstanding,
                           max_outstanding_per_engine=a.max_outstanding_per_engine, rate_from=a.rate_from,
                           probe_requests=a.probe_requests, fleet=_fleet_config(a, [a.placement]))
 

@@ -7,7 +7,9 @@ without the bound every request queues, each waits longer, and goodput collapses
 On ``bench fleet``'s calibrated fleet (:mod:`serving.placementbench.loadrun`), with R the saturation rate (the
 calibrated simulator's 90% point under the placement, or ``--rate``), the same ShareGPT trace is replayed at m x R
 for each multiple m, through two gateways in turn: "bounded" (the gateway's default bound, 2 x the engines'
-max_num_seqs per engine, or the bench's ``--max-outstanding``) and "unbounded" (both bounds far above any run).
+max_num_seqs per engine, or the bench's ``--max-outstanding``) and "unbounded" (both bounds far above any run), and with
+``--arms`` a third, "learnt": the bounded gateway with ``--engine-bound slo``, each engine's bound learnt from the SLO its
+answers meet (:mod:`serving.gateway.concurrency`), at most the bounded arm's.
 Per run: goodput (requests that met their TTFT and ATGT targets, per second from the first send to the last answer),
 attainment among the accepted (everything but the 429s), their TTFT, the 429s and how fast they came back, and the
 most requests the client had in flight at once (whether the bound was reached at all).
@@ -41,6 +43,7 @@ from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, 
 from serving.replay import Result
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
+ARMS = ("bounded", "learnt", "unbounded")
 UNBOUNDED = 1_000_000  # --max-outstanding and --max-outstanding-per-engine of the "unbounded" gateway
 KEPT_GOODPUT = 0.8     # the claim holds when, past saturation, bounded goodput stays at least this share of its peak...
 ACCEPTED_ATTAINMENT = 0.9  # ...and at least this share of the accepted requests meets the SLO
@@ -51,6 +54,7 @@ class OverloadConfig(BaseModel):
 
     multiples: list[float] = Field(default_factory=lambda: list(MULTIPLES))
     placement: str = "jsq"
+    arms: list[Literal["bounded", "learnt", "unbounded"]] = Field(default_factory=lambda: ["bounded", "unbounded"])
     max_outstanding: int | None = Field(None, ge=1, description="the bounded gateway's --max-outstanding (default: its own)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="the bounded gateway's per-engine bound")
     rate_from: Literal["served", "simulator"] = Field("served", description="R without --rate: measured through an "
@@ -108,7 +112,7 @@ def verdict(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:
     """Does the claim hold? Past saturation (m > 1) bounded goodput keeps at least KEPT_GOODPUT of its peak at m <= 1, and
     at least ACCEPTED_ATTAINMENT of its accepted requests meet the SLO; the unbounded arm's kept share beside it."""
     out: dict[str, Any] = {"kept_goodput_threshold": KEPT_GOODPUT, "accepted_attainment_threshold": ACCEPTED_ATTAINMENT}
-    for arm in ("bounded", "unbounded"):
+    for arm in sorted({r["arm"] for r in runs}, key=ARMS.index):
         mine = [r for r in runs if r["arm"] == arm]
         under = [r["goodput_rps"] for r in mine if r["multiple"] <= 1.0]
         past = [r for r in mine if r["multiple"] > 1.0]
@@ -120,14 +124,17 @@ def verdict(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:
                                                    if r["attainment_accepted"] is not None), default=None),
             "rejected_429": sum(r["rejected_429"] for r in mine),
         }
-    b = out["bounded"]
-    if b["min_kept_goodput_past_R"] is None or b["min_attainment_accepted_past_R"] is None:
-        out["holds"], out["why"] = None, "needs runs at or below R and past R"
-    else:
-        out["holds"] = (b["min_kept_goodput_past_R"] >= KEPT_GOODPUT
-                        and b["min_attainment_accepted_past_R"] >= ACCEPTED_ATTAINMENT)
-        out["why"] = (f"past {rate:.3g} req/s the bounded gateway kept >= {b['min_kept_goodput_past_R']:.2f} of its peak "
-                      f"goodput and >= {b['min_attainment_accepted_past_R']:.2f} attainment among the accepted")
+    for arm in [a for a in ARMS if a in out and a != "unbounded"]:
+        b = out[arm]
+        if b["min_kept_goodput_past_R"] is None or b["min_attainment_accepted_past_R"] is None:
+            b["holds"], b["why"] = None, "needs runs at or below R and past R"
+        else:
+            b["holds"] = (b["min_kept_goodput_past_R"] >= KEPT_GOODPUT
+                          and b["min_attainment_accepted_past_R"] >= ACCEPTED_ATTAINMENT)
+            b["why"] = (f"past {rate:.3g} req/s the {arm} gateway kept >= {b['min_kept_goodput_past_R']:.2f} of its peak "
+                        f"goodput and >= {b['min_attainment_accepted_past_R']:.2f} attainment among the accepted")
+    first = next((a for a in ARMS if a in out and a != "unbounded"), None)
+    out["holds"], out["why"] = (None, "no bounded arm ran") if first is None else (out[first]["holds"], out[first]["why"])
     return out
 
 
@@ -142,7 +149,7 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
             console.print(f"R = {fleet.rate:.3g} req/s, measured through the gateway")
         metrics_urls = [p.url + "/metrics" for p in fleet.procs]
         for m in cfg.multiples:
-            for arm in ("bounded", "unbounded"):
+            for arm in sorted(cfg.arms, key=ARMS.index):
                 not_idle = _wait_idle(metrics_urls)
                 if not_idle:
                     console.print(f"[yellow]warning[/]: {not_idle}; the run starts anyway (recorded as not_idle_at_start)")
@@ -179,12 +186,15 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
     for flag, value in zip(("--max-outstanding", "--max-outstanding-per-engine"), bounds):
         if value is not None:
             args += [flag, str(value)]
+    if arm == "learnt":
+        args += ["--engine-bound", "slo"]
     with running_gateway(args, port, fleet.work / f"gateway-{m:g}x-{arm}.log") as (url, _):
         console.print(f"[bold]{m:g} x R = {m * fleet.rate:.3g} req/s, {arm}[/]: {len(jobs)} requests")
         res, _wall = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, [p.length for p in fleet.trace.preds])))
         health = httpx.get(url + "/health", timeout=10).json()
     row = run_summary(res, fleet.cal.slo)
     row["gateway_peak_in_flight"] = health.get("inflight_peak")
+    row["learnt_bounds"] = {e["name"]: e["bound"] for e in health.get("engines", []) if "bound" in e} or None
     row["bounds"] = {"max_outstanding": bounds[0], "max_outstanding_per_engine": bounds[1],
                      "gateway_max_outstanding": health.get("max_outstanding")}
     row["lost_ids"] = [i for i in _wrong_or_lost(res) if res[i].status != 429][:20]
@@ -205,7 +215,8 @@ def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[st
 
 
 def _bounds(cfg: OverloadConfig, arm: str) -> tuple[int | None, int | None]:
-    """The gateway's (--max-outstanding, --max-outstanding-per-engine) for an arm; None: the gateway's default."""
+    """The gateway's (--max-outstanding, --max-outstanding-per-engine) for an arm; None: the gateway's default. The learnt
+    arm's per-engine bound is its ceiling."""
     if arm == "unbounded":
         return UNBOUNDED, UNBOUNDED
     return cfg.max_outstanding, cfg.max_outstanding_per_engine
@@ -230,8 +241,9 @@ def print_overload(out: dict[str, Any], console: Console) -> None:
                   str(r.get("gateway_peak_in_flight", "-")), str(r["peak_in_flight"]))
     Console(width=max(console.width, 170)).print(t)
     v = out["verdict"]
-    word = {True: "[green]holds[/]", False: "[red]does not hold[/]", None: "[yellow]undecided[/]"}[v["holds"]]
-    console.print(f"verdict: the bound's claim {word}: {v['why']}")
+    words = {True: "[green]holds[/]", False: "[red]does not hold[/]", None: "[yellow]undecided[/]"}
+    for arm in [a for a in ARMS if a in v and a != "unbounded"]:
+        console.print(f"verdict ({arm}): the bound's claim {words[v[arm]['holds']]}: {v[arm]['why']}")
 
 
 def plot_overload(out: dict[str, Any], path: Path) -> Path:
@@ -241,8 +253,12 @@ def plot_overload(out: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for arm, style in (("bounded", {"marker": "o", "ls": "-"}), ("unbounded", {"marker": "s", "ls": "--"})):
+    styles = {"bounded": {"marker": "o", "ls": "-"}, "learnt": {"marker": "^", "ls": "-."},
+              "unbounded": {"marker": "s", "ls": "--"}}
+    for arm, style in styles.items():
         rows = [r for r in out["runs"] if r["arm"] == arm]
+        if not rows:
+            continue
         x = [r["rate"] for r in rows]
         axes[0].plot(x, [r["goodput_rps"] for r in rows], label=arm, **style)
         axes[1].plot(x, [r["attainment_accepted"] if r["attainment_accepted"] is not None else float("nan") for r in rows],

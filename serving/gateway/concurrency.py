@@ -1,0 +1,118 @@
+"""Each engine's bound on requests in flight, learnt from the SLO its answers meet (``--engine-bound slo``).
+
+Why: a fixed bound per engine (``--max-outstanding-per-engine``) keeps queues and memory finite but not latency. Measured
+on two CPU engines past their saturation rate, a bound at the engines' batch size still let the accepted requests miss
+their per-token target most of the time: with every place filled, each decode step serves more requests, beside the
+gateway and the clients on the same cores, and a token takes longer than the target. The concurrency an engine can hold
+within the SLO depends on the model, the prompts, the hardware and what else runs there, so it is measured, not set.
+
+How: the gateway already sees, for each answer, when it was sent to its engine, when its first token came (streams) and
+when it ended, so it knows whether the engine served it within the SLO (first token within the TTFT target, later tokens
+within the ATGT target on average; a non-streamed answer within TTFT + ATGT x its later tokens), and how many of its
+requests the engine held on average while it did (the time average of the engine's requests in flight over the
+answer's life). A miss is evidence against the bound only when the answer lived near it: misses at a fraction of the
+bound (a long prompt, a hiccup) are noise no bound can cure. Additive increase, multiplicative decrease, as TCP's
+congestion window and the adaptive concurrency limits of service meshes (Envoy, Netflix's concurrency-limits) do: an
+answer that met the SLO near the bound, while the recent miss rate (near the bound) is within ``miss_target``, raises the
+bound by 1/bound (about one place per bound's worth of answers); a miss near it, with the miss rate past the target,
+cuts it to ``BETA`` x the concurrency the miss lived under, at most once per bound's worth of answers (the answers
+still in flight were admitted under the old bound and would count the same congestion again). The bound stays between
+``floor`` and the fixed per-engine bound, which is where it starts.
+
+A miss rate near the target at the bound is what this keeps, so ``miss_target`` sits below the share of misses the
+operator accepts (5% against an SLO attainment of 90%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BETA = 0.8  # the cut on a miss: the bound falls to this share of the concurrency the missed answer lived under
+NEAR = 0.75  # an answer lived "near the bound" when the engine held at least this share of its bound, on average
+ALPHA = 0.05  # the miss rate's smoothing: about the last twenty answers near the bound
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One answer as the gateway saw it (``time.perf_counter()`` seconds); ``first_token`` None for a non-streamed one."""
+
+    sent: float
+    first_token: float | None
+    end: float
+    tokens: int
+    lived: float  # the engine's requests in flight, averaged over the answer's life (itself included)
+
+
+def met_slo(s: Served, ttft_s: float, atgt_s: float) -> bool:
+    """Whether the engine served ``s`` within the targets (TTFT from the send to the engine, not from the client's
+    arrival: the time before it, prediction included, is not the engine's and no engine bound changes it)."""
+    later = max(0, s.tokens - 1)
+    if s.first_token is None:
+        return s.end - s.sent <= ttft_s + atgt_s * later
+    if s.first_token - s.sent > ttft_s:
+        return False
+    return later == 0 or (s.end - s.first_token) / later <= atgt_s
+
+
+class EngineLimit:
+    """One engine's learnt bound. :attr:`bound` is what placement compares the engine's requests in flight against."""
+
+    def __init__(self, ceiling: int, ttft_s: float, atgt_s: float, floor: int = 1, miss_target: float = 0.05) -> None:
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"the floor {floor} must be between 1 and the ceiling {ceiling}")
+        self.ceiling, self.floor, self.ttft_s, self.atgt_s, self.miss_target = ceiling, floor, ttft_s, atgt_s, miss_target
+        self.limit = float(ceiling)
+        self.miss_rate = 0.0
+        self.cuts = self.raises = self.observed = self.missed = 0
+        self._hold = 0  # answers still to come before the next cut may happen
+
+    @property
+    def bound(self) -> int:
+        return max(self.floor, int(self.limit))
+
+    def observe(self, s: Served) -> bool:
+        """Learn from one answer; returns whether it met the SLO."""
+        met = met_slo(s, self.ttft_s, self.atgt_s)
+        self.observed += 1
+        self.missed += not met
+        self._hold = max(0, self._hold - 1)
+        if s.lived < NEAR * self.limit:
+            return met
+        self.miss_rate += ALPHA * ((not met) - self.miss_rate)
+        if met:
+            if self.miss_rate <= self.miss_target and self.limit < self.ceiling:
+                self.limit = min(float(self.ceiling), self.limit + 1.0 / self.limit)
+                self.raises += 1
+        elif self.miss_rate > self.miss_target and not self._hold:
+            self.limit = max(float(self.floor), BETA * min(self.limit, s.lived))
+            self.cuts += 1
+            self._hold = math.ceil(self.limit)
+        return met
+
+    def state(self) -> dict[str, float | int]:
+        return {"bound": self.bound, "limit": round(self.limit, 3), "ceiling": self.ceiling,
+                "miss_rate_near_bound": round(self.miss_rate, 4), "answers": self.observed, "missed": self.missed,
+                "cuts": self.cuts, "raises": self.raises}
+
+
+class InFlightClock:
+    """An engine's requests in flight integrated over time, so any answer's average concurrency is two readings."""
+
+    __slots__ = ("_area", "_n", "_t")
+
+    def __init__(self, now: float) -> None:
+        self._area, self._n, self._t = 0.0, 0, now
+
+    def set(self, n: int, now: float) -> None:
+        """The count changed to ``n`` at ``now``."""
+        self._area += self._n * (now - self._t)
+        self._n, self._t = n, now
+
+    def area(self, now: float) -> float:
+        return self._area + self._n * (now - self._t)
+
+    def average(self, since: tuple[float, float], now: float) -> float:
+        """The average count from ``since`` (a (time, area) reading) to ``now``."""
+        t0, a0 = since
+        return (self.area(now) - a0) / (now - t0) if now > t0 else float(self._n)

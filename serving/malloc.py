@@ -5,12 +5,14 @@ vLLM's CPU platform means its engines to run on tcmalloc: it puts a ``libtcmallo
 engine started plainly runs on glibc's malloc. On this project's soak (two engines side by side, the same load, one
 on each allocator) the model worker on glibc grew 352 MiB in 12 minutes and was still growing 22 MiB per 96 s at the
 end; on tcmalloc it grew 266 MiB and 8 MiB in the last 96 s (docs/results/reliability.md). Engines the project starts
-therefore preload the system's tcmalloc (Debian/Ubuntu: ``apt install libtcmalloc-minimal4``) when it is installed.
+(``lengthwise serve`` and the load benches, ``bench engine``, the Ray application's engine replicas) therefore preload
+the system's tcmalloc (Debian/Ubuntu: ``apt install libtcmalloc-minimal4``) when it is installed.
 """
 
 from __future__ import annotations
 
 import os
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -38,3 +40,15 @@ def with_tcmalloc(env: Mapping[str, str], lib: Path | None) -> dict[str, str]:
         return out
     out["LD_PRELOAD"] = os.pathsep.join(p for p in (str(lib), preload) if p)
     return out
+
+
+def engine_malloc(cpu: bool, choice: str, log: logging.Logger) -> Path | None:
+    """The tcmalloc that CPU engines started with allocator ``choice`` (``tcmalloc`` or ``system``) preload: None on a
+    CUDA build, for ``system``, or when none is installed (then one warning in ``log`` naming the package)."""
+    if not cpu or choice != "tcmalloc":
+        return None
+    lib = find_tcmalloc()
+    if lib is None:
+        log.warning("no tcmalloc on this system (%s): the engines run on glibc's malloc, whose model workers grow more "
+                    "in a long run", INSTALL_HINT)
+    return lib

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.unit
 TTFT, ATGT = 0.2, 0.02
 
 
-def _answer(lived: float, met: bool, tokens: int = 11) -> Served:
-    """A streamed answer that lived at ``lived`` requests in flight: 0.1 s to its first token, then 10 later tokens at
-    15 ms (met) or 30 ms (missed) each."""
-    return Served(0.0, 0.1, 0.1 + (tokens - 1) * (0.015 if met else 0.03), tokens, lived)
+def _answer(lived: float, met: bool, tokens: int = 11, sent: float = 0.0) -> Served:
+    """A streamed answer sent at ``sent`` that lived at ``lived`` requests in flight: 0.1 s to its first token, then its
+    later tokens at 15 ms (met) or 30 ms (missed) each."""
+    return Served(sent, sent + 0.1, sent + 0.1 + (tokens - 1) * (0.015 if met else 0.03), tokens, lived)
 
 
 def test_a_miss_is_judged_from_the_send_to_the_engine_by_ttft_and_mean_later_tokens():
@@ -30,50 +30,61 @@ def test_a_miss_is_judged_from_the_send_to_the_engine_by_ttft_and_mean_later_tok
     assert not met_slo(Served(10.0, None, 10.41, 11, 1), TTFT, ATGT)
 
 
-def test_misses_near_the_bound_cut_it_once_per_bounds_worth_of_answers_and_misses_far_below_do_not():
+def test_misses_at_the_usual_concurrency_cut_the_bound_once_per_cut_and_misses_far_below_it_do_not():
     lim = EngineLimit(16, TTFT, ATGT)
-    for _ in range(30):
-        assert not lim.observe(_answer(4, met=False))  # a quarter of the bound: noise no bound cures
-    assert (lim.bound, lim.cuts, lim.missed) == (16, 0, 30)
-    lim.observe(_answer(16, met=False))  # miss rate 5%: at the target, no cut yet
+    for i in range(40):
+        lim.observe(_answer(8, met=True, sent=i))  # the engine usually holds 8, far below its ceiling of 16
+    for i in range(40, 70):
+        assert not lim.observe(_answer(2, met=False, sent=i))  # a quarter of that: noise no bound cures
+    assert (lim.bound, lim.cuts, lim.missed, lim.miss_rate) == (16, 0, 30, 0.0)
+    lim.observe(_answer(9, met=False, sent=70))
+    lim.observe(_answer(9, met=False, sent=71))  # miss rate 9.75%: within the 10% target, no cut yet
     assert lim.cuts == 0
-    lim.observe(_answer(15, met=False))  # past it: cut to BETA x the concurrency the answer lived under
-    assert lim.cuts == 1 and lim.limit == pytest.approx(BETA * 15) and lim.bound == 12
-    for _ in range(lim.bound - 1):  # the answers admitted under the old bound: no second cut for the same congestion
-        lim.observe(_answer(12, met=False))
+    lim.observe(_answer(9, met=False, sent=72))  # past it: cut to BETA x the concurrency the answer lived under
+    assert lim.cuts == 1 and lim.limit == pytest.approx(BETA * 9) and lim.bound == 7
+    cut_at = _answer(9, met=False, sent=72).end
+    for i in range(10):  # answers sent before the cut were admitted under the old bound: no second cut for them
+        lim.observe(_answer(9, met=False, sent=cut_at - 1 + i * 0.01))
     assert lim.cuts == 1
-    lim.observe(_answer(12, met=False))
-    assert lim.cuts == 2 and lim.bound == int(BETA * BETA * 15)
+    lim.observe(_answer(7, met=False, sent=cut_at))  # the first sent under the new bound
+    assert lim.cuts == 2 and lim.limit == pytest.approx(BETA * 7)  # BETA x the smaller of the bound and its concurrency
 
 
-def test_answers_that_meet_the_slo_near_the_bound_raise_it_to_the_ceiling_and_idle_ones_do_not():
+def test_answers_that_meet_the_slo_at_the_bound_raise_it_to_the_ceiling_and_below_it_do_not():
     lim = EngineLimit(8, TTFT, ATGT, floor=2)
-    lim.limit = 2.0
-    for _ in range(50):
-        lim.observe(_answer(1, met=True))  # half of the bound: the engine was not near it, no evidence it can hold more
-    assert lim.bound == 2 and lim.raises == 0
+    lim.limit = 4.0
+    for i in range(50):
+        lim.observe(_answer(2, met=True, sent=i))  # half of the bound: nothing shows the engine could hold more
+    assert lim.bound == 4 and lim.raises == 0
     n = 0
     while lim.bound < 8:
-        lim.observe(_answer(lim.limit, met=True))
+        lim.observe(_answer(lim.limit, met=True, sent=50 + n))
         n += 1
-    assert lim.raises == n and 2 * 6 <= n <= 8 * 6  # about one place per bound's worth of answers
-    lim.observe(_answer(8, met=True))
+    assert lim.raises == n and 4 * 4 <= n <= 8 * 4  # about one place per bound's worth of answers
+    lim.observe(_answer(8, met=True, sent=99))
     assert lim.limit == 8.0  # never past the ceiling
 
 
 @pytest.mark.parametrize("capacity", [2, 5, 11])
 def test_on_an_engine_that_misses_past_a_concurrency_the_bound_settles_at_or_just_below_it(capacity):
-    """Closed loop, saturated: every answer lives at the bound; it misses when the bound is past ``capacity``."""
+    """Closed loop, saturated: one answer every 10 ms, each sent eight answers before it ends and living at the bound it
+    was admitted under; it misses (two tokens 70 ms apart) when that bound was past ``capacity``, else meets (eleven
+    tokens 7 ms apart). The answers in flight when the bound passes capacity all miss before a cut reaches them, so the
+    bound spends more answers past capacity than the 10% miss target (13-17% for capacities 5 and 11)."""
     lim = EngineLimit(16, TTFT, ATGT)
+    admitted = [lim.bound] * 8
     seen = []
     for i in range(3000):
-        lim.observe(_answer(lim.bound, met=lim.bound <= capacity))
+        b = admitted.pop(0)
+        sent, end = (i - 8) * 0.01, i * 0.01
+        lim.observe(Served(sent, sent + 0.01, end, 11 if b <= capacity else 2, b))
+        admitted.append(lim.bound)
         if i >= 1000:
             seen.append(lim.bound)
     over = sum(b > capacity for b in seen) / len(seen)
-    assert over <= 0.06, f"past capacity {over:.1%} of the time"
+    assert over <= 0.2, f"past capacity {over:.1%} of the time"
     assert min(seen) >= max(1, int(BETA * (capacity + 1)) - 1)
-    assert sum(seen) / len(seen) >= 0.85 * capacity
+    assert sum(seen) / len(seen) >= 0.8 * capacity
 
 
 @settings(max_examples=200, deadline=None)

@@ -42,7 +42,12 @@ def test_the_example_config_builds_the_applications():
     deps, built = _build(apps["lengthwise"])
     assert set(deps) == {"engine", "ingress"} and built.ingress_deployment_name == "ingress"
     engine = deps["engine"]
-    assert engine.num_replicas == 2 and engine.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
+    opts = engine.ray_actor_options
+    assert engine.num_replicas == 2 and (opts["num_cpus"], opts["num_gpus"]) == (1.0, 0.0)
+    from serving.ray.app import replica_env
+
+    env = replica_env(deps["ingress"].init_args[0], 0.0)  # the system's tcmalloc on the CPU build, where installed
+    assert opts.get("runtime_env") == ({"env_vars": env} if env else None)
     router = engine._deployment_config.request_router_config
     assert router.get_request_router_class() is LengthwiseRequestRouter
     assert router.request_router_kwargs["placement"] == "lengthwise"
@@ -97,3 +102,21 @@ def test_engine_replicas_pin_their_whole_cpus_on_the_cpu_build_only(monkeypatch)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.setattr(app, "is_cpu_build", lambda: False)
     assert app.pinned_cores(s, 1.0, 0.0) == 0
+
+
+@pytest.mark.unit
+def test_engine_replicas_start_with_the_systems_tcmalloc_preloaded_on_the_cpu_build(monkeypatch):
+    from serving.gateway.settings import GatewaySettings
+    from serving.malloc import find_tcmalloc
+    from serving.ray import app
+
+    s = GatewaySettings(model="m")
+    monkeypatch.setattr(app, "is_cpu_build", lambda: True)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    env = app.replica_env(s, 0.0)
+    lib = find_tcmalloc()
+    assert env == ({"LD_PRELOAD": str(lib)} if lib is not None else {})
+    assert app.replica_env(s, 1.0) == {}  # a GPU replica: CUDA vLLM brings its own allocator setup
+    assert app.replica_env(s.model_copy(update={"engine_malloc": "system"}), 0.0) == {}
+    monkeypatch.setattr(app, "is_cpu_build", lambda: False)
+    assert app.replica_env(s, 0.0) == {}

@@ -121,3 +121,20 @@ def test_cli_refuses_what_does_not_apply_in_one_line():
     r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--model", "m", "--replicas", "2", "--replica-index", "1"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "leave out --replica-index" in r.stderr, r.stderr
+
+
+def test_each_engine_replica_runs_on_the_systems_tcmalloc_where_it_is_installed(ray_app):
+    """The replica and its engine's processes have the system's tcmalloc mapped, as the HTTP backend's engines do
+    (serving/malloc.py); without one installed, glibc's malloc."""
+    import psutil
+
+    from serving.malloc import find_tcmalloc
+
+    lib = find_tcmalloc()
+    trees = [[p.parent(), p, *p.children(recursive=True)] for p in psutil.process_iter(["name"])
+             if p.info["name"] == "VLLM::EngineCore" and p.parent() is not None and p.parent().name().startswith("ray::")]
+    assert len(trees) == 2, trees
+    for tree in trees:
+        for q in tree:
+            maps = Path(f"/proc/{q.pid}/maps").read_text()
+            assert (lib is not None) == ("libtcmalloc" in maps), (lib, q.pid, q.name())

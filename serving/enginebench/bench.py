@@ -197,17 +197,26 @@ def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> lis
     """Run the jobs' engines side by side, each on its own cores; their progress lines are shown.
 
     Side by side rather than one after the other: whatever else the machine runs meanwhile slows both
-    schedulers alike, so their ratio survives a shared machine.
+    schedulers alike, so their ratio survives a shared machine. On the CPU build both run on the system's tcmalloc
+    where it is installed, as the engines ``lengthwise serve`` starts (:mod:`serving.malloc`).
     """
+    import logging
     import threading
 
+    from serving.gateway.launcher import is_cpu_build
+    from serving.malloc import engine_malloc, with_tcmalloc
+
+    malloc = engine_malloc(is_cpu_build(), "tcmalloc", logging.getLogger("serving.enginebench"))
+    if malloc is not None:
+        console.print(f"engines preload {malloc}")
     binds = _core_sets(len(jobs), jobs[0]["engine"]["threads"])
     procs = []
     for job, bind in zip(jobs, binds):
         tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
         jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
         jp.write_text(json.dumps(job))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])}
+        env = with_tcmalloc({**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])},
+                            malloc)
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         log = lp.open("w")

@@ -7,6 +7,7 @@ One request's path (docs/architecture.md), one module per step:
                           testable without HTTP (``app.py`` is its FastAPI adapter)
 ``auth.py``               API keys: who may call (bearer keys as ``vllm serve --api-key``, 401 in OpenAI's shape)
 ``admission.py``          how much work is accepted: requests in flight, 429 with ``Retry-After`` past the bound
+``concurrency.py``        each engine's bound learnt from the SLO its answers meet (``--engine-bound slo``)
 ``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)
 ``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
 ``target.py``             is the sidecar's predictor made for the served model? (checked at start and while serving)

@@ -52,7 +52,7 @@ import httpx
 from serving.cores import parse_cores, pin_to
 from serving.gateway.pool import engine_names
 from serving.gateway.settings import GatewaySettings
-from serving.malloc import INSTALL_HINT, find_tcmalloc, with_tcmalloc
+from serving.malloc import engine_malloc, with_tcmalloc
 
 log = logging.getLogger("serving.gateway")
 
@@ -168,10 +168,7 @@ def start_engines(settings: GatewaySettings, log_dir: Path) -> list[EngineProces
     log_cfg = log_dir / "vllm-logging.json"
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
     names = engine_names(settings.engines) + engine_names(settings.prefill_engines, prefill=True)
-    malloc = find_tcmalloc() if cpu and settings.engine_malloc == "tcmalloc" else None
-    if cpu and settings.engine_malloc == "tcmalloc" and malloc is None:
-        log.warning("no tcmalloc on this system (%s): the engines run on glibc's malloc, whose model workers grow more "
-                    "in a long run", INSTALL_HINT)
+    malloc = engine_malloc(cpu, settings.engine_malloc, log)
     out = []
     for i, name in enumerate(names):
         port = free_port()

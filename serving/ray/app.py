@@ -10,6 +10,7 @@ at ``/predictor`` as a separate application, whose URL on the local Serve proxy 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -18,12 +19,14 @@ from ray.serve.config import RequestRouterConfig
 
 from serving.gateway.launcher import engine_command, is_cpu_build
 from serving.gateway.settings import GatewaySettings
+from serving.malloc import engine_malloc, with_tcmalloc
 from serving.ray.engine import EngineReplica
 from serving.ray.ingress import Ingress
 from serving.ray.router import LengthwiseRequestRouter, TimedPowerOfTwoRouter
 from serving.ray.sidecar import ROUTE, SidecarReplica
 
 STATS_PERIOD_S = 0.5  # how often each replica's routing stats are collected
+log = logging.getLogger("serving.ray")
 
 
 def engine_argv(settings: GatewaySettings) -> list[str]:
@@ -57,13 +60,25 @@ def pinned_cores(settings: GatewaySettings, engine_cpus: float, engine_gpus: flo
     return int(engine_cpus)
 
 
+def replica_env(settings: GatewaySettings, engine_gpus: float) -> dict[str, str]:
+    """Environment variables each engine replica's process starts with: on the CPU build, the system's tcmalloc first in
+    ``LD_PRELOAD`` (``engine_malloc``, as the HTTP backend's engines; :mod:`serving.malloc`). The library is looked up
+    on the node that deploys: a node without it at that path runs the replica on glibc's malloc (the loader says so)."""
+    lib = engine_malloc(engine_gpus == 0 and is_cpu_build(), settings.engine_malloc, log)
+    return {"LD_PRELOAD": with_tcmalloc(os.environ, lib)["LD_PRELOAD"]} if lib is not None else {}
+
+
 def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,
                router: str = "lengthwise") -> Any:
     """The engine deployment, bound: ``settings.engines`` replicas behind ``router`` (see :func:`router_config`), each
-    pinned to :func:`pinned_cores` cores of its node."""
+    pinned to :func:`pinned_cores` cores of its node and started with :func:`replica_env`."""
+    options: dict[str, Any] = {"num_cpus": engine_cpus, "num_gpus": engine_gpus}
+    env = replica_env(settings, engine_gpus)
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     dep = serve.deployment(EngineReplica, name="engine", num_replicas=settings.engines,
                            max_ongoing_requests=2 * settings.engine_seqs, request_router_config=router_config(settings, router),
-                           ray_actor_options={"num_cpus": engine_cpus, "num_gpus": engine_gpus}, health_check_period_s=5)
+                           ray_actor_options=options, health_check_period_s=5)
     return dep.bind(engine_argv(settings), settings.fallback_tokens, pinned_cores(settings, engine_cpus, engine_gpus))
 
 

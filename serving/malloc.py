@@ -11,8 +11,8 @@ the system's tcmalloc (Debian/Ubuntu: ``apt install libtcmalloc-minimal4``) when
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 

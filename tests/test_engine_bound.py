@@ -30,29 +30,27 @@ def test_a_miss_is_judged_from_the_send_to_the_engine_by_ttft_and_mean_later_tok
     assert not met_slo(Served(10.0, None, 10.41, 11, 1), TTFT, ATGT)
 
 
-def test_misses_at_the_usual_concurrency_cut_the_bound_once_per_cut_and_misses_far_below_it_do_not():
-    lim = EngineLimit(16, TTFT, ATGT)
-    for i in range(40):
-        lim.observe(_answer(8, met=True, sent=i))  # the engine usually holds 8, far below its ceiling of 16
-    for i in range(40, 70):
-        assert not lim.observe(_answer(2, met=False, sent=i))  # a quarter of that: noise no bound cures
-    assert (lim.bound, lim.cuts, lim.missed, lim.miss_rate) == (16, 0, 30, 0.0)
-    lim.observe(_answer(9, met=False, sent=70))
-    lim.observe(_answer(9, met=False, sent=71))  # miss rate 9.75%: within the 10% target, no cut yet
+def test_misses_near_the_bound_cut_it_once_per_cut_and_misses_well_below_it_do_not():
+    lim = EngineLimit(16, TTFT, ATGT, start=8)
+    assert lim.bound == 8  # starts at the engines' batch, below the ceiling
+    for i in range(30):
+        assert not lim.observe(_answer(4, met=False, sent=i))  # half of the bound: noise no bound cures
+    assert (lim.bound, lim.cuts, lim.missed, lim.miss_rate) == (8, 0, 30, 0.0)
+    lim.observe(_answer(8, met=False, sent=30))
+    lim.observe(_answer(8, met=False, sent=31))  # miss rate 9.75%: within the 10% target, no cut yet
     assert lim.cuts == 0
-    lim.observe(_answer(9, met=False, sent=72))  # past it: cut to BETA x the concurrency the answer lived under
-    assert lim.cuts == 1 and lim.limit == pytest.approx(BETA * 9) and lim.bound == 7
-    cut_at = _answer(9, met=False, sent=72).end
+    lim.observe(_answer(7, met=False, sent=32))  # past it: cut to BETA x the concurrency the answer lived under
+    assert lim.cuts == 1 and lim.limit == pytest.approx(BETA * 7) and lim.bound == 5
+    cut_at = _answer(7, met=False, sent=32).end
     for i in range(10):  # answers sent before the cut were admitted under the old bound: no second cut for them
-        lim.observe(_answer(9, met=False, sent=cut_at - 1 + i * 0.01))
+        lim.observe(_answer(6, met=False, sent=cut_at - 1 + i * 0.01))
     assert lim.cuts == 1
-    lim.observe(_answer(7, met=False, sent=cut_at))  # the first sent under the new bound
-    assert lim.cuts == 2 and lim.limit == pytest.approx(BETA * 7)  # BETA x the smaller of the bound and its concurrency
+    lim.observe(_answer(5, met=False, sent=cut_at))  # the first sent under the new bound
+    assert lim.cuts == 2 and lim.limit == pytest.approx(BETA * 5)  # BETA x the smaller of the bound and its concurrency
 
 
 def test_answers_that_meet_the_slo_at_the_bound_raise_it_to_the_ceiling_and_below_it_do_not():
-    lim = EngineLimit(8, TTFT, ATGT, floor=2)
-    lim.limit = 4.0
+    lim = EngineLimit(8, TTFT, ATGT, floor=2, start=4)
     for i in range(50):
         lim.observe(_answer(2, met=True, sent=i))  # half of the bound: nothing shows the engine could hold more
     assert lim.bound == 4 and lim.raises == 0

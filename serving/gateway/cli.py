@@ -291,9 +291,10 @@ def _limit_flags(lim: argparse._ActionsContainer) -> None:
                   "running and one waiting for the scheduler to order)")
     _setting(lim, "--engine-bound", "engine_bound", choices=["static", "slo"],
              help="static: every engine's bound is --max-outstanding-per-engine. slo: each engine's bound is learnt "
-                  "from the SLO its answers meet (--slo-ttft-ms, --slo-tpot-ms): cut when answers near it miss, raised "
-                  "while they meet it, never above --max-outstanding-per-engine; for engines whose batch outruns the "
-                  "per-token target before it fills (default: %(default)s)")
+                  "from the SLO its answers meet (--slo-ttft-ms, --slo-tpot-ms): it starts at the engines' "
+                  "--max-num-seqs, is cut when answers that lived near it miss, raised while they meet it, and never "
+                  "passes --max-outstanding-per-engine; for engines whose batch outruns the per-token target before "
+                  "it fills (default: %(default)s)")
     _setting(lim, "--max-n", "max_n", metavar="N", help="the largest n a request may ask for; more is a 400 "
              "(default: %(default)s)")
     _setting(lim, "--slo-min-ms", "slo_min_ms", metavar="MS",

@@ -11,20 +11,24 @@ when it ended, so it knows whether the engine served it within the SLO (first to
 within the ATGT target on average; a non-streamed answer within TTFT + ATGT x its later tokens), and how many of its
 requests the engine held on average while it did (the time average of the engine's requests in flight over the
 answer's life). Additive increase, multiplicative decrease, as TCP's congestion window and the adaptive concurrency
-limits of service meshes (Envoy, Netflix's concurrency-limits) do:
+limits of service meshes (Envoy, Netflix's concurrency-limits) do, counting only the answers that lived near the bound
+(the engine held at least ``NEAR`` of it, on average), where the bound is what decides how loaded the engine is:
 
-- a miss cuts the bound to ``BETA`` x the concurrency it lived under, when the recent miss rate is past ``miss_target``
-  and the answer was sent after the last cut (those sent before it were admitted under the old bound and would count
-  the same congestion twice);
-- an answer that met the SLO while the engine held at least ``NEAR`` of its bound raises the bound by 1/bound (about
-  one place per bound's worth of answers), while the miss rate is within the target. A bound the engine does not reach
-  is not raised: nothing shows it could hold more (TCP's congestion-window validation);
-- answers that lived at a fraction of the engine's usual concurrency (``NEAR`` x the smaller of the bound and the
-  recent average) count for neither: a miss there (a long prompt, a hiccup) is noise no bound cures.
+- a miss there cuts the bound to ``BETA`` x the concurrency it lived under, when the recent miss rate there is past
+  ``miss_target`` and the answer was sent after the last cut (those sent before it were admitted under the old bound
+  and would count the same congestion twice);
+- an answer that met the SLO there raises the bound by 1/bound (about one place per bound's worth of answers), while
+  the miss rate is within the target;
+- an answer that lived well below the bound says nothing about it: a miss there (a long prompt, a neighbour's burst of
+  CPU) is noise that no bound cures, and cutting on it would refuse requests at a light load; a bound the engine does
+  not reach is not raised either, since nothing shows that the engine could hold more (TCP's congestion-window
+  validation).
 
-The bound stays between ``floor`` and the fixed per-engine bound, which is where it starts. What it keeps is a miss
-rate near ``miss_target`` among the answers at the bound: 10% by default, the share of misses that an SLO attainment of
-90% allows.
+The bound starts at the engines' batch (``start``, their ``--max-num-seqs``: past it a request waits inside the engine
+for a place, and at a bound far above what the engine holds no answer would ever count), may rise to the fixed
+per-engine bound (the ceiling) while answers at it meet the SLO, and never falls below ``floor``. What it keeps is a
+miss rate near ``miss_target`` among the answers at the bound: 10% by default, the share of misses that an SLO
+attainment of 90% allows.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BETA = 0.8  # the cut on a miss: the bound falls to this share of the concurrency the missed answer lived under
-NEAR = 0.75  # an answer lived near the bound (or the usual concurrency) when the engine held this share of it, on average
-ALPHA = 0.05  # the smoothing of the miss rate and the usual concurrency: about the last twenty answers
+NEAR = 0.75  # an answer lived near the bound when the engine held at least this share of it, on average
+ALPHA = 0.05  # the miss rate's smoothing: about the last twenty answers near the bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +65,13 @@ def met_slo(s: Served, ttft_s: float, atgt_s: float) -> bool:
 class EngineLimit:
     """One engine's learnt bound. :attr:`bound` is what placement compares the engine's requests in flight against."""
 
-    def __init__(self, ceiling: int, ttft_s: float, atgt_s: float, floor: int = 1, miss_target: float = 0.1) -> None:
+    def __init__(self, ceiling: int, ttft_s: float, atgt_s: float, floor: int = 1, start: int | None = None,
+                 miss_target: float = 0.1) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"the floor {floor} must be between 1 and the ceiling {ceiling}")
         self.ceiling, self.floor, self.ttft_s, self.atgt_s, self.miss_target = ceiling, floor, ttft_s, atgt_s, miss_target
-        self.limit = float(ceiling)
+        self.limit = float(min(ceiling, max(floor, start or ceiling)))
         self.miss_rate = 0.0
-        self.level: float | None = None  # the engine's recent concurrency, averaged over answers
         self.cuts = self.raises = self.observed = self.missed = 0
         self._cut_at = float("-inf")  # when the last cut happened: answers sent before it do not cut again
 
@@ -80,12 +84,11 @@ class EngineLimit:
         met = met_slo(s, self.ttft_s, self.atgt_s)
         self.observed += 1
         self.missed += not met
-        self.level = s.lived if self.level is None else self.level + ALPHA * (s.lived - self.level)
-        if s.lived < NEAR * min(self.limit, self.level):
+        if s.lived < NEAR * self.limit:
             return met
         self.miss_rate += ALPHA * ((not met) - self.miss_rate)
         if met:
-            if s.lived >= NEAR * self.limit and self.miss_rate <= self.miss_target and self.limit < self.ceiling:
+            if self.miss_rate <= self.miss_target and self.limit < self.ceiling:
                 self.limit = min(float(self.ceiling), self.limit + 1.0 / self.limit)
                 self.raises += 1
         elif self.miss_rate > self.miss_target and s.sent >= self._cut_at:
@@ -96,8 +99,7 @@ class EngineLimit:
 
     def state(self) -> dict[str, float | int]:
         return {"bound": self.bound, "limit": round(self.limit, 3), "ceiling": self.ceiling,
-                "miss_rate": round(self.miss_rate, 4), "level": None if self.level is None else round(self.level, 2),
-                "answers": self.observed, "missed": self.missed,
+                "miss_rate_near_bound": round(self.miss_rate, 4), "answers": self.observed, "missed": self.missed,
                 "cuts": self.cuts, "raises": self.raises}
 
 

@@ -48,7 +48,8 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def _fleet_args(p: argparse.ArgumentParser, max_requests: int, max_num_seqs: int, requests_help: str) -> None:
+def _fleet_args(p: argparse.ArgumentParser, max_requests: int, max_num_seqs: int, requests_help: str,
+                probe_default: str = "40") -> None:
     from serving.enginebench.model import SHAPES
 
     p.add_argument("--rate", type=float, help="req/s: R without measuring it")
@@ -57,8 +58,8 @@ def _fleet_args(p: argparse.ArgumentParser, max_requests: int, max_num_seqs: int
                         "simulator's rate, then x0.7 each probe, until 90%% of a probe's requests meet the SLO); "
                         "'simulator' takes the calibrated simulator's 90%% point, which leaves out the HTTP path's CPU "
                         "(default: %(default)s)")
-    p.add_argument("--probe-requests", type=int, default=40, metavar="N",
-                   help="requests per probe when R is measured (default: %(default)s)")
+    p.add_argument("--probe-requests", type=int, default=None, metavar="N",
+                   help=f"requests per probe when R is measured (default: {probe_default})")
     p.add_argument("--max-requests", type=int, default=max_requests, help=f"{requests_help} (default: %(default)s)")
     p.add_argument("--shape", choices=list(SHAPES), default="tiny", help="the dummy model's shape (default: %(default)s)")
     p.add_argument("--kv-blocks", type=int, default=160, help="KV blocks of 32 tokens per engine (default: %(default)s)")
@@ -85,13 +86,15 @@ def add_overload_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--placement", default="jsq", help="the gateways' placement (default: %(default)s)")
     p.add_argument("--arms", type=comma_list(str, "bounded,learnt,unbounded"), default=["bounded", "unbounded"],
                    metavar="ARM,...", help="the gateways compared at each rate: bounded (the fixed bound), learnt (the "
-                   "same bound as a ceiling, each engine's own learnt from the SLO: --engine-bound slo), unbounded "
-                   "(default: bounded,unbounded)")
+                   "same bound as a ceiling, each engine's own learnt from the SLO: --engine-bound slo; a fresh gateway "
+                   "each run, as every arm), learnt-kept (the same, one gateway through the whole sweep, so each run "
+                   "starts from the bounds the runs before left), unbounded (default: bounded,unbounded)")
     p.add_argument("--max-outstanding", type=int, metavar="N", help="the bounded gateway's bound on requests in flight "
                    "(default: the gateway's own, --max-outstanding-per-engine x engines)")
     p.add_argument("--max-outstanding-per-engine", type=int, metavar="N",
                    help="the bounded gateway's bound per engine (default: the gateway's own, 2 x --max-num-seqs)")
-    _fleet_args(p, 60, 8, "requests per run, the same trace in every run")
+    _fleet_args(p, 60, 8, "requests per run, the same trace in every run",
+                "--max-requests: a shorter probe ends before the queues a run builds, and overstates R")
     p.add_argument("--json", default="bench-results/overload/bench_overload.json", help="(default: %(default)s; the PNG "
                    "beside it)")
     p.set_defaults(func=run_overload_cli)
@@ -191,7 +194,8 @@ def _overload_config(a: argparse.Namespace):
     return OverloadConfig(multiples=sorted(set(a.multiples)), placement=a.placement, arms=list(dict.fromkeys(a.arms)),
                           max_outstanding=a.max_outstanding,
                           max_outstanding_per_engine=a.max_outstanding_per_engine, rate_from=a.rate_from,
-                          probe_requests=a.probe_requests, fleet=_fleet_config(a, [a.placement]))
+                          probe_requests=a.max_requests if a.probe_requests is None else a.probe_requests,
+                          fleet=_fleet_config(a, [a.placement]))
 
 
 def _soak_config(a: argparse.Namespace):
@@ -207,7 +211,7 @@ def _soak_config(a: argparse.Namespace):
     registered(a.model)  # last: it loads MLflow
     return SoakConfig(duration_s=a.duration, load=a.load, sample_interval_s=a.sample_interval, model=a.model,
                       placement=a.placement, predictor_timeout_ms=a.predictor_timeout_ms, rate_from=a.rate_from,
-                      probe_requests=a.probe_requests, fleet=fleet)
+                      probe_requests=40 if a.probe_requests is None else a.probe_requests, fleet=fleet)
 
 
 def run_overload_cli(a: argparse.Namespace) -> int:

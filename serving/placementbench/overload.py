@@ -8,8 +8,10 @@ On ``bench fleet``'s calibrated fleet (:mod:`serving.placementbench.loadrun`), w
 calibrated simulator's 90% point under the placement, or ``--rate``), the same ShareGPT trace is replayed at m x R
 for each multiple m, through two gateways in turn: "bounded" (the gateway's default bound, 2 x the engines'
 max_num_seqs per engine, or the bench's ``--max-outstanding``) and "unbounded" (both bounds far above any run), and with
-``--arms`` a third, "learnt": the bounded gateway with ``--engine-bound slo``, each engine's bound learnt from the SLO its
-answers meet (:mod:`serving.gateway.concurrency`), at most the bounded arm's.
+``--arms`` "learnt": the bounded gateway with ``--engine-bound slo``, each engine's bound learnt from the SLO its
+answers meet (:mod:`serving.gateway.concurrency`), at most the bounded arm's; and "learnt-kept": the same, but one
+gateway kept through the whole sweep (the multiples in ascending order), so each run starts from the bounds the runs
+before it left, as in a gateway that has been serving, where every other arm starts a fresh one per run.
 Per run: goodput (requests that met their TTFT and ATGT targets, per second from the first send to the last answer),
 attainment among the accepted (everything but the 429s), their TTFT, the 429s and how fast they came back, and the
 most requests the client had in flight at once (whether the bound was reached at all).
@@ -18,6 +20,7 @@ most requests the client had in flight at once (whether the bound was reached at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections import Counter
@@ -43,7 +46,7 @@ from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, 
 from serving.replay import Result
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
-ARMS = ("bounded", "learnt", "unbounded")
+ARMS = ("bounded", "learnt", "learnt-kept", "unbounded")
 UNBOUNDED = 1_000_000  # --max-outstanding and --max-outstanding-per-engine of the "unbounded" gateway
 KEPT_GOODPUT = 0.8     # the claim holds when, past saturation, bounded goodput stays at least this share of its peak...
 ACCEPTED_ATTAINMENT = 0.9  # ...and at least this share of the accepted requests meets the SLO
@@ -54,12 +57,13 @@ class OverloadConfig(BaseModel):
 
     multiples: list[float] = Field(default_factory=lambda: list(MULTIPLES))
     placement: str = "jsq"
-    arms: list[Literal["bounded", "learnt", "unbounded"]] = Field(default_factory=lambda: ["bounded", "unbounded"])
+    arms: list[Literal["bounded", "learnt", "learnt-kept", "unbounded"]] = Field(default_factory=lambda: ["bounded", "unbounded"])
     max_outstanding: int | None = Field(None, ge=1, description="the bounded gateway's --max-outstanding (default: its own)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="the bounded gateway's per-engine bound")
     rate_from: Literal["served", "simulator"] = Field("served", description="R without --rate: measured through an "
                                                       "unbounded gateway (servedrate) or the calibrated simulator's")
-    probe_requests: int = Field(40, ge=4, description="requests per probe when R is measured")
+    probe_requests: int = Field(60, ge=4, description="requests per probe when R is measured (the CLI: the runs' own "
+                                "--max-requests, since a shorter probe ends before the queues a run builds)")
     fleet: FleetBenchConfig
 
 
@@ -142,18 +146,20 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
     """The sweep, the table, the JSON and the PNG; returns what it wrote."""
     runs: list[dict[str, Any]] = []
     measured: dict[str, Any] | None = None
-    with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-overload-") as fleet:
+    with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-overload-") as fleet, \
+            contextlib.ExitStack() as stack:
+        kept = _Kept(stack)
         if cfg.fleet.rate is None and cfg.rate_from == "served":
             measured = _served_rate(cfg, fleet, console)
             fleet = dataclasses.replace(fleet, rate=measured["rate_rps"])
             console.print(f"R = {fleet.rate:.3g} req/s, measured through the gateway")
         metrics_urls = [p.url + "/metrics" for p in fleet.procs]
-        for m in cfg.multiples:
+        for m in sorted(cfg.multiples):
             for arm in sorted(cfg.arms, key=ARMS.index):
                 not_idle = _wait_idle(metrics_urls)
                 if not_idle:
                     console.print(f"[yellow]warning[/]: {not_idle}; the run starts anyway (recorded as not_idle_at_start)")
-                row = {"multiple": m, "arm": arm, "rate": m * fleet.rate, **_one_run(cfg, fleet, m, arm, console),
+                row = {"multiple": m, "arm": arm, "rate": m * fleet.rate, **_one_run(cfg, fleet, m, arm, console, kept),
                        "not_idle_at_start": not_idle}
                 runs.append(row)
                 console.print(f"  {m:g} x R {arm}: goodput {row['goodput_rps']:.3g} req/s, {row['rejected_429']} x 429, "
@@ -174,21 +180,29 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
     return out
 
 
-def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Console) -> dict[str, Any]:
-    """The trace at m x R through a fresh gateway with the arm's bounds."""
+def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Console,
+             kept: _Kept) -> dict[str, Any]:
+    """The trace at m x R through a fresh gateway with the arm's bounds ("learnt-kept": the sweep's one, ``kept``)."""
     from serving.gateway.launcher import free_port
 
     fc = fleet.cfg
     jobs = trace_jobs(fleet, m * fleet.rate)
-    port = free_port()
-    args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
     bounds = _bounds(cfg, arm)
-    for flag, value in zip(("--max-outstanding", "--max-outstanding-per-engine"), bounds):
-        if value is not None:
-            args += [flag, str(value)]
-    if arm == "learnt":
-        args += ["--engine-bound", "slo"]
-    with running_gateway(args, port, fleet.work / f"gateway-{m:g}x-{arm}.log") as (url, _):
+    with contextlib.ExitStack() as fresh:
+        url = kept.url if arm == "learnt-kept" else None
+        if url is None:
+            port = free_port()
+            args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
+            for flag, value in zip(("--max-outstanding", "--max-outstanding-per-engine"), bounds):
+                if value is not None:
+                    args += [flag, str(value)]
+            if arm.startswith("learnt"):
+                args += ["--engine-bound", "slo"]
+            name = "gateway-learnt-kept.log" if arm == "learnt-kept" else f"gateway-{m:g}x-{arm}.log"
+            url, _ = (kept.stack if arm == "learnt-kept" else fresh).enter_context(
+                running_gateway(args, port, fleet.work / name))
+            if arm == "learnt-kept":
+                kept.url = url
         console.print(f"[bold]{m:g} x R = {m * fleet.rate:.3g} req/s, {arm}[/]: {len(jobs)} requests")
         res, _wall = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, [p.length for p in fleet.trace.preds])))
         health = httpx.get(url + "/health", timeout=10).json()
@@ -199,6 +213,15 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
                      "gateway_max_outstanding": health.get("max_outstanding")}
     row["lost_ids"] = [i for i in _wrong_or_lost(res) if res[i].status != 429][:20]
     return row
+
+
+@dataclasses.dataclass
+class _Kept:
+    """The learnt-kept arm's one gateway: started at its first run, stopped with the sweep. Its ``/health`` counts from
+    its start, so that arm's gateway peak in flight and learnt-bound counters are the sweep's so far."""
+
+    stack: contextlib.ExitStack
+    url: str | None = None
 
 
 def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[str, Any]:
@@ -254,7 +277,7 @@ def plot_overload(out: dict[str, Any], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"bounded": {"marker": "o", "ls": "-"}, "learnt": {"marker": "^", "ls": "-."},
-              "unbounded": {"marker": "s", "ls": "--"}}
+              "learnt-kept": {"marker": "v", "ls": ":"}, "unbounded": {"marker": "s", "ls": "--"}}
     for arm, style in styles.items():
         rows = [r for r in out["runs"] if r["arm"] == arm]
         if not rows:

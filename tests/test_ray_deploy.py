@@ -67,6 +67,7 @@ def test_the_example_config_builds_the_applications():
     ({"model": "m", "engine_urls": ["http://127.0.0.1:9"]}, "starts its own engine replicas"),
     ({"engines": 2}, "give --model"),
     ({"model": "m", "engine_gpus": -1}, "engine_gpus"),
+    ({"model": "m", "engine_bound": "slo"}, "engine_bound slo is the HTTP backend's"),
     ({"model": "m", "no_such_field": 1}, "no_such_field"),
 ])
 def test_bad_args_fail_the_build_naming_the_field(args, says):

@@ -118,6 +118,9 @@ def test_cli_refuses_what_does_not_apply_in_one_line():
                        text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "--backend ray starts its own engine replicas" in r.stderr
+    r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--model", "m", "--engine-bound", "slo"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--engine-bound slo" in r.stderr, r.stderr
     r = subprocess.run([lengthwise, "serve", "--backend", "ray", "--model", "m", "--replicas", "2", "--replica-index", "1"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "leave out --replica-index" in r.stderr, r.stderr

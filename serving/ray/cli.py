@@ -27,6 +27,9 @@ def serve_ray(settings: GatewaySettings, address: str | None, predictor_model: s
     if settings.engine_urls or settings.prefill_urls or settings.prefill_engines:
         return _fail("--backend ray starts its own engine replicas: --engine-url, --prefill-url and --prefill-engines do "
                      "not apply")
+    if settings.engine_bound != "static":
+        return _fail("--engine-bound slo is the HTTP backend's: Ray bounds each engine replica by its "
+                     "max_ongoing_requests (2 x --max-num-seqs); leave it out")
     if settings.replica_index:
         return _fail("--backend ray numbers its --replicas ingress replicas itself: leave out --replica-index")
     try:

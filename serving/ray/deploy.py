@@ -40,6 +40,8 @@ def gateway_settings(args: Mapping[str, Any]) -> tuple[GatewaySettings, float, f
     if settings.engine_urls or settings.prefill_urls or settings.prefill_engines:
         raise ValueError("the Ray application starts its own engine replicas: engine_urls, prefill_urls and prefill_engines "
                          "do not apply")
+    if settings.engine_bound != "static":
+        raise ValueError("engine_bound slo is the HTTP backend's: Ray bounds each engine replica by its max_ongoing_requests")
     return settings, cpus, gpus
 
 

@@ -187,26 +187,28 @@ async def _round(gw: Gateway, owner: Gateway, n: int) -> list[int]:
         return [r.status_code for r in await asyncio.gather(*sent)]
 
 
+@contextlib.contextmanager
+def _learnt_after_a_round(owner: Gateway, logs: Path, target_ms: str):
+    """A gateway with ``--engine-bound slo`` (ceiling 4) and both SLO targets at ``target_ms``, after one round of 4
+    requests at the bound; yields it and its engine's learnt bound, and stops it after the block."""
+    gw = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
+                 "--slo-ttft-ms", target_ms, "--slo-tpot-ms", target_ms)
+    try:
+        assert asyncio.run(_round(gw, owner, 4)) == [200] * 4
+        wait_for(lambda: _learnt_bound(gw)["answers"] == 4, timeout=30, what="the answers learnt from")
+        yield gw, _learnt_bound(gw)
+    finally:
+        gw.stop()
+
+
 def test_a_learnt_engine_bound_falls_when_answers_near_it_miss_the_slo_and_holds_when_they_meet_it(owner, logs):
     """``--engine-bound slo`` (serving/gateway/concurrency.py) on the real engine: under targets no engine meets
     (1 µs), answers that lived at the bound cut it, and placement then refuses past the learnt bound with 429; under
     targets every answer meets, the bound stays at its ceiling."""
-    loose = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
-                    "--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000")
-    try:
-        assert asyncio.run(_round(loose, owner, 4)) == [200] * 4
-        wait_for(lambda: _learnt_bound(loose)["answers"] == 4, timeout=30, what="the answers learnt from")
-        b = _learnt_bound(loose)
+    with _learnt_after_a_round(owner, logs, "600000") as (loose, b):
         assert (b["bound"], b["ceiling"], b["missed"], b["cuts"]) == (4, 4, 0, 0), b
         assert loose.metric("lengthwise_gateway_engine_bound", engine="engine-0") == 4
-    finally:
-        loose.stop()
-    tight = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
-                    "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
-    try:
-        assert asyncio.run(_round(tight, owner, 4)) == [200] * 4
-        wait_for(lambda: _learnt_bound(tight)["answers"] == 4, timeout=30, what="the answers learnt from")
-        b = _learnt_bound(tight)
+    with _learnt_after_a_round(owner, logs, "0.001") as (tight, b):
         assert b["missed"] == 4 and b["cuts"] == 1 and 1 <= b["bound"] < 4, b
         assert tight.metric("lengthwise_gateway_engine_bound", engine="engine-0") == b["bound"]
         holders, answers, latencies, last = asyncio.run(_burst(tight, owner, b["bound"], 3))
@@ -215,5 +217,3 @@ def test_a_learnt_engine_bound_falls_when_answers_near_it_miss_the_slo_and_holds
         _check_429s(answers, latencies)
         assert f"{b['bound']} requests in flight on every engine" in answers[0].json()["error"]["message"]
         assert tight.metric("lengthwise_gateway_rejected_total", reason="engine_full") == 3
-    finally:
-        tight.stop()

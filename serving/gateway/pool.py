@@ -280,7 +280,8 @@ class EnginePool:
         self._gauges(e)
 
     def _gauges(self, e: Engine) -> None:
-        e.clock.set(e.outstanding, time.perf_counter())
+        if e.limit is not None:  # only a learnt bound reads the clock
+            e.clock.set(e.outstanding, time.perf_counter())
         self.metrics.engine_outstanding.labels(e.name).set(e.outstanding)
         self.metrics.engine_others.labels(e.name).set(e.view.others)
 

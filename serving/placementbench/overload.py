@@ -25,7 +25,7 @@ import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,7 +46,8 @@ from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, 
 from serving.replay import Result
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
-ARMS = ("bounded", "learnt", "learnt-kept", "unbounded")
+Arm = Literal["bounded", "learnt", "learnt-kept", "unbounded"]
+ARMS: tuple[str, ...] = get_args(Arm)
 UNBOUNDED = 1_000_000  # --max-outstanding and --max-outstanding-per-engine of the "unbounded" gateway
 KEPT_GOODPUT = 0.8     # the claim holds when, past saturation, bounded goodput stays at least this share of its peak...
 ACCEPTED_ATTAINMENT = 0.9  # ...and at least this share of the accepted requests meets the SLO
@@ -57,7 +58,7 @@ class OverloadConfig(BaseModel):
 
     multiples: list[float] = Field(default_factory=lambda: list(MULTIPLES))
     placement: str = "jsq"
-    arms: list[Literal["bounded", "learnt", "learnt-kept", "unbounded"]] = Field(default_factory=lambda: ["bounded", "unbounded"])
+    arms: list[Arm] = Field(default_factory=lambda: ["bounded", "unbounded"])
     max_outstanding: int | None = Field(None, ge=1, description="the bounded gateway's --max-outstanding (default: its own)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="the bounded gateway's per-engine bound")
     rate_from: Literal["served", "simulator"] = Field("served", description="R without --rate: measured through an "
@@ -188,8 +189,9 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
     fc = fleet.cfg
     jobs = trace_jobs(fleet, m * fleet.rate)
     bounds = _bounds(cfg, arm)
+    keep = arm == "learnt-kept"
     with contextlib.ExitStack() as fresh:
-        url = kept.url if arm == "learnt-kept" else None
+        url = kept.url if keep else None
         if url is None:
             port = free_port()
             args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
@@ -198,10 +200,9 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
                     args += [flag, str(value)]
             if arm.startswith("learnt"):
                 args += ["--engine-bound", "slo"]
-            name = "gateway-learnt-kept.log" if arm == "learnt-kept" else f"gateway-{m:g}x-{arm}.log"
-            url, _ = (kept.stack if arm == "learnt-kept" else fresh).enter_context(
-                running_gateway(args, port, fleet.work / name))
-            if arm == "learnt-kept":
+            name = f"gateway-{arm}.log" if keep else f"gateway-{m:g}x-{arm}.log"
+            url, _ = (kept.stack if keep else fresh).enter_context(running_gateway(args, port, fleet.work / name))
+            if keep:
                 kept.url = url
         console.print(f"[bold]{m:g} x R = {m * fleet.rate:.3g} req/s, {arm}[/]: {len(jobs)} requests")
         res, _wall = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, [p.length for p in fleet.trace.preds])))

@@ -102,6 +102,7 @@ def test_run_summary_counts_goodput_over_the_run_and_attainment_among_the_accept
     assert (s["requests"], s["accepted"], s["rejected_429"], s["completed"]) == (7, 5, 2, 4)
     assert s["errors"] == {"RemoteProtocolError": 1}  # the 429s are counted apart
     assert s["met_slo"] == 2  # #0 and #6: #1's tokens came at 0.17 s each
+    assert s["missed"] == {"failed": 1, "ttft": 1, "atgt": 1}  # #5, #2, #1
     assert s["duration_s"] == pytest.approx(9.0)  # first send 0 to #5's end at 4 + 5
     assert s["goodput_rps"] == pytest.approx(2 / 9.0)
     assert s["attainment_accepted"] == pytest.approx(2 / 5)

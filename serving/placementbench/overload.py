@@ -87,7 +87,7 @@ def run_summary(results: list[Result], slo: SLO) -> dict[str, Any]:
         "accepted": len(accepted), "rejected_429": len(refused),
         "completed": sum(1 for r in results if r.ok),
         "errors": dict(sorted(Counter(error_kind(r) for r in accepted if not r.ok).items())),
-        "met_slo": met, "duration_s": end - start,
+        "met_slo": met, "missed": miss_kinds(accepted, slo), "duration_s": end - start,
         "goodput_rps": met / (end - start) if end > start else 0.0,
         "attainment_accepted": met / len(accepted) if accepted else None,
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
@@ -99,6 +99,19 @@ def run_summary(results: list[Result], slo: SLO) -> dict[str, Any]:
                       "after_s": None if r.jct is None else round(r.jct, 3), "output_tokens": r.output_tokens}
                      for r in accepted if not r.ok][:5],
     }
+
+
+def miss_kinds(accepted: list[Result], slo: SLO) -> dict[str, int]:
+    """Why the accepted requests that missed their SLO missed it: "failed" (no complete answer), "ttft" (the first token
+    late), "atgt" (first token in time, the later ones slower than the target on average). A bound on requests in
+    flight acts on the two differently (a newcomer's wait for a place against the pace of a fuller batch), so the
+    sweep's misses are only readable split this way."""
+    out = {"failed": 0, "ttft": 0, "atgt": 0}
+    for r in accepted:
+        if meets_slo(r, slo):
+            continue
+        out["failed" if not r.ok or r.ttft is None or r.jct is None else "ttft" if r.ttft > slo.ttft_s else "atgt"] += 1
+    return out
 
 
 def peak_in_flight(results: list[Result]) -> int:
@@ -254,12 +267,14 @@ def print_overload(out: dict[str, Any], console: Console) -> None:
     t = Table(title=f"overload: R = {out['saturation_rate_rps']:.3g} req/s ({out['rate_from']}); SLO TTFT "
                     f"{out['slo']['ttft_s'] * 1e3:.0f} ms, ATGT {out['slo']['atgt_s'] * 1e3:.1f} ms")
     for c in ("m x R", "arm", "offered (req/s)", "requests", "accepted", "429", "other errors", "goodput (req/s)",
-              "att. accepted", "TTFT p50 (s)", "TTFT p99 (s)", "slowest 429 (ms)", "peak in flight: gateway", "client"):
+              "att. accepted", "missed: ttft/atgt/failed",
+              "TTFT p50 (s)", "TTFT p99 (s)", "slowest 429 (ms)", "peak in flight: gateway", "client"):
         t.add_column(c, justify="left" if c in ("arm", "other errors") else "right")
     for r in out["runs"]:
         errs = " ".join(f"{k}:{v}" for k, v in r["errors"].items()) or "0"
         t.add_row(f"{r['multiple']:g}", r["arm"], _f(r["offered_rps"], ".3g"), str(r["requests"]), str(r["accepted"]),
                   str(r["rejected_429"]), errs, _f(r["goodput_rps"], ".3g"), _f(r["attainment_accepted"]),
+                  "/".join(str(r["missed"][k]) for k in ("ttft", "atgt", "failed")),
                   _f(r["ttft_p50_s"], ".2f"), _f(r["ttft_p99_s"], ".2f"),
                   _f(None if r["slowest_429_s"] is None else r["slowest_429_s"] * 1e3, ".0f"),
                   str(r.get("gateway_peak_in_flight", "-")), str(r["peak_in_flight"]))

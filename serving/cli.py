@@ -301,16 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, one line on stderr): a code, for callers of main()
         return exc.code if isinstance(exc.code, int) else 2
-    if args.command not in ("simulate", "bench") or getattr(args, "bench", "sim") != "sim":
-        return int(args.func(args) or 0)
+    name = " ".join(filter(None, ("lengthwise", args.command, getattr(args, "bench", None))))
     try:
-        return int(args.func(args) or 0)
-    except _user_errors() as exc:
-        print(f"lengthwise: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lengthwise: error: interrupted", file=sys.stderr)
-        return 2
+        if args.command not in ("simulate", "bench") or getattr(args, "bench", "sim") != "sim":
+            return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except _user_errors() as exc:
+            print(f"lengthwise: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the command started was stopped on the way out (its context managers)
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

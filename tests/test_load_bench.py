@@ -340,6 +340,7 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
     for r in res["runs"]:
         assert r["requests"] == 12 and r["accepted"] + r["rejected_429"] == 12 and r["errors"] == {}, r
         assert r["wrong_length"] == 0 and r["completed"] == r["accepted"] and r["goodput_rps"] >= 0
+        assert sum(r["missed"].values()) == r["accepted"] - r["met_slo"] and r["missed"]["failed"] == 0, r
         assert math.isclose(r["rate"], r["multiple"] * 1.0)
         assert r["bounds"]["gateway_max_outstanding"] == (2 if r["arm"] == "bounded" else 1_000_000)
     by = {(r["multiple"], r["arm"]): r for r in res["runs"]}
@@ -351,3 +352,39 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
     assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
     assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
     assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_mid_run_stops_the_bench_and_everything_it_started_in_one_line(data, tmp_path):
+    """SIGINT (Ctrl-C in a terminal) while requests are in flight: the bench stops within seconds, with one line and
+    no traceback, exit 130, and leaves none of its engines or gateways running."""
+    pytest.importorskip("vllm")
+    log = tmp_path / "overload.log"
+    with log.open("w") as out:
+        # SIGINT as a terminal's Ctrl-C delivers it, even where this test runs with it ignored (a background job)
+        cli = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from serving.cli import main; sys.exit(main(sys.argv[1:]))")
+        proc = subprocess.Popen([sys.executable, "-c", cli, "bench", "overload", "--arms", "bounded", "--multiples", "1",
+                                 "--rate", "1", "--max-requests", "200", "--calibration-requests", "16",
+                                 "--json", str(tmp_path / "o.json")], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while "1 x R = 1 req/s" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(5)  # requests in flight on both engines
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 4, started  # two engines (API server, core, worker) and a gateway
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Traceback" not in text and text.rstrip().splitlines()[-1] == "lengthwise bench overload: interrupted", text[-3000:]
+    assert not (tmp_path / "o.json").exists()
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive, alive

@@ -301,17 +301,16 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2, one line on stderr): a code, for callers of main()
         return exc.code if isinstance(exc.code, int) else 2
-    name = " ".join(filter(None, ("lengthwise", args.command, getattr(args, "bench", None))))
+    bench = getattr(args, "bench", None)
+    # the simulator's errors are the user's (a policy setting, a trace); the other commands say their own
+    user_errors = _user_errors() if args.command == "simulate" or bench == "sim" else ()
     try:
-        if args.command not in ("simulate", "bench") or getattr(args, "bench", "sim") != "sim":
-            return int(args.func(args) or 0)
-        try:
-            return int(args.func(args) or 0)
-        except _user_errors() as exc:
-            print(f"lengthwise: error: {_one_line(exc)}", file=sys.stderr)
-            return 2
+        return int(args.func(args) or 0)
+    except user_errors as exc:
+        print(f"lengthwise: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C: what the command started was stopped on the way out (its context managers)
-        print(f"{name}: interrupted", file=sys.stderr)
+        print(f"{' '.join(filter(None, ('lengthwise', args.command, bench)))}: interrupted", file=sys.stderr)
         return 130
 
 

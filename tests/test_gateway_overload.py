@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from serving.gateway.admission import Admission
+from serving.gateway.concurrency import CHECKPOINT
 from serving.gateway.errors import ApiError
 from serving.gateway.settings import GatewaySettings
 from tests.gateway_proc import Gateway, start_gateway
@@ -217,3 +218,32 @@ def test_a_learnt_engine_bound_falls_when_answers_near_it_miss_the_slo_and_holds
         _check_429s(answers, latencies)
         assert f"{b['bound']} requests in flight on every engine" in answers[0].json()["error"]["message"]
         assert tight.metric("lengthwise_gateway_rejected_total", reason="engine_full") == 3
+
+
+def test_a_stream_already_missing_at_its_checkpoint_is_learnt_from_while_it_runs_and_not_again_at_its_end(owner, logs):
+    """A stream is judged at its ``CHECKPOINT``-th later token when it already misses (serving/gateway/concurrency.py):
+    under targets no engine meets, the learnt bound has counted the stream, one answer and one miss, while it is still
+    in flight (the engine stopped, so it cannot end meanwhile), and counts it no second time when it ends."""
+    gw = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
+                 "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
+    body = {"model": gw.model, "prompt": "a long stream", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(timeout=300) as client, client.stream("POST", gw.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = r.iter_lines()
+            seen = 0
+            for line in events:
+                seen += line.startswith("data: {")
+                if seen > CHECKPOINT + 1:
+                    break
+            with _engine_frozen(owner):
+                health = json.loads(gw.get("/health").text)
+            assert health["inflight"] == 1, health
+            assert (health["engines"][0]["bound"]["answers"], health["engines"][0]["bound"]["missed"]) == (1, 1), health
+            seen += sum(line.startswith("data: {") for line in events)
+        assert seen >= 1500
+        wait_for(lambda: json.loads(gw.get("/health").text)["inflight"] == 0, timeout=30, what="the stream's end")
+        b = _learnt_bound(gw)
+        assert (b["answers"], b["missed"]) == (1, 1), b
+    finally:
+        gw.stop()

@@ -19,6 +19,11 @@ limits of service meshes (Envoy, Netflix's concurrency-limits) do, counting only
   and would count the same congestion twice);
 - an answer that met the SLO there raises the bound by 1/bound (about one place per bound's worth of answers), while
   the miss rate is within the target;
+- a stream is judged early, at its ``CHECKPOINT``-th later token, when it already misses there (its first token was
+  late, or its later tokens so far are slower than the target on average), rather than seconds later at its end: by
+  then every answer admitted meanwhile has lived at the same congestion, so the bound would overshoot by all of them
+  (the delay signal of TCP Vegas and of the delay-based limits, read from each stream's own pace). A stream on track
+  at the checkpoint is judged at its end, as a non-streamed answer is;
 - an answer that lived well below the bound says nothing about it: a miss there (a long prompt, a neighbour's burst of
   CPU) is noise that no bound cures, and cutting on it would refuse requests at a light load; a bound the engine does
   not reach is not raised either, since nothing shows that the engine could hold more (TCP's congestion-window
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 BETA = 0.8  # the cut on a miss: the bound falls to this share of the concurrency the missed answer lived under
 NEAR = 0.75  # an answer lived near the bound when the engine held at least this share of it, on average
 ALPHA = 0.05  # the miss rate's smoothing: about the last twenty answers near the bound
+CHECKPOINT = 32  # a stream's later tokens when it is judged early if it already misses: long enough that one prefill
+# beside it (a few tens of ms on a CPU step) does not make its pace, short enough to be a fraction of a typical answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +53,8 @@ class Served:
 
     sent: float
     first_token: float | None
-    end: float
-    tokens: int
+    end: float  # its end, or now for a stream judged early
+    tokens: int  # its tokens, or so far for a stream judged early
     lived: float  # the engine's requests in flight, averaged over the answer's life (itself included)
 
 
@@ -96,6 +103,14 @@ class EngineLimit:
             self.cuts += 1
             self._cut_at = s.end
         return met
+
+    def early(self, s: Served) -> bool:
+        """A stream still running, at its checkpoint: learnt from now, as a miss, if it already misses; returns whether
+        it was (then its end must not be shown again), False for one on track, judged at its end."""
+        if met_slo(s, self.ttft_s, self.atgt_s):
+            return False
+        self.observe(s)
+        return True
 
     def state(self) -> dict[str, float | int]:
         return {"bound": self.bound, "limit": round(self.limit, 3), "ceiling": self.ceiling,

@@ -21,7 +21,6 @@ vLLM's words.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -33,7 +32,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.admission import overloaded
-from serving.gateway.concurrency import Served
+from serving.gateway.concurrency import CHECKPOINT, Served
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
@@ -113,7 +112,7 @@ class Forwarder:
             if again is None and engine.name not in tried:
                 tried.append(engine.name)
             retried_here, again = engine is (failure[0] if failure else None), None
-            done = self._learning(engine, on_done)
+            done = _Learner(engine, on_done, self.metrics)
             try:
                 if req.stream:
                     return await self._stream(engine, req, body, headers, job, done)
@@ -137,23 +136,6 @@ class Forwarder:
             msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "
                    f"{failure[0].name}: {failure[1]}")
         raise ApiError(503, msg + "; retry later", code="engine_unavailable", headers={"Retry-After": "1"})
-
-    def _learning(self, engine: Engine, on_done: Callable[[Outcome], None]) -> Callable[[Outcome], None]:
-        """``on_done`` for one attempt on ``engine``; with a learnt bound (:mod:`serving.gateway.concurrency`) the
-        complete answer is first shown to it: when it was sent, its first token, its end, and the engine's requests in
-        flight over its life."""
-        if engine.limit is None:
-            return on_done
-        now = time.perf_counter()
-        return functools.partial(self._learn, engine, (now, engine.clock.area(now)), on_done)
-
-    def _learn(self, engine: Engine, since: tuple[float, float], on_done: Callable[[Outcome], None], out: Outcome) -> None:
-        if out.status == 200 and out.completion_tokens and engine.limit is not None:
-            now = time.perf_counter()
-            engine.limit.observe(Served(since[0], out.first_token_at, now, out.completion_tokens,
-                                        engine.clock.average(since, now)))
-            self.metrics.engine_bound.labels(engine.name).set(engine.limit.bound)
-        on_done(out)
 
     async def _return_to(self, job: Job, transient: dict[str, Engine], returns: int) -> Engine | None:
         """Every engine was tried: after a pause, the least busy of those that failed this request only in a way a live
@@ -238,7 +220,7 @@ class Forwarder:
                         media_type=r.headers.get("content-type", "application/json"))
 
     async def _stream(self, engine: Engine, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
-                      on_done: Callable[[Outcome], None]) -> Response:
+                      on_done: _Learner) -> Response:
         """Stream from ``engine``: retried (raised) while nothing came, else relayed as the engine's events arrive."""
         call = _EngineStream(self, engine, job, self._url(engine, req), body, headers)
         try:
@@ -272,7 +254,7 @@ class Forwarder:
                 raise _Retry(reason, detail)
 
     async def _relay(self, call: _EngineStream, relay: StreamRelay, first: _Data, rid: str | None,
-                     on_done: Callable[[Outcome], None]) -> AsyncIterator[bytes]:
+                     on_done: _Learner) -> AsyncIterator[bytes]:
         """The client's events: the engine's as they come (``first`` already read), ended properly whatever ends them.
 
         The call leaves the engine's view when the stream ends: finished if the answer was complete, else dropped.
@@ -285,6 +267,7 @@ class Forwarder:
                 match msg:
                     case _Data(data):
                         chunk = call.passed(relay, data)
+                        on_done.progress(relay)
                         if chunk:
                             yield chunk
                     case _End():
@@ -308,6 +291,39 @@ class Forwarder:
             out.finish_reason = relay.finish_reason
             out.first_token_at = relay.first_token_at
             on_done(out)
+
+
+class _Learner:
+    """One attempt's ``on_done``, which first shows the answer to its engine's learnt bound
+    (:mod:`serving.gateway.concurrency`): when it was sent, its first token, its end, and the engine's requests in flight
+    over its life; a stream already missing at its checkpoint is shown then instead, once."""
+
+    __slots__ = ("checked", "engine", "judged", "metrics", "on_done", "since")
+
+    def __init__(self, engine: Engine, on_done: Callable[[Outcome], None], metrics: GatewayMetrics) -> None:
+        self.engine, self.on_done, self.metrics = engine, on_done, metrics
+        now = time.perf_counter()
+        self.since = (now, engine.clock.area(now)) if engine.limit is not None else (now, 0.0)
+        self.checked = self.judged = engine.limit is None  # nothing to learn without a learnt bound
+
+    def _served(self, first_token_at: float | None, tokens: int) -> Served:
+        now = time.perf_counter()
+        return Served(self.since[0], first_token_at, now, tokens, self.engine.clock.average(self.since, now))
+
+    def progress(self, relay: StreamRelay) -> None:
+        """A stream's event passed: at its checkpoint, judge it now if it already misses."""
+        if self.checked or relay.token_events <= CHECKPOINT or (limit := self.engine.limit) is None:
+            return
+        self.checked = True
+        self.judged = limit.early(self._served(relay.first_token_at, relay.token_events))
+        if self.judged:
+            self.metrics.engine_bound.labels(self.engine.name).set(limit.bound)
+
+    def __call__(self, out: Outcome) -> None:
+        if not self.judged and out.status == 200 and out.completion_tokens and (limit := self.engine.limit) is not None:
+            limit.observe(self._served(out.first_token_at, out.completion_tokens))
+            self.metrics.engine_bound.labels(self.engine.name).set(limit.bound)
+        self.on_done(out)
 
 
 # --- what a streamed engine call tells its reader -------------------------------------------------------

@@ -220,12 +220,16 @@ def test_a_learnt_engine_bound_falls_when_answers_near_it_miss_the_slo_and_holds
         assert tight.metric("lengthwise_gateway_rejected_total", reason="engine_full") == 3
 
 
-def test_a_stream_already_missing_at_its_checkpoint_is_learnt_from_while_it_runs_and_not_again_at_its_end(owner, logs):
+@pytest.mark.parametrize("checkpoint", [None, 0])
+def test_a_stream_already_missing_at_its_checkpoint_is_learnt_from_while_it_runs_and_not_again_at_its_end(
+        owner, logs, checkpoint):
     """A stream is judged at its ``CHECKPOINT``-th later token when it already misses (serving/gateway/concurrency.py):
     under targets no engine meets, the learnt bound has counted the stream, one answer and one miss, while it is still
-    in flight (the engine stopped, so it cannot end meanwhile), and counts it no second time when it ends."""
+    in flight (the engine stopped, so it cannot end meanwhile), and counts it no second time when it ends. With
+    ``--engine-bound-checkpoint 0`` it is counted at its end only."""
+    extra = [] if checkpoint is None else ["--engine-bound-checkpoint", str(checkpoint)]
     gw = _attach(owner, logs, "--engine-bound", "slo", "--max-outstanding-per-engine", "4", "--max-outstanding", "50",
-                 "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001")
+                 "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "0.001", *extra)
     body = {"model": gw.model, "prompt": "a long stream", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     try:
         with httpx.Client(timeout=300) as client, client.stream("POST", gw.url + "/v1/completions", json=body) as r:
@@ -239,7 +243,8 @@ def test_a_stream_already_missing_at_its_checkpoint_is_learnt_from_while_it_runs
             with _engine_frozen(owner):
                 health = json.loads(gw.get("/health").text)
             assert health["inflight"] == 1, health
-            assert (health["engines"][0]["bound"]["answers"], health["engines"][0]["bound"]["missed"]) == (1, 1), health
+            b = health["engines"][0]["bound"]
+            assert (b["answers"], b["missed"]) == ((1, 1) if checkpoint is None else (0, 0)), health
             seen += sum(line.startswith("data: {") for line in events)
         assert seen >= 1500
         wait_for(lambda: json.loads(gw.get("/health").text)["inflight"] == 0, timeout=30, what="the stream's end")

@@ -295,6 +295,10 @@ def _limit_flags(lim: argparse._ActionsContainer) -> None:
                   "--max-num-seqs, is cut when answers that lived near it miss, raised while they meet it, and never "
                   "passes --max-outstanding-per-engine; for engines whose batch outruns the per-token target before "
                   "it fills (default: %(default)s)")
+    _setting(lim, "--engine-bound-checkpoint", "engine_bound_checkpoint", metavar="TOKENS",
+             help="with --engine-bound slo: a stream whose tokens so far already miss the SLO at this many later "
+                  "tokens counts as a miss at once, seconds before its end (the bound then stops admitting into a "
+                  "batch that is already too slow); 0 judges every answer at its end (default: %(default)s)")
     _setting(lim, "--max-n", "max_n", metavar="N", help="the largest n a request may ask for; more is a 400 "
              "(default: %(default)s)")
     _setting(lim, "--slo-min-ms", "slo_min_ms", metavar="MS",

@@ -19,11 +19,11 @@ limits of service meshes (Envoy, Netflix's concurrency-limits) do, counting only
   and would count the same congestion twice);
 - an answer that met the SLO there raises the bound by 1/bound (about one place per bound's worth of answers), while
   the miss rate is within the target;
-- a stream is judged early, at its ``CHECKPOINT``-th later token, when it already misses there (its first token was
-  late, or its later tokens so far are slower than the target on average), rather than seconds later at its end: by
-  then every answer admitted meanwhile has lived at the same congestion, so the bound would overshoot by all of them
-  (the delay signal of TCP Vegas and of the delay-based limits, read from each stream's own pace). A stream on track
-  at the checkpoint is judged at its end, as a non-streamed answer is;
+- a stream is judged early, at its ``checkpoint``-th later token (``CHECKPOINT`` by default), when it already misses
+  there (its first token was late, or its later tokens so far are slower than the target on average), rather than
+  seconds later at its end: by then every answer admitted meanwhile has lived at the same congestion, so the bound
+  would overshoot by all of them (the delay signal of TCP Vegas and of the delay-based limits, read from each stream's
+  own pace). A stream on track at the checkpoint is judged at its end, as a non-streamed answer is;
 - an answer that lived well below the bound says nothing about it: a miss there (a long prompt, a neighbour's burst of
   CPU) is noise that no bound cures, and cutting on it would refuse requests at a light load; a bound the engine does
   not reach is not raised either, since nothing shows that the engine could hold more (TCP's congestion-window
@@ -43,8 +43,9 @@ from dataclasses import dataclass
 BETA = 0.8  # the cut on a miss: the bound falls to this share of the concurrency the missed answer lived under
 NEAR = 0.75  # an answer lived near the bound when the engine held at least this share of it, on average
 ALPHA = 0.05  # the miss rate's smoothing: about the last twenty answers near the bound
-CHECKPOINT = 32  # a stream's later tokens when it is judged early if it already misses: long enough that one prefill
-# beside it (a few tens of ms on a CPU step) does not make its pace, short enough to be a fraction of a typical answer
+CHECKPOINT = 32  # a stream's later tokens when it is judged early if it already misses (the default of
+# --engine-bound-checkpoint): long enough that one prefill beside it (a few tens of ms on a CPU step) does not make its
+# pace, short enough to be a fraction of a typical answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +74,11 @@ class EngineLimit:
     """One engine's learnt bound. :attr:`bound` is what placement compares the engine's requests in flight against."""
 
     def __init__(self, ceiling: int, ttft_s: float, atgt_s: float, floor: int = 1, start: int | None = None,
-                 miss_target: float = 0.1) -> None:
+                 miss_target: float = 0.1, checkpoint: int = CHECKPOINT) -> None:
         if not 1 <= floor <= ceiling:
             raise ValueError(f"the floor {floor} must be between 1 and the ceiling {ceiling}")
         self.ceiling, self.floor, self.ttft_s, self.atgt_s, self.miss_target = ceiling, floor, ttft_s, atgt_s, miss_target
+        self.checkpoint = checkpoint  # a stream's later tokens when it is judged if it already misses; 0: at its end
         self.limit = float(min(ceiling, max(floor, start or ceiling)))
         self.miss_rate = 0.0
         self.cuts = self.raises = self.observed = self.missed = 0

@@ -32,7 +32,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.admission import overloaded
-from serving.gateway.concurrency import CHECKPOINT, Served
+from serving.gateway.concurrency import Served
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
@@ -304,7 +304,8 @@ class _Learner:
         self.engine, self.on_done, self.metrics = engine, on_done, metrics
         now = time.perf_counter()
         self.since = (now, engine.clock.area(now)) if engine.limit is not None else (now, 0.0)
-        self.checked = self.judged = engine.limit is None  # nothing to learn without a learnt bound
+        self.checked = engine.limit is None or not engine.limit.checkpoint  # no early judgement to make
+        self.judged = engine.limit is None  # nothing to learn without a learnt bound
 
     def _served(self, first_token_at: float | None, tokens: int) -> Served:
         now = time.perf_counter()
@@ -312,7 +313,7 @@ class _Learner:
 
     def progress(self, relay: StreamRelay) -> None:
         """A stream's event passed: at its checkpoint, judge it now if it already misses."""
-        if self.checked or relay.token_events <= CHECKPOINT or (limit := self.engine.limit) is None:
+        if self.checked or (limit := self.engine.limit) is None or relay.token_events <= limit.checkpoint:
             return
         self.checked = True
         self.judged = limit.early(self._served(relay.first_token_at, relay.token_events))

@@ -91,7 +91,8 @@ class EnginePool:
         if settings.engine_bound == "slo" and not prefill:
             ceiling = settings.outstanding_bounds(len(urls))[0]
             for e in self.engines:
-                e.limit = EngineLimit(ceiling, *settings.slo_targets(), start=settings.engine_seqs)
+                e.limit = EngineLimit(ceiling, *settings.slo_targets(), start=settings.engine_seqs,
+                                      checkpoint=settings.engine_bound_checkpoint)
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
         self.client = httpx.AsyncClient(timeout=settings.health_timeout_s, headers=engine_auth(settings),
                                         limits=httpx.Limits(keepalive_expiry=settings.keepalive_s))

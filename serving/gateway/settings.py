@@ -121,6 +121,8 @@ class GatewaySettings(BaseModel):
     engine_bound: Literal["static", "slo"] = Field("static", description="each engine's bound on requests in flight: "
         "static (max_outstanding_per_engine) or slo (learnt per engine from the SLO its answers meet, at most "
         "max_outstanding_per_engine; see serving/gateway/concurrency.py)")
+    engine_bound_checkpoint: int = Field(32, ge=0, description="with engine_bound slo: a stream already missing the "
+                                         "SLO at this many later tokens is judged then; 0 judges every answer at its end")
     max_n: int = Field(4, ge=1, description="the largest n (sequences per prompt) a request may ask for")
     slo_min_ms: float = Field(1.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms below this are raised to it")
     slo_max_ms: float = Field(600_000.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms above this are lowered to it")

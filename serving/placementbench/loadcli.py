@@ -87,7 +87,8 @@ def add_overload_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--arms", type=comma_list(str, "bounded,learnt,unbounded"), default=["bounded", "unbounded"],
                    metavar="ARM,...", help="the gateways compared at each rate: bounded (the fixed bound), learnt (the "
                    "same bound as a ceiling, each engine's own learnt from the SLO: --engine-bound slo; a fresh gateway "
-                   "each run, as every arm), learnt-kept (the same, one gateway through the whole sweep, so each run "
+                   "each run, as every arm), learnt-at-end (the same, each answer judged at its end: "
+                   "--engine-bound-checkpoint 0), learnt-kept (the same, one gateway through the whole sweep, so each run "
                    "starts from the bounds the runs before left), unbounded (default: bounded,unbounded)")
     p.add_argument("--max-outstanding", type=int, metavar="N", help="the bounded gateway's bound on requests in flight "
                    "(default: the gateway's own, --max-outstanding-per-engine x engines)")

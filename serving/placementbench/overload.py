@@ -9,7 +9,9 @@ calibrated simulator's 90% point under the placement, or ``--rate``), the same S
 for each multiple m, through two gateways in turn: "bounded" (the gateway's default bound, 2 x the engines'
 max_num_seqs per engine, or the bench's ``--max-outstanding``) and "unbounded" (both bounds far above any run), and with
 ``--arms`` "learnt": the bounded gateway with ``--engine-bound slo``, each engine's bound learnt from the SLO its
-answers meet (:mod:`serving.gateway.concurrency`), at most the bounded arm's; and "learnt-kept": the same, but one
+answers meet (:mod:`serving.gateway.concurrency`), at most the bounded arm's; "learnt-at-end": the same with every
+answer judged at its end (``--engine-bound-checkpoint 0``: the ablation of judging a stream at its checkpoint); and
+"learnt-kept": the same as "learnt", but one
 gateway kept through the whole sweep (the multiples in ascending order), so each run starts from the bounds the runs
 before it left, as in a gateway that has been serving, where every other arm starts a fresh one per run.
 Per run: goodput (requests that met their TTFT and ATGT targets, per second from the first send to the last answer),
@@ -46,7 +48,7 @@ from serving.placementbench.loadrun import Fleet, calibrated_fleet, error_kind, 
 from serving.replay import Result
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
-Arm = Literal["bounded", "learnt", "learnt-kept", "unbounded"]
+Arm = Literal["bounded", "learnt", "learnt-at-end", "learnt-kept", "unbounded"]
 ARMS: tuple[str, ...] = get_args(Arm)
 UNBOUNDED = 1_000_000  # --max-outstanding and --max-outstanding-per-engine of the "unbounded" gateway
 KEPT_GOODPUT = 0.8     # the claim holds when, past saturation, bounded goodput stays at least this share of its peak...
@@ -214,6 +216,8 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
                     args += [flag, str(value)]
             if arm.startswith("learnt"):
                 args += ["--engine-bound", "slo"]
+            if arm == "learnt-at-end":
+                args += ["--engine-bound-checkpoint", "0"]
             name = f"gateway-{arm}.log" if keep else f"gateway-{m:g}x-{arm}.log"
             url, _ = (kept.stack if keep else fresh).enter_context(running_gateway(args, port, fleet.work / name))
             if keep:
@@ -294,7 +298,8 @@ def plot_overload(out: dict[str, Any], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     styles = {"bounded": {"marker": "o", "ls": "-"}, "learnt": {"marker": "^", "ls": "-."},
-              "learnt-kept": {"marker": "v", "ls": ":"}, "unbounded": {"marker": "s", "ls": "--"}}
+              "learnt-at-end": {"marker": "<", "ls": "-."}, "learnt-kept": {"marker": "v", "ls": ":"},
+              "unbounded": {"marker": "s", "ls": "--"}}
     for arm, style in styles.items():
         rows = [r for r in out["runs"] if r["arm"] == arm]
         if not rows:

@@ -15,7 +15,7 @@ import pytest
 from starlette.responses import Response
 
 from serving.gateway.errors import ApiError
-from serving.gateway.forward import Outcome, _Data, _End, _Failed, _Retry, _Status
+from serving.gateway.forward import Outcome, _Data, _End, _Failed, _Learner, _Retry, _Status
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.prefill import Prefilled
@@ -309,7 +309,8 @@ def relayed(gw: Gateway, messages) -> tuple[bytes, FakeStream, list[Outcome]]:
 
     async def main():
         call, done = FakeStream(gw.pool, messages[1:]), []
-        chunks = [c async for c in gw.forwarder._relay(call, StreamRelay(False), messages[0], "lw-1", done.append)]
+        learner = _Learner(gw.pool.engines[0], done.append, gw.metrics)
+        chunks = [c async for c in gw.forwarder._relay(call, StreamRelay(False), messages[0], "lw-1", learner)]
         return b"".join(chunks), call, done
 
     return asyncio.run(main())

@@ -152,7 +152,10 @@ def test_inline_feedback_is_scored_but_not_stored(guarded):
                    lost="the rows written while locked, counted by reason; writing resumes")
 def test_a_locked_store_is_counted_never_the_clients_error(sidecar):
     client, store = sidecar
-    wait_for(lambda: store.path.exists(), what="the store file")
+    # the store is made at its first write: one row first, so the test stands alone (make faults runs it first)
+    predict(client, {"prompt": "Explain gravity.", "request_id": "req-before-lock"})
+    assert client.post("/v1/feedback", json={"request_id": "req-before-lock", "actual_tokens": 60}).status_code == 200
+    wait_for(lambda: any(x.prediction_id == "req-before-lock" for x in store.read()), what="the store's first row")
     failed0 = metric(client, "lengthwise_sidecar_feedback_store_errors_total", reason="locked") or 0.0
     holder = sqlite3.connect(store.path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")

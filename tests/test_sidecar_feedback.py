@@ -147,15 +147,20 @@ def test_inline_feedback_is_scored_but_not_stored(guarded):
     assert not any(x.prediction_id == "elsewhere" for x in store.read())
 
 
+def _stored(client: TestClient, store: FeedbackStore, prompt: str, rid: str, tokens: int, what: str) -> None:
+    """A prediction for ``prompt`` as ``rid``, its feedback accepted, and then its row in the store."""
+    predict(client, {"prompt": prompt, "request_id": rid})
+    assert client.post("/v1/feedback", json={"request_id": rid, "actual_tokens": tokens}).status_code == 200
+    wait_for(lambda: any(x.prediction_id == rid for x in store.read()), what=what)
+
+
 @pytest.mark.fault("the feedback store locked by another process",
                    saw="feedback accepted (200) at once; /health 200",
                    lost="the rows written while locked, counted by reason; writing resumes")
 def test_a_locked_store_is_counted_never_the_clients_error(sidecar):
     client, store = sidecar
     # the store is made at its first write: one row first, so the test stands alone (make faults runs it first)
-    predict(client, {"prompt": "Explain gravity.", "request_id": "req-before-lock"})
-    assert client.post("/v1/feedback", json={"request_id": "req-before-lock", "actual_tokens": 60}).status_code == 200
-    wait_for(lambda: any(x.prediction_id == "req-before-lock" for x in store.read()), what="the store's first row")
+    _stored(client, store, "Explain gravity.", "req-before-lock", 60, what="the store's first row")
     failed0 = metric(client, "lengthwise_sidecar_feedback_store_errors_total", reason="locked") or 0.0
     holder = sqlite3.connect(store.path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
@@ -170,9 +175,7 @@ def test_a_locked_store_is_counted_never_the_clients_error(sidecar):
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    predict(client, {"prompt": "Explain osmosis.", "request_id": "req-after"})
-    assert client.post("/v1/feedback", json={"request_id": "req-after", "actual_tokens": 80}).status_code == 200
-    wait_for(lambda: any(x.prediction_id == "req-after" for x in store.read()), what="writing to resume")
+    _stored(client, store, "Explain osmosis.", "req-after", 80, what="writing to resume")
     assert not any(x.prediction_id == "req-locked" for x in store.read())  # dropped, and counted as failed
 
 

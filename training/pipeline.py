@@ -154,20 +154,27 @@ def run(cfg: TrainConfig) -> dict:
     baseline that wins a slice ships for it), :func:`_log_results` (MLflow) and :func:`_register` (version, alias,
     promotion).
     """
+    from registry import store
+
+    store.check_reachable()  # before minutes of data and training, not at the first log line
+    t0 = time.perf_counter()
+    if cfg.base_model and not (Path(cfg.base_model) / "config.json").exists():
+        from training.data import DataError
+
+        raise DataError(f"--base-model {cfg.base_model} is not a Hugging Face model directory (no config.json)")
+    # the data first: a mistake in it (a missing file, a wrong format, a bad bucket edge) is reported in seconds,
+    # not after the ~10 s it takes to import torch and Lightning
+    prep = prepare(cfg)
     for name in _LIBRARIES:
         importlib.import_module(name)
     import mlflow
     import torch
 
     from predictor.common import silence_loggers
-    from registry import store
 
     silence_loggers()
-    store.check_reachable()  # before minutes of data and training, not at the first log line
-    t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    prep = prepare(cfg)
     inputs = _encode(cfg, prep)
     module, lora, train_dl, val_dl = _build_module(cfg, prep, inputs)
     exp_id = store.ensure_experiment(cfg.experiment)
@@ -217,11 +224,7 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
     from training.export import input_format_for, load_backbone_tokenizer
 
     splits, scheme = prep.splits, prep.scheme
-    base = Path(cfg.base_model) if cfg.base_model else default_backbone_path()
-    if not (base / "config.json").exists():
-        from training.data import DataError
-
-        raise DataError(f"--base-model {base} is not a Hugging Face model directory (no config.json)")
+    base = Path(cfg.base_model) if cfg.base_model else default_backbone_path()  # a given path was checked in run()
     tok = load_backbone_tokenizer(base)
     from transformers import AutoConfig
 

@@ -26,6 +26,7 @@ Files are written with ``skops.io``, not pickle: loading one builds only the typ
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,12 @@ class TfidfBuckets:
         return self.probs_of([baseline_text(c) for c in conversations], hints)
 
     def state(self) -> dict:
-        return {"vectorizer": self.vectorizer, "classifier": self.classifier, "classes": np.asarray(self.classes),
+        # The fitted vocabulary maps each term to a numpy integer, which skops writes as one array file per term:
+        # a 50,000-term vocabulary took 130 s to save and 13 s to load. As Python ints it is one JSON object (2 s).
+        vectorizer = copy.copy(self.vectorizer)
+        if isinstance(getattr(vectorizer, "vocabulary_", None), dict):
+            vectorizer.vocabulary_ = {term: int(col) for term, col in vectorizer.vocabulary_.items()}
+        return {"vectorizer": vectorizer, "classifier": self.classifier, "classes": np.asarray(self.classes),
                 "n_buckets": int(self.n_buckets)}
 
 

@@ -463,3 +463,34 @@ def test_a_saturated_sidecar_answers_late_callers_from_the_fast_tier_in_time(wit
             # counted, and dropped unrun: the encoder's batches hold the backlog's prompts and nothing more
             assert "lengthwise_sidecar_expired_prompts_total 1.0" in metrics
             assert f"lengthwise_sidecar_batch_size_sum {64.0 * len(texts)}" in metrics
+
+
+@pytest.mark.unit
+def test_a_saved_tfidf_model_is_a_handful_of_files_whatever_its_vocabulary(tmp_path):
+    """skops writes every numpy scalar as an array file of its own (and checks each new name against all the others),
+    so a fitted vocabulary of numpy ints made a 50,000-term model a 50,000-file archive: minutes to save, seconds to
+    load. Saved as Python ints the vocabulary is one JSON object, and the model predicts the same."""
+    import zipfile
+
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    from predictor.features import tfidf_matrix
+    from predictor.slices import TfidfBuckets, load_model, save_model
+
+    texts = [f"word{i} word{i + 1} common term{i % 7}" for i in range(2000)]
+    hints = np.zeros((len(texts), 2))
+    vec = TfidfVectorizer(max_features=3000).fit(texts)  # as training fits it: the cut leaves numpy ints
+    y = np.arange(len(texts)) % 3
+    clf = LogisticRegression(max_iter=50).fit(tfidf_matrix(vec, texts, hints), y)
+    model = TfidfBuckets(vec, clf, np.unique(y), 3)
+    assert len(vec.vocabulary_) > 2000 and isinstance(next(iter(vec.vocabulary_.values())), np.integer)
+    path = tmp_path / "m.skops"
+    save_model(model, path)
+    with zipfile.ZipFile(path) as z:
+        assert len(z.namelist()) < 50, len(z.namelist())
+    back = load_model(path, 3)
+    assert back.vectorizer.vocabulary_ == vec.vocabulary_
+    conv = [[("user", "word5 word6 common")], [("user", "term3 nothing else")]]
+    assert np.array_equal(back.probs(conv), model.probs(conv))
+    assert isinstance(next(iter(vec.vocabulary_.values())), np.integer)  # saving left the fitted model as it was

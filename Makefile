@@ -42,7 +42,7 @@ test: setup lint
 	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 # The unit tier alone: no data, no engine process, no server, no MLflow (policy core, placement, latency models,
-# buckets, batcher, the plug-in against vLLM's scheduler class); under 2 minutes on 2 cores.
+# buckets, batcher, the plug-in against vLLM's scheduler class); under 3 minutes on 2 cores.
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m unit tests
 

@@ -158,10 +158,8 @@ def run(cfg: TrainConfig) -> dict:
 
     store.check_reachable()  # before minutes of data and training, not at the first log line
     t0 = time.perf_counter()
-    if cfg.base_model and not (Path(cfg.base_model) / "config.json").exists():
-        from training.data import DataError
-
-        raise DataError(f"--base-model {cfg.base_model} is not a Hugging Face model directory (no config.json)")
+    if cfg.base_model:
+        _check_backbone(Path(cfg.base_model))
     # the data first: a mistake in it (a missing file, a wrong format, a bad bucket edge) is reported in seconds,
     # not after the ~10 s it takes to import torch and Lightning
     prep = prepare(cfg)
@@ -217,6 +215,14 @@ def run(cfg: TrainConfig) -> dict:
     return report
 
 
+def _check_backbone(base: Path) -> None:
+    """A backbone directory without ``config.json`` is the caller's error, said in one line."""
+    if not (base / "config.json").exists():
+        from training.data import DataError
+
+        raise DataError(f"--base-model {base} is not a Hugging Face model directory (no config.json)")
+
+
 def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
     """The backbone's tokenizer and input format, and every split encoded and labelled with its buckets."""
     from predictor.model import default_backbone_path
@@ -224,7 +230,9 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
     from training.export import input_format_for, load_backbone_tokenizer
 
     splits, scheme = prep.splits, prep.scheme
-    base = Path(cfg.base_model) if cfg.base_model else default_backbone_path()  # a given path was checked in run()
+    base = Path(cfg.base_model) if cfg.base_model else default_backbone_path()
+    if not cfg.base_model:  # a given path was checked in run(), before the data
+        _check_backbone(base)
     tok = load_backbone_tokenizer(base)
     from transformers import AutoConfig
 

@@ -9,6 +9,7 @@ from training.evaluate import (
     Predictions,
     accuracy_at_widths,
     compute_metrics,
+    paired_gap,
     pairwise_accuracy,
     recommend,
     slice_masks,
@@ -112,3 +113,25 @@ def test_between_samples_measures_the_served_models_own_noise():
     assert noisy["kendall_tau"] < noisy["ideal_tau_estimate"]
     assert between_samples(_sampled(rng, means[:5], 10.0)) is None  # too few prompts to say
     assert between_samples([e for e in _sampled(rng, means, 10.0)][::2]) is None  # one sample per prompt
+
+
+def _noisy_ranker(rng: np.random.Generator, lengths: np.ndarray, noise: float) -> tuple[np.ndarray, np.ndarray]:
+    point = np.clip(lengths + rng.normal(0, noise, len(lengths)), 0, 999)
+    return point, SCHEME.assign(point)
+
+
+def test_paired_gap_is_zero_for_one_predictor_and_its_interval_narrows_with_more_rows():
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (200, 3200):
+        lengths = rng.uniform(0, 1000, n)
+        good, bad = _noisy_ranker(rng, lengths, 120), _noisy_ranker(rng, lengths, 400)
+        same = paired_gap(*good, *good, lengths, SCHEME, resamples=300)
+        assert same["top1"] == [0.0, 0.0, 0.0] and same["tau"] == [0.0, 0.0, 0.0]
+        gap = paired_gap(*bad, *good, lengths, SCHEME, resamples=300)
+        for key in ("top1", "tau"):
+            g, lo, hi = gap[key]
+            assert lo <= g <= hi < 0, (n, key, gap)  # the noisier ranker is worse, and the rows can tell
+        widths.append(gap["tau"][2] - gap["tau"][1])
+    # sixteen times the rows, about a quarter of the width (1/sqrt(n))
+    assert widths[1] < 0.4 * widths[0], widths

@@ -187,11 +187,18 @@ def test_bench_predictor_variants_smoke(tiny, tmp_path):
         assert row["batch32"]["workers"] == int(row["layout"].split("x")[1])
     ref = rows[("fp32", 32, "1x1")]
     assert ref["parity"] == {"parity_max_abs_diff": 0.0, "bucket_agreement": 1.0}
+    # each row's gap to the full model, with its interval; the full model's own is none
+    assert ref["vs_full"]["top1"] == [0.0, 0.0, 0.0] and ref["vs_full"]["tau"] == [0.0, 0.0, 0.0]
+    for row in rows.values():
+        q, full = row["quality"]["all"], ref["quality"]["all"]
+        assert row["vs_full"]["top1"][0] == pytest.approx(q["accuracy"] - full["accuracy"])
+        assert row["vs_full"]["tau"][0] == pytest.approx(q["kendall_tau"] - full["kendall_tau"])
+        assert all(g[1] <= g[2] for g in (row["vs_full"]["top1"], row["vs_full"]["tau"]))
     assert rows[("fused", 32, "1x1")]["parity"]["parity_max_abs_diff"] < 1e-4
     assert rows[("fp32", 16, "1x1")]["mean_prompt_tokens"] < ref["mean_prompt_tokens"]
     # the same graph and budget score the same whatever the layout
     assert rows[("int8", 16, "1x1")]["quality"] == rows[("int8", 16, "1x2")]["quality"]
-    assert "pairwise" in r.stdout and out.with_suffix(".png").stat().st_size > 0
+    assert "pairwise" in r.stdout and "[95%]" in r.stdout and out.with_suffix(".png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("args, message", [

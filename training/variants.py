@@ -226,6 +226,16 @@ def quality(probs: np.ndarray, test: LabelledTest, scheme) -> dict:
     return out
 
 
+def full_model_gap(probs: np.ndarray, ref_probs: np.ndarray, test: LabelledTest, scheme) -> dict:
+    """A variant's top-1 and tau minus the full model's (fp32 at the trained budget) on the same rows, each with its
+    95% paired-bootstrap interval (:func:`training.evaluate.paired_gap`): whether these rows can tell a gap of the
+    agreed loss (1 point, 0.02) from none."""
+    from training.evaluate import paired_gap
+
+    return paired_gap(scheme.expected(probs), probs.argmax(1), scheme.expected(ref_probs), ref_probs.argmax(1),
+                      test.lengths, scheme)
+
+
 def lone_requests(pred, prompts: list) -> dict:
     """Batch 1, one after another: wall p50/p99 per prediction and process CPU per prediction."""
     pred.predict(prompts[:2])  # warm-up
@@ -273,6 +283,7 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
     trained = reference.trained_max_tokens
     ref_ids = [e.ids for e in reference.encode(test.turns)]
     ref_logits = reference.logits_encoded(ref_ids)
+    ref_probs = softmax(ref_logits.astype(np.float64))
     timed = [test.turns[i % len(test.turns)] for i in range(speed_prompts)]  # a small split is cycled through
     rows = []
     for precision in precisions:
@@ -287,6 +298,7 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
                       "bucket_agreement": float((logits.argmax(1) == ref_logits.argmax(1)).mean())}
             base = {"precision": precision, "budget": budget, "trained_budget": trained,
                     "quality": quality(probs, test, pred.scheme), "parity": parity,
+                    "vs_full": full_model_gap(probs, ref_probs, test, pred.scheme),
                     "truncated": float(np.mean([e.truncated for e in encoded])),
                     "mean_prompt_tokens": float(np.mean([len(e.ids) for e in encoded]))}
             for layout in layouts:
@@ -301,14 +313,14 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
                     row["sidecar"] = _over_http(package, precision, budget, layout, test, sidecar, console)
                 rows.append(row)
     if tfidf_dir is not None:
-        rows += _tfidf_rows(package, tfidf_dir, layouts, test, timed, ref_logits, console, sidecar)
+        rows += _tfidf_rows(package, tfidf_dir, layouts, test, timed, ref_probs, console, sidecar)
     return {"package": str(package), "cpus": os.cpu_count(), "trained_budget": trained, "test_rows": len(test.turns),
             "test_split": test.fingerprint, "package_split": test.package_fingerprint,
             "split_matches_package": test.matches_package, "speed_prompts": len(timed),
             "layouts": [x.name for x in layouts], "token_budget": token_budget, "rows": rows}
 
 
-def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledTest, timed: list, ref_logits: np.ndarray,
+def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledTest, timed: list, ref_probs: np.ndarray,
                 console, sidecar: dict | None) -> list[dict]:
     """The TF-IDF route's rows, one per layout: scored on the same test rows, timed on the same prompts (the encoder is
     loaded but never run: every prompt's slice is routed), its bucket agreement with the fp32 encoder."""
@@ -319,8 +331,8 @@ def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledT
         pred = OnnxLengthPredictor(routed, threads=layouts[0].threads)
         probs = pred.predict(test.turns).probs
     base = {"precision": "tfidf-logreg", "budget": None, "trained_budget": pred.trained_max_tokens, "fit": fit,
-            "quality": quality(probs, test, pred.scheme),
-            "parity": {"parity_max_abs_diff": None, "bucket_agreement": float((probs.argmax(1) == ref_logits.argmax(1)).mean())},
+            "quality": quality(probs, test, pred.scheme), "vs_full": full_model_gap(probs, ref_probs, test, pred.scheme),
+            "parity": {"parity_max_abs_diff": None, "bucket_agreement": float((probs.argmax(1) == ref_probs.argmax(1)).mean())},
             "truncated": None, "mean_prompt_tokens": None}
     rows = []
     for layout in layouts:
@@ -381,6 +393,20 @@ def print_table(report: dict, console) -> None:
                       "-" if hi is None or hi.get("fallback_rate") is None else f"{hi['fallback_rate']:.1%}"]
         t.add_row(*cells)
     console.print(t)
+    gaps = Table(title="gap to the full model (fp32 at the trained budget) on the same rows, 95% paired-bootstrap interval")
+    gaps.caption = "a gap inside the agreed loss (1 point of top-1, 0.02 of tau) is told from none only if its interval is"
+    for c in ("precision", "budget", "top-1 points [95%]", "tau [95%]"):
+        gaps.add_column(c, justify="left" if c == "precision" else "right")
+    for r in {(r["precision"], r["budget"]): r for r in report["rows"]}.values():
+        gaps.add_row(r["precision"], "-" if r["budget"] is None else str(r["budget"]),
+                     _gap(r["vs_full"]["top1"], 100, ".1f"), _gap(r["vs_full"]["tau"], 1, ".3f"))
+    console.print(gaps)
+
+
+def _gap(gap: list[float], scale: float, fmt: str) -> str:
+    """``+0.4 [-1.2, +2.0]``: a gap to the full model and its 95% interval (top-1 in points, tau as is)."""
+    g, lo, hi = (x * scale for x in gap)
+    return f"{g:+{fmt}} [{lo:+{fmt}}, {hi:+{fmt}}]"
 
 
 def plot(report: dict, path: Path) -> Path:

@@ -424,7 +424,8 @@ def plot(report: dict, path: Path) -> Path:
         xs = [r["batch1"]["cpu_ms_per_prediction"] for r in pts]
         ys = [r["quality"].get("all", {}).get("kendall_tau", float("nan")) for r in pts]
         gaps = [r.get("vs_full", {}).get("tau", [0.0, 0.0, 0.0]) for r in pts]
-        yerr = [[g[0] - g[1] for g in gaps], [g[2] - g[0] for g in gaps]]
+        # a percentile interval need not contain its point estimate: a bar never goes negative
+        yerr = [[max(0.0, g[0] - g[1]) for g in gaps], [max(0.0, g[2] - g[0]) for g in gaps]]
         ax.errorbar(xs, ys, yerr=yerr, fmt="o-", capsize=3, label=precision)
         for r, x, y in zip(pts, xs, ys):
             label = "" if r["budget"] is None else str(r["budget"])

@@ -140,20 +140,25 @@ def censored_tau(expected: np.ndarray, actual: np.ndarray, censored: np.ndarray)
     return float(sign[known].sum() / known.sum()), int(known.sum())
 
 
+def kendall_tau(point: np.ndarray, lengths: np.ndarray) -> float:
+    """Kendall tau of predicted against true lengths; 0 where it is undefined (a constant prediction ranks nothing)."""
+    tau = kendalltau(point, lengths).statistic if np.ptp(point) > 0 else 0.0
+    return float(0.0 if np.isnan(tau) else tau)
+
+
 def compute_metrics(pred: Predictions, lengths: np.ndarray, scheme: BucketScheme, padding: float = 0.15) -> dict:
     """All offline metrics of one predictor on one labelled set."""
     lengths = np.asarray(lengths, dtype=np.float64)
     truth = scheme.assign(lengths)
     bucket = pred.bucket if pred.bucket is not None else pred.probs.argmax(1)
     err = pred.point - lengths
-    tau = kendalltau(pred.point, lengths).statistic if np.ptp(pred.point) > 0 else 0.0
     return {
         "n": len(lengths),
         "accuracy": float((bucket == truth).mean()),
         "accuracy_within_1": float((np.abs(bucket - truth) <= 1).mean()),
         "mae_tokens": float(np.abs(err).mean()),
         "bias_tokens": float(err.mean()),
-        "kendall_tau": float(0.0 if np.isnan(tau) else tau),
+        "kendall_tau": kendall_tau(pred.point, lengths),
         "pairwise_accuracy": pairwise_accuracy(pred.point, lengths),
         "under_prediction_rate": float((lengths > pred.point * (1.0 + padding)).mean()),
         "padding": padding,
@@ -173,18 +178,12 @@ def paired_gap(point_a: np.ndarray, bucket_a: np.ndarray, point_b: np.ndarray, b
     truth = scheme.assign(lengths)
     hit_a, hit_b = np.asarray(bucket_a) == truth, np.asarray(bucket_b) == truth
     point_a, point_b = np.asarray(point_a, dtype=np.float64), np.asarray(point_b, dtype=np.float64)
-
-    def tau(point: np.ndarray, idx: np.ndarray) -> float:
-        return float(kendalltau(point[idx], lengths[idx]).statistic) if np.ptp(point[idx]) > 0 else 0.0
-
-    every = np.arange(len(lengths))
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(lengths), (resamples, len(lengths)))
     top1 = hit_a[draws].mean(1) - hit_b[draws].mean(1)
-    taus = np.array([tau(point_a, d) - tau(point_b, d) for d in draws])
-    taus = taus[~np.isnan(taus)]
+    taus = [kendall_tau(point_a[d], lengths[d]) - kendall_tau(point_b[d], lengths[d]) for d in draws]
     return {"top1": [float(hit_a.mean() - hit_b.mean()), *map(float, np.percentile(top1, [2.5, 97.5]))],
-            "tau": [tau(point_a, every) - tau(point_b, every), *map(float, np.percentile(taus, [2.5, 97.5]))],
+            "tau": [kendall_tau(point_a, lengths) - kendall_tau(point_b, lengths), *map(float, np.percentile(taus, [2.5, 97.5]))],
             "resamples": resamples}
 
 

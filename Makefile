@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-fast faults lint
+.PHONY: setup demo test test-fast faults lint vllm-schema
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -56,3 +56,8 @@ faults: setup
 lint: setup
 	$(VENV)/bin/ruff check predictor training serving registry tests
 	$(VENV)/bin/lint-imports
+
+# The gateway's copy of vLLM's request schemas (serving/gateway/vllm_requests.json), written from the installed vLLM:
+# after a vLLM upgrade, run it and commit the file (tests/test_gateway_schema.py says when it no longer matches).
+vllm-schema: setup
+	$(VENV)/bin/python -m serving.gateway.schema

@@ -82,6 +82,7 @@ class Feedback:
     finish_reason: str | None = None  # None: not reported, taken as finished
     n_buckets: int | None = None  # the scheme's bucket count: the last bucket is open, so an answer in it stays there
     first_turn: bool | None = None  # the prompt opened its conversation (None: prompt not known)
+    client: str | None = None  # which client key the answer went to (None: not told): one key's share of a window is capped
 
     @property
     def slice(self) -> str | None:
@@ -127,13 +128,16 @@ class WindowStats:
     alarm_margin: float = 0.1
     min_alarm_n: int = 20
     slices: dict[str, WindowStats] = field(default_factory=dict)  # the same sums per slice (SLICES)
+    clients: dict[str, int] = field(default_factory=dict)  # feedbacks counted per client key
 
     def add(self, fb: Feedback, padding: float) -> None:
         if fb.slice is not None:
             part = self.slices.get(fb.slice)
             if part is None:
                 part = self.slices[fb.slice] = WindowStats(self.model_name, self.model_version)
-            part.add(Feedback(**{**fb.__dict__, "first_turn": None}), padding)
+            part.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None}), padding)
+        if fb.client is not None:
+            self.clients[fb.client] = self.clients.get(fb.client, 0) + 1
         self.n += 1
         e = fb.expected_tokens - fb.actual_tokens
         under = fb.actual_tokens > fb.expected_tokens * (1.0 + padding)
@@ -207,10 +211,18 @@ class WindowAggregator:
     """Per model version, the open window and the running total; returns windows as they close."""
 
     def __init__(self, window_size: int = 100, window_seconds: float = 60.0, padding: float = 0.15,
-                 alarm_margin: float = 0.1, min_alarm_n: int = 20):
+                 alarm_margin: float = 0.1, min_alarm_n: int = 20, key_share: float = 1.0,
+                 on_over_share: Callable[[], None] | None = None):
+        """``key_share``: the most of a window (of ``window_size``) one client key's feedback may fill; what is over it
+        stays out of the open window (``on_over_share`` is called) but counts in the running total. Why: feedback is
+        the client's answer, so one key holder choosing prompts could otherwise fill whole windows and raise the alarm."""
         if window_size < 1 or window_seconds <= 0:
             raise ValueError("window_size must be >= 1 and window_seconds > 0")
+        if not 0 < key_share <= 1:
+            raise ValueError("key_share must be in (0, 1]")
         self.window_size, self.window_seconds, self.padding = window_size, window_seconds, padding
+        self.key_cap = max(1, int(key_share * window_size)) if key_share < 1 else None
+        self._on_over_share = on_over_share
         self.alarm_margin, self.min_alarm_n = alarm_margin, min_alarm_n
         self._open: dict[tuple[str, str], WindowStats] = {}
         self.totals: dict[tuple[str, str], WindowStats] = {}
@@ -232,7 +244,11 @@ class WindowAggregator:
             w = self._open.get(key)
             if w is None:
                 w = self._open[key] = self._new(key)
-            w.add(fb, self.padding)
+            if self.key_cap is not None and fb.client is not None and w.clients.get(fb.client, 0) >= self.key_cap:
+                if self._on_over_share is not None:
+                    self._on_over_share()
+            else:
+                w.add(fb, self.padding)
             total = self.totals.get(key)
             if total is None:
                 total = self.totals[key] = self._new(key)

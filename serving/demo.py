@@ -407,7 +407,8 @@ def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dic
     sc_port = free_port()
     sidecar = children.start("predictor-sidecar", [
         str(Path(sys.executable).parent / "predictor-sidecar"), "--model", a.predictor, "--host", "127.0.0.1",
-        "--port", str(sc_port), "--threads", str(a.sidecar_threads), "--reload-interval", "0"], logs / "sidecar.log")
+        "--port", str(sc_port), "--threads", str(a.sidecar_threads), "--reload-interval", "0",
+        "--max-actual-tokens", str(a.max_model_len)], logs / "sidecar.log")  # no answer is longer than the context
     sc_url = f"http://127.0.0.1:{sc_port}"
     t = time.monotonic()
     with con.status(f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):

@@ -19,6 +19,7 @@ context) started by the gateway with a key of its own:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import select
 import socket
@@ -27,8 +28,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from starlette.responses import Response
 
 from serving.gateway.errors import ApiError
+from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call
 from serving.gateway.prediction import LengthPrediction
 from serving.policy.hints import HINT_KEYS
@@ -163,6 +166,214 @@ def test_health_is_degraded_while_the_sidecar_is_down_and_ok_when_it_answers(mak
     assert down["status"] == "degraded" and "predictor unreachable" in down["reasons"][0]
     assert "fallback length" in down["reasons"][0] and gw.health_status(down) == 200  # requests are still served
     assert value(gw.metrics.predictor_up) == 0
+
+
+# --- round two: non-finite numbers, wrong types, slots, shaped feedback, urgency, unbounded work ---------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("fragment,words", [
+    (b'"temperature": NaN', "NaN"), (b'"temperature": Infinity', "Infinity"), (b'"top_p": -Infinity', "-Infinity"),
+    (b'"temperature": 1e999', "too large"), (b'"logit_bias": {"5": NaN}', "NaN"), (b'"vllm_xargs": {"k": NaN}', "NaN"),
+    (b'"whatever": [1, NaN]', "NaN"), (b'"seed": ' + b"9" * 5000, "5000 digits"), (b'"seed": -' + b"1" * 21, "22 digits"),
+])
+def test_non_finite_numbers_and_huge_integers_are_400s_that_say_which(make_gateway, fragment, words):
+    """Python's parser takes NaN, Infinity, 1e999 and 5,000-digit integers; no engine call can carry them (the body's
+    encoding fails: a 500 that closed the connection, or a stream that waited forever holding its place)."""
+    raw = b'{"model": "m", "prompt": "hi", "max_tokens": 2, ' + fragment + b"}"
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("completion", raw)
+    assert (err.value.status, err.value.code) == (400, "invalid_json") and words in err.value.message
+    ok = make_gateway().validate("completion", b'{"model": "m", "prompt": "hi", "seed": 9223372036854775807, "top_p": 1e-300}')
+    assert ok.body["seed"] == 2**63 - 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("field,value_,param", [
+    ("structured_outputs", 5, "structured_outputs"), ("structured_outputs", {"json": 5}, "structured_outputs.json"),
+    ("temperature", "hot", "temperature"), ("stop", ["a", 3], "stop[1]"), ("logit_bias", {"5": "x"}, None),
+    ("stop_token_ids", "1,2", "stop_token_ids"), ("ignore_eos", "yes", "ignore_eos"), ("seed", 1.5, "seed"),
+    ("response_format", {"type": "bogus"}, "response_format"), ("priority", [], "priority"),
+])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it_before_any_engine_sees_it(make_gateway, field, value_, param):
+    """Checked against vLLM's own request schema: ``"structured_outputs": 5`` made vLLM answer 500."""
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("completion", body(**{field: value_}))
+    assert (err.value.status, err.value.code) == (400, "invalid_type") and field in err.value.message
+    assert param is None or err.value.param == param
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}}}], "response_format": {"type": "json_object"},
+        "logit_bias": {"5": 1.0}, "stop": "x", "unknown_field": {"any": [1]}}
+    make_gateway().validate("chat", json.dumps(chat).encode())  # well-typed: passes
+
+
+@pytest.mark.unit
+def test_the_schema_file_is_the_installed_vllms():
+    """``make vllm-schema`` writes it; after a vLLM upgrade this fails until it is written again."""
+    pytest.importorskip("vllm")
+    from serving.gateway.schema import SCHEMA_FILE, vllm_schemas
+
+    assert json.loads(SCHEMA_FILE.read_text()) == vllm_schemas(), "run make vllm-schema and commit the file"
+
+
+@pytest.mark.unit
+def test_a_stream_whose_engine_call_fails_in_the_gateway_ends_with_a_500_and_frees_its_places(make_gateway):
+    """Defence in depth behind the parser: whatever fails while a stream's engine call starts ends it (the pump caught
+    only cancellation, timeouts and transport errors, so the reader waited forever on its queue)."""
+    gw = make_gateway()
+    engine = gw.pool.engines[0]
+    engine.healthy = True
+    gw.pool.placer.rejoin(engine.view)  # as a passed probe does
+    req = gw.validate("completion", body(stream=True))
+    call = Call("completion", pred=LengthPrediction(8, "fallback"))
+    job = gw.job(call, req, call.pred)
+
+    async def go():
+        return await asyncio.wait_for(gw.forwarder.forward(req, {**req.body, "temperature": float("nan")}, {}, job,
+                                                           lambda out: None), timeout=10)
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(go())
+    assert (err.value.status, err.value.code) == (500, "gateway_error")
+    assert gw.pool.engines[0].outstanding == 0
+
+
+@pytest.mark.unit
+def test_a_conversation_past_max_messages_is_a_400_and_the_template_is_never_rendered_past_its_budget(make_gateway):
+    from serving.gateway.tokens import MAX_TOKENIZE_CHARS, PromptCounter
+
+    many = {"model": "m", "messages": [{"role": "user", "content": "x"}] * 8000}
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("chat", json.dumps(many).encode())
+    assert (err.value.status, err.value.param) == (400, "messages") and "at most 2048" in err.value.message
+
+    class Tokenizer:  # counts what it is asked to render and tokenize
+        chat_template = "x"
+        rendered = 0
+
+        def apply_chat_template(self, turns, **kw):
+            Tokenizer.rendered += 1
+            return "".join(t["content"] for t in turns)
+
+        def __call__(self, text, **kw):
+            return {"input_ids": list(range(len(text)))}
+
+    gw = make_gateway(max_messages=10_000)
+    counter = PromptCounter(Tokenizer())
+    small = gw.validate("chat", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode())
+    assert counter.measure(small)[2] == "tokenizer" and Tokenizer.rendered == 1
+    # 8,000 one-character messages: the joined text is short, the rendered template is not
+    assert 2 * 8000 < MAX_TOKENIZE_CHARS < 40 * 8000
+    tokens, _, method = counter.measure(gw.validate("chat", json.dumps(many).encode()))
+    assert method == "estimate" and Tokenizer.rendered == 1
+
+
+@pytest.mark.unit
+def test_a_prompt_list_holds_a_place_in_flight_per_prompt(make_gateway):
+    gw = make_gateway(max_outstanding=16)
+    gw.forwarder.forward = FakeEngine().forward
+
+    async def held(answer):  # the answer never comes while the test looks at the places held
+        answer.close()
+        assert gw.admission.inflight == 5
+        return Response(b"{}", status_code=200)
+
+    asyncio.run(gw.serve(Call("completion"), body(prompt=["a", "b", "c", "d", "e"]), {}, held))
+    assert gw.admission.inflight == 0
+    with pytest.raises(ApiError) as err:  # more prompts than the bound itself: never admissible
+        asyncio.run(gw.serve(Call("completion"), body(prompt=["p"] * 65), {}, held))
+    assert err.value.status == 400 and "at most 16 prompts" in err.value.message and gw.admission.inflight == 0
+    for _ in range(13):
+        gw.admission.admit()
+    with pytest.raises(ApiError) as err:  # 13 in flight: 3 more places are free, 5 are asked for
+        asyncio.run(gw.serve(Call("completion"), body(prompt=["a", "b", "c", "d", "e"]), {}, held))
+    assert err.value.status == 429 and gw.admission.inflight == 13
+
+
+class FakeEngine:
+    """Stands in for ``Forwarder.forward``: answers 200 with ``completion_tokens`` and a finish reason."""
+
+    def __init__(self, completion_tokens: int = 7, finish_reason: str = "stop"):
+        self.completion_tokens, self.finish_reason, self.sent = completion_tokens, finish_reason, []
+
+    async def forward(self, req, body, headers, job, on_done) -> Response:
+        from serving.gateway.forward import Outcome
+
+        self.sent.append(body)
+        on_done(Outcome(200, "engine-0", self.completion_tokens, self.finish_reason))
+        return Response(b'{"choices": []}', status_code=200)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fields,reason", [
+    ({"stop": [" ", "\n", ".", ","]}, "stop"), ({"stop": "."}, "stop"), ({"stop_token_ids": [13]}, "stop_token_ids"),
+    ({"min_tokens": 10}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos"), ({"logit_bias": {"13": 100}}, "logit_bias"),
+    ({"temperature": 0.0}, "temperature"), ({"temperature": 1.5}, "temperature"), ({"top_p": 0.5}, "top_p"),
+    ({"top_k": 5}, "top_k"), ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"), ({"response_format": {"type": "json_object"}},
+                                                                       "response_format"),
+    ({"vllm_xargs": {"my_processor": 1}}, "vllm_xargs"), ({"chat_template": "{{x}}"}, "chat_template"),
+    ({}, None), ({"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1, "max_tokens": 5, "seed": 3}, None),
+    ({"stop": [], "logit_bias": {}, "response_format": {"type": "text"}, "vllm_xargs": {"pred_len": 3}}, None),
+])
+def test_feedback_is_withheld_when_the_client_shaped_the_answers_length(make_gateway, fields, reason):
+    from serving.gateway.shaping import shaped_by
+
+    sampling = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}  # what the labels were made with
+    assert shaped_by(body(**fields) and {"prompt": "x", **fields}, sampling) == reason
+    gw = make_gateway(predictor_url=f"http://127.0.0.1:{free_port()}")
+    gw.target.current = dataclasses.replace(gw.target.current, target={"sampling": sampling})
+    sent = []
+    gw.feedback.submit = lambda *a: sent.append(a)
+    req = gw.validate("completion", body(**fields))
+    call = Call("completion", pred=LengthPrediction(10, "sidecar", bucket=1, expected_tokens=9.5, prediction_id="p1"))
+    gw.finished(call, req, Outcome(200, "engine-0", 3, "stop"))
+    assert len(sent) == (reason is None)
+    assert reason is None or value(gw.metrics.feedback_withheld, reason) == 1
+
+
+@pytest.mark.unit
+def test_only_slo_keys_may_set_their_own_slo_and_a_gateway_without_keys_honours_anyone(make_gateway, tmp_path):
+    (tmp_path / "slo").write_text("urgent-key\n")
+    gw = make_gateway(api_keys=["plain-key"], slo_key_file=tmp_path / "slo")
+    tight = {"x-slo-ttft-ms": "1e-6", "x-slo-tpot-ms": "1"}
+    assert gw.slo_terms({"authorization": "Bearer plain-key", **tight}) == (None, None)
+    assert value(gw.metrics.slo_ignored) == 1
+    assert gw.slo_terms({"authorization": "Bearer urgent-key", **tight}) == (0.001, 0.001)
+    assert gw.keys.allows({"authorization": "Bearer urgent-key"})  # an SLO key is a client key too
+    assert make_gateway().slo_terms(tight) == (0.001, 0.001)
+
+
+@pytest.mark.unit
+def test_the_open_health_page_names_no_engine_address(make_gateway):
+    gw = make_gateway(api_keys=["k"], predictor_url="http://127.0.0.1:9")
+    url = gw.pool.engines[0].url
+    assert url not in json.dumps(gw.health({})) and url not in json.dumps(gw.health({"authorization": "Bearer no"}))
+    assert url in json.dumps(gw.health({"authorization": "Bearer k"}))
+    open_ = make_gateway()  # no keys: an open gateway hides nothing
+    assert open_.pool.engines[0].url in json.dumps(open_.health({}))
+
+
+@pytest.mark.unit
+def test_the_engine_guard_asks_for_the_key_on_every_route_but_the_probes(monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from serving.gateway.engine_guard import EngineKeyMiddleware
+
+    paths = ["/v1/completions", "/invocations", "/tokenize", "/detokenize", "/scale_elastic_ep", "/load", "/metrics",
+             "/health", "/ping"]
+    inner = Starlette(routes=[Route(p, lambda r: PlainTextResponse("served"), methods=["GET", "POST"]) for p in paths])
+    monkeypatch.setenv("VLLM_API_KEY", "engine-key")
+    with TestClient(EngineKeyMiddleware(inner)) as client:
+        for p in paths:
+            refused = client.post(p)
+            assert refused.status_code == (200 if p in ("/health", "/ping") else 401), p
+            assert client.post(p, headers={"Authorization": "Bearer engine-key"}).text == "served"
+        assert client.post("/invocations", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    monkeypatch.delenv("VLLM_API_KEY")
+    with TestClient(EngineKeyMiddleware(inner)) as client:  # no key set: an engine run open on purpose
+        assert client.post("/invocations").text == "served"
 
 
 # --- through lengthwise serve, over a real engine ------------------------------------------------------------------

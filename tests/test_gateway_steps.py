@@ -220,7 +220,9 @@ def test_serve_refuses_a_bad_slo_header_before_asking_for_a_prediction(make_gate
     assert value(gw.metrics.requests, "/v1/completions", "400") == 1
 
 
-def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make_gateway):
+def test_a_client_that_left_before_its_answer_or_its_first_event_gets_a_499_and_its_place_back(make_gateway):
+    """A stream is watched for its client too until its first event: before that nothing is sent that would notice the
+    client leave, and an engine call that never starts would otherwise hold its place in flight for good."""
     gw = make_gateway()
     gw.forwarder.forward = FakeEngine().forward
 
@@ -230,8 +232,9 @@ def test_a_client_that_left_gets_a_499_and_a_stream_is_never_waited_on(make_gate
     resp = asyncio.run(gw.serve(Call("chat"),
                                 json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(), {}, left))
     assert resp.status_code == 499 and value(gw.metrics.requests, "/v1/chat/completions", "499") == 1
-    streamed = asyncio.run(gw.serve(Call("completion"), body(stream=True), {}, left))  # a stream has no waiter
-    assert streamed.status_code == 200
+    streamed = asyncio.run(gw.serve(Call("completion"), body(stream=True), {}, left))
+    assert streamed.status_code == 499 and value(gw.metrics.requests, "/v1/completions", "499") == 1
+    assert gw.admission.inflight == 0
 
 
 def test_feedback_goes_to_the_sidecar_only_for_a_complete_single_answer(make_gateway):

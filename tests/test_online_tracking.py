@@ -68,6 +68,29 @@ def test_alarm_when_online_accuracy_drops_below_offline(caplog):
     assert len(closed) == 1 and not closed[0].alarm
 
 
+def test_one_client_key_fills_at_most_its_share_of_a_window():
+    """Wrong answers from one key cannot raise the alarm alone: at a share no larger than the alarm's margin, they move a
+    window's accuracy by less than the margin; the window closes on everyone's feedback, and the totals count all."""
+    over = []
+    agg = online.WindowAggregator(window_size=20, window_seconds=3600, alarm_margin=0.1, key_share=0.1,
+                                  on_over_share=lambda: over.append(1))
+    agg.set_offline_accuracy("lp-unit", "1", 0.9)
+    wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None,
+                            actual_tokens=1000, client="key-0")
+    closed = [w for _ in range(30) for w in agg.add(wrong)]
+    assert closed == [] and len(over) == 28 and agg.totals[("lp-unit", "1")].n == 30
+    right = [online.Feedback("lp-unit", "1", bucket=5, true_bucket=5, expected_tokens=1000.0, quantile_tokens=None,
+                             actual_tokens=1000, client=f"key-{1 + i % 9}") for i in range(18)]
+    closed = [w for fb in right for w in agg.add(fb)]
+    assert len(closed) == 1 and closed[0].n == 20 and set(closed[0].clients.values()) == {2}
+    assert not closed[0].alarm and closed[0].accuracy == pytest.approx(0.9)
+    # without a client (one key, or none) nothing is capped: the same 20 wrong answers alarm
+    plain = online.WindowAggregator(window_size=20, window_seconds=3600, alarm_margin=0.1, key_share=0.1)
+    plain.set_offline_accuracy("lp-unit", "1", 0.9)
+    closed = [w for _ in range(20) for w in plain.add(online.Feedback(**{**wrong.__dict__, "client": None}))]
+    assert len(closed) == 1 and closed[0].alarm
+
+
 @pytest.mark.fault("MLflow down while online windows close",
                    saw="nothing (writes never block)",
                    lost="windows past the buffer bound (1 of 4 here), counted; the rest logged once MLflow is back")

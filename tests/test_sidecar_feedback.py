@@ -286,9 +286,9 @@ def test_the_same_feedback_twice_counts_once(sidecar, guarded):
 
 
 def test_actual_tokens_past_the_bound_is_a_422(sidecar, guarded):
-    """The default bound (131072) and --max-actual-tokens: past it nothing is counted, and the id stays open for a
+    """The default bound (32768) and --max-actual-tokens: past it nothing is counted, and the id stays open for a
     corrected feedback."""
-    for (client, _), bound in ((sidecar, 131072), (guarded, 4096)):
+    for (client, _), bound in ((sidecar, 32768), (guarded, 4096)):
         predict(client, {"prompt": "Count to three.", "request_id": f"huge-{bound}"})
         n0, mae0, out0 = online_n(client), metric(client, "lengthwise_online_mae_tokens", model_version="1"), \
             rejected(client, "out_of_range")

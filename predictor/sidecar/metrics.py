@@ -53,6 +53,9 @@ class SidecarMetrics:
                                          ["reason"], registry=r)
         for reason in REJECT_REASONS:
             self.feedback_rejected.labels(reason)
+        self.over_share = Counter(p + "feedback_over_share", "feedback kept out of its open online-error window because "
+                                  "its client key already holds --window-key-share of that window (still stored as a "
+                                  "training row and counted in the totals)", registry=r)
         self.unauthorized = Counter(p + "unauthorized", "requests refused with 401 (no or a wrong bearer token), by endpoint",
                                     ["endpoint"], registry=r)
         self.online = {k: Gauge(f"lengthwise_online_{k}", f"online {k} since start, from feedback", ["model_version"], registry=r)

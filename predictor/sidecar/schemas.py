@@ -150,6 +150,9 @@ class FeedbackRequest(BaseModel):
                                                                 "the sidecar's --max-actual-tokens gets 422")
     prediction: InlinePrediction | None = Field(None,
                                                 description="needed only when the id is unknown (expired or another replica)")
+    client: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[\w.:-]+$",
+                               description="which client key the answer went to (the gateway says key-<i> when it has "
+                                           "several keys): one key fills at most --window-key-share of an online window")
     finish_reason: Literal[FINISH_REASONS] | None = Field(  # type: ignore[valid-type]
         None, description="why the engine stopped: 'stop' (and 'tool_calls', 'function_call') means actual_tokens is the "
                           "answer's length; 'length' (capped at max_tokens), 'abort', 'content_filter' or 'error' mean "

@@ -69,9 +69,14 @@ class SidecarSettings(BaseModel):
     window_seconds: float = Field(60.0, gt=0, description="or this age, whichever first")
     alarm_margin: float = Field(0.10, description="alarm when window accuracy < offline accuracy - margin")
     padding: float = Field(0.15, ge=0, description="under-prediction means actual > expected x (1 + padding)")
-    max_actual_tokens: int = Field(131_072, ge=1, description="feedback whose actual_tokens exceed this gets 422 and is "
-                                                              "not counted: set it to the served model's context "
-                                                              "(max_model_len)")
+    window_key_share: float = Field(0.1, gt=0, le=1, description="the most of one online-error window that one client "
+                                    "key's feedback may fill (the gateway names the key when it has several): at or "
+                                    "below --alarm-margin, no single key can raise the drift alarm by itself. With fewer "
+                                    "than 1/share keys sending traffic, windows fill by --window-seconds instead; 1 turns "
+                                    "the cap off")
+    max_actual_tokens: int = Field(32_768, ge=1, description="feedback whose actual_tokens exceed this gets 422 and is "
+                                                             "not counted: set it to the served model's context "
+                                                             "(max_model_len; lengthwise demo and the Ray backend do)")
     # the feedback store: served predictions and their actual lengths, kept as training data
     feedback_store: bool = Field(True, description="keep each served prediction's feedback (prompt, predicted distribution, "
                                                    "actual length, finish reason) in a local SQLite store for retraining; "

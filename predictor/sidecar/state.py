@@ -93,7 +93,8 @@ class SidecarState:
             on_expired=self.metrics.expired.inc, spill=self._run_fast if settings.fast_tier else None,
             spill_margin_s=settings.spill_margin_ms / 1000.0, on_spill=self.metrics.spilled.inc)
         self.aggregator = WindowAggregator(settings.window_size, settings.window_seconds, settings.padding,
-                                           settings.alarm_margin)
+                                           settings.alarm_margin, key_share=settings.window_key_share,
+                                           on_over_share=metrics.over_share.inc)
         self.window_logger = MlflowWindowLogger(on_change=self._observe_buffer)
         self.drift: dict[tuple[str, str], DriftState] = {}
         self._served_bytes = 0

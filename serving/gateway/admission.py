@@ -25,17 +25,18 @@ def overloaded(what: str) -> ApiError:
 
 
 class Slot:
-    """One admitted request's place; :meth:`release` is idempotent, so every way a request ends may call it."""
+    """One admitted request's place (``weight`` places: one per prompt); :meth:`release` is idempotent, so every way a
+    request ends may call it."""
 
-    __slots__ = ("_gate", "released")
+    __slots__ = ("_gate", "released", "weight")
 
     def __init__(self, gate: Admission) -> None:
-        self._gate, self.released = gate, False
+        self._gate, self.released, self.weight = gate, False, 1
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._gate.leave()
+            self._gate.leave(self.weight)
 
 
 class Admission:
@@ -48,13 +49,31 @@ class Admission:
     def admit(self) -> Slot:
         if self.inflight >= self.limit:
             raise overloaded(f"{self.limit} requests in flight")
-        self.inflight += 1
-        self.peak = max(self.peak, self.inflight)
-        self._changed()
+        self._take(1)
         return Slot(self)
 
-    def leave(self) -> None:
-        self.inflight -= 1
+    def widen(self, slot: Slot, weight: int) -> None:
+        """Hold ``weight`` places for ``slot`` (a request of ``weight`` prompts, each of which is an engine request): a 429
+        when the others do not fit now, a 400 when they never could."""
+        extra = weight - slot.weight
+        if extra <= 0 or slot.released:
+            return
+        if weight > self.limit:
+            raise ApiError(400, f"a request of {weight} prompts is more than this gateway's limit of {self.limit} "
+                           f"requests in flight; send at most {self.limit} prompts per request", param="prompt",
+                           code="invalid_value")
+        if self.inflight + extra > self.limit:
+            raise overloaded(f"{self.limit} requests in flight (this request's {weight} prompts count one each)")
+        slot.weight = weight
+        self._take(extra)
+
+    def _take(self, places: int) -> None:
+        self.inflight += places
+        self.peak = max(self.peak, self.inflight)
+        self._changed()
+
+    def leave(self, places: int = 1) -> None:
+        self.inflight -= places
         self._changed()
 
     def _changed(self) -> None:

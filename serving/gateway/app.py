@@ -148,6 +148,10 @@ def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
             return await gw.serve(call, raw, request.headers, lambda answer: unless_client_leaves(request, answer))
         except ApiError as exc:
             return gw.refused(call, exc)
+        except Exception as exc:  # a defect of ours: answered here, so the client's connection stays usable
+            # (the app-wide handler answers too, but then re-raises into the server, which closes the connection)
+            log.exception("internal error on %s %s", request.method, request.url.path)
+            return gw.refused(call, ApiError(500, f"internal gateway error ({type(exc).__name__}); see the gateway log"))
 
     responses = generation_responses()
     openapi.install(app, settings.max_n)
@@ -171,8 +175,8 @@ def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
 
     @app.get("/health", summary="ok, or degraded with reasons (engines, predictor); 503 only when no engine can serve",
              responses={401: unavailable[401], 503: {"description": "no engine can serve (the same body, status down)"}})
-    async def health() -> Response:
-        body = gw.health()
+    async def health(request: Request) -> Response:
+        body = gw.health(request.headers)
         return JSONResponse(body, status_code=gw.health_status(body))
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,

@@ -35,29 +35,40 @@ def _digest(key: str) -> bytes:
 class KeyCheck:
     """The configured keys (as digests) and the rule of which paths need one."""
 
-    def __init__(self, keys: Iterable[SecretStr], protect_health: bool = False) -> None:
+    def __init__(self, keys: Iterable[SecretStr], protect_health: bool = False,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self._digests = [_digest(k.get_secret_value()) for k in keys]
-        self.protect_health = protect_health
+        self.protect_health, self.open_paths = protect_health, open_paths
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
+    @property
+    def count(self) -> int:
+        return len(self._digests)
+
     def needs_key(self, method: str, path: str) -> bool:
         if not self._digests or method == "OPTIONS":
             return False
-        return self.protect_health or path not in OPEN_PATHS
+        return self.protect_health or path not in self.open_paths
 
     def allows(self, headers: Mapping[str, str]) -> bool:
         """Whether ``headers`` carry a configured key as a bearer token (every key compared, in constant time)."""
+        return self.which(headers) is not None
+
+    def which(self, headers: Mapping[str, str]) -> int | None:
+        """The index of the configured key ``headers`` carry as a bearer token (None: none), every key compared in
+        constant time; what tells one client's feedback and urgency from another's."""
         scheme, _, token = (headers.get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         got = _digest(token)
-        match = False
-        for want in self._digests:
-            match |= hmac.compare_digest(got, want)
-        return match
+        found = None
+        for i, want in enumerate(self._digests):
+            if hmac.compare_digest(got, want) and found is None:
+                found = i
+        return found
 
     def check(self, method: str, path: str, headers: Mapping[str, str]) -> None:
         """Raise the 401 for a call to ``path`` that needs a key and does not carry one."""

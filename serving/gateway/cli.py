@@ -270,7 +270,13 @@ def _security_flags(a: argparse._ActionsContainer) -> None:
     _setting(a, "--api-key-file", "api_key_file", metavar="PATH",
              help="more keys, one per line (# comments and blank lines skipped); read at start")
     _setting(a, "--protect-health", "protect_health", action="store_true",
-             help="/health and /metrics need a key too (default: open, for load balancers and Prometheus)")
+             help="/health and /metrics need a key too (default: open, for load balancers and Prometheus; an open "
+                  "/health names no engine address unless the caller sends a key)")
+    _setting(a, "--slo-key-file", "slo_key_file", metavar="PATH",
+             help="keys whose requests may set their own SLO with x-slo-ttft-ms / x-slo-tpot-ms, one per line (they "
+                  "are client keys too). With client keys, any other key's x-slo-* headers are ignored and counted: "
+                  "a tight SLO moves a request ahead of every other, so urgency is the operator's to grant. Without "
+                  "keys every client's headers count, within --slo-min-ms and --slo-max-ms")
     _setting(a, "--engine-api-key", "engine_api_key", metavar="KEY",
              help="the key the engines want (their vllm serve --api-key), sent on every engine call; also "
                   "LENGTHWISE_ENGINE_API_KEY. Engines started here get this one, else a random one")
@@ -337,10 +343,14 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         settings = GatewaySettings(**fields)
     except ValidationError as exc:
         raise UsageError(flag_error(exc, _FLAGS)) from None
-    try:
-        settings.client_keys()
-    except ValueError as exc:
-        raise UsageError(f"--api-key-file: {exc}") from None
+    from serving.gateway.auth import read_key_file
+
+    for flag, path in (("--api-key-file", settings.api_key_file), ("--slo-key-file", settings.slo_key_file)):
+        try:
+            if path is not None:
+                read_key_file(path)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
     _check_placement(settings)
     return settings
 

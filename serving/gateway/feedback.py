@@ -47,8 +47,11 @@ class FeedbackPoster:
                        if url else None)
         self.pending: set[asyncio.Task] = set()
 
-    def submit(self, pred: LengthPrediction, actual_tokens: int | None, outputs: int, finish_reason: str | None = None) -> None:
-        """Schedule the post; returns at once. Nothing to report without a sidecar prediction id and a count."""
+    def submit(self, pred: LengthPrediction, actual_tokens: int | None, outputs: int, finish_reason: str | None = None,
+               client: str | None = None) -> None:
+        """Schedule the post; returns at once. Nothing to report without a sidecar prediction id and a count.
+        ``client`` (``key-<i>``) says which client key the answer went to: the sidecar caps one key's share of a
+        window."""
         if self.client is None or pred.prediction_id is None or actual_tokens is None or outputs != 1:
             return
         if len(self.pending) >= self.max_pending:
@@ -58,11 +61,11 @@ class FeedbackPoster:
             log.debug("finish reason %r of %s is not one the sidecar knows; sent without it", finish_reason,
                       pred.prediction_id)
             finish_reason = None
-        task = asyncio.get_running_loop().create_task(self._post(pred, actual_tokens, finish_reason))
+        task = asyncio.get_running_loop().create_task(self._post(pred, actual_tokens, finish_reason, client))
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
 
-    async def _post(self, pred: LengthPrediction, actual: int, finish_reason: str | None) -> None:
+    async def _post(self, pred: LengthPrediction, actual: int, finish_reason: str | None, client: str | None) -> None:
         inline = {"expected_tokens": pred.expected_tokens, "bucket": pred.bucket}
         if pred.quantile_tokens is not None:
             inline["quantile_tokens"] = pred.quantile_tokens
@@ -73,6 +76,8 @@ class FeedbackPoster:
         body = {"request_id": pred.prediction_id, "actual_tokens": actual, "prediction": inline}
         if finish_reason is not None:
             body["finish_reason"] = finish_reason
+        if client is not None:
+            body["client"] = client
         try:
             r = await self.client.post(self.url + "/v1/feedback", json=body)
             outcome = "sent" if r.status_code == 200 else "rejected"

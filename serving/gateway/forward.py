@@ -250,6 +250,8 @@ class Forwarder:
                 raise _Retry("empty", f"{engine.name} closed the stream without an event")
             case _Failed("timeout", detail):
                 raise ApiError(504, detail, code="engine_timeout")
+            case _Failed(reason, detail) if reason == GATEWAY_FAILED:  # no engine is to blame: no other one is tried
+                raise ApiError(500, detail + "; see the gateway log", code="gateway_error")
             case _Failed(reason, detail):
                 raise _Retry(reason, detail)
 
@@ -348,9 +350,13 @@ class _End:
     """The engine closed its stream."""
 
 
+GATEWAY_FAILED = "gateway_error"  # a stream's failure on the gateway's side, not the engine's
+
+
 @dataclass(frozen=True, slots=True)
 class _Failed:
-    """The call failed: ``reason`` is a retry reason (see :func:`_transport_retry`), ``engine_down`` or ``timeout``."""
+    """The call failed: ``reason`` is a retry reason (see :func:`_transport_retry`), ``engine_down``, ``timeout`` or
+    :data:`GATEWAY_FAILED`."""
 
     reason: str
     detail: str
@@ -395,6 +401,9 @@ class _EngineStream:
         except httpx.TransportError as exc:  # never reached the engine, or lost it: another may take the request
             retry = _transport_retry(self.pool, engine, exc, s.connect_timeout_s)
             put(_Failed(retry.reason, str(retry)))
+        except Exception as exc:  # ours (the body, the client): said, or the reader waits forever
+            log.exception("stream to %s failed in the gateway", engine.name)
+            put(_Failed(GATEWAY_FAILED, f"the gateway failed to relay the stream ({type(exc).__name__})"))
 
     def _cancelled(self, task: asyncio.Task) -> None:
         """A pump cancelled before it ran never reached its own handler: say so, or the reader waits forever."""

@@ -45,7 +45,8 @@ from serving.gateway.prefill import Prefilled, PrefillHop
 from serving.gateway.requests import PATHS, ClientRequest, Kind, parse_json
 from serving.gateway.requests import validate as validate_request
 from serving.gateway.settings import GatewaySettings
-from serving.gateway.slo import client_slo, default_slo
+from serving.gateway.shaping import shaped_by
+from serving.gateway.slo import TPOT_HEADER, TTFT_HEADER, client_slo, default_slo
 from serving.gateway.slo import deadline as slo_deadline
 from serving.gateway.target import TargetCheck, TargetWatch, served_model
 from serving.gateway.target import check as check_target
@@ -54,11 +55,13 @@ from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+LARGE_BODY = 64 << 10  # bodies past this are parsed and checked off the event loop (about a millisecond of work)
 PRED_LEN_HEADER = "x-lengthwise-pred-len"  # a trusted client's own prediction (--trust-client-predictions)
 # a prediction that fell back for one of these reasons says the sidecar is down: its state for /health
 SIDECAR_DOWN = {"unreachable": "unreachable", "timeout": "slow", "sidecar_error": "error"}
 
-# How the adapter awaits a non-streamed answer: the answer, or None when the client left first (the call is cancelled).
+# How the adapter awaits an answer (a stream: until its first event): the answer, or None when the client left first
+# (the call is cancelled).
 Waiter = Callable[[Coroutine[Any, Any, Response]], Awaitable[Response | None]]
 
 
@@ -76,6 +79,7 @@ class Call:
     method: str | None = None  # how prompt_tokens were counted: tokenizer, estimate, token_ids or prefill
     prefilled: Prefilled | None = None
     slot: Slot | None = None  # its place among the requests in flight (admission), released when it ends
+    client: str | None = None  # which of several client keys sent it (key-<i>): the sidecar caps one key's feedback
 
     @property
     def endpoint(self) -> str:
@@ -125,6 +129,7 @@ class Gateway:
         self._target_task: asyncio.Task | None = None
         self._sidecar_task: asyncio.Task | None = None
         self.keys = KeyCheck(settings.client_keys(), settings.protect_health)
+        self.urgent = KeyCheck(settings.slo_keys())  # the keys whose x-slo-* headers count (with keys enabled)
         self.admission = Admission(settings.outstanding_bounds(len(self.pool.engines))[1], metrics.inflight.set)
         # the sidecar as last seen: by its /ready (every health_interval_s) and by each prediction
         self.predictor_state: tuple[str, str] = (("unchecked", "not probed yet") if settings.predictor_url
@@ -192,6 +197,7 @@ class Gateway:
         for task in (self._tokenizer, self._target_task, self._sidecar_task):
             if task is not None:
                 task.cancel()
+        self.prompts.close()
         await self.feedback.aclose()
         await self.pool.aclose()
         await self.forwarder.aclose()
@@ -205,7 +211,7 @@ class Gateway:
 
     # --- one request: the path ----------------------------------------------------------------------
     async def serve(self, call: Call, raw: bytes, headers: Mapping[str, str], wait: Waiter) -> Response:
-        """The answer to the request whose body is ``raw``; ``wait`` awaits a non-streamed answer (see :data:`Waiter`).
+        """The answer to the request whose body is ``raw``; ``wait`` awaits the answer (see :data:`Waiter`).
 
         Raises ApiError from whichever step refuses the request; the caller answers it with :meth:`refused`.
         """
@@ -221,9 +227,12 @@ class Gateway:
         return self.client_left(call) if resp is None else self.decorate(call, resp)
 
     async def _steps(self, call: Call, raw: bytes, headers: Mapping[str, str], wait: Waiter) -> Response | None:
-        req = self.validate(call.kind, raw)
+        req = await self.validated(call.kind, raw)
+        call.client = self.client_of(headers)
+        if call.slot is not None and req.prompts > 1:
+            self.widen(call.slot, req.prompts)
         terms = self.slo_terms(headers)
-        self.measure(call, req)
+        await self.measured(call, req)
         pred = await self.predict(call, req, headers)
         body = self.hints(call, req, pred, self.deadline(call, pred, terms))
         forwarded = self.engine_headers(call, headers)
@@ -244,6 +253,14 @@ class Gateway:
             self.metrics.rejected.labels("unauthorized").inc()
             raise
 
+    def client_of(self, headers: Mapping[str, str]) -> str | None:
+        """``key-<i>`` for the i-th client key (:meth:`~serving.gateway.settings.GatewaySettings.client_keys`), when
+        there are several to tell apart; None otherwise. It goes with the answer's feedback, never the key itself."""
+        if self.keys.count < 2:
+            return None
+        index = self.keys.which(headers)
+        return None if index is None else f"key-{index}"
+
     def admit(self) -> Slot:
         """The request's place among those in flight, or a 429 at once (:mod:`serving.gateway.admission`)."""
         try:
@@ -252,26 +269,46 @@ class Gateway:
             self.metrics.rejected.labels("overload").inc()
             raise
 
+    def widen(self, slot: Slot, prompts: int) -> None:
+        """A request of several prompts holds a place in flight for each (a 429, or a 400 past the bound itself)."""
+        try:
+            self.admission.widen(slot, prompts)
+        except ApiError:
+            self.metrics.rejected.labels("overload").inc()
+            raise
+
     def validate(self, kind: Kind, raw: bytes) -> ClientRequest:
         """The body as a checked request for the models the engines serve (none known yet: any model)."""
         try:
-            return validate_request(kind, parse_json(raw), self.pool.models, self.settings.max_n)
+            return validate_request(kind, parse_json(raw), self.pool.models, self.settings.max_n, self.settings.max_messages)
         except ApiError as exc:
             if exc.param == "n" and exc.code == "invalid_value":
                 self.metrics.rejected.labels("too_many_n").inc()
             raise
 
+    async def validated(self, kind: Kind, raw: bytes) -> ClientRequest:
+        """:meth:`validate`, in a worker thread for a large body: parsing and checking megabytes (up to
+        ``max_body_bytes``) would hold the event loop, and every other client, for as long."""
+        if len(raw) <= LARGE_BODY:
+            return self.validate(kind, raw)
+        return await asyncio.to_thread(self.validate, kind, raw)
+
     def slo_terms(self, headers: Mapping[str, str]) -> tuple[float | None, float | None]:
         """The client's own (TTFT, TPOT) in seconds from ``x-slo-ttft-ms``/``x-slo-tpot-ms``, moved into
-        [``slo_min_ms``, ``slo_max_ms``] (counted); a malformed one is a 400."""
+        [``slo_min_ms``, ``slo_max_ms``] (counted); a malformed one is a 400. With client keys, only the keys of
+        ``slo_key_file`` may set them: anyone else's are ignored (counted), and the request keeps the default SLO."""
         s = self.settings
+        if self.keys.enabled and (TTFT_HEADER in headers or TPOT_HEADER in headers) and not self.urgent.allows(headers):
+            self.metrics.slo_ignored.inc()
+            return None, None
         return client_slo(headers, (s.slo_min_ms, s.slo_max_ms),
                           lambda header, bound: self.metrics.slo_clamped.labels(header, bound).inc())
 
-    def measure(self, call: Call, req: ClientRequest) -> None:
-        """Count the prompt's tokens (each prompt once, whatever ``n``) and refuse, before any prediction is asked
-        for, a prompt the engines' context cannot hold (a 400, as the engine would answer, minus the sidecar call)."""
-        total, longest, method = self.prompts.measure(req)
+    def measure(self, call: Call, req: ClientRequest, counted: tuple[int, int, str] | None = None) -> None:
+        """Count the prompt's tokens (each prompt once, whatever ``n``; ``counted``: already counted, see :meth:`measured`)
+        and refuse, before any prediction is asked for, a prompt the engines' context cannot hold (a 400, as the engine
+        would answer, minus the sidecar call)."""
+        total, longest, method = counted or self.prompts.measure(req)
         call.prompt_tokens, call.method = total, method
         context = self.pool.context(req.model)
         if context is not None and not fits_context(longest, method, req.max_tokens, context):
@@ -282,6 +319,10 @@ class Gateway:
                            if req.kind == "chat" else "prompt", code="context_length_exceeded")
         if self.settings.log_prompts:
             log.info("request %s: prompt %r", call.rid, (req.predict_input or {}))
+
+    async def measured(self, call: Call, req: ClientRequest) -> None:
+        """:meth:`measure`, with the tokenizer's work off the event loop."""
+        self.measure(call, req, await self.prompts.measure_off_loop(req))
 
     async def predict(self, call: Call, req: ClientRequest, headers: Mapping[str, str]) -> LengthPrediction:
         """The predicted length: a trusted client's header, else the sidecar's, else the fallback (never an error but
@@ -359,12 +400,11 @@ class Gateway:
 
     async def forward(self, call: Call, req: ClientRequest, body: dict[str, Any], headers: dict[str, str], job: Job,
                       wait: Waiter) -> Response | None:
-        """Place and send the request (retried elsewhere while the client saw nothing); None when the client of a
-        non-streamed request left before its answer."""
-        answer = self.forwarder.forward(req, body, headers, job, functools.partial(self.finished, call, req))
-        if req.stream:  # a stream notices its client leaving itself (Starlette cancels the relay)
-            return await answer
-        return await wait(answer)
+        """Place and send the request (retried elsewhere while the client saw nothing); None when the client left before
+        its answer (a stream: before its first event)."""
+        # a stream too, until its first event: before that nothing is sent that would notice the client leave (once
+        # the stream is returned, Starlette's own watch cancels the relay)
+        return await wait(self.forwarder.forward(req, body, headers, job, functools.partial(self.finished, call, req)))
 
     def finished(self, call: Call, req: ClientRequest, out: Outcome) -> None:
         """The answer is complete (streams: after the last event): metrics, and the actual length to the sidecar."""
@@ -377,7 +417,12 @@ class Gateway:
         if out.status == 200 and out.completion_tokens is not None:
             self.metrics.output_tokens.inc(out.completion_tokens)
             assert call.pred is not None
-            self.feedback.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason)
+            target = self.target.current.target or {}
+            reason = shaped_by(req.body, target.get("sampling"))
+            if reason is not None:  # the client decided the length, not the model: no truth about the predictor
+                self.metrics.feedback_withheld.labels(reason).inc()
+                return
+            self.feedback.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason, call.client)
 
     def decorate(self, call: Call, resp: Response) -> Response:
         """The engine's response with the headers that say what the gateway decided."""
@@ -420,12 +465,15 @@ class Gateway:
         self.count("/v1/models", 503)
         return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
 
-    def health(self) -> dict[str, Any]:
+    def health(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``/health``'s body (see :meth:`health_status` for its HTTP status).
 
         ``status`` is ``ok`` only while every part works: an engine is up (disaggregated: a prefill engine too), and a
         configured sidecar answers with a predictor for the served model. Anything less is ``degraded`` and
         ``reasons`` says what: requests are still served, on the fallback length when the predictor is the part missing.
+
+        Where the engines listen (their and the sidecar's URLs) is told only to a caller with a key, or by a gateway
+        without keys: ``/health`` stays open to probes that carry none, and an address is where an attack starts.
         """
         pool, hop, s = self.pool, self.hop, self.settings
         up = sum(e.healthy for e in pool.engines)
@@ -439,9 +487,14 @@ class Gateway:
             reasons.append(f"predictor {state}: {detail}; requests run on the fallback length")
         if self.target.refuses:
             reasons.append(f"predictor for another model: {self.target.current.detail}; requests run on the fallback length")
-        extra = {"prefill_engines": hop.pool.status()} if hop else {}
+        shown = not self.keys.enabled or (headers is not None and self.keys.allows(headers))
+
+        def engines(p: EnginePool) -> list[dict[str, Any]]:
+            return [e if shown else {k: v for k, v in e.items() if k != "url"} for e in p.status()]
+
+        extra = {"prefill_engines": engines(hop.pool)} if hop else {}
         body = {"status": "degraded" if reasons else "ok", "reasons": reasons, "healthy_engines": up,
-                "engines": pool.status(), **extra, "predictor_url": s.predictor_url,
+                "engines": engines(pool), **extra, "predictor_url": s.predictor_url if shown else None,
                 "predictor": {"state": state, "detail": detail},
                 "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
                 "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method,

@@ -24,8 +24,9 @@ that is vLLM's default plus those loggers, so the plug-in's stats line appears i
 
 Engines listen on loopback only, and want a key (vLLM's ``--api-key``, given as ``VLLM_API_KEY`` in the engine's
 environment, so it shows in no process listing and no log): ``--engine-api-key`` or, by default, a random one the gateway
-makes at start and sends on every engine call. A process on this machine that is not the gateway then cannot send the
-engines requests with hints of its own.
+makes at start and sends on every engine call. vLLM's own check covers its API prefixes only; the engines also run
+:mod:`serving.gateway.engine_guard` (vLLM's ``--middleware``), which asks for the key on every route but the liveness
+probes. A process on this machine that is not the gateway then cannot send the engines requests with hints of its own.
 
 Each engine runs in its own process group with a parent-death signal, so stopping the gateway (or the
 gateway dying) stops its engines and their worker processes too.
@@ -50,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from serving.cores import parse_cores, pin_to
+from serving.gateway.engine_guard import MIDDLEWARE as ENGINE_GUARD
 from serving.gateway.pool import engine_names
 from serving.gateway.settings import GatewaySettings
 from serving.malloc import engine_malloc, with_tcmalloc
@@ -112,7 +114,7 @@ def engine_command(settings: GatewaySettings, port: int, cpu: bool, metrics_port
     cfg = {"lengthwise": {"policy": settings.policy, **({"metrics_port": metrics_port} if metrics_port else {}),
                           **settings.scheduler_config}}
     cmd = [sys.executable, "-m", VLLM_SERVER, "--model", str(settings.model), "--host", "127.0.0.1", "--port", str(port),
-           "--scheduler-cls", PLUGIN, "--additional-config", json.dumps(cfg)]
+           "--scheduler-cls", PLUGIN, "--additional-config", json.dumps(cfg), "--middleware", ENGINE_GUARD]
     if cpu:
         if not _has_flag(extra, "--dtype"):
             cmd += ["--dtype", "float32"]

@@ -78,6 +78,11 @@ class GatewayMetrics:
         self.inflight = Gauge(p + "inflight_requests", "requests admitted and not yet answered in full", registry=r)
         self.slo_clamped = Counter(p + "slo_header_clamped", "x-slo-* header values moved into [--slo-min-ms, "
                                    "--slo-max-ms], by header and bound (min, max)", ["header", "bound"], registry=r)
+        self.slo_ignored = Counter(p + "slo_header_ignored", "requests whose x-slo-* headers were ignored: their key is "
+                                   "not one of --slo-key-file's", registry=r)
+        self.feedback_withheld = Counter(p + "feedback_withheld", "answers whose length was not reported to the sidecar "
+                                         "because the client shaped it, by the first field that did (stop, "
+                                         "min_tokens, sampling, ...)", ["reason"], registry=r)
         self.predictor_up = Gauge(p + "predictor_up", "1 while the sidecar answers (its /ready and the predictions); "
                                   "0 without --predictor-url or while it does not", registry=r)
         self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "

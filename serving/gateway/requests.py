@@ -9,9 +9,11 @@ is validated by the engine, whose 4xx answer is passed through unchanged.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from serving.gateway import schema
 from serving.gateway.errors import ApiError
 
 Kind = Literal["completion", "chat"]
@@ -31,6 +33,7 @@ class ClientRequest:
     outputs: int  # sequences the engine generates: n x prompts
     predict_input: dict[str, Any] | None = field(default=None)  # sidecar body; None: nothing to predict from
     no_predict_reason: str | None = None
+    prompts: int = 1  # prompts in the body (a completions prompt list holds several): each takes a place in flight
 
     @property
     def path(self) -> str:
@@ -38,20 +41,46 @@ class ClientRequest:
 
 
 MAX_DEPTH = 64  # JSON nesting an OpenAI body needs (a JSON schema in response_format or tools included) is far less
+MAX_INT_DIGITS = 20  # enough for any 64-bit integer, signed or not (a seed, a token id); no request field needs more
+
+
+def _no_constant(name: str) -> float:
+    raise ApiError(400, f"the request body holds {name}, which is not a JSON number; send a finite number",
+                   code="invalid_json")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ApiError(400, f"the number {text[:40]} is too large to be a finite number; send a finite number",
+                       code="invalid_json")
+    return v
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise ApiError(400, f"an integer of {len(text)} digits is larger than any request field takes (at most "
+                       f"{MAX_INT_DIGITS} digits)", code="invalid_json")
+    return int(text)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 that says what is wrong with it.
 
-    Besides malformed JSON, two bodies that parse are refused here: one nested deeper than :data:`MAX_DEPTH` (at about
-    a thousand levels the parser itself, and every later encoder, hits Python's recursion limit) and one with a lone
-    UTF-16 surrogate (``"\\ud800"``), which JSON's escapes allow but no UTF-8 text can hold: forwarding it would fail
-    when the body is encoded for the engine or the sidecar.
+    Besides malformed JSON, bodies that parse in Python but that no engine call may carry are refused here:
+
+    - ``NaN``, ``Infinity`` and numbers past a float's range (``1e999``): Python's parser takes them, but JSON has no
+      such numbers, so encoding the body for the engine or the sidecar fails (a streamed request then waited forever
+      for an engine call that never began, holding its place in flight);
+    - integers of more than :data:`MAX_INT_DIGITS` digits (at 4,300 Python refuses to turn one into text at all);
+    - nesting deeper than :data:`MAX_DEPTH` (at about a thousand levels the parser itself, and every later encoder,
+      hits Python's recursion limit) and a lone UTF-16 surrogate (``"\\ud800"``), which JSON's escapes allow but no
+      UTF-8 text can hold.
     """
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_bounded_int)
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not valid UTF-8 JSON", code="invalid_json") from None
     except json.JSONDecodeError as exc:
@@ -119,11 +148,14 @@ def text_of(content: Any) -> str:
     return ""
 
 
-def _check_messages(messages: Any) -> dict[str, Any] | None:
+def _check_messages(messages: Any, max_messages: int) -> dict[str, Any] | None:
     """Validate chat messages; return the sidecar's ``{"messages": ...}`` body (text only), or None if no text."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages",
                        code="invalid_type" if messages is not None else "missing_required_parameter")
+    if len(messages) > max_messages:
+        raise ApiError(400, f"'messages' holds {len(messages)} messages; at most {max_messages} are taken here",
+                       param="messages", code="invalid_value")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -163,9 +195,15 @@ def _check_prompt(prompt: Any) -> tuple[dict[str, Any] | None, int, str | None]:
                    param="prompt", code="invalid_type")
 
 
-def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | None = None) -> ClientRequest:
-    """Check the fields the gateway uses; ``models`` are the names the engines serve (empty: not known yet); ``n``
-    above ``max_n`` is refused (each sequence costs an engine slot and its KV: one request must not take a batch)."""
+MAX_MESSAGES = 2048  # OpenAI's own limit on a conversation's messages
+
+
+def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | None = None,
+             max_messages: int = MAX_MESSAGES) -> ClientRequest:
+    """Check the fields the gateway uses, then every field's type against vLLM's schema (:mod:`serving.gateway.schema`);
+    ``models`` are the names the engines serve (empty: not known yet); ``n`` above ``max_n`` is refused (each sequence
+    costs an engine slot and its KV: one request must not take a batch), and so is a conversation of more than
+    ``max_messages`` messages (each costs the chat template and the tokenizer work before any engine is involved)."""
     model = body.get("model")
     if model is None:
         raise ApiError(400, "'model' is required", param="model", code="missing_required_parameter")
@@ -183,7 +221,7 @@ def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | No
         max_tokens = _int_field(body, "max_completion_tokens", 1)
         legacy = _int_field(body, "max_tokens", 1)
         max_tokens = max_tokens if max_tokens is not None else legacy
-        predict_input, prompts, reason = _check_messages(body.get("messages")), 1, None
+        predict_input, prompts, reason = _check_messages(body.get("messages"), max_messages), 1, None
         reason = None if predict_input else "no_text"
     else:
         max_tokens = _int_field(body, "max_tokens", 1)
@@ -194,4 +232,5 @@ def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | No
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise ApiError(400, "'vllm_xargs' must be an object", param="vllm_xargs", code="invalid_type")
-    return ClientRequest(kind, body, model, stream, wants_usage, max_tokens, n * prompts, predict_input, reason)
+    schema.check(kind, body)
+    return ClientRequest(kind, body, model, stream, wants_usage, max_tokens, n * prompts, predict_input, reason, prompts)

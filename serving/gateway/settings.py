@@ -112,6 +112,10 @@ class GatewaySettings(BaseModel):
     api_key_file: Path | None = Field(None, description="more keys, one per line (blank lines and # comments skipped)")
     protect_health: bool = Field(False, description="/health and /metrics need a key too (default: open, for probes "
                                  "and Prometheus)")
+    slo_key_file: Path | None = Field(None, description="keys whose requests may set their own SLO (x-slo-ttft-ms, "
+                                      "x-slo-tpot-ms), one per line; they are client keys too. With client keys, every "
+                                      "other key's x-slo-* headers are ignored (counted); a gateway without keys "
+                                      "honours everyone's, within slo_min_ms and slo_max_ms")
     log_prompts: bool = Field(False, description="log each request's prompt text (default: no prompt text in any log line)")
     # bounds on what a client may ask
     max_outstanding: int | None = Field(None, ge=1, description="requests in flight in the gateway, past which a request "
@@ -124,6 +128,7 @@ class GatewaySettings(BaseModel):
     engine_bound_checkpoint: int = Field(32, ge=0, description="with engine_bound slo: a stream already missing the "
                                          "SLO at this many later tokens is judged then; 0 judges every answer at its end")
     max_n: int = Field(4, ge=1, description="the largest n (sequences per prompt) a request may ask for")
+    max_messages: int = Field(2048, ge=1, description="the most messages a chat request may hold (OpenAI's own limit)")
     slo_min_ms: float = Field(1.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms below this are raised to it")
     slo_max_ms: float = Field(600_000.0, gt=0, description="x-slo-ttft-ms / x-slo-tpot-ms above this are lowered to it")
     # gateway
@@ -204,11 +209,18 @@ class GatewaySettings(BaseModel):
         return self.load_stale_after * self.load_interval_s
 
     def client_keys(self) -> list[SecretStr]:
-        """``api_keys`` and those of ``api_key_file`` (ValueError naming the file, never a key, when it is unusable)."""
+        """``api_keys``, those of ``api_key_file`` and of ``slo_key_file`` (ValueError naming the file, never a key,
+        when one is unusable)."""
         from serving.gateway.auth import read_key_file
 
         extra = read_key_file(self.api_key_file) if self.api_key_file is not None else []
-        return [*self.api_keys, *(SecretStr(k) for k in extra)]
+        return [*self.api_keys, *(SecretStr(k) for k in extra), *self.slo_keys()]
+
+    def slo_keys(self) -> list[SecretStr]:
+        """The keys of ``slo_key_file``: those whose x-slo-* headers are honoured."""
+        from serving.gateway.auth import read_key_file
+
+        return [SecretStr(k) for k in read_key_file(self.slo_key_file)] if self.slo_key_file is not None else []
 
     @property
     def engine_seqs(self) -> int:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ log = logging.getLogger("serving.gateway")
 
 CHARS_PER_TOKEN = 4.0
 MAX_CHARS_PER_TOKEN = 16.0  # far above any BPE vocabulary's average: an estimate past the context by this much is sure
-MAX_TOKENIZE_CHARS = 200_000  # longer prompts are estimated: tokenizing them would stall the event loop
+MAX_TOKENIZE_CHARS = 200_000  # longer prompts are estimated: the tokenizer's work grows with the text
+TEMPLATE_CHARS_PER_MESSAGE = 32  # what a chat template adds around each message, about (role markers, separators)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -66,6 +68,7 @@ class PromptCounter:
     def __init__(self, tokenizer: Any | None = None) -> None:
         self.tokenizer = tokenizer
         self.loading = False
+        self._thread: ThreadPoolExecutor | None = None
 
     async def load(self, model: str | None) -> None:
         """Load ``model``'s local tokenizer off the event loop; until it is there, prompts are estimated."""
@@ -94,7 +97,10 @@ class PromptCounter:
         turns = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))} for m in messages if isinstance(m, dict)]
         text = "\n".join(t["content"] for t in turns)
         tok = self.tokenizer
-        if tok is not None and len(text) <= MAX_TOKENIZE_CHARS and getattr(tok, "chat_template", None):
+        rendered_size = len(text) + TEMPLATE_CHARS_PER_MESSAGE * len(turns)  # the template's text, before rendering it
+        if rendered_size > MAX_TOKENIZE_CHARS:
+            return estimate(text), "estimate"
+        if tok is not None and getattr(tok, "chat_template", None):
             try:
                 rendered = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
                 return max(1, len(tok(rendered, add_special_tokens=False)["input_ids"])), "tokenizer"
@@ -119,6 +125,19 @@ class PromptCounter:
             return sum(len(p) for p in prompt), max(len(p) for p in prompt), "token_ids"
         counted = [self._tokens(p) for p in prompt or [""]]
         return sum(c for c, _ in counted), max(c for c, _ in counted), counted[0][1]
+
+    async def measure_off_loop(self, req: ClientRequest) -> tuple[int, int, str]:
+        """:meth:`measure` in the tokenizer's own thread when the tokenizer runs (the chat template and the tokenizer
+        hold the event loop for as long as they work; one thread, so requests take turns on one tokenizer), else here."""
+        if self.tokenizer is None:  # an estimate: a length, no work
+            return self.measure(req)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.measure, req)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
     def count(self, req: ClientRequest) -> tuple[int, str]:
         """(prompt tokens times ``n``, method): the KV a request's sequences hold for their prompts, for placement."""

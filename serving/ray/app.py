@@ -102,6 +102,9 @@ def run(settings: GatewaySettings, sidecar: dict[str, Any] | None = None, engine
     The ingress reaches the sidecar on its node's Serve proxy, ``http://127.0.0.1:{port}/predictor``.
     """
     if sidecar is not None:
+        context = settings.engine_arg("--max-model-len")
+        if context is not None and "max_actual_tokens" not in sidecar:  # no answer is longer than the engines' context
+            sidecar = {**sidecar, "max_actual_tokens": int(context)}
         serve.run(sidecar_app(sidecar), name="predictor", route_prefix=ROUTE)
         port = serve.context._get_global_client().http_config.port
         settings = settings.model_copy(update={"predictor_url": f"http://127.0.0.1:{port}{ROUTE}"})

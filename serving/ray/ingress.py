@@ -93,9 +93,8 @@ class RayGateway(Gateway):
         def send() -> Any:
             return self.engine.options(stream=True).generate.remote(req.path, raw, hdrs, **{ROUTE_KWARG: hint})
 
-        if req.stream:
-            return await self._stream(call, req, send)
-        return await wait(self._unary(call, req, send))
+        # a stream too, until its first event: nothing notices its client leave before that
+        return await wait(self._stream(call, req, send) if req.stream else self._unary(call, req, send))
 
     def _tries(self) -> int:
         return max(2, self.settings.engines)

@@ -262,7 +262,7 @@ def test_a_conversation_past_max_messages_is_a_400_and_the_template_is_never_ren
     assert counter.measure(small)[2] == "tokenizer" and Tokenizer.rendered == 1
     # 8,000 one-character messages: the joined text is short, the rendered template is not
     assert 2 * 8000 < MAX_TOKENIZE_CHARS < 40 * 8000
-    tokens, _, method = counter.measure(gw.validate("chat", json.dumps(many).encode()))
+    _, _, method = counter.measure(gw.validate("chat", json.dumps(many).encode()))
     assert method == "estimate" and Tokenizer.rendered == 1
 
 
@@ -405,9 +405,9 @@ def owner(model_dir, logs):
     gw.stop()
 
 
-def _attach(owner: Gateway, logs: Path, *args: str) -> Gateway:
+def _attach(owner: Gateway, logs: Path, *args: str, env: dict | None = None) -> Gateway:
     gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", ENGINE_KEY, "--health-interval",
-                       "0.5", *args)
+                       "0.5", *args, env=env)
     gw.model, gw.engines = owner.model, owner.engines
     return gw
 
@@ -595,3 +595,301 @@ def test_fuzz_the_gateways_openapi_schema(owner, mode):
         assert all(200 in codes for codes in generation), seen
     else:
         assert all(codes and max(codes) < 500 for codes in generation), seen
+
+
+# --- round two through lengthwise serve: the reproductions, then the invariants as properties -------------------------
+KEYS = ("client-key-0", "client-key-1")
+SLO_KEY = "client-key-urgent"
+
+
+@pytest.fixture(scope="module")
+def keyed(owner, logs, tmp_path_factory):
+    """A gateway with two client keys and one SLO key over the owner's engine, 16 requests in flight at most."""
+    slo = tmp_path_factory.mktemp("slo-keys") / "keys"
+    slo.write_text(SLO_KEY + "\n")
+    gw = _attach(owner, logs, "--api-key", KEYS[0], "--api-key", KEYS[1], "--slo-key-file", str(slo),
+                 "--max-outstanding", "16", "--model", owner.model,  # the engine's model is a local directory
+                 "--t-p", "10")  # a default SLO of seconds: far from what an SLO key's 1 ms headers make
+    wait_for(lambda: gw.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
+    yield gw
+    gw.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+
+
+def _inflight(gw: Gateway) -> tuple[int, int]:
+    """(requests in flight in the gateway, on its engine) as its /health says."""
+    h = gw.get("/health", headers=AUTH).json()
+    return h["inflight"], sum(e["outstanding"] for e in h["engines"])
+
+
+def _settled(gw: Gateway) -> None:
+    wait_for(lambda: _inflight(gw) == (0, 0), timeout=30, what="every place in flight released")
+
+
+def test_a_streamed_nan_is_a_400_and_sixteen_of_them_leave_every_place_free(keyed):
+    raw = json.dumps({"model": keyed.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                      "stream": True}).replace('"stream": true', '"stream": true, "temperature": NaN').encode()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(16):
+            r = client.post(keyed.url + "/v1/chat/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
+            assert r.status_code == 400 and "NaN" in r.json()["error"]["message"], r.text
+    _settled(keyed)
+    assert _completion(keyed, headers=AUTH).status_code == 200
+
+
+def test_a_stream_whose_client_leaves_before_its_first_event_frees_its_place(keyed):
+    """The engine is full of long answers, so a new stream waits for its first event; its client gives up meanwhile."""
+    long = {"model": keyed.model, "prompt": "Go on.", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.Client(timeout=120) as client:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            busy = [pool.submit(client.post, keyed.url + "/v1/completions", json=long, headers=AUTH) for _ in range(4)]
+            wait_for(lambda: _inflight(keyed)[1] >= 4, timeout=30, what="the engine's batch full")
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(keyed.url + "/v1/completions", json={**long, "max_tokens": 4, "stream": True}, headers=AUTH,
+                            timeout=httpx.Timeout(120, read=1.0))
+            wait_for(lambda: _inflight(keyed)[0] <= 4, timeout=30, what="the stream's place released")
+            assert keyed.metric("lengthwise_gateway_requests_total", endpoint="/v1/completions", status="499") >= 1
+            for f in busy:
+                f.cancel()
+    _settled(keyed)
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": 5}, {"temperature": "hot"}, {"stop": [1]},
+                                   {"logit_bias": {"1": "x"}}, {"response_format": {"type": "bogus"}}])
+def test_a_field_vllm_would_fail_on_is_a_400_from_the_gateway(keyed, extra):
+    """``"structured_outputs": 5`` made the engine answer 500; the gateway now refuses each of these itself."""
+    r = _completion(keyed, headers=AUTH, **extra)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(next(iter(extra))), r.text
+
+
+def test_engine_routes_all_want_the_key(keyed, owner):
+    engine = owner.engines[0]
+    probes = {"/invocations": {"model": owner.model, "prompt": "hi", "max_tokens": 2,
+                               "vllm_xargs": {"pred_len": 1, "deadline": 0.0}},
+              "/tokenize": {"model": owner.model, "prompt": "hi"}, "/detokenize": {"model": owner.model, "tokens": [1, 2]},
+              "/v1/completions": {"model": owner.model, "prompt": "hi", "max_tokens": 2}}
+    for path, payload in probes.items():
+        assert httpx.post(engine + path, json=payload, timeout=30).status_code == 401, path
+    assert httpx.post(engine + "/tokenize", json=probes["/tokenize"], timeout=30,
+                      headers={"Authorization": f"Bearer {ENGINE_KEY}"}).status_code == 200
+    assert httpx.get(engine + "/health", timeout=30).status_code == 200  # a liveness probe carries no key
+    open_health = keyed.get("/health").json()
+    assert engine not in json.dumps(open_health) and engine in json.dumps(keyed.get("/health", headers=AUTH).json())
+
+
+def test_slo_headers_count_only_from_an_slo_key(keyed):
+    tight = {"x-slo-ttft-ms": "1e-6", "x-slo-tpot-ms": "1e-6"}  # clamped to --slo-min-ms (1 ms) each
+    t1 = time.time()
+    plain = _completion(keyed, headers={**AUTH, **tight})
+    urgent = _completion(keyed, headers={"Authorization": f"Bearer {SLO_KEY}", **tight})
+    t3 = time.time()
+    assert plain.status_code == urgent.status_code == 200
+    pred = int(plain.headers["x-lengthwise-pred-len"])
+    assert float(plain.headers["x-lengthwise-deadline"]) >= t1 + 10  # the default: --t-p 10 s, scaled
+    assert float(urgent.headers["x-lengthwise-deadline"]) <= t3 + 0.001 * (1 + pred) + 1e-3
+    assert keyed.metric("lengthwise_gateway_slo_header_ignored_total") >= 1
+
+
+def test_a_pathological_body_does_not_hold_health(keyed):
+    """100,000 one-character messages (a 3 MB body) and a conversation whose template would render past the tokenizer's
+    budget: /health answers within a small bound meanwhile."""
+    import threading
+
+    bodies = [{"model": keyed.model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}] * 100_000},
+              {"model": keyed.model, "max_tokens": 2, "messages": [{"role": "user", "content": "y " * 60}] * 2000}]
+    def probe(stop: threading.Event, delays: list[float]) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            keyed.get("/health")
+            delays.append(time.perf_counter() - t)
+            time.sleep(0.02)
+
+    for payload in bodies:
+        raw = json.dumps(payload).encode()
+        delays: list[float] = []
+        stop = threading.Event()
+        thread = threading.Thread(target=probe, args=(stop, delays))
+        thread.start()
+        time.sleep(0.2)
+        r = httpx.post(keyed.url + "/v1/chat/completions", content=raw, timeout=120,
+                       headers={**AUTH, "content-type": "application/json"})
+        time.sleep(0.2)
+        stop.set()
+        thread.join()
+        assert r.status_code in (200, 400), r.text
+        assert max(delays) < 0.5, (len(raw), sorted(delays)[-5:])
+
+
+# Values no request field takes, as JSON text: non-finite numbers, huge integers, every JSON type.
+HOSTILE = ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", "9" * 25, "-" + "9" * 5000, "1" * 4301, '"x"', '""',
+           "[]", "{}", "null", "true", "false", "-1", "0", "1.5", "1e308", '[1, "a", null]', '{"a": NaN}', '{"a": {"b": [1]}}',
+           '"\\ud83d\\ude00"', '[[1, 2], [3]]', '{"type": "json_object"}', '{"json": 5}')
+
+
+def _fields() -> list[str]:
+    from serving.gateway.schema import SCHEMA_FILE
+
+    schemas = json.loads(SCHEMA_FILE.read_text())
+    return sorted({f for s in schemas.values() for f in s["properties"]} - {"model"})
+
+
+def _bodies():
+    from hypothesis import strategies as st
+
+    plain = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False,
+                         allow_infinity=False) | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                         | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+    value = st.one_of(st.sampled_from(HOSTILE), plain.map(json.dumps))
+    return st.fixed_dictionaries({
+        "chat": st.booleans(), "stream": st.booleans(), "usage": st.booleans(),
+        "fields": st.dictionaries(st.sampled_from(_fields()), value, max_size=3),
+        "slo": st.sampled_from([None, "1e-6", "NaN", "-5", "50", "1e308", "soon"]),
+        "key": st.sampled_from([KEYS[0], KEYS[1], SLO_KEY, None, "wrong"]),
+        "leave_after": st.sampled_from([None, None, None, 0.05, 0.3]),
+    })
+
+
+def _raw(model: str, case: dict) -> bytes:
+    """The body as JSON text: a valid request of 1-3 tokens, with the case's fields spliced in as raw JSON."""
+    base = ({"model": model, "messages": [{"role": "user", "content": "hi there"}]} if case["chat"] else
+            {"model": model, "prompt": "hi there"})
+    base |= {"max_tokens": 3, "stream": case["stream"]}
+    if case["stream"] and case["usage"]:
+        base["stream_options"] = {"include_usage": True}
+    fields = {k: v for k, v in case["fields"].items() if k not in ("max_tokens", "max_completion_tokens")}
+    for k in fields:
+        base.pop(k, None)
+    return (json.dumps(base)[:-1] + "".join(f", {json.dumps(k)}: {v}" for k, v in fields.items()) + "}").encode()
+
+
+def test_invariants_hold_for_hostile_bodies_and_headers(keyed):
+    """For any body and headers, streamed or not: a status below 500 (the engine is healthy and the sidecar absent, so
+    nothing else is to blame); a stream ends with [DONE]; the next request on the same connection is served; and when
+    it is over, or its client left, every place in flight is released, in the gateway and on the engine."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen: dict[int, int] = {}
+
+    @given(case=_bodies())
+    @settings(max_examples=120, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    def check(case):
+        path = "/v1/chat/completions" if case["chat"] else "/v1/completions"
+        headers = {"content-type": "application/json"}
+        if case["key"]:
+            headers["Authorization"] = f"Bearer {case['key']}"
+        if case["slo"]:
+            headers["x-slo-ttft-ms"] = case["slo"]
+        timeout = httpx.Timeout(60, read=case["leave_after"]) if case["leave_after"] else httpx.Timeout(60)
+        with httpx.Client(base_url=keyed.url, limits=httpx.Limits(max_connections=1)) as client:
+            try:
+                with client.stream("POST", path, content=_raw(keyed.model, case), headers=headers, timeout=timeout) as r:
+                    text = r.read().decode(errors="replace")
+                    status = r.status_code
+                    sock = r.extensions["network_stream"].get_extra_info("socket").getsockname()
+            except httpx.ReadTimeout:  # the client left
+                _settled(keyed)
+                return
+            seen[status] = seen.get(status, 0) + 1
+            assert status < 500, (status, text[:300], case)
+            if status == 200 and case["stream"]:
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+            nxt = client.post("/v1/completions", json={"model": keyed.model, "prompt": "again", "max_tokens": 2},
+                              headers=AUTH, timeout=60)
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.extensions["network_stream"].get_extra_info("socket").getsockname() == sock  # the same connection
+        _settled(keyed)
+
+    check()
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10 and seen.get(401, 0) >= 1, seen
+
+
+SIDECAR_TOKEN = "sidecar-token-for-the-hostile-tests"
+ATTACK = {"max_tokens": 32, "stop": [" ", "\n", ".", ","]}
+
+
+@pytest.fixture(scope="module")
+def long_predictor(logs, data, tmp_path_factory):
+    """A real sidecar serving a registered predictor (offline accuracy 0.9) that puts every prompt at 256-1,024 tokens,
+    with a 30-feedback window and a token; yields (sidecar, its LENGTHWISE_HOME)."""
+    import mlflow
+
+    from registry import store
+    from tests.sidecar_proc import start_sidecar
+    from tests.tiny_package import tiny_packages
+
+    home = tmp_path_factory.mktemp("attack-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LENGTHWISE_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        store.configure()
+        package = tiny_packages(tmp_path_factory.mktemp("attack-pkg"), data / "tokenizers/gpt2/tokenizer.json",
+                                {"long": None}, head_bias=[0.0, 0.0, 10.0])["long"]
+        with mlflow.start_run(experiment_id=store.ensure_experiment("attack")):
+            store.register_package(package, "lp-attack", {"accuracy": 0.9, "kendall_tau": 0.3}, "split", [64, 256])
+    store.configure()
+    sidecar = start_sidecar(logs, "--model", "models:/lp-attack/1", "--window-size", "30", "--window-seconds", "3600",
+                            "--reload-interval", "0",
+                            env={"LENGTHWISE_HOME": str(home), "LENGTHWISE_SIDECAR_TOKEN": SIDECAR_TOKEN,
+                                 "MLFLOW_TRACKING_URI": ""})
+    yield sidecar, home
+    sidecar.stop()
+
+
+def test_the_feedback_attack_leaves_the_alarm_down(owner, logs, long_predictor):
+    """30 requests the predictor puts at 256-1,024 tokens, each ended early by stop strings: their lengths reach
+    neither the online windows nor the feedback store. The same lengths posted as feedback (what the gateway did before)
+    raise the alarm, so the check can fail; posted as one key's they fill at most its share of the window."""
+    from registry.feedback_store import FeedbackStore
+
+    sidecar, home = long_predictor
+    auth = {"Authorization": f"Bearer {SIDECAR_TOKEN}"}
+    gw = _attach(owner, logs, "--api-key", KEYS[0], "--api-key", KEYS[1], "--predictor-url", sidecar.url,
+                 "--predictor-timeout-ms", "5000", "--allow-predictor-for-other-model", env={
+                     "LENGTHWISE_PREDICTOR_TOKEN": SIDECAR_TOKEN})
+    try:
+        def attack(n: int) -> list[tuple[str, int]]:
+            out = []
+            for i in range(n):
+                r = httpx.post(gw.url + "/v1/chat/completions", headers=AUTH, timeout=120, json={
+                    "model": owner.model, "messages": [{"role": "user", "content": f"Write a long essay on topic {i}."}],
+                    **ATTACK})
+                assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] == "sidecar", r.text
+                answer = r.json()
+                assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] < 32
+                out.append((r.headers["x-lengthwise-request-id"], answer["usage"]["completion_tokens"]))
+            return out
+
+        pred = sidecar.post("/v1/predict", headers=auth, json={"prompt": "Write a long essay on topic 0."}).json()
+        assert pred["predictions"][0]["bucket"] == 2  # 256 tokens and up (the gateway clamps it to max_tokens)
+        first = attack(30)
+        assert gw.metric("lengthwise_gateway_feedback_withheld_total", reason="stop") == 30
+        time.sleep(1.0)
+        assert not sidecar.metric("lengthwise_online_feedback_n", model_version="1")
+        assert not sidecar.metric("lengthwise_predictor_drift_alarm", model_version="1")
+        def rows() -> int:
+            db = home / "feedback.db"
+            return FeedbackStore(db).count()["rows"] if db.exists() else 0
+
+        assert rows() == 0
+
+        # as one key's feedback (several keys: the gateway names it), 3 of the 30-feedback window at most
+        for rid, tokens in first:
+            r = sidecar.post("/v1/feedback", headers=auth, json={"request_id": rid, "actual_tokens": tokens,
+                                                                   "finish_reason": "stop", "client": "key-0"})
+            assert r.status_code == 200 and r.json()["accepted"], r.text
+        assert sidecar.metric("lengthwise_sidecar_feedback_over_share_total") == 27
+        assert not sidecar.metric("lengthwise_predictor_drift_alarm", model_version="1")
+        # the control: the same lengths counted in full, as the gateway posted them before, raise the alarm
+        for rid, tokens in attack(30):
+            sidecar.post("/v1/feedback", headers=auth, json={"request_id": rid, "actual_tokens": tokens,
+                                                             "finish_reason": "stop"})
+        drift = wait_for(lambda: sidecar.get("/health").json()["drift"].get("1"), timeout=10, what="a closed window")
+        assert drift["alarm"] and drift["window_accuracy"] < 0.2
+        wait_for(lambda: rows() == 60, timeout=10, what="the posted feedback stored as training rows")
+    finally:
+        gw.stop()

@@ -17,8 +17,12 @@ def tiny_base(path: Path, tokenizer_json: Path) -> Path:
     return path
 
 
-def tiny_packages(work: Path, tokenizer_json: Path, targets: dict[str, dict | None]) -> dict[str, Path]:
-    """One classifier exported once per entry of ``targets`` (name -> target), into ``work/<name>``."""
+def tiny_packages(work: Path, tokenizer_json: Path, targets: dict[str, dict | None],
+                  head_bias: list[float] | None = None) -> dict[str, Path]:
+    """One classifier exported once per entry of ``targets`` (name -> target), into ``work/<name>``. ``head_bias``
+    sets the bucket logits' bias: ``[0, 0, 10]`` makes a predictor that puts every prompt in the longest bucket."""
+    import torch
+
     from predictor.buckets import BucketScheme
     from predictor.model import build_classifier
     from training.export import export_package, input_format_for, load_backbone_tokenizer
@@ -26,6 +30,9 @@ def tiny_packages(work: Path, tokenizer_json: Path, targets: dict[str, dict | No
     base = tiny_base(work / "base", tokenizer_json)
     scheme = BucketScheme.from_edges([64, 256], max_tokens=1024)
     model = build_classifier(base, scheme.n, lora=None)
+    if head_bias is not None:
+        with torch.no_grad():
+            model.head.bias.copy_(torch.tensor(head_bias))
     fmt = input_format_for(load_backbone_tokenizer(base), 32, None)
     return {name: export_package(model, work / name, base, scheme, fmt, {"backbone": "tiny"}, target=target)
             for name, target in targets.items()}

@@ -362,13 +362,13 @@ def test_the_engine_guard_asks_for_the_key_on_every_route_but_the_probes(monkeyp
     from serving.gateway.engine_guard import EngineKeyMiddleware
 
     paths = ["/v1/completions", "/invocations", "/tokenize", "/detokenize", "/scale_elastic_ep", "/load", "/metrics",
-             "/health", "/ping"]
+             "/health", "/ping", "/is_sleeping", "/reset_prefix_cache"]
     inner = Starlette(routes=[Route(p, lambda r: PlainTextResponse("served"), methods=["GET", "POST"]) for p in paths])
     monkeypatch.setenv("VLLM_API_KEY", "engine-key")
     with TestClient(EngineKeyMiddleware(inner)) as client:
         for p in paths:
             refused = client.post(p)
-            assert refused.status_code == (200 if p in ("/health", "/ping") else 401), p
+            assert refused.status_code == (200 if p in ("/health", "/ping", "/metrics") else 401), p
             assert client.post(p, headers={"Authorization": "Bearer engine-key"}).text == "served"
         assert client.post("/invocations", headers={"Authorization": "Bearer wrong"}).status_code == 401
     monkeypatch.delenv("VLLM_API_KEY")
@@ -754,10 +754,14 @@ def _bodies():
 
 
 def _raw(model: str, case: dict) -> bytes:
-    """The body as JSON text: a valid request of 1-3 tokens, with the case's fields spliced in as raw JSON."""
+    """The body as JSON text: a valid request of 1-3 tokens (400 when its client will leave), with the case's fields
+    spliced in as raw JSON."""
     base = ({"model": model, "messages": [{"role": "user", "content": "hi there"}]} if case["chat"] else
             {"model": model, "prompt": "hi there"})
-    base |= {"max_tokens": 3, "stream": case["stream"]}
+    # a client that leaves asks for a long answer, so that it leaves while the answer is still on its way
+    base |= {"max_tokens": 400 if case["leave_after"] else 3, "stream": case["stream"]}
+    if case["leave_after"]:
+        base["ignore_eos"] = True
     if case["stream"] and case["usage"]:
         base["stream_options"] = {"include_usage": True}
     fields = {k: v for k, v in case["fields"].items() if k not in ("max_tokens", "max_completion_tokens")}
@@ -773,6 +777,7 @@ def test_invariants_hold_for_hostile_bodies_and_headers(keyed):
     from hypothesis import HealthCheck, given, settings
 
     seen: dict[int, int] = {}
+    left = [0]
 
     @given(case=_bodies())
     @settings(max_examples=120, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -791,6 +796,7 @@ def test_invariants_hold_for_hostile_bodies_and_headers(keyed):
                     status = r.status_code
                     sock = r.extensions["network_stream"].get_extra_info("socket").getsockname()
             except httpx.ReadTimeout:  # the client left
+                left[0] += 1
                 _settled(keyed)
                 return
             seen[status] = seen.get(status, 0) + 1
@@ -804,7 +810,8 @@ def test_invariants_hold_for_hostile_bodies_and_headers(keyed):
         _settled(keyed)
 
     check()
-    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10 and seen.get(401, 0) >= 1, seen
+    print(f"hostile bodies and headers: statuses {dict(sorted(seen.items()))}, clients that left: {left[0]}")
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10 and seen.get(401, 0) >= 1 and left[0] >= 3, (seen, left)
 
 
 SIDECAR_TOKEN = "sidecar-token-for-the-hostile-tests"

@@ -9,6 +9,7 @@ One request's path (docs/architecture.md), one module per step:
 ``admission.py``          how much work is accepted: requests in flight, 429 with ``Retry-After`` past the bound
 ``concurrency.py``        each engine's bound learnt from the SLO its answers meet (``--engine-bound slo``)
 ``requests.py``           validate the OpenAI body (4xx with an OpenAI-style error, never a traceback)
+``schema.py``             every field's type against vLLM's own request schema (``vllm_requests.json``)
 ``prediction.py``         ask the sidecar ``/v1/predict`` (short timeout) or fall back to a fixed length
 ``target.py``             is the sidecar's predictor made for the served model? (checked at start and while serving)
 ``slo.py``                the deadline: ``x-slo-ttft-ms``/``x-slo-tpot-ms`` or EcoServe's JCT SLO
@@ -18,9 +19,11 @@ One request's path (docs/architecture.md), one module per step:
                           aladdin, lengthwise) over one view per engine, JSQ when the engines' reports are stale
 ``forward.py``            send it, retry on another engine while nothing reached the client, stream SSE
 ``feedback.py``           post the actual output length to the sidecar ``/v1/feedback`` in the background
+``shaping.py``            withhold it when the client, not the model, decided the length (stop strings, sampling, ...)
 ``pool.py``               the engines: health checks, each engine's view, models they serve
 ``engine_load.py``        read an engine's vLLM ``/metrics``: running, waiting, KV use and KV capacity
 ``launcher.py``           start and stop ``vllm`` engine processes with the scheduler plug-in
+``engine_guard.py``       inside each engine (vLLM's ``--middleware``): the engines' key on every route
 ``metrics.py``            Prometheus metrics; ``app.py`` the FastAPI app; ``cli.py`` the command line
 ========================= ===========================================================================
 

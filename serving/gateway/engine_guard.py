@@ -7,7 +7,8 @@ open to any process on the machine. vLLM's official hook for this is ``--middlew
 app); the gateway starts its engines with ``--middleware serving.gateway.engine_guard.EngineKeyMiddleware``, which asks
 every HTTP or WebSocket call for the key in ``VLLM_API_KEY`` (the same key vLLM's own check wants, held in the
 engine's environment), with the gateway's rule (:class:`~serving.gateway.auth.KeyCheck`). Open: ``/health`` and
-``/ping``, which answer "alive" and nothing more (a probe carries no key), and ``OPTIONS``. Attached engines can run
+``/ping``, which answer "alive" and nothing more, vLLM's Prometheus ``/metrics`` (counts, no text of any request),
+and ``OPTIONS``: probes and Prometheus carry no key. Attached engines can run
 it too: ``vllm serve ... --middleware serving.gateway.engine_guard.EngineKeyMiddleware`` with ``VLLM_API_KEY`` set.
 """
 
@@ -23,7 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serving.gateway.auth import KeyCheck
 
 KEY_ENV = "VLLM_API_KEY"
-OPEN = frozenset({"/health", "/ping"})
+OPEN = frozenset({"/health", "/ping", "/metrics"})  # probes and Prometheus carry no key; none of them does anything
 MIDDLEWARE = f"{__name__}.EngineKeyMiddleware"
 
 

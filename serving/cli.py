@@ -12,7 +12,7 @@ from serving.policy.registry import policy_help
 
 def _bench_predictor(a: argparse.Namespace) -> int:
     from predictor.common import quiet_libraries
-    from training.bench import run_bench
+    from serving.bench.predictor.train import run_bench
 
     quiet_libraries(a.verbose)
     run_bench(a.json, a.max_samples or None, a.epochs, a.work_dir, a.base_model, a.max_prompt_tokens, a.bucket_width,
@@ -56,9 +56,9 @@ def _setup(a: argparse.Namespace, scenario_name: str):
 def _simulate(a: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from serving.bench.sim import simulate_once
     from serving.policy.config import PolicyConfig
     from serving.policy.registry import make_policy
-    from serving.sim.bench import simulate_once
 
     make_policy(a.policy, PolicyConfig(), 64)  # an unknown name fails now, not after loading the workload
     setup = _setup(a, a.scenario)
@@ -71,9 +71,9 @@ def _bench_sim(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from serving.bench.sim import bench_sim
     from serving.policy.config import PolicyConfig
     from serving.policy.registry import make_policy
-    from serving.sim.bench import bench_sim
     from serving.sim.scenarios import SCENARIOS
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
@@ -82,7 +82,7 @@ def _bench_sim(a: argparse.Namespace) -> int:
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
     if a.predictors:
-        from serving.sim.bench import bench_quality
+        from serving.bench.sim import bench_quality
 
         specs = [s.strip() for s in a.predictors.split(",") if s.strip()]
         if a.scenario == "all" or len(specs) < 2:
@@ -143,33 +143,33 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_bench_predictor(bsub)
     _add_bench_sim(bsub)
-    from serving.enginebench.cli import add_parser as add_bench_engine
-    from serving.placementbench.cli import add_fleet_parser, add_scale_parser
-    from serving.placementbench.cli import add_parser as add_bench_placement
-    from training.bench_sidecar import add_parser as add_bench_sidecar
-    from training.variants import add_parser as add_bench_variants
+    from serving.bench.engine.cli import add_parser as add_bench_engine
+    from serving.bench.placement.cli import add_fleet_parser, add_scale_parser
+    from serving.bench.placement.cli import add_parser as add_bench_placement
+    from serving.bench.predictor.sidecar import add_parser as add_bench_sidecar
+    from serving.bench.predictor.variants import add_parser as add_bench_variants
 
     add_bench_sidecar(bsub)
     add_bench_variants(bsub)
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)
-    from serving.placementbench.loadcli import add_overload_parser, add_soak_parser
+    from serving.bench.load.cli import add_overload_parser, add_soak_parser
 
     add_overload_parser(bsub)
     add_soak_parser(bsub)
-    from serving.loopbench import add_parser as add_bench_loop
+    from serving.bench.loop import add_parser as add_bench_loop
 
     add_bench_loop(bsub)
-    from serving.placementbench.raycli import add_parser as add_bench_ray
+    from serving.bench.ray.cli import add_parser as add_bench_ray
 
     add_bench_ray(bsub)
 
     _add_simulate(sub)
     add_scale_parser(sub)
     _add_convert_gguf(sub)
-    from serving.relabel import add_parser as add_relabel
-    from serving.relabel_agreement import add_parser as add_relabel_agreement
+    from serving.relabel.agreement import add_parser as add_relabel_agreement
+    from serving.relabel.run import add_parser as add_relabel
 
     add_relabel(sub)
     add_relabel_agreement(sub)
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.gateway.cli import run as run_serve
 
     add_serve(sub).set_defaults(func=functools.partial(run_serve, backends={"ray": _serve_ray}))
-    from serving.replay import add_parser as add_replay
+    from serving.bench.replay import add_parser as add_replay
 
     add_replay(sub)
     from serving.demo import add_parser as add_demo

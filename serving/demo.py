@@ -22,14 +22,8 @@ work dir.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,10 +32,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from serving.launch.models import predictor_fit
+from serving.launch.process import Child, Children, StartError, cpu_cores, free_port, wait_child
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from serving.replay import Job, Plan
+    from serving.bench.replay import Job, Plan
 
 EPILOG = """\
 examples:
@@ -59,143 +56,8 @@ CALIBRATION_REQUESTS = 3  # lone requests that measure t_p and t_g (prompts that
 CALIBRATION_TOKENS = 32  # output tokens of each (ignore_eos)
 
 
-class DemoError(RuntimeError):
+class DemoError(StartError):
     """A step failed; the message says which and where its log is."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C: stop the children and exit."""
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the demo process dies (Linux), so nothing outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-    grace_s: float
-
-    def tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").rstrip().splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-class Children:
-    """The demo's child processes. Each gets its own session (its process group id is its pid), so Ctrl-C in the
-    terminal reaches only the demo, which then stops them in reverse start order: SIGTERM to the group, SIGKILL
-    after ``grace_s``. Use as a context manager: the exit stops them whatever happened, and SIGTERM becomes
-    :class:`Interrupted` inside it."""
-
-    def __init__(self) -> None:
-        self.children: list[Child] = []
-        self._old_term = None
-
-    def __enter__(self) -> Children:  # noqa: PYI034
-        def _term(signum, frame):
-            raise Interrupted()
-
-        if threading_main():
-            self._old_term = signal.signal(signal.SIGTERM, _term)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.stop_all()
-        finally:
-            if self._old_term is not None:
-                signal.signal(signal.SIGTERM, self._old_term)
-
-    def start(self, name: str, cmd: list[str], log: Path, env: dict | None = None, grace_s: float = 20.0) -> Child:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as f:
-            f.write(f"$ {shlex.join(cmd)}\n".encode())
-            f.flush()
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **(env or {})}, start_new_session=True,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
-        child = Child(name, proc, log, grace_s)
-        self.children.append(child)
-        return child
-
-    def stop(self, child: Child) -> int | None:
-        if child.proc.poll() is None:
-            _killpg(child.proc.pid, signal.SIGTERM)
-            try:
-                child.proc.wait(timeout=child.grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _killpg(child.proc.pid, signal.SIGKILL)  # what is left of its group (it may have exited, its group not)
-        try:
-            child.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if child in self.children:
-            self.children.remove(child)
-        return child.proc.returncode
-
-    def stop_all(self) -> None:
-        for child in reversed(list(self.children)):
-            self.stop(child)
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _killpg(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(child: Child, url: str, timeout_s: float, what: str) -> float:
-    """Poll ``url`` until it answers 200; :class:`DemoError` with the log's tail if the child exits or time runs out."""
-    t0 = time.monotonic()
-    with httpx.Client(timeout=3.0) as client:
-        while True:
-            if child.proc.poll() is not None:
-                raise DemoError(f"{child.name} exited with status {child.proc.returncode} before {what}; "
-                                f"last lines of {child.log}:\n{child.tail()}")
-            try:
-                if client.get(url).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise DemoError(f"{child.name} not {what} after {timeout_s:g} s; last lines of {child.log}:\n{child.tail()}")
-            time.sleep(0.5)
-
-
-def engine_cores(spec: str) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for the engine: ``all`` or the first N cores this process may use."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if spec == "all":
-        return ",".join(map(str, cores))
-    try:
-        n = int(spec)
-    except ValueError:
-        raise DemoError(f"--engine-cores must be 'all' or a number of cores, got {spec!r}") from None
-    if not 1 <= n <= len(cores):
-        raise DemoError(f"--engine-cores must be between 1 and {len(cores)} here, got {n}")
-    return ",".join(map(str, cores[:n]))
 
 
 def calibrate(url: str, model: str, jobs, n: int, tokens: int) -> tuple[float, float, list]:
@@ -204,7 +66,7 @@ def calibrate(url: str, model: str, jobs, n: int, tokens: int) -> tuple[float, f
     import asyncio
     from dataclasses import replace
 
-    from serving.replay import Settings, send_one
+    from serving.bench.replay import Settings, send_one
 
     s = Settings(url, model, ignore_eos=True, timeout_s=300)
 
@@ -278,7 +140,7 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
     for name in ("rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
         if not getattr(a, name) > 0:
             raise DemoError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name):g}")
-    engine_cores(a.engine_cores)
+    cpu_cores(a.engine_cores)
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -311,7 +173,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         gguf, sharegpt = _check(a)
         _registered(a.predictor)
-    except DemoError as exc:
+    except StartError as exc:
         print(f"lengthwise demo: error: {exc}", file=sys.stderr)
         return 2
     work = a.work_dir.expanduser().resolve()
@@ -325,7 +187,7 @@ def run(a: argparse.Namespace) -> int:
             t = time.monotonic()
             children.stop_all()
             timings["stop_s"] = time.monotonic() - t
-    except DemoError as exc:
+    except StartError as exc:  # a step failed (DemoError), or a child did not start
         print(f"lengthwise demo: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -356,7 +218,7 @@ class Calibration:
     t_p: float
     t_g: float
     scale: float
-    requests: list  # the calibration requests' results (serving.replay.Result)
+    requests: list  # the calibration requests' results (serving.bench.replay.Result)
 
     @property
     def slo_ttft_ms(self) -> float:
@@ -412,32 +274,12 @@ def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dic
     sc_url = f"http://127.0.0.1:{sc_port}"
     t = time.monotonic()
     with con.status(f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
-        wait_http(sidecar, sc_url + "/ready", a.start_timeout, "ready")
+        wait_child(sidecar, sc_url + "/ready", a.start_timeout, "ready")
     timings["sidecar_ready_s"] = time.monotonic() - t
     ready = httpx.get(sc_url + "/ready", timeout=10).json()
     con.print(f"[2/5] predictor-sidecar: {ready.get('model_name')} v{ready.get('model_version')} on {sc_url}, "
               f"ready in {timings['sidecar_ready_s']:.0f} s (log {sidecar.log})")
     return sc_url, ready
-
-
-def predictor_fit(model_dir: Path, ready: dict) -> dict[str, str | None]:
-    """Whether the sidecar's predictor learned the lengths of the model the demo serves: its recorded target (in
-    ``/ready``) against SmolLM2's ``name@hash``. ``verdict`` is :func:`predictor.target.compare_models`'s, or
-    ``unknown``; ``line`` says what it means for the demo."""
-    from predictor.target import compare_models, served_model_id
-
-    served = served_model_id(str(model_dir))
-    target = ready.get("target") if isinstance(ready.get("target"), dict) else {}
-    model = target.get("model") if isinstance(target.get("model"), str) else None
-    if model is None:
-        return {"served": served, "target": None, "verdict": "unknown",
-                "line": "the predictor records no target model: whose lengths it learned is unknown"}
-    verdict = compare_models(served, model)
-    line = (f"the predictor learned the lengths of {model}, not of the served {served}: the demo serves it anyway "
-            "(lengthwise serve --allow-predictor-for-other-model), so its predictions are another model's; train it on "
-            "SmolLM2's own lengths with `lengthwise relabel` (docs/predictor.md)" if verdict == "different"
-            else f"the predictor learned the lengths of {model}, the served model")
-    return {"served": served, "target": model, "verdict": verdict, "line": line}
 
 
 def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, logs: Path, children: Children,
@@ -446,7 +288,7 @@ def _start_gateway(a: argparse.Namespace, model_dir: Path, sidecar_url: str, log
     can be loaded meanwhile (:func:`_load_trace`, then :func:`_gateway_ready`). ``allow_other``: the predictor was
     trained for another model's lengths, and the demo says so rather than refusing to run."""
     gw_port = free_port()
-    bind = engine_cores(a.engine_cores)
+    bind = cpu_cores(a.engine_cores)
     gateway = children.start("lengthwise serve", [
         str(Path(sys.executable).parent / "lengthwise"), "serve", "--model", str(model_dir), "--engines", "1",
         "--policy", a.policy, "--predictor-url", sidecar_url, "--predictor-timeout-ms", f"{a.predictor_timeout_ms:g}",
@@ -465,7 +307,7 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
     """... and the trace, loaded while the engine starts: ``--requests`` prompts with Poisson arrivals to replay, and
     a few more, outside the trace, for the calibration; tokens are counted with the served model's tokenizer so that
     prompts too long for its context are left out before sending."""
-    from serving.replay import ReplayError, plan_jobs, poisson_arrivals
+    from serving.bench.replay import ReplayError, plan_jobs, poisson_arrivals
 
     with con.status("loading the ShareGPT trace while the engine starts ..."):
         try:
@@ -487,7 +329,7 @@ def _gateway_ready(a: argparse.Namespace, gateway: Gateway, logs: Path, n_jobs: 
     """Wait for the gateway's ``/health``: it answers once its engine serves (a minute more than the engine's own
     start-up timeout, for the gateway's)."""
     with con.status(f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ..."):
-        wait_http(gateway.child, gateway.url + "/health", a.start_timeout + 60, "serving")
+        wait_child(gateway.child, gateway.url + "/health", a.start_timeout + 60, "serving")
     timings["engine_ready_s"] = time.monotonic() - gateway.started
     con.print(f"[3/5] lengthwise serve on {gateway.url}: one engine ({a.policy}, cores {gateway.cores}, "
               f"KV {a.kv_cache_gib:g} GiB), ready in {timings['engine_ready_s']:.0f} s (logs {gateway.child.log}, "
@@ -514,8 +356,8 @@ def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, cal
     headers; writes ``replay.json``, prints its table and returns the report."""
     from rich.console import Console
 
-    from serving.enginebench.realmodel import Sampling
-    from serving.replay import Settings, build_report, report_table, run_with_progress
+    from serving.bench.replay import Settings, build_report, report_table, run_with_progress
+    from serving.launch.models import Sampling
 
     # SmolLM2 sampled as it is served and relabelled (the predictor's labels come from these settings)
     s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from predictor.common import data_dir
+from serving.launch.process import free_port
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 ALPACA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
@@ -87,10 +87,6 @@ def metric_values(text: str, metric: str, labels: dict[str, str]):
             yield float(m[3])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

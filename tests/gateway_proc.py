@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import HTTP, free_port, metric_values
+from serving.launch.process import free_port
+from tests.conftest import HTTP, metric_values
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 
@@ -22,7 +23,7 @@ def dummy_llama(model_dir: Path, tokenizer_json: Path) -> Path:
     """The product's ``micro`` dummy-weight Llama (2 layers; weights from ``--load-format dummy``) with the GPT-2
     tokenizer and a chat template: head_dim 64 and block 32 are what vLLM's CPU attention accepts
     (tests/engine_probe.py)."""
-    from serving.enginebench.model import dummy_model
+    from serving.launch.models import dummy_model
 
     return Path(dummy_model("micro", 2048, model_dir, tokenizer_json))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import free_port
+from serving.launch.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARGS = ["--load-format dummy", "--enforce-eager", "--max-model-len 2048", "--max-num-seqs 8", "--seed 0"]

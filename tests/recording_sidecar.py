@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.conftest import free_port
+from serving.launch.process import free_port
 
 PREDICTION = {"bucket": 1, "range": [64, 256], "expected_tokens": 120.0, "quantile_tokens": 200.0, "prediction_id": "p-1",
               "model_name": "length-predictor", "model_version": "7"}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import HTTP, free_port, metric_values
+from serving.launch.process import free_port
+from tests.conftest import HTTP, metric_values
 
 SIDECAR = str(Path(sys.executable).parent / "predictor-sidecar")
 

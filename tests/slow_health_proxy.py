@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.conftest import free_port
+from serving.launch.process import free_port
 
 
 class SlowHealthProxy:

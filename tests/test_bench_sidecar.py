@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, fallback_rate
 from tests.tiny_package import tiny_packages
-from training.bench_sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, fallback_rate
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 

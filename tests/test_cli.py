@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.conftest import SHAREGPT, free_port
+from serving.launch.process import free_port
+from tests.conftest import SHAREGPT
 from tests.sidecar_proc import wait_for
 
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from serving.cores import claim_cores, parse_cores, pin_to
+from serving.launch.cores import claim_cores, parse_cores, pin_to
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def test_claims_take_disjoint_cores_until_none_is_left_and_a_dead_holders_cores_
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from serving.cores import claim_cores
+        from serving.launch.cores import claim_cores
         got = claim_cores(len({cores!r}), Path({str(tmp_path)!r}))
         print(sorted(got.cores), flush=True)
         time.sleep(60)
@@ -76,7 +76,7 @@ def test_pin_process_pins_threads_already_running_and_their_children():
     core = max(os.sched_getaffinity(0))
     code = textwrap.dedent(f"""
         import os, subprocess, sys, threading
-        from serving.cores import pin_process
+        from serving.launch.cores import pin_process
         seen, go = [], threading.Event()
         def other():
             go.wait()

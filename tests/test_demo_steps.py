@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from serving import demo, replay
+from serving import demo
+from serving.bench import replay
 
 pytestmark = pytest.mark.unit
 
@@ -78,7 +79,7 @@ def world(tmp_path, monkeypatch) -> World:
     monkeypatch.setattr(demo, "_registered", lambda uri: "length-predictor v3")
     ports = iter(range(5001, 5100))
     monkeypatch.setattr(demo, "free_port", lambda: next(ports))
-    monkeypatch.setattr(demo, "engine_cores", lambda spec: "7")
+    monkeypatch.setattr(demo, "cpu_cores", lambda spec: "7")
 
     class FakeChildren:
         def __init__(self) -> None:
@@ -102,11 +103,11 @@ def world(tmp_path, monkeypatch) -> World:
 
     monkeypatch.setattr(demo, "Children", FakeChildren)
 
-    def wait_http(child, url, timeout_s, what):
+    def wait_child(child, url, timeout_s, what):
         w.waits.append((child.name, url, timeout_s, what))
         return 0.0
 
-    monkeypatch.setattr(demo, "wait_http", wait_http)
+    monkeypatch.setattr(demo, "wait_child", wait_child)
 
     def get(url, timeout=None):
         w.gets.append(url)
@@ -196,7 +197,7 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert world.starts == [
         {"name": "predictor-sidecar", "log": logs / "sidecar.log", "env": None, "grace_s": 20.0,
          "cmd": [str(bin_dir / "predictor-sidecar"), "--model", "models:/length-predictor@champion", "--host", "127.0.0.1",
-                 "--port", "5001", "--threads", "1", "--reload-interval", "0"]},
+                 "--port", "5001", "--threads", "1", "--reload-interval", "0", "--max-actual-tokens", "2048"]},
         {"name": "lengthwise serve", "log": logs / "gateway.log", "grace_s": 60.0,
          "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "7", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
          "cmd": [str(bin_dir / "lengthwise"), "serve", "--model", str(model), "--engines", "1", "--policy", "lengthwise",
@@ -246,7 +247,7 @@ def test_an_uncached_model_is_converted_and_engine_options_reach_the_gateway(wor
     assert world.converted == [(tmp_path / "data" / GGUF_NAME, model)]
     assert f"[1/5] model: {model} (converted in 1 s)" in err
     sidecar, gateway = world.starts
-    assert sidecar["cmd"][-4:] == ["--threads", "2", "--reload-interval", "0"]
+    assert sidecar["cmd"][-6:] == ["--threads", "2", "--reload-interval", "0", "--max-actual-tokens", "2048"]
     assert gateway["cmd"][-2:] == ["--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 4"]
     assert "--engine-arg=--enforce-eager" not in gateway["cmd"]
     assert gateway["cmd"][gateway["cmd"].index("--policy") + 1] == "vllm"

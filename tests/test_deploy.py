@@ -3,7 +3,7 @@
 Every manifest must be a well-formed Kubernetes object whose parts fit together (selectors, ports, probes,
 Prometheus annotations), and every command line in it must parse with the real parser of the program it starts:
 ``lengthwise serve`` with the gateway's argparse parser and settings validation, ``predictor-sidecar`` with the
-sidecar's, and the engine with the flags serving/gateway/launcher.py gives the engines it starts itself and with
+sidecar's, and the engine with the flags serving/launch/engines.py gives the engines it starts itself and with
 vLLM's own parser. A renamed flag, a moved route or a changed plug-in setting fails here, not in a cluster.
 """
 
@@ -324,7 +324,7 @@ def test_sidecar_command_line_parses_with_predictor_sidecar(objects, sidecar_rou
 
 # --- the engines ------------------------------------------------------------------------------------
 def engine(objects):
-    from serving.gateway.launcher import VLLM_SERVER
+    from serving.launch.engines import VLLM_SERVER
 
     return find(objects, ["python", "-m", VLLM_SERVER])
 
@@ -333,8 +333,8 @@ def engine(objects):
 def test_engine_runs_the_launchers_command_line(objects):
     """The flags lengthwise serve gives the engines it starts (launcher.engine_command), on the pod's address."""
     from serving.engine.settings import SchedulerSettings
-    from serving.gateway.launcher import PLUGIN, engine_command, logging_config
     from serving.gateway.settings import GatewaySettings
+    from serving.launch.engines import PLUGIN, engine_command, logging_config
     from serving.policy.config import PolicyConfig
     from serving.policy.registry import make_policy
 
@@ -430,7 +430,7 @@ def readme_commands() -> list[list[str]]:
 def test_readme_commands_parse(capsys):
     from predictor.sidecar.cli import build_parser
     from serving.engine.settings import SchedulerSettings
-    from serving.gateway.launcher import PLUGIN, VLLM_SERVER
+    from serving.launch.engines import PLUGIN, VLLM_SERVER
 
     cmds = readme_commands()
     seen = set()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from serving.bench.engine.bench import profile_to_csv
 from serving.cli import main
-from serving.enginebench.bench import profile_to_csv
 from serving.perf.latency import FittedLatency
 
 
@@ -36,7 +36,7 @@ def test_profile_csv_uses_the_busy_cycle_and_fits(tmp_path):
 
 @pytest.mark.unit
 def test_calibration_merges_each_engines_profile(tmp_path):
-    from serving.enginebench.bench import merge_csv
+    from serving.bench.engine.bench import merge_csv
 
     a = profile_to_csv(_rows([0.0, 0.011, 0.022], [0.010] * 3, [100, 0, 0], [0, 2, 2]), tmp_path / "a.csv")
     b = profile_to_csv(_rows([5.0, 5.02], [0.019] * 2, [0, 0], [4, 4]), tmp_path / "b.csv")
@@ -52,7 +52,7 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     import http.server
     import threading
 
-    from serving.placementbench.fleet import _wait_idle
+    from serving.bench.fleet import _wait_idle
 
     body = {"text": "# HELP python_info x\n# TYPE python_info gauge\npython_info 1.0\n"}
 
@@ -135,7 +135,7 @@ def _pt(rate, stock, ours):
 
 @pytest.mark.unit
 def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
-    from serving.enginebench.bench import headline, max_rate_at
+    from serving.bench.engine.bench import headline, max_rate_at
 
     pts = [_pt(2.0, 0.50, 0.92), _pt(1.0, 0.97, 0.98), _pt(1.5, 0.85, 0.95)]
     head, rule = headline(pts)
@@ -150,8 +150,8 @@ def test_headline_is_where_stock_first_misses_and_capacity_interpolates():
 
 @pytest.mark.unit
 def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
+    from serving.bench.fleet import _prefill_hops
     from serving.gateway.metrics import GatewayMetrics
-    from serving.placementbench.fleet import _prefill_hops
 
     m = GatewayMetrics()
     m.prefill_hops.labels("ok_no_transfer_params").inc(39)
@@ -162,8 +162,8 @@ def test_fleet_reads_the_gateways_prefill_hops_from_its_metrics():
 
 @pytest.mark.unit
 def test_fleet_calls_a_run_past_capacity_by_its_backlog_not_by_the_drain_of_long_answers():
-    from serving.placementbench.fleet import _admitted_by_last_arrival
-    from serving.replay import Result
+    from serving.bench.fleet import _admitted_by_last_arrival
+    from serving.bench.replay import Result
 
     def run(ttfts: list[float | None], jct: float) -> list[Result]:
         return [Result(i, float(i), 64, 64, 32, ok=t is not None, sent=float(i), ttft=t, jct=None if t is None else jct)

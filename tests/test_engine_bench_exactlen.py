@@ -1,5 +1,5 @@
 """``bench engine`` keeps the true length from the scheduler: one ``max_tokens`` cap for every request, the length enforced
-by a logits processor (serving/enginebench/exactlen.py) under a key the plug-in never reads.
+by a logits processor (serving/bench/engine/exactlen.py) under a key the plug-in never reads.
 
 The unit tests pin the key, the plug-in's view of a request, the processor's masks and the simulator's like-for-like cap;
 the last test replays a handful of requests through stock vLLM and the plug-in on the real engine.
@@ -16,9 +16,9 @@ from rich.console import Console
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from serving.bench.engine.bench import EngineBenchConfig, _with_cap, run_engines, trace_max_tokens
+from serving.bench.engine.exactlen import STOP_TOKEN_ID, TRUE_LEN_KEY, ExactLengthLogitsProcessor, exact_length_params
 from serving.engine.inputs import parse_inputs
-from serving.enginebench.bench import EngineBenchConfig, _with_cap, run_engines, trace_max_tokens
-from serving.enginebench.exactlen import STOP_TOKEN_ID, TRUE_LEN_KEY, ExactLengthLogitsProcessor, exact_length_params
 from serving.policy.hints import HINT_KEYS, SchedulingHints
 from serving.policy.request import Prediction
 from serving.sim.instance import new_request

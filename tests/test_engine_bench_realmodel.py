@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from serving.enginebench.realmodel import predictor_quality, request_seed, resolve_model, served_lengths
+from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
+from serving.launch.models import resolve_model
 from serving.policy.request import Prediction
 from serving.sim.workload import TraceRequest
 
@@ -65,7 +66,7 @@ def test_resolve_model_explains_what_it_needs(tmp_path):
 def test_matched_noise_takes_the_main_predictors_measured_accuracy():
     from rich.console import Console
 
-    from serving.enginebench.bench import EngineBenchConfig, _arms
+    from serving.bench.engine.bench import EngineBenchConfig, _arms
 
     reqs = [TraceRequest(i, 0.0, 100, 20 + 37 * i % 900) for i in range(200)]
     cfg = EngineBenchConfig(predictor="noise:0.4", compare_predictors=["oracle", "noise:matched"], ablation=["sarathi"],
@@ -90,7 +91,7 @@ if sys.argv[1] == "fixed":
 plugin = {"scheduler_cls": "serving.engine.scheduler.LengthwiseScheduler"} if sys.argv[1] == "plugin" else {}
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from serving.enginebench.model import dummy_model
+from serving.launch.models import dummy_model
 llm = LLM(model=dummy_model("micro", 512), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
           enforce_eager=True, max_model_len=512, block_size=32, max_num_batched_tokens=int(sys.argv[2]),
           num_gpu_blocks_override=64, gpu_memory_utilization=0.2, **plugin)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from serving.enginebench import bench
-from serving.enginebench.bench import EngineBenchConfig, run_bench
+from serving.bench.engine import bench
+from serving.bench.engine.bench import EngineBenchConfig, run_bench
 
 pytestmark = pytest.mark.unit
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from serving.enginebench.exactlen import STOP_TOKEN_ID, TRUE_LEN_KEY
-from serving.placementbench import fleet
-from serving.replay import Result, request_body
+from serving.bench import fleet
+from serving.bench.engine.exactlen import STOP_TOKEN_ID, TRUE_LEN_KEY
+from serving.bench.replay import Result, request_body
 from serving.sim.workload import TraceRequest
 
 
@@ -49,7 +49,8 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     """``run_fleet_bench`` with every process and request faked. The fake engines answer as the exact-length logits
     processor makes real ones answer: with the length in ``vllm_xargs`` when it fits ``max_tokens``, else
     ``max_tokens`` (what an engine without the processor does under ``ignore_eos``)."""
-    from serving.gateway import launcher
+    from serving.launch import engines as launcher
+    from serving.launch import process
 
     work = tmp_path / "work"
     work.mkdir()
@@ -123,7 +124,7 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     monkeypatch.setattr(launcher, "start_engines", start_engines)
     monkeypatch.setattr(launcher, "stop_engines", lambda procs: None)
     monkeypatch.setattr(launcher, "wait_healthy", lambda urls, timeout, procs: None)
-    monkeypatch.setattr(launcher, "free_port", lambda: 8123)
+    monkeypatch.setattr(process, "free_port", lambda: 8123)
     buf = io.StringIO()
     json_path = tmp_path / "out" / "fleet.json"
     out = fleet.run_fleet_bench(fleet.FleetBenchConfig(**config), json_path, Console(file=buf, width=200))
@@ -235,7 +236,7 @@ def test_the_engines_argument_names_the_exact_length_processor_as_vllm_parses_it
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from serving.enginebench.exactlen import ExactLengthLogitsProcessor
+    from serving.bench.engine.exactlen import ExactLengthLogitsProcessor
 
     argv = [part for a in fleet._engine_args(fleet.FleetBenchConfig(), "float32") for part in shlex.split(a)]
     args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", *argv])

@@ -29,7 +29,8 @@ import pytest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
-from tests.conftest import HTTP, SHAREGPT, free_port
+from serving.launch.process import free_port
+from tests.conftest import HTTP, SHAREGPT
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
 from tests.vllm_bench import bench_sharegpt
@@ -297,7 +298,7 @@ def test_cpu_engines_run_on_the_systems_tcmalloc_where_it_is_installed(fleet):
     it); on a system without one, the gateway's log says the engines run on glibc's malloc and how to install it."""
     import psutil
 
-    from serving.malloc import INSTALL_HINT, find_tcmalloc
+    from serving.launch.malloc import INSTALL_HINT, find_tcmalloc
 
     lib = find_tcmalloc()
     engines = [p for p in psutil.Process(fleet.proc.pid).children() if "vllm.entrypoints" in " ".join(p.cmdline())]

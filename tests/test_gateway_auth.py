@@ -59,11 +59,11 @@ def test_open_paths_and_constant_time_comparison_of_every_key(monkeypatch):
     assert not check.needs_key("OPTIONS", "/v1/x")
     assert KeyCheck([SecretStr("k")], protect_health=True).needs_key("GET", "/health")
     assert not KeyCheck([]).needs_key("POST", "/v1/completions")  # no keys: open, as before
-    from serving.gateway import auth
+    from predictor import bearer
 
     compared = []
-    real = auth.hmac.compare_digest
-    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    real = bearer.hmac.compare_digest
+    monkeypatch.setattr(bearer.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
     assert check.allows({"authorization": "Bearer k1"})  # the first key matches: the others are still compared
     assert len(compared) == 3
 

@@ -34,8 +34,8 @@ from serving.gateway.errors import ApiError
 from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call
 from serving.gateway.prediction import LengthPrediction
+from serving.launch.process import free_port
 from serving.policy.hints import HINT_KEYS
-from tests.conftest import free_port
 from tests.gateway_proc import Gateway, engine_extra_args, start_gateway
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
@@ -359,7 +359,7 @@ def test_the_engine_guard_asks_for_the_key_on_every_route_but_the_probes(monkeyp
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from serving.gateway.engine_guard import EngineKeyMiddleware
+    from serving.launch.guard import EngineKeyMiddleware
 
     paths = ["/v1/completions", "/invocations", "/tokenize", "/detokenize", "/scale_elastic_ep", "/load", "/metrics",
              "/health", "/ping", "/is_sleeping", "/reset_prefix_cache"]

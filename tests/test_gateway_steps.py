@@ -20,7 +20,7 @@ from serving.gateway.gateway import Call, Gateway
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.prefill import Prefilled
 from serving.gateway.settings import GatewaySettings
-from tests.conftest import free_port  # a port nothing listens on: connections are refused at once
+from serving.launch.process import free_port  # a port nothing listens on: connections are refused at once
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,7 @@ from predictor.target import make_target, model_id
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.target import TargetCheck, judge
-from tests.conftest import free_port
+from serving.launch.process import free_port
 
 OVERRIDE = "--allow-predictor-for-other-model"
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from serving.bench.load.overload import peak_in_flight, run_summary, verdict
+from serving.bench.load.run import error_kind, meets_slo
+from serving.bench.load.soak import growth, soak_jobs, tree_sample, windows
+from serving.bench.replay import Result
 from serving.cli import main
 from serving.perf.slo import SLO
-from serving.placementbench.loadrun import error_kind, meets_slo
-from serving.placementbench.overload import peak_in_flight, run_summary, verdict
-from serving.placementbench.soak import growth, soak_jobs, tree_sample, windows
-from serving.replay import Result
 
 SLO_ = SLO(scale=2.0, t_p=0.05, t_g=0.01, ttft_s=1.0, tpot_s=0.1)
 
@@ -188,8 +188,8 @@ def test_soak_jobs_cycle_the_trace_within_the_duration():
 def test_a_soak_past_what_the_stack_sustains_says_so():
     from collections import Counter
 
-    from serving.placementbench.soak import overload_signs
-    from serving.replay import Result
+    from serving.bench.load.soak import overload_signs
+    from serving.bench.replay import Result
 
     def done(i: int, ttft: float, prediction: str = "sidecar") -> Result:
         return Result(i, 0.0, 64, 10, 5, ok=True, status=200, ttft=ttft, prediction=prediction)
@@ -206,7 +206,7 @@ def test_a_soak_past_what_the_stack_sustains_says_so():
 
 @pytest.mark.unit
 def test_the_served_rate_ladder_steps_down_until_a_probe_meets_the_target():
-    from serving.placementbench.servedrate import ladder, ladder_missed
+    from serving.bench.load.servedrate import ladder, ladder_missed
 
     def capacity(cap: float):  # a stack that meets the SLO for everyone up to cap req/s, then for fewer and fewer
         return lambda rate: 1.0 if rate <= cap else cap / rate

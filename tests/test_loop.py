@@ -100,7 +100,7 @@ def _model_dir() -> str:
     if (cached / "config.json").is_file():
         return str(cached)
     from predictor.common import data_dir
-    from serving.enginebench.realmodel import resolve_model
+    from serving.launch.models import resolve_model
 
     return str(resolve_model(data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", Path.home() / ".cache" / "lengthwise"))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serving.malloc import find_tcmalloc, with_tcmalloc
+from serving.launch.malloc import find_tcmalloc, with_tcmalloc
 
 
 def test_the_minimal_tcmalloc_is_found_first_and_nothing_where_there_is_none(tmp_path):

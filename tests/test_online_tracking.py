@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from predictor.buckets import BucketScheme
 from registry import online, store
-from tests.conftest import free_port
+from serving.launch.process import free_port
 from tests.sidecar_proc import start_sidecar, wait_for
 from training.evaluate import Predictions, compute_metrics
 

@@ -345,8 +345,8 @@ def test_scale_from_points():
 
 
 def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(data):
+    from serving.bench.placement.scenarios import build_placement_setup
     from serving.perf.latency import DecodePoolLatency, StepShape
-    from serving.placementbench.scenarios import build_placement_setup
 
     colocated = build_placement_setup("sharegpt", max_requests=40)
     pool = build_placement_setup("sharegpt-decode", max_requests=40)

@@ -23,7 +23,7 @@ N = 8
 def test_bench_ray_json_contract(tmp_path, data):
     from rich.console import Console
 
-    from serving.placementbench.raybench import ARMS, RayBenchConfig, run_ray_bench
+    from serving.bench.ray.bench import ARMS, RayBenchConfig, run_ray_bench
 
     arms = ["ray-power-of-two", "ray-lengthwise"]
     cfg = RayBenchConfig(arms=arms, max_requests=N, calibrate=False, rate=2.0, kv_blocks=160, max_num_seqs=16, seed=1)

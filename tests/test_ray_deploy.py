@@ -108,7 +108,7 @@ def test_engine_replicas_pin_their_whole_cpus_on_the_cpu_build_only(monkeypatch)
 @pytest.mark.unit
 def test_engine_replicas_start_with_the_systems_tcmalloc_preloaded_on_the_cpu_build(monkeypatch):
     from serving.gateway.settings import GatewaySettings
-    from serving.malloc import find_tcmalloc
+    from serving.launch.malloc import find_tcmalloc
     from serving.ray import app
 
     s = GatewaySettings(model="m")

@@ -128,10 +128,10 @@ def test_cli_refuses_what_does_not_apply_in_one_line():
 
 def test_each_engine_replica_runs_on_the_systems_tcmalloc_where_it_is_installed(ray_app):
     """The replica and its engine's processes have the system's tcmalloc mapped, as the HTTP backend's engines do
-    (serving/malloc.py); without one installed, glibc's malloc."""
+    (serving/launch/malloc.py); without one installed, glibc's malloc."""
     import psutil
 
-    from serving.malloc import find_tcmalloc
+    from serving.launch.malloc import find_tcmalloc
 
     lib = find_tcmalloc()
     trees = [[p.parent(), p, *p.children(recursive=True)] for p in psutil.process_iter(["name"])

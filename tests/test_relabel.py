@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from serving.cli import main
-from serving.relabel import Prompt, Settings, in_shard, load_prompts, model_id, pending, record, resume, sample_seed, shard_of
+from serving.relabel.run import Prompt, Settings, in_shard, load_prompts, model_id, pending, record, resume, sample_seed, shard_of
 from training.data import DataError, Turn, load_examples
 from training.data.served import join_served_lengths, prompt_hash, read_served
 
@@ -288,7 +288,7 @@ def _relabel(args: list[str]) -> subprocess.CompletedProcess:
 def test_relabel_runs_the_engine_appends_nothing_twice_and_resumes(tmp_path, data):
     """Six ShareGPT first turns x 2 samples on the micro model: every line written; a second run adds nothing; a run
     killed mid-line (the file cut there) writes exactly the missing samples."""
-    from serving.enginebench.model import dummy_model
+    from serving.launch.models import dummy_model
     from training.data.loaders import load_sharegpt
 
     short = [e for e in load_sharegpt(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", True)

@@ -1,5 +1,6 @@
-"""The transformers engine of ``lengthwise relabel`` (:mod:`serving.relabel_torch`): vLLM's sampling rules, a sample's
-tokens a function of its seed alone, vLLM's stop semantics, and the jobs-out / results-in round trip through the CLI."""
+"""The transformers engine of ``lengthwise relabel`` (:mod:`serving.relabel.transformers_engine`): vLLM's sampling
+rules, a sample's tokens a function of its seed alone, vLLM's stop semantics, and the jobs-out / results-in round trip
+through the CLI."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from scipy.stats import chisquare
 
 from serving.cli import main
-from serving.relabel_torch import Job, SamplingSpec, batches, generate, noise_at, sample
-from serving.relabel_torch import main as relabel_torch_main
+from serving.relabel.transformers_engine import Job, SamplingSpec, batches, generate, noise_at, sample
+from serving.relabel.transformers_engine import main as relabel_torch_main
 from training.data.served import read_served
 
 
@@ -97,7 +98,7 @@ def test_batches_hold_their_budgets_and_every_job_once():
 def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     """Export the jobs, label them with the module on a random-weight model, import: one record per sample with the
     engine named, read back by train-predictor's reader; importing again adds nothing."""
-    from serving.enginebench.model import dummy_model
+    from serving.launch.models import dummy_model
 
     model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json"))
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -144,7 +145,7 @@ def _records(seed: int, means: np.ndarray, model: str = "m@1", engine: str = "vl
 
 @pytest.mark.unit
 def test_agreement_finds_two_draws_of_one_model_alike_and_a_shifted_one_not(tmp_path):
-    from serving.relabel_agreement import agreement
+    from serving.relabel.agreement import agreement
     from training.data.served import load_served
 
     def lengths(seed: int, means: np.ndarray) -> dict[str, list[int]]:  # as the CLI reads a file

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import free_port
+from serving.launch.process import free_port
 from tests.gateway_proc import Gateway, dummy_llama, start_gateway
 
 pytest.importorskip("vllm")
@@ -103,7 +103,7 @@ def test_bad_input_exits_2_with_one_line(gateway_proc, case):
 def test_max_tokens_is_what_a_client_sends_not_the_traces_length(data, tmp_path):
     """--max-tokens: every request asks for the same cap, whatever the trace's (another model's) answer length, so
     the served model decides where its answer ends; --max-tokens-cap keeps the trace's lengths."""
-    from serving.replay import plan_jobs
+    from serving.bench.replay import plan_jobs
 
     wl = _sharegpt(tmp_path / "s.json", [f"question {i}?" for i in range(6)])
     tok = data / "tokenizers/gpt2/tokenizer.json"

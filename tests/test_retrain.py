@@ -16,7 +16,7 @@ import pytest
 
 from predictor.buckets import BucketScheme
 from registry.feedback_store import FeedbackRow, FeedbackStore
-from tests.conftest import free_port
+from serving.launch.process import free_port
 from training.retrain import RetrainError, Settings, decided, retrain_once, split_window
 
 NAME = "retrain-test"

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from predictor.runtime import OnnxLengthPredictor
 from registry import store
-from tests.conftest import free_port
+from serving.launch.process import free_port
 from tests.sidecar_proc import SIDECAR, start_sidecar, wait_for
 
 NAME = "length-predictor"

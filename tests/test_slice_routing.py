@@ -422,7 +422,7 @@ def test_a_saturated_sidecar_answers_late_callers_from_the_fast_tier_in_time(wit
 
     import httpx
 
-    from training.bench_sidecar import free_port, start_sidecar, wait_ready
+    from serving.bench.predictor.sidecar import free_port, start_sidecar, wait_ready
 
     texts = [e.turns[-1].text[:2000] for e in splits.test if e.first_turn][:64]
     first = {"prompts": texts}

@@ -20,7 +20,7 @@ TARGET = make_target("SmolLM2-135M-Instruct@0123456789ab", "served model's own o
 # --- the identity -------------------------------------------------------------------------------------------------
 @pytest.mark.unit
 def test_relabel_and_the_gateway_compute_one_identity(tmp_path):
-    from serving.relabel import model_id as relabel_model_id
+    from serving.relabel.run import model_id as relabel_model_id
 
     d = tmp_path / "SmolLM2-135M-Instruct"
     d.mkdir()

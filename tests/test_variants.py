@@ -25,8 +25,8 @@ from predictor.runtime import (
     logit_parity,
     model_file,
 )
+from serving.bench.predictor.sidecar import sharegpt_prompts
 from tests.tiny_package import tiny_packages
-from training.bench_sidecar import sharegpt_prompts
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 

@@ -6,5 +6,5 @@ HTTP contract), ``cache`` (resolving and caching a model reference), ``loading``
 version), ``batcher`` (micro-batching), ``state`` (the serving version, hot reload, feedback windows), ``feedback``
 (which feedback may change anything), ``auth`` (the bearer token), ``metrics`` (Prometheus), ``app`` (the FastAPI
 routes and middleware) and ``cli`` (the flags, derived from the settings;
-``python -m predictor.sidecar`` runs it). Its benchmark is ``training/bench_sidecar.py``.
+``python -m predictor.sidecar`` runs it). Its benchmark is ``serving/bench/predictor/sidecar.py``.
 """

@@ -4,18 +4,20 @@ Why a token at all: ``/v1/feedback`` turns what a caller says into online error 
 monitoring runs and training rows, and ``/v1/predict`` spends CPU; on a shared network only the gateway should reach
 them. With a token set, every path but the probes (``/health``, ``/ready``, ``/metrics``: load balancers and
 Prometheus carry no token, unless ``--protect-health``) and the API description needs ``Authorization: Bearer
-<token>``; the header is compared in constant time, and a missing or wrong one gets the sidecar's usual
-``{"detail": ...}`` error with status 401, before the body is read. The token is never logged or echoed.
+<token>``, read and compared by the rule the gateway and the engines share (:mod:`predictor.bearer`); a missing or
+wrong one gets the sidecar's usual ``{"detail": ...}`` error with status 401, before the body is read. The token is
+never logged or echoed.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from predictor.bearer import BearerKeys
 
 if TYPE_CHECKING:  # the command line reads tokens without importing the web stack
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -54,12 +56,6 @@ def load_token(token: str | None, token_file: str | None, environ: dict[str, str
     return (environ if environ is not None else os.environ).get(TOKEN_ENV, "").strip() or None
 
 
-def authorized(header: bytes | None, token: bytes) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <token>`` (the scheme in any case), in constant time."""
-    scheme, _, value = (header or b"").partition(b" ")
-    return hmac.compare_digest(value.strip(), token) and scheme.lower() == b"bearer"
-
-
 async def send_error(send: Send, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     """A whole JSON ``{"detail": ...}`` response, the one error shape every sidecar endpoint answers with."""
     body = json.dumps({"detail": detail}).encode()
@@ -73,7 +69,7 @@ class BearerAuth:
     counts each refusal."""
 
     def __init__(self, app: ASGIApp, token: str, protect_health: bool, on_refused: Callable[[str], None]):
-        self.app, self.token, self.on_refused = app, token.encode(), on_refused
+        self.app, self.token, self.on_refused = app, BearerKeys([token]), on_refused
         self.open = frozenset(API_DOCS if protect_health else (*API_DOCS, *PROBES))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -81,7 +77,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
-        if authorized(header, self.token):
+        if self.token.allows(header):
             await self.app(scope, receive, send)
             return
         self.on_refused(scope["path"])

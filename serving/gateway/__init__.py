@@ -22,9 +22,8 @@ One request's path (docs/architecture.md), one module per step:
 ``shaping.py``            withhold it when the client, not the model, decided the length (stop strings, sampling, ...)
 ``pool.py``               the engines: health checks, each engine's view, models they serve
 ``engine_load.py``        read an engine's vLLM ``/metrics``: running, waiting, KV use and KV capacity
-``launcher.py``           start and stop ``vllm`` engine processes with the scheduler plug-in
-``engine_guard.py``       inside each engine (vLLM's ``--middleware``): the engines' key on every route
-``metrics.py``            Prometheus metrics; ``app.py`` the FastAPI app; ``cli.py`` the command line
+``metrics.py``            Prometheus metrics; ``app.py`` the FastAPI app; ``cli.py`` the command line (engines it starts:
+                          :mod:`serving.launch.engines`)
 ========================= ===========================================================================
 
 Nothing here imports vLLM or torch: the gateway is a small process beside the engines (transformers' fast

@@ -1,10 +1,9 @@
 """Who may call the gateway: OpenAI's bearer keys, checked as ``vllm serve --api-key`` checks them.
 
-A client sends ``Authorization: Bearer KEY``; the scheme is case-insensitive and the key is everything after the first
-space, as in vLLM's ``AuthenticationMiddleware``. The key's SHA-256 is compared with each configured key's in constant
-time (:func:`hmac.compare_digest`, every key compared, no early exit), so neither the time of an answer nor its text
-says how much of a guess was right. A refusal is a 401 in OpenAI's error shape (``code: invalid_api_key``) with
-``WWW-Authenticate: Bearer``; it never echoes what the client sent.
+A client sends ``Authorization: Bearer KEY``, read and compared by the one rule the sidecar and the engines' guard share
+(:mod:`predictor.bearer`: vLLM's parsing, SHA-256 digests compared in constant time, every key compared). A refusal is
+a 401 in OpenAI's error shape (``code: invalid_api_key``) with ``WWW-Authenticate: Bearer``; it never echoes what the
+client sent.
 
 Without keys the gateway is open, as before. ``/health`` and ``/metrics`` stay open with keys (load balancers and
 Prometheus probe them without credentials) unless ``protect_health``; ``OPTIONS`` is never checked (vLLM's rule).
@@ -15,60 +14,47 @@ as :class:`pydantic.SecretStr`, so no log line, error or settings dump shows the
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pydantic import SecretStr
 
+from predictor.bearer import BearerKeys
 from serving.gateway.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # open unless --protect-health
 KEY_ENV = "LENGTHWISE_API_KEY"
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
 class KeyCheck:
-    """The configured keys (as digests) and the rule of which paths need one."""
+    """The configured keys and the rule of which paths need one (:class:`predictor.bearer.BearerKeys` compares them)."""
 
     def __init__(self, keys: Iterable[SecretStr], protect_health: bool = False,
                  open_paths: frozenset[str] = OPEN_PATHS) -> None:
-        self._digests = [_digest(k.get_secret_value()) for k in keys]
+        self._keys = BearerKeys(k.get_secret_value() for k in keys)
         self.protect_health, self.open_paths = protect_health, open_paths
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return self._keys.count > 0
 
     @property
     def count(self) -> int:
-        return len(self._digests)
+        return self._keys.count
 
     def needs_key(self, method: str, path: str) -> bool:
-        if not self._digests or method == "OPTIONS":
+        if not self.enabled or method == "OPTIONS":
             return False
         return self.protect_health or path not in self.open_paths
 
     def allows(self, headers: Mapping[str, str]) -> bool:
-        """Whether ``headers`` carry a configured key as a bearer token (every key compared, in constant time)."""
-        return self.which(headers) is not None
+        """Whether ``headers`` carry a configured key as a bearer token."""
+        return self._keys.allows(headers.get("authorization"))
 
     def which(self, headers: Mapping[str, str]) -> int | None:
-        """The index of the configured key ``headers`` carry as a bearer token (None: none), every key compared in
-        constant time; what tells one client's feedback and urgency from another's."""
-        scheme, _, token = (headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        got = _digest(token)
-        found = None
-        for i, want in enumerate(self._digests):
-            if hmac.compare_digest(got, want) and found is None:
-                found = i
-        return found
+        """The index of the configured key ``headers`` carry (None: none): what tells one client's feedback and urgency
+        from another's."""
+        return self._keys.which(headers.get("authorization"))
 
     def check(self, method: str, path: str, headers: Mapping[str, str]) -> None:
         """Raise the 401 for a call to ``path`` that needs a key and does not carry one."""

@@ -445,7 +445,7 @@ def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
 def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
     """Engines given by URL (``--engine-url``, or ``--prefill-url`` with ``prefill``): their hosts resolve and at
     least one answers /health."""
-    from serving.gateway.launcher import EngineStartError, wait_healthy
+    from serving.launch.engines import EngineStartError, wait_healthy
 
     flag, what = ("--prefill-url", "prefill engine") if prefill else ("--engine-url", "engine")
     _resolve(urls, flag)
@@ -459,7 +459,7 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
 def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings, argparse.Namespace], int]] | None = None) -> int:
     """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us. ``backends``:
     what serves ``--backend NAME`` other than ``http`` (given the checked settings and the arguments)."""
-    from serving.gateway.launcher import EngineStartError, start_engines, stop_engines, wait_healthy
+    from serving.launch.engines import EngineStartError, start_engines, stop_engines, wait_healthy
 
     try:
         settings = settings_from_args(a)

@@ -34,6 +34,7 @@ from serving.gateway.engine_load import fetch_report
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.placement import EngineView, GatewayPlacement, PlacementConfig
 from serving.gateway.settings import GatewaySettings
+from serving.launch.engines import engine_names
 from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
@@ -69,11 +70,6 @@ def engine_auth(settings: GatewaySettings) -> dict[str, str]:
     engines started here)."""
     key = settings.engine_api_key
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
-
-
-def engine_names(count: int, prefill: bool = False) -> list[str]:
-    """What logs, metrics and headers call the engines: ``engine-0``, ... and, disaggregated, ``prefill-0``, ..."""
-    return [f"{'prefill' if prefill else 'engine'}-{i}" for i in range(count)]
 
 
 class EnginePool:

@@ -17,9 +17,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from serving.gateway.launcher import engine_command, is_cpu_build
 from serving.gateway.settings import GatewaySettings
-from serving.malloc import engine_malloc, with_tcmalloc
+from serving.launch.engines import engine_command, is_cpu_build
+from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.ray.engine import EngineReplica
 from serving.ray.ingress import Ingress
 from serving.ray.router import LengthwiseRequestRouter, TimedPowerOfTwoRouter
@@ -62,7 +62,7 @@ def pinned_cores(settings: GatewaySettings, engine_cpus: float, engine_gpus: flo
 
 def replica_env(settings: GatewaySettings, engine_gpus: float) -> dict[str, str]:
     """Environment variables each engine replica's process starts with: on the CPU build, the system's tcmalloc first in
-    ``LD_PRELOAD`` (``engine_malloc``, as the HTTP backend's engines; :mod:`serving.malloc`). The library is looked up
+    ``LD_PRELOAD`` (``engine_malloc``, as the HTTP backend's engines; :mod:`serving.launch.malloc`). The library is looked up
     on the node that deploys: a node without it at that path runs the replica on glibc's malloc (the loader says so)."""
     lib = engine_malloc(engine_gpus == 0 and is_cpu_build(), settings.engine_malloc, log)
     return {"LD_PRELOAD": with_tcmalloc(os.environ, lib)["LD_PRELOAD"]} if lib is not None else {}

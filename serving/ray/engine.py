@@ -16,7 +16,7 @@ with two additions:
   A non-streamed request yields no output before it is done (vLLM's ``FINAL_ONLY``): it counts as decoding once it
   has been in the engine for a second, as the HTTP gateway assumes for its non-streamed requests.
 
-The engine arguments are those of the HTTP backend's engines (``serving.gateway.launcher.engine_command``: the model,
+The engine arguments are those of the HTTP backend's engines (``serving.launch.engines.engine_command``: the model,
 ``--scheduler-cls``, the policy in ``--additional-config``, the CPU build's dtype and block size), parsed by vLLM's own
 argument parser.
 """
@@ -179,9 +179,9 @@ class EngineReplica:
         """Claim ``per`` cores no other replica on this node holds and pin this replica to them, every thread, before
         the engine starts, so its engine core and model worker processes inherit them, and bind the worker's compute
         threads there (``VLLM_CPU_OMP_THREADS_BIND``), as the HTTP backend's launcher does for the engines it starts
-        (serving/cores.py says why the whole process). Ray's ``num_cpus`` only counts CPUs; without this two replicas'
+        (serving/launch/cores.py says why the whole process). Ray's ``num_cpus`` only counts CPUs; without this two replicas'
         spinning engine cores land on each other's worker cores. No free cores: the replica runs unpinned, logged."""
-        from serving.cores import claim_cores, pin_process
+        from serving.launch.cores import claim_cores, pin_process
 
         claim = claim_cores(per)
         if claim is None:

@@ -1,0 +1,714 @@
+"""``lengthwise bench engine``: stock vLLM scheduling against ours on the real engine, same trace, one run.
+
+Steps, each in its own engine process:
+
+1. **Calibrate**: a burst of the trace's requests through stock vLLM, every step recorded
+   (:mod:`serving.engine.profile`); the simulator's linear latency model is fitted to those steps. The
+   fit gives the SLO its per-token times (EcoServe's t_p, t_g of a request running alone) and lets the
+   simulator predict where stock vLLM saturates, which picks the default rates.
+2. **Replay** the trace at each rate through stock vLLM and through the plug-in (same arrivals, same
+   predictions), both engines at once, each on its own core, so background load on a shared machine hits
+   both alike; then again with the cores swapped (``swap_cores``, the default), because two cores' step
+   times can part by over 10% for a whole replay, and each figure is the two replays' mean. Every
+   request asks for the same ``max_tokens`` (the bench's cap), so neither scheduler learns a length
+   from the request. With random weights a logits processor in the sampler ends each
+   request at exactly its trace length (:mod:`serving.bench.engine.exactlen`); with a real model
+   (:mod:`serving.bench.engine.realmodel`) the model ends it, sampled with a seed per request, and the
+   calibration run doubles as the seeded relabel that measures the served lengths. Each further arm (a
+   policy of ``ablation``, a predictor of ``compare_predictors``) is replayed beside a stock run of its own,
+   so every ratio is measured side by side and the stock runs' spread shows the machine's noise.
+3. **Compare** with the simulator: the same trace, policy and rate simulated with the fitted model and
+   the same cap (each request's ``max_tokens``, predictions clamped to it as the plug-in clamps them);
+   the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
+
+KV pressure comes from ``num_gpu_blocks_override``, which vLLM honours on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rich.console import Console
+from rich.table import Table
+
+from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
+from serving.launch.cores import parse_cores, pin_to
+from serving.launch.models import Sampling, chat_prompt_ids, resolve_model
+from serving.perf.latency import FittedLatency
+from serving.perf.slo import derive_slo
+from serving.policy.request import Prediction
+from serving.sim.engine import simulate
+from serving.sim.metrics import RequestRecord, RunMetrics, summarize
+from serving.sim.predictions import LengthOracle, PredictorSpecError, check_spec, make_predictor
+from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
+from serving.sim.sweep import sweep_policy
+from serving.sim.workload import TraceRequest, Workload, load_workload
+
+SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this bench's capacity threshold)
+DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
+MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
+REAL_MAX_TOKENS = 512  # the default cap with a real model, whose lengths are not known before it runs
+MATCHED_NOISE = "noise:matched"  # noise at the main predictor's measured top-1 accuracy on this trace
+
+
+def trace_max_tokens(lengths: list[int], step: int = MAX_TOKENS_STEP) -> int:
+    """The default ``max_tokens`` of every request: the trace's longest response rounded up to a multiple of ``step``.
+
+    Not a fixed 1024: ShareGPT answers run longer (2 of the default 200 requests, 11 of 1,000, above 1,024 GPT-2 tokens)
+    and a cap below a true length would cut that request, so the bench would no longer replay the trace. One value for
+    all requests, it tells a scheduler nothing about any one of them.
+    """
+    return step * max(1, -(-max(lengths) // step))
+
+
+def trace_cap(lengths: list[int], given: int | None) -> int:
+    """The cap every request of a replayed trace asks for: ``given``, checked to cut no request (a cap below a true
+    length would end that request early, and the bench would no longer replay the trace), or :func:`trace_max_tokens`."""
+    if given is None:
+        return trace_max_tokens(lengths)
+    if given < max(lengths):
+        raise ValueError(f"--max-tokens {given} is below the trace's longest response ({max(lengths)} tokens); every "
+                         f"request must end at its own length: raise it or leave it out")
+    return given
+
+
+class EngineBenchConfig(BaseModel):
+    """Everything that defines one benchmark run; written into the JSON so a result says how it was made."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str = Field(SHAREGPT, description="trace or prompt file (format detected); default ShareGPT first turns")
+    max_requests: int = Field(200, ge=4)
+    policy: str = Field("lengthwise", description="the plug-in's policy compared with stock vLLM")
+    predictor: str = Field("noise:0.55", description="noise:ACC, gauss:SIGMA, oracle or models:/NAME@ALIAS")
+    shape: str = Field("tiny", description="dummy-weight model shape: tiny (4 layers, hidden 256) or smollm2")
+    kv_blocks: int = Field(128, ge=8, description="KV pool in blocks (num_gpu_blocks_override): the memory pressure")
+    block_size: int = Field(32, ge=32, description="the CPU backend needs a multiple of 32")
+    max_model_len: int = Field(2048, ge=128)
+    max_num_batched_tokens: int = Field(2048, ge=64)
+    max_num_seqs: int = Field(256, ge=1)
+    threads: int = Field(1, ge=1, description="torch threads of the engine; more than the idle cores makes every step "
+                                               "wait for a descheduled thread")
+    rates: list[float] | None = Field(None, description="req/s; default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains "
+                                                        "at 90% SLO, as the calibrated simulator predicts")
+    rate_factors: list[float] = Field(list(DEFAULT_RATE_FACTORS), description="the default rates: these multiples of "
+                                      "the rate the calibrated simulator says stock sustains at 90% SLO")
+    slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
+    calibration_requests: int = Field(96, ge=8)
+    max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, stock and plug-in alike; default "
+                                                           "the trace's longest response rounded up to a multiple of 256")
+    seed: int = 0
+    tokenizer: str | None = None
+    model: str | None = Field(None, description="real weights: a Hugging Face model directory or a GGUF (converted once "
+                                                "into bench-results/models); default random weights of --shape")
+    sampling: Sampling = Field(default_factory=Sampling, description="the real model's served sampling settings")
+    ablation: list[str] = Field(default_factory=list, description="more plug-in policies, each replayed beside its own "
+                                                                 "stock run, with the main predictor")
+    swap_cores: bool = Field(True, description="replay each pair twice, the second time with the two engines' cores "
+                                               "swapped, and report the two replays' mean: a core that runs slower for "
+                                               "a replay then slows each scheduler once")
+    compare_predictors: list[str] = Field(default_factory=list,
+                                          description=f"more predictors for the main policy, each beside its own stock "
+                                                      f"run; {MATCHED_NOISE} is noise at the main predictor's measured "
+                                                      f"top-1 accuracy")
+
+    @model_validator(mode="after")
+    def _pool_holds_a_request(self) -> EngineBenchConfig:
+        need = -(-self.max_model_len // self.block_size) + 1  # vLLM keeps one block of the pool as its null block
+        if self.kv_blocks < need:
+            raise ValueError(f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens cannot hold one "
+                             f"{self.max_model_len}-token request (vLLM refuses to start); use at least {need}")
+        return self
+
+    @field_validator("predictor", "compare_predictors")
+    @classmethod
+    def _specs(cls, v: str | list[str]) -> str | list[str]:
+        """A malformed spec is refused here, not after minutes of calibration."""
+        for spec in [v] if isinstance(v, str) else v:
+            if spec != MATCHED_NOISE:
+                try:
+                    check_spec(spec)
+                except PredictorSpecError as exc:
+                    raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("rates", "rate_factors")
+    @classmethod
+    def _positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(not r > 0 or math.isinf(r) for r in v)):
+            raise ValueError("rates must be positive numbers of requests per second")
+        return v
+
+
+class EngineBenchError(RuntimeError):
+    """An engine run failed; the message carries the tail of its log."""
+
+
+def _scenario(cfg: EngineBenchConfig) -> Scenario:
+    what = f"model {cfg.model}" if cfg.model else f"dummy {cfg.shape} model"
+    return Scenario(name="cpu-engine", description=f"vLLM-CPU engine, {what}", workload=cfg.workload,
+                    arrival="poisson", model="smollm2-135m", gpu="a100-80gb", latency="fitted", block_size=cfg.block_size,
+                    max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    max_num_seqs=cfg.max_num_seqs, start_rate=1.0, kv_blocks=cfg.kv_blocks, predictor=cfg.predictor,
+                    max_requests=cfg.max_requests)
+
+
+def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
+    return {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "kv_blocks": cfg.kv_blocks, "threads": cfg.threads, "model": cfg.model}
+
+
+def merge_csv(parts: list[Path], path: Path) -> Path:
+    """One CSV of several engines' step profiles (each part's cycles were measured on its own engine)."""
+    lines = parts[0].read_text().splitlines()
+    for p in parts[1:]:
+        lines += p.read_text().splitlines()[1:]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _core_sets(n: int, threads: int) -> list[str | None]:
+    """Disjoint cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) when the machine has enough, else None."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n * threads:
+        return [None] * n
+    return [",".join(str(c) for c in cores[i * threads:(i + 1) * threads]) for i in range(n)]
+
+
+def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> list[dict[str, Any]]:
+    """Run the jobs' engines side by side, each on its own cores; their progress lines are shown.
+
+    Side by side rather than one after the other: whatever else the machine runs meanwhile slows both
+    schedulers alike, so their ratio survives a shared machine. On the CPU build both run on the system's tcmalloc
+    where it is installed, as the engines ``lengthwise serve`` starts (:mod:`serving.launch.malloc`).
+    """
+    import logging
+    import threading
+
+    from serving.launch.engines import is_cpu_build
+    from serving.launch.malloc import engine_malloc, with_tcmalloc
+
+    malloc = engine_malloc(is_cpu_build(), "tcmalloc", logging.getLogger("serving.bench.engine"))
+    if malloc is not None:
+        console.print(f"engines preload {malloc}")
+    binds = _core_sets(len(jobs), jobs[0]["engine"]["threads"])
+    procs = []
+    for job, bind in zip(jobs, binds):
+        tag = f"{job['scheduler']}-{job.get('tag', 'run')}"
+        jp, op, lp = work / f"{tag}.job.json", work / f"{tag}.out.json", work / f"{tag}.log"
+        jp.write_text(json.dumps(job))
+        env = with_tcmalloc({**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(job["engine"]["threads"])},
+                            malloc)
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        log = lp.open("w")
+        # pinned whole: the engine core's busy wait stays on this engine's cores (serving/launch/cores.py)
+        proc = subprocess.Popen([sys.executable, "-m", "serving.bench.engine.replay", str(jp), str(op)], stdout=log,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                                preexec_fn=pin_to(parse_cores(bind) if bind else None))  # noqa: PLW1509
+
+        def pump(proc=proc, log=log) -> None:
+            for line in proc.stderr:
+                log.write(line)
+                if line.startswith("  ["):
+                    console.print(line.rstrip(), highlight=False)
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        procs.append((tag, proc, t, log, op, lp))
+    outs = []
+    for tag, proc, t, log, op, lp in procs:
+        proc.wait()
+        t.join()
+        log.close()
+        if proc.returncode != 0 or not op.exists():
+            for _, other, *_ in procs:
+                if other.poll() is None:
+                    other.kill()
+            tail = "".join(lp.read_text().splitlines(True)[-15:])
+            raise EngineBenchError(f"engine run {tag} failed (exit {proc.returncode}); log {lp}:\n{tail}")
+        outs.append(json.loads(op.read_text()))
+    return outs
+
+
+def profile_to_csv(rows: list[dict[str, float]], path: Path) -> Path:
+    """Write the step profile with ``step_s`` as the busy engine's cycle: this step's start to the next's.
+
+    What the simulator prices is a whole engine iteration (scheduling, forward, output handling); when the
+    engine went idle between two steps the cycle is the recorded step plus the median loop overhead.
+    """
+    starts = np.array([r["start_s"] for r in rows])
+    steps = np.array([r["step_s"] for r in rows])
+    gaps = starts[1:] - (starts[:-1] + steps[:-1]) if len(rows) > 1 else np.array([])
+    busy = gaps < 0.02
+    overhead = float(np.median(gaps[busy])) if busy.any() else 0.0
+    cycle = steps + overhead
+    cycle[:-1][busy] = (starts[1:] - starts[:-1])[busy]
+    cols = ("prefill_tokens", "decode_tokens", "kv_read_tokens", "num_seqs", "prefill_seqs", "sched_s")
+    with path.open("w") as f:
+        f.write(",".join((*cols, "engine_step_s", "step_s")) + "\n")
+        for r, c in zip(rows, cycle):
+            f.write(",".join([*(f"{r[k]:g}" for k in cols), f"{r['step_s']:.6f}", f"{c:.6f}"]) + "\n")
+    return path
+
+
+def _records(out: dict[str, Any], reqs: list[TraceRequest], slo, served: bool) -> list[RequestRecord]:
+    """Each request's record, its SLO judged on its true length: the trace's, or with a real model (``served``) the
+    length the model produced in this very run."""
+    by_id = {r.rid: r for r in reqs}
+    recs = []
+    for x in out["records"]:
+        tr = by_id[x["id"]]
+        n = max(1, int(x["tokens"])) if served else tr.output_tokens
+        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, n, slo.jct_limit(n),
+                            first_token=x["first"], last_token=x["finished"], finished=x["finished"], tokens=x["tokens"])
+        recs.append(rec)
+    return recs
+
+
+def summarize_run(out: dict[str, Any], reqs: list[TraceRequest], slo, label: str, served: bool = False) -> RunMetrics:
+    """One engine run's metrics; ``served``: a real model's run, where a request's length is what it produced."""
+    rows = out["profile"]
+    recs = _records(out, reqs, slo, served)
+    n = max(len(rows), 1)
+    end = max((r.finished for r in recs if r.finished is not None), default=0.0)
+    m = summarize(policy=label, records=recs, slo=slo, makespan=end, steps=len(rows), kv_utilization=float("nan"),
+                  kv_allocated=float("nan"),
+                  forward_size=sum(r["prefill_tokens"] + r["decode_tokens"] for r in rows) / n,
+                  batch_size=sum(r["num_seqs"] for r in rows) / n, preemptions=out["preemptions"],
+                  pauses=int(out["plugin_stats"].get("pauses", 0)), hosted=int(out["plugin_stats"].get("hosted", 0)),
+                  sched_us_per_step=sum(r["sched_s"] for r in rows) / n * 1e6, wall_s=out["wall_s"],
+                  busy_s=sum(r["step_s"] for r in rows))
+    lost = [r.rid for r in recs if r.finished is None or r.tokens != r.output_tokens]
+    m.extra.update({"wrong_or_lost": len(lost), "plugin": out["plugin_stats"]})
+    if served:  # how many ended at another length than the seeded relabel (batching's floating-point effects)
+        trace = {r.rid: r.output_tokens for r in reqs}
+        m.extra["relabel_mismatch"] = sum(x["tokens"] != trace[x["id"]] for x in out["records"])
+    return m
+
+
+def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds, slo, tag: str, tfs: int,
+         prompts: dict[int, list[int]] | None) -> dict[str, Any]:
+    """One engine's replay; with a real model (``prompts``: each request's chat-template token ids) every request also
+    carries its prompt and its sampling seed."""
+    items = []
+    for r, p in zip(reqs, preds):
+        xargs = {"pred_len": float(p.length)}
+        if p.hi is not None:
+            xargs["pred_hi"] = float(p.hi)
+        if p.bucket is not None:
+            xargs["pred_bucket"] = int(p.bucket)
+        if p.edges and p.probs:  # the bucket distribution, as the gateway forwards the sidecar's
+            xargs["pred_edges"] = [int(e) for e in p.edges]
+            xargs["pred_probs"] = [float(q) for q in p.probs]
+        items.append({"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                      "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, min(p.length, cfg.max_tokens))),
+                      **_real_fields(cfg, r, prompts)})
+    return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens, "requests": items,
+            "plugin": {"tfs": tfs}, "sampling": cfg.sampling.model_dump()}
+
+
+def _real_fields(cfg: EngineBenchConfig, r: TraceRequest, prompts: dict[int, list[int]] | None) -> dict[str, Any]:
+    return {} if prompts is None else {"prompt_ids": prompts[r.rid], "seed": request_seed(cfg.seed, r.rid)}
+
+
+@dataclasses.dataclass
+class Arm:
+    """One thing compared with stock vLLM: the plug-in with ``policy`` and the predictions of ``predictor``."""
+
+    label: str
+    policy: str
+    predictor: LengthOracle
+    predictions: list[Prediction]
+    quality: dict[str, float] | None = None  # against the real model's served lengths
+
+
+def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None, console: Console) -> dict[str, Any]:
+    """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
+    ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
+    work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
+    if cfg.model:  # a real model's lengths are unknown until it runs: its cap is given or REAL_MAX_TOKENS
+        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models"))),
+                                     "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
+    wl, prompts = _trace(cfg, console)
+    cfg = _with_cap(cfg, wl)
+    wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console)
+    setup, arms = _setup(cfg, wl, csv_path, console)
+    rates, sim_cap = _rates(cfg, setup, console)
+    points = []
+    for rate in rates:
+        points.append(_replay_at(cfg, setup, arms, prompts, rate, work, console))
+        _table(points, console)
+    result = _result(cfg, setup, arms, csv_path, sim_cap, points, relabel, work, console)
+    _write(result, json_path, png_path, console)
+    return result
+
+
+def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int, list[int]] | None]:
+    """The trace (Poisson arrivals are drawn again for each rate) and, with a real model, each request's prompt as
+    token ids in the model's chat template (requests whose prompt leaves no room for ``max_tokens`` are skipped)."""
+    tok = cfg.tokenizer or (str(Path(cfg.model) / "tokenizer.json") if cfg.model
+                            else str(data_path("tokenizers/gpt2/tokenizer.json")))
+    with console.status("loading the trace..."):
+        if not cfg.model:
+            wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests,
+                               seed=cfg.seed, max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
+            return wl, None
+        # the file's answer lengths are another model's: the relabel replaces them, so they filter nothing here
+        wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=2 * cfg.max_requests,
+                           seed=cfg.seed, tokenizer=tok)
+        room = cfg.max_model_len - cfg.max_tokens
+        ids = chat_prompt_ids(Path(cfg.model), wl.requests)
+        keep = [dataclasses.replace(r, prompt_tokens=len(ids[r.rid])) for r in wl.requests if len(ids[r.rid]) <= room]
+        wl = dataclasses.replace(wl, requests=keep[:cfg.max_requests])
+    return wl, {r.rid: ids[r.rid] for r in wl.requests}
+
+
+def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
+    """``cfg`` with its ``max_tokens`` set: the given cap, checked to cut no request, or :func:`trace_max_tokens`
+    (a real model's cap is set with the model, in :func:`run_bench`: there are no lengths to check it against)."""
+    if cfg.model:
+        return cfg
+    return cfg.model_copy(update={"max_tokens": trace_cap([r.output_tokens for r in wl.requests], cfg.max_tokens)})
+
+
+def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int]] | None, work: Path,
+               console: Console) -> tuple[Workload, Path, dict[str, Any] | None]:
+    """1. Calibrate: a burst of the trace through stock vLLM, every step recorded, to fit the simulator's step model
+    (which then sets the SLO's t_p and t_g and the TFS, so every later run is judged against what this machine does).
+    With random weights the burst is the trace's first ``calibration_requests``; with a real model it is the whole
+    trace, split over two engines side by side, and doubles as the seeded relabel: the lengths it measures replace
+    the file's. Returns the workload (with served lengths), the profile CSV and the relabel's summary."""
+    reqs = wl.requests
+    k = len(reqs) if prompts else min(cfg.calibration_requests, len(reqs))
+    burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
+    parts = [burst[0::2], burst[1::2]] if prompts else [burst]
+    what = "the seeded relabel of every request" if prompts else f"{k} requests"
+    console.print(f"[bold]calibrating[/]: {what} through stock vLLM ({cfg.model or cfg.shape + ' model'}, {cfg.kv_blocks} "
+                  f"KV blocks, max_tokens {cfg.max_tokens})")
+    jobs = []
+    for i, part in enumerate(parts):
+        items = [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                  **_real_fields(cfg, r, prompts)} for r in part]
+        jobs.append({"scheduler": "stock", "tag": f"calibration{i}", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
+                     "requests": items, "sampling": cfg.sampling.model_dump()})
+    outs = run_engines(jobs, work, console)
+    csv_path = merge_csv([profile_to_csv(o["profile"], work / f"step_profile-{i}.csv") for i, o in enumerate(outs)],
+                         work / "step_profile.csv")
+    if not prompts:
+        return wl, csv_path, None
+    lengths, relabel = served_lengths(outs, cfg.max_tokens)
+    console.print(f"served lengths (seeded relabel): mean {relabel['mean']:.0f}, median {relabel['median']:.0f}, p90 "
+                  f"{relabel['p90']:.0f} tokens; {relabel['capped']} of {relabel['requests']} ran to max_tokens "
+                  f"({relabel['capped_share']:.0%}, censored)")
+    served = [dataclasses.replace(r, output_tokens=max(1, lengths[r.rid])) for r in reqs]
+    return dataclasses.replace(wl, requests=served), csv_path, relabel
+
+
+def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Console) -> tuple[Setup, list[Arm]]:
+    """The fitted step model, the SLO and TFS it gives, and every arm's predictions (made after the relabel, so that
+    the oracle and the noise are the served model's)."""
+    from serving.policy.config import PolicyConfig
+
+    reqs = wl.requests
+    lat = FittedLatency.from_csv(csv_path)
+    pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                      max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
+    scale = cfg.slo_scale or pc.slo_scale
+    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], scale)
+    tfs = saturating_forward_size(lat, cfg.max_num_batched_tokens)
+    pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale})
+    console.print(f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "
+                  f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
+                  f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
+                  f"scale {scale}; TFS {tfs}")
+    arms = _arms(cfg, reqs, console)
+    main = arms[0]
+    setup = Setup(_scenario(cfg), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor, main.predictions, cfg.seed)
+    return setup, arms
+
+
+def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig) -> tuple[LengthOracle, list[Prediction]]:
+    """``noise:ACC`` whose top-1 accuracy, scored as the main predictor's is (clamped to ``max_tokens``), comes closest to
+    ``top1``. Clamping makes every prediction at or above the cap right for a capped answer, so the accuracy the noise
+    is calibrated to (unclamped) would overshoot on a trace with many capped answers; a grid over ACC finds the match."""
+    truth = [r.output_tokens for r in reqs]
+    best: tuple[float, LengthOracle, list[Prediction]] | None = None
+    for acc in np.linspace(0.02, 1.0, 50):
+        try:
+            p = make_predictor(f"noise:{acc:.4f}", seed=cfg.seed)
+            preds = p.predict(reqs)
+        except PredictorSpecError:  # that accuracy is out of reach on this trace
+            continue
+        miss = abs(predictor_quality(preds, truth, cfg.max_tokens)["top1"] - top1)
+        if best is None or miss < best[0]:
+            best = (miss, p, preds)
+    if best is None:
+        raise PredictorSpecError(f"{MATCHED_NOISE}: no noise level reaches a top-1 accuracy of {top1:.1%} on this trace")
+    return best[1], best[2]
+
+
+def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) -> list[Arm]:
+    """The main arm (``policy`` with ``predictor``), one per ``ablation`` policy (same predictor) and one per
+    ``compare_predictors`` spec (same policy). Every predictor is scored against the trace's lengths (with a real
+    model, the served ones, clamped to ``max_tokens`` as the plug-in clamps them)."""
+    truth = [r.output_tokens for r in reqs]
+    made: dict[str, tuple[LengthOracle, list[Prediction]]] = {}
+
+    def predictions(spec: str) -> tuple[LengthOracle, list[Prediction]]:
+        if spec not in made:
+            if spec == MATCHED_NOISE:
+                made[spec] = _matched_noise(predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"],
+                                            reqs, cfg)
+            else:
+                p = make_predictor(spec, seed=cfg.seed)
+                made[spec] = (p, p.predict(reqs))
+        return made[spec]
+
+    specs = [("lengthwise", cfg.policy, cfg.predictor)]
+    specs += [(pol, pol, cfg.predictor) for pol in cfg.ablation]
+    specs += [(f"{cfg.policy}+{spec}", cfg.policy, spec) for spec in cfg.compare_predictors]
+    arms = []
+    for label, policy, spec in specs:
+        p, preds = predictions(spec)
+        q = predictor_quality(preds, truth, cfg.max_tokens)
+        arms.append(Arm(label, policy, p, preds, q))
+        console.print(f"arm {label}: policy {policy}, predictor {getattr(p, 'spec', spec)}: Kendall tau "
+                      f"{q['kendall_tau']:.3f}, top-1 {q['top1']:.1%}, MAE {q['mae']:.0f} tokens")
+    return arms
+
+
+def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list[float], dict[str, float]]:
+    """The rates to replay at: ``cfg.rates``, else factors of the rate the calibrated simulator says stock vLLM sustains
+    at 90% SLO, so that the sweep straddles where scheduling starts to matter on this machine. Returns them and the
+    simulated capacities (none when the rates were given)."""
+    sim_cap: dict[str, float] = {}
+    if cfg.rates is None:
+        with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
+            for name in ("vllm", cfg.policy):
+                sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
+        console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
+                      f"{sim_cap[cfg.policy]:.2f} req/s")
+    rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in cfg.rate_factors]
+    console.print(f"replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
+    return rates, sim_cap
+
+
+def _replay_at(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None, rate: float,
+               work: Path, console: Console) -> dict[str, Any]:
+    """2. Replay at one rate: each arm side by side with a stock run of its own (same arrivals; same predictions for
+    the arm's plug-in), each run then set beside its simulation (:func:`_compared`). With ``swap_cores`` the pair is
+    replayed a second time with the engines' cores swapped and each figure is the two replays' mean (losses summed);
+    ``replays`` keeps each replay's pair and ratio. The point's ``stock`` and ``lengthwise`` are the main arm's pair;
+    ``arms`` holds every pair and its goodput ratio."""
+    at = setup.at_rate(rate)
+    point: dict[str, Any] = {"rate": rate, "arms": {}}
+    served = prompts is not None
+    for i, arm in enumerate(arms):
+        arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
+        replays = []
+        for swapped in (False, True) if cfg.swap_cores else (False,):
+            where = ", cores swapped" if swapped else ""
+            console.print(f"[bold]stock and {arm.label}[/], side by side{where}, at {rate:g} req/s ({len(at)} requests each)")
+            tag = f"r{rate:g}-{i}" + ("-swapped" if swapped else "")
+            stock_job = _job("stock", cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+            arm_job = _job(arm.policy, cfg, at, arm.predictions, setup.slo, tag, setup.config.tfs, prompts)
+            if swapped:  # run_engines gives the first job the first cores
+                out_arm, out_stock = run_engines([arm_job, stock_job], work, console)
+            else:
+                out_stock, out_arm = run_engines([stock_job, arm_job], work, console)
+            stock = _compared(out_stock, at, arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
+            run = _compared(out_arm, at, arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
+            replays.append({"stock": stock, "run": run, "stock_first_cores": not swapped,
+                            "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])})
+        pair = {"stock": {"rate": rate, **mean_metrics([r["stock"] for r in replays])},
+                "run": {"rate": rate, **mean_metrics([r["run"] for r in replays])},
+                "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor), "replays": replays}
+        pair["goodput_ratio"] = _ratio(pair["run"]["goodput_rps"], pair["stock"]["goodput_rps"])
+        point["arms"][arm.label] = pair
+    main = point["arms"][arms[0].label]
+    point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
+    return point
+
+
+_SUMMED = frozenset({"wrong_or_lost", "relabel_mismatch"})  # losses are added up over replays, never averaged away
+
+
+def mean_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's metrics (:meth:`RunMetrics.to_dict`) from several replays of the same trace: each number the replays'
+    mean (so a percentile is the mean of the replays' percentiles, not a percentile of their pooled requests), the
+    counts of lost or mismatched requests summed, nested dicts merged the same way, anything else the first
+    replay's. One replay is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        vals = [r.get(key) for r in runs]
+        if isinstance(first, dict) and all(isinstance(v, dict) for v in vals):
+            out[key] = mean_metrics(vals)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[key] = sum(vals) if key in _SUMMED else float(np.mean(vals))
+        else:
+            out[key] = first
+    return out
+
+
+def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: str, sim_policy: str,
+              max_tokens: int | None, served: bool = False) -> RunMetrics:
+    """3. Compare one engine run with the simulator on the same trace, policy, rate and ``max_tokens``: the relative
+    error in JCT and throughput is the simulator's calibration error, which says how far its sweeps can be trusted."""
+    m = summarize_run(out, at, setup.slo, label, served)
+    s = simulate(at, setup.predictions, sim_policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                 repredict=setup.predictor.repredict, max_tokens=max_tokens)
+    m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
+                                                  "slo_attainment", "goodput_rps", "preemptions")}
+    m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s", "throughput_rps")}
+    return m
+
+
+def _rel(sim: float, real: float) -> float:
+    return (sim - real) / real if real else float("nan")
+
+
+def _result(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], csv_path: Path, sim_cap: dict[str, float],
+            points: list[dict], relabel: dict[str, Any] | None, work: Path, console: Console) -> dict[str, Any]:
+    """The result: the headline point (:func:`headline`, chosen by stock's attainment alone), each scheduler's max rate
+    at the SLO target, every point, and how the calibration was made, so that a result says how it was obtained."""
+    head, rule = headline(points)
+    capacity = {lab: max_rate_at(points, lab) for lab in ("stock", "lengthwise")}
+    cap_ratio = (capacity["lengthwise"]["rate"] / capacity["stock"]["rate"]
+                 if capacity["stock"]["rate"] and capacity["lengthwise"]["rate"] is not None else None)
+    console.print(f"headline: {rule}: {head['rate']:g} req/s, goodput ratio "
+                  f"{'n/a' if head['goodput_ratio'] is None else format(head['goodput_ratio'], '.2f') + 'x'}; "
+                  f"max rate at >= {SLO_TARGET:.0%} SLO: stock {_cap_text(capacity['stock'])}, "
+                  f"{cfg.policy} {_cap_text(capacity['lengthwise'])}")
+    return {
+        "config": cfg.model_dump(), "device": "cpu", "stock": head["stock"], "lengthwise": head["lengthwise"],
+        "goodput_ratio": head["goodput_ratio"], "rate": head["rate"], "headline_rule": rule, "points": points,
+        "capacity": {**capacity, "ratio": cap_ratio, "target_attainment": SLO_TARGET},
+        "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None), "quality": a.quality}
+                 for a in arms},
+        "relabel": relabel,
+        "calibration": {"latency_model": setup.latency.describe(), "profile_csv": str(csv_path), "tfs": setup.config.tfs,
+                        "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
+                        "sim_max_rate_at_90_slo": sim_cap,
+                        "sim_error": {lab: {f"rate_{p['rate']:g}": p[lab]["extra"]["sim_error"] for p in points}
+                                      for lab in ("stock", "lengthwise")}},
+        "work_dir": str(work),
+    }
+
+
+def _write(result: dict[str, Any], json_path: Path | None, png_path: Path | None, console: Console) -> None:
+    """The result where asked for: the JSON keeps every point and how the run was made; the plot shows goodput, SLO
+    attainment and p99 JCT against the rate, real beside simulated."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2, default=float))
+        console.print(f"wrote {json_path}")
+    if png_path:
+        plot_engine(result, png_path)
+        console.print(f"wrote {png_path}")
+
+
+def headline(points: list[dict]) -> tuple[dict, str]:
+    """The point the top-level result reports: the lowest rate at which stock vLLM misses its SLO for more than
+    10% of requests, where a deployment starts to lose requests and scheduling decides how many. Chosen by stock's
+    result alone, never by ours; without such a point, the highest rate."""
+    for p in sorted(points, key=lambda p: p["rate"]):
+        if p["stock"]["slo_attainment"] < SLO_TARGET:
+            return p, f"lowest rate where stock attains < {SLO_TARGET:.0%} of SLOs"
+    return max(points, key=lambda p: p["rate"]), f"highest rate (stock attains >= {SLO_TARGET:.0%} at every rate)"
+
+
+def max_rate_at(points: list[dict], label: str, target: float = SLO_TARGET) -> dict[str, Any]:
+    """The highest rate at which ``label`` attains ``target``, interpolated linearly between the measured rates.
+
+    ``bound`` says how far to trust it: ``interpolated`` between two measured rates; ``at least`` when it met the
+    target at every rate (the sweep did not reach its limit); ``below`` when it missed at the lowest rate.
+    """
+    pts = sorted((p["rate"], p[label]["slo_attainment"]) for p in points)
+    if pts[0][1] < target:
+        return {"rate": None, "bound": f"below {pts[0][0]:g}"}
+    for (r0, a0), (r1, a1) in itertools.pairwise(pts):
+        if a1 < target:
+            return {"rate": r0 + (r1 - r0) * (a0 - target) / (a0 - a1), "bound": "interpolated"}
+    return {"rate": pts[-1][0], "bound": "at least"}
+
+
+def _cap_text(c: dict) -> str:
+    return c["bound"] if c["rate"] is None else f"{'>= ' if c['bound'] == 'at least' else ''}{c['rate']:.2f} req/s"
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """ours / stock; None when stock met no SLO at all (no finite ratio; the JSON says null)."""
+    return a / b if b > 0 else None
+
+
+def _table(points: list[dict], console: Console) -> None:
+    t = Table(title="real engine: stock vLLM vs the plug-in (each arm beside its own stock run, same trace)")
+    for col in ("rate", "arm", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
+                "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err", "sim thru err"):
+        t.add_column(col, justify="right", overflow="fold")
+    for p in points:
+        for label, pair in p["arms"].items():
+            for lab in ("stock", "run"):
+                m = pair[lab]
+                e = m["extra"]["sim_error"]
+                t.add_row(f"{p['rate']:g}", label, "stock" if lab == "stock" else pair["policy"], f"{m['goodput_rps']:.3f}",
+                          f"{m['throughput_rps']:.3f}", f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}",
+                          f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}", f"{m['tbt_p50_s'] * 1e3:.1f}",
+                          f"{m['preemptions']:g}", f"{m['sched_us_per_step']:.0f}", str(m["extra"]["wrong_or_lost"]),
+                          f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
+            t.add_row("", label, "ratio", _ratio_text(pair), *[""] * 11)
+    console.print(t)
+
+
+def _ratio_text(pair: dict[str, Any]) -> str:
+    """The pair's goodput ratio and, over swapped replays, each replay's: ``1.04x (0.98x, 1.10x)``."""
+    def fmt(r: float | None) -> str:
+        return "n/a" if r is None else f"{r:.2f}x"
+
+    each = [r["goodput_ratio"] for r in pair.get("replays", [])]
+    return fmt(pair["goodput_ratio"]) + (f" ({', '.join(fmt(r) for r in each)})" if len(each) > 1 else "")
+
+
+def plot_engine(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    rates = [p["rate"] for p in pts]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for lab, style in (("stock", {"marker": "o", "ls": "--"}), ("lengthwise", {"marker": "s", "ls": "-"})):
+        axes[0].plot(rates, [p[lab]["goodput_rps"] for p in pts], label=f"{lab} (real)", **style)
+        axes[0].plot(rates, [p[lab]["extra"]["sim"]["goodput_rps"] for p in pts], label=f"{lab} (simulated)", alpha=0.5,
+                     **style)
+        axes[1].plot(rates, [p[lab]["slo_attainment"] for p in pts], label=lab, **style)
+        axes[2].plot(rates, [p[lab]["jct_p99_s"] for p in pts], label=f"{lab} (real)", **style)
+        axes[2].plot(rates, [p[lab]["extra"]["sim"]["jct_p99_s"] for p in pts], label=f"{lab} (simulated)", alpha=0.5,
+                     **style)
+    for ax, title in zip(axes, ("goodput (req/s within SLO)", "SLO attainment", "JCT p99 (s)")):
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

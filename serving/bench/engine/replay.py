@@ -1,0 +1,172 @@
+"""Replay a timed trace through one real vLLM engine and record when every token came out.
+
+Run as ``python -m serving.bench.engine.replay JOB.json OUT.json`` (one engine per process: vLLM keeps
+process-wide state). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
+below is an online server's: between steps it admits the requests whose arrival time has passed, so a
+request arriving mid-step waits for the step boundary exactly as it would behind ``vllm serve``.
+Every request has the same ``max_tokens``, the job's cap, with stock scheduling and with the plug-in. With random
+weights (``load_format="dummy"``) its true length is enforced by a logits processor in the sampler
+(:mod:`serving.bench.engine.exactlen`) that ends it with a stop token at exactly that length, out of the scheduler's
+sight. With a real model (the job's ``engine.model``) a request ends where the model ends it (end of sequence or the
+cap), sampled with the job's settings and the request's own seed, so a seeded relabel reproduces its length. Each
+record says what vLLM and the plug-in saw of the request (``max_tokens``, the plug-in's predicted length and cap) and
+why it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# The length processor (serving.bench.engine.exactlen) has vLLM's V1 logits-processor interface, which the V2 model runner
+# (vLLM 0.32's default on CUDA with Triton) refuses at load; the CPU build, without Triton, runs the V1 runner anyway.
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+from serving.launch.models import dummy_model
+
+STOCK = "serving.engine.profile.ProfiledScheduler"
+OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
+
+def _engine(job: dict[str, Any]):
+    from vllm import LLM
+
+    from serving.bench.engine.exactlen import ExactLengthLogitsProcessor
+    from serving.engine import seeded
+    from serving.launch.models import bench_dtype
+
+    seeded.install()  # seeded requests with chunked prompts would kill a vLLM-CPU engine otherwise
+    e = job["engine"]
+    if job["scheduler"] != "stock":
+        os.environ["LENGTHWISE_SCHEDULER_CONFIG"] = json.dumps({"policy": job["scheduler"], **job.get("plugin", {})})
+    if e.get("model"):  # real weights: the model's own tokenizer knows its end-of-sequence token
+        weights = {"model": e["model"]}
+    else:
+        weights = {"model": dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")),
+                   "load_format": "dummy", "skip_tokenizer_init": True, "logits_processors": [ExactLengthLogitsProcessor]}
+    llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
+              gpu_memory_utilization=0.2, block_size=e["block_size"], max_model_len=e["max_model_len"],
+              max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
+              num_gpu_blocks_override=e["kv_blocks"],
+              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
+    return llm.llm_engine
+
+
+def _seen(sched, request_id: str) -> dict[str, Any]:
+    """What the scheduler got of a request just added: vLLM's ``max_tokens``, and with the plug-in the predicted length
+    and the cap its policy holds (read from the plug-in's own maps: the bench checks that the truth never reaches it).
+    A request the plug-in rejected on arrival (it can never fit the KV pool) is gone already: nothing seen."""
+    vreq = sched.requests.get(request_id)
+    seen: dict[str, Any] = {"max_tokens": None if vreq is None else vreq.max_tokens}
+    rid = getattr(sched, "_rid_of", {}).get(request_id)
+    if rid is not None:
+        twin = sched.lw_policy.requests[rid]
+        seen.update(policy_pred_len=twin.pred.length, policy_max_tokens=twin.max_tokens)
+    return seen
+
+
+def _prompt(i: int, n: int) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[3 + (7919 * i + 31 * j) % 4000 for j in range(n)])  # distinct per request
+
+
+def _warm(engine, n: int = 4) -> None:
+    """A few requests before the clock starts, so first-call costs do not land on the trace."""
+    from vllm import SamplingParams
+
+    for i in range(n):
+        engine.add_request(f"warm-{i}", _prompt(10_000 + i, 64 + 32 * i), SamplingParams(max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _params(job: dict[str, Any], r: dict[str, Any], xargs: dict[str, Any]):
+    """One request's sampling: the real model's served settings with the request's own seed, or (random weights)
+    greedy with its true length enforced out of the scheduler's sight."""
+    from vllm import SamplingParams
+
+    from serving.bench.engine.exactlen import exact_length_params
+
+    cap = int(job["max_tokens"])
+    if "seed" in r:
+        return SamplingParams(max_tokens=cap, seed=int(r["seed"]), extra_args=xargs or None, detokenize=False,
+                              **job["sampling"])
+    return exact_length_params(r["output_tokens"], cap, xargs)
+
+
+def _request_prompt(r: dict[str, Any]):
+    from vllm.inputs import TokensPrompt
+
+    if "prompt_ids" in r:
+        return TokensPrompt(prompt_token_ids=[int(t) for t in r["prompt_ids"]])
+    return _prompt(int(r["id"]), r["prompt_tokens"])
+
+
+def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s; with a real model also
+    prompt_ids and seed) on one engine, every request with ``max_tokens`` = ``job["max_tokens"]``."""
+
+    engine = _engine(job)
+    sched = engine.engine_core.engine_core.scheduler
+    _warm(engine)
+    sched.profile_rows.clear()
+    sched.profile_preemptions = 0
+    if hasattr(sched, "lw_stats"):  # the warm-up requests are not the trace's
+        for counters in (sched.lw_stats, sched.lw_policy.stats):
+            for k in counters:
+                counters[k] = 0
+    reqs = sorted(job["requests"], key=lambda r: (r["arrival"], r["id"]))
+    rec: dict[str, dict[str, Any]] = {}
+    t0 = time.time()
+    nxt, done, total = 0, 0, len(reqs)
+    last_print = t0
+    while nxt < total or engine.has_unfinished_requests():
+        now = time.time() - t0
+        while nxt < total and reqs[nxt]["arrival"] <= now:
+            r = reqs[nxt]
+            xargs = dict(r.get("extra_args") or {})
+            if r.get("slo_s") is not None:
+                xargs["deadline"] = t0 + r["arrival"] + r["slo_s"]  # the absolute deadline the gateway would set
+            iid = engine.add_request(str(r["id"]), _request_prompt(r), _params(job, r, xargs))
+            rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
+                                 "tokens": 0, **_seen(sched, iid)}
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, reqs[nxt]["arrival"] - (time.time() - t0)))
+            continue
+        outs = engine.step()
+        t = time.time() - t0
+        for o in outs:
+            r = rec[o.request_id]
+            n = len(o.outputs[0].token_ids)
+            if n and r["first"] is None:
+                r["first"] = t
+            r["tokens"] = n
+            if o.finished:
+                r["finished"] = t
+                r["finish_reason"], r["stop_reason"] = o.outputs[0].finish_reason, o.outputs[0].stop_reason
+                done += 1
+        if progress and time.time() - last_print > 5:
+            last_print = time.time()
+            print(f"  [{job['scheduler']}] t={t:6.1f}s arrived {nxt}/{total} finished {done}", file=sys.stderr, flush=True)
+    wall = time.time() - t0
+    stats = sched.lengthwise_stats() if hasattr(sched, "lengthwise_stats") else {}
+    return {"scheduler": job["scheduler"], "records": list(rec.values()), "profile": sched.step_rows(),
+            "preemptions": sched.profile_preemptions, "plugin_stats": stats, "wall_s": wall,
+            "kv_blocks": sched.kv_cache_config.num_blocks}
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    out = replay(job)
+    Path(sys.argv[2]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

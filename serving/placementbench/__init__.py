@@ -1,1 +1,0 @@
-"""``lengthwise bench placement``: placement policies compared on a simulated fleet (docs/placement.md)."""

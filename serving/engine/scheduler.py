@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import FCFSRequestQueue, RequestQueue, SchedulingPolicy
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
+from serving.engine import levers as vllm_levers
 from serving.engine.inputs import parse_inputs
 from serving.engine.settings import SchedulerSettings
 from serving.policy.base import Policy, StepPlan
@@ -57,26 +56,6 @@ from serving.policy.registry import make_policy
 from serving.policy.request import Request
 
 logger = init_logger(__name__)
-
-
-@dataclass(slots=True)
-class _Levers:
-    """What ``_apply`` changed in vLLM's scheduler for one step, for ``_restore`` and the counters."""
-
-    budget: int
-    waiting: RequestQueue
-    kv_holding: RequestQueue
-    held: list[tuple[VllmRequest, int]] = field(default_factory=list)  # (request, its own next_decode_eligible_step)
-    held_ids: set[str] = field(default_factory=set)
-    priorities: list[tuple[VllmRequest, int]] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)  # preempted by the adapter for the plan
-
-
-def _view(queue: RequestQueue, members: list[VllmRequest]) -> FCFSRequestQueue:
-    """Take ``members`` out of ``queue`` into a queue vLLM pops in exactly this order (whatever its policy)."""
-    if members:
-        queue.remove_requests(members)
-    return FCFSRequestQueue(members)
 
 
 class LengthwiseScheduler(AsyncScheduler):
@@ -89,21 +68,16 @@ class LengthwiseScheduler(AsyncScheduler):
             raise ValueError(f"lengthwise scheduler: speculative decoding ({spec.method}, {spec.num_speculative_tokens} "
                              "tokens per step) is not supported; drop --speculative-config, or run without --scheduler-cls")
         super().__init__(*args, **kwargs)
-        # The queue of requests that wait holding KV (a KV connector's loads...): ``kv_holding_waiting`` in vLLM 0.32,
-        # ``skipped_waiting`` in 0.26, the newest CUDA build for torch 2.11 (checked on an H200).
-        self._lw_kv_queue = next((n for n in ("kv_holding_waiting", "skipped_waiting") if hasattr(self, n)), None)
+        self._lw_kv_queue = vllm_levers.kv_queue_name(self)
         if self._lw_kv_queue is None:
             import vllm
 
             raise RuntimeError(f"this vLLM ({vllm.__version__}) has a scheduler the lengthwise plug-in does not know (no "
                                "kv_holding_waiting queue); install vllm==0.32.0 (the cpu or gpu extra)")
         self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
-        budget = self.max_num_scheduled_tokens
-        cfg = PolicyConfig(**{
-            "block_size": self.block_size, "max_num_seqs": self.max_num_running_reqs,
-            "max_num_batched_tokens": budget, "max_model_len": self.max_model_len,
-            "tfs": self.lw_settings.tfs or budget, **self.lw_settings.knobs})
-        self.lw_kv_blocks = self.kv_cache_config.num_blocks - 1  # vLLM's block pool keeps one null block
+        shape, self.lw_kv_blocks = vllm_levers.shape(self)
+        budget = shape["max_num_batched_tokens"]
+        cfg = PolicyConfig(**{**shape, "tfs": self.lw_settings.tfs or budget, **self.lw_settings.knobs})
         # lw_policy, not policy: vLLM's Scheduler keeps its own SchedulingPolicy there and its schedule() reads it
         self.lw_policy: Policy = make_policy(self.lw_settings.policy, cfg, self.lw_kv_blocks)
         self._rid_of: dict[str, int] = {}
@@ -125,7 +99,7 @@ class LengthwiseScheduler(AsyncScheduler):
                 logger.error("lengthwise: metrics port %s:%d unavailable (%s); counters stay in the log only",
                              self.lw_settings.metrics_host, self.lw_settings.metrics_port, exc)
         logger.info("lengthwise scheduler: policy %s over %d KV blocks of %d tokens, budget %d, TFS %d",
-                    self.lw_policy.name, self.lw_kv_blocks, self.block_size, budget, cfg.tfs)
+                    self.lw_policy.name, self.lw_kv_blocks, cfg.block_size, budget, cfg.tfs)
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: VllmRequest) -> None:
@@ -159,14 +133,14 @@ class LengthwiseScheduler(AsyncScheduler):
         if rid is not None:
             del self._vreq_of[rid]
             self.lw_policy.abort(rid, time.time())  # finished or aborted: either way it leaves every queue
-            self.lw_stats["aborted" if request.status == RequestStatus.FINISHED_ABORTED else "finished"] += 1
+            self.lw_stats["aborted" if vllm_levers.is_aborted(request) else "finished"] += 1
         return super()._free_request(request, delay_free_blocks)
 
     # -- the step --------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         t0 = time.perf_counter()
         now = time.time()
-        between = set(self.reset_preempted_req_ids)  # preempted by vLLM since the last step (reset_prefix_cache)
+        between = vllm_levers.preempted_between_steps(self)
         self._host_preempted(between, now)
         self._mirror()
         plan = self.lw_policy.schedule(now)
@@ -176,7 +150,7 @@ class LengthwiseScheduler(AsyncScheduler):
             out = super().schedule(throttle_prefills)
         finally:
             t2 = time.perf_counter()
-            self._restore(levers)
+            vllm_levers.restore(self, self._lw_kv_queue, levers)
         actual = StepPlan(tokens={self._rid_of[k]: n for k, n in out.num_scheduled_tokens.items() if k in self._rid_of})
         if actual.tokens != plan.tokens:
             self.lw_stats["plan_mismatch_steps"] += 1
@@ -203,63 +177,16 @@ class LengthwiseScheduler(AsyncScheduler):
         for rid, v in self._vreq_of.items():
             twin = self.lw_policy.requests.get(rid)
             if twin is not None:
-                twin.computed = v.num_computed_tokens
-                twin.generated = v.num_output_tokens + v.num_output_placeholders
+                twin.computed, twin.generated = vllm_levers.counts(v)
 
-    def _apply(self, plan: StepPlan) -> _Levers:
-        """Set vLLM's levers for this step (see the module docstring); ``_restore`` undoes what is not a decision."""
-        levers = _Levers(budget=self.max_num_scheduled_tokens, waiting=self.waiting,
-                         kv_holding=getattr(self, self._lw_kv_queue))
-        timestamp = time.monotonic()  # the clock vLLM's own schedule() passes to _preempt_request (request events)
-        for rid in plan.preempted:
-            v = self._vreq_of.get(rid)
-            if v is not None and v.status == RequestStatus.RUNNING:
-                self.running.remove(v)
-                self._preempt_request(v, timestamp)
-                levers.preempted.add(v.request_id)
-                self.lw_stats["policy_preemptions"] += 1
-        planned = plan.tokens
-        rank = {rid: i for i, rid in enumerate(planned)}
-        rid_of = self._rid_of
-        this_step = self.current_step + 1  # schedule() increments current_step before it looks
-        for v in self.running:
-            if rid_of.get(v.request_id) not in rank:
-                levers.held.append((v, v.next_decode_eligible_step))
-                levers.held_ids.add(v.request_id)
-                v.next_decode_eligible_step = this_step + 1
+    def _apply(self, plan: StepPlan) -> vllm_levers.Levers:
+        """This step's plan through vLLM's levers (:func:`serving.engine.levers.apply`)."""
+        preempt = [v for rid in plan.preempted if (v := self._vreq_of.get(rid)) is not None]
+        levers = vllm_levers.apply(self, self._lw_kv_queue, preempt, [self._vreq_of[rid] for rid in plan.tokens],
+                                   sum(plan.tokens.values()))
+        self.lw_stats["policy_preemptions"] += len(levers.preempted)
         self.lw_stats["held_request_steps"] += len(levers.held)
-        # Held requests first (skipped, so they take no budget), then the plan's batch order. When a block
-        # allocation fails, vLLM's victim is running[-1] (FCFS) or the largest (priority, arrival_time)
-        # (PRIORITY, set to the same ranks for this step): the request the plan would let go first, never
-        # one it holds, and never one already scheduled this step.
-        self.running.sort(key=lambda v: rank.get(rid_of.get(v.request_id), -1))
-        if self.policy == SchedulingPolicy.PRIORITY:
-            for i, v in enumerate(self.running):
-                levers.priorities.append((v, v.priority))
-                v.priority = i
-        admitted = [v for rid in planned if (v := self._vreq_of[rid]).status != RequestStatus.RUNNING]
-        # Every request vLLM holds that is not running sits in one of its two waiting queues; each is
-        # presented holding only the admitted requests it has, in the plan's order.
-        kv_holding = set(levers.kv_holding) if levers.kv_holding else ()
-        setattr(self, self._lw_kv_queue, _view(levers.kv_holding, [v for v in admitted if v in kv_holding]))
-        self.waiting = _view(levers.waiting, [v for v in admitted if v not in kv_holding])
-        self.max_num_scheduled_tokens = min(levers.budget, sum(planned.values()))
         return levers
-
-    def _restore(self, levers: _Levers) -> None:
-        """Undo the step's levers: budget, eligibility and priorities back; both queues whole again."""
-        self.max_num_scheduled_tokens = levers.budget
-        for v, old in levers.held:
-            v.next_decode_eligible_step = old
-        for v, old in levers.priorities:  # before the queues: a priority heap orders by them
-            v.priority = old
-        # what vLLM did not take from a view, plus what it put there (requests it preempted or skipped),
-        # goes back to the front of the real queue, in the view's order
-        for name, real in (("waiting", levers.waiting), (self._lw_kv_queue, levers.kv_holding)):
-            left = list(getattr(self, name))
-            if left:
-                real.prepend_requests(reversed(left))  # FCFS prepend_requests reverses; a heap orders itself
-            setattr(self, name, real)
 
     def shutdown(self) -> None:
         if self.metrics_server is not None:

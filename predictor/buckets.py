@@ -12,7 +12,6 @@ bucket, whose nominal upper bound is ``max_tokens`` (the generation cap).
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -150,6 +149,3 @@ class BucketScheme:
     @classmethod
     def from_dict(cls, d: dict) -> BucketScheme:
         return cls(tuple(d["edges"]), int(d["max_tokens"]), tuple(d.get("centers") or ()))
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())

@@ -118,8 +118,8 @@ def between_samples(examples: Sequence[Example], min_prompts: int = 10) -> dict 
     if len(pairs) < min_prompts:
         return None
     a, b = (np.array(x, dtype=np.float64) for x in zip(*pairs))
-    tau = float(kendalltau(a, b).statistic)
-    rho = max(math.sin(math.pi * tau / 2), 0.0) if math.isfinite(tau) else 0.0
+    tau = kendall_tau(a, b)
+    rho = max(math.sin(math.pi * tau / 2), 0.0)
     return {"prompts": len(pairs), "kendall_tau": tau, "pairwise_accuracy": pairwise_accuracy(a, b),
             "ideal_tau_estimate": 2 / math.pi * math.asin(math.sqrt(rho))}
 

@@ -102,14 +102,12 @@ BLIND = ("vllm", "vllm-v0", "orca", "sarathi", "fcfs-max-alloc", "oracle")
 
 def prediction_quality(setup: Setup) -> dict:
     """Top-1 accuracy at 200-token buckets and Kendall tau of the setup's predictions against the truth."""
-    from scipy.stats import kendalltau
-
     from serving.sim.predictions import bucket_accuracy
+    from training.evaluate import kendall_tau
 
     truth = np.array([r.output_tokens for r in setup.requests], dtype=np.float64)
     pred = np.array([p.length for p in setup.predictions], dtype=np.float64)
-    tau = kendalltau(truth, pred).statistic if np.ptp(pred) > 0 else 0.0
-    return {"accuracy": bucket_accuracy(truth, pred), "kendall_tau": float(tau)}
+    return {"accuracy": bucket_accuracy(truth, pred), "kendall_tau": kendall_tau(pred, truth)}
 
 
 def bench_quality(setups: dict[str, Setup], policies: list[str], json_path: Path, png_path: Path, console: Console) -> dict:

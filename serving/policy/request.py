@@ -106,11 +106,6 @@ class Request:
     def uncomputed(self) -> int:
         return self.seq_len - self.computed
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while the step would still process prompt (or recompute) tokens, not one decode token."""
-        return self.seq_len - self.computed > 1 or self.generated == 0
-
     def advance(self, n: int) -> bool:
         """Apply ``n`` scheduled tokens; return True if this step emits an output token."""
         if n <= 0 or self.computed + n > self.seq_len:

@@ -162,7 +162,6 @@ class EngineReplica:
         self.default_pred_len = float(default_pred_len)
         self.engine: Any = None
         self.app: Any = None
-        self.served = 0
         self.cores: str | None = None
         self._core_lock: Any = None
         try:
@@ -228,7 +227,6 @@ class EngineReplica:
 
     async def generate(self, path: str, body: bytes, headers: dict[str, str], route: dict | None = None) -> AsyncIterator[Any]:
         """vLLM's answer to ``POST path`` (``(status, headers)``, then the body's chunks); ``route`` is the router's."""
-        self.served += 1
         async for item in call_asgi(self.app, "POST", path, body, headers):
             if isinstance(item, tuple):  # the status line: say which replica answers
                 item = (item[0], {**item[1], "x-lengthwise-engine": self.name})
@@ -252,9 +250,6 @@ class EngineReplica:
         rows = tuple(p.row(now) for p in list(getattr(self.engine, "progress", {}).values()))
         return ReplicaStats(time.time(), self.kv_tokens, self.block_size, self.max_num_seqs, self.chunk_tokens,
                             rows).as_dict()
-
-    def served_requests(self) -> int:
-        return self.served
 
     def __del__(self) -> None:
         engine = self.engine

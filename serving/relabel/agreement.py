@@ -25,7 +25,9 @@ import numpy as np
 def agreement(pa: dict[str, list[int]], pb: dict[str, list[int]], cap: int) -> dict[str, Any]:
     """The comparison of the module docstring on the prompts with two samples or more in both files (each a prompt
     hash -> sample lengths map, as :class:`training.data.served.ServedLabels` holds them)."""
-    from scipy.stats import kendalltau, ks_2samp
+    from scipy.stats import ks_2samp
+
+    from training.evaluate import kendall_tau
 
     common = sorted(h for h in pa if h in pb and len(pa[h]) >= 2 and len(pb[h]) >= 2)
     if len(common) < 10:
@@ -35,7 +37,7 @@ def agreement(pa: dict[str, list[int]], pb: dict[str, list[int]], cap: int) -> d
         return np.array([p[h][k] for h in common], dtype=float)
 
     def tau(x: np.ndarray, y: np.ndarray) -> float:
-        return float(kendalltau(x, y).statistic)
+        return kendall_tau(x, y)
 
     la, lb = np.concatenate([s(pa, 0), s(pa, 1)]), np.concatenate([s(pb, 0), s(pb, 1)])
     side = {name: {"samples": len(v), "mean": float(v.mean()), "median": float(np.median(v)),

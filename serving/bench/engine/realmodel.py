@@ -23,6 +23,7 @@ import numpy as np
 
 from serving.launch.models import length_summary, stable_seed
 from serving.policy.request import Prediction
+from training.evaluate import kendall_tau
 
 
 def request_seed(seed: int, rid: int) -> int:
@@ -44,12 +45,10 @@ def served_lengths(outs: list[dict[str, Any]], max_tokens: int) -> tuple[dict[in
 
 def predictor_quality(preds: list[Prediction], truth: list[int], max_tokens: int) -> dict[str, float]:
     """How well predictions (clamped to ``max_tokens``, as the plug-in clamps them) rank and size the served lengths."""
-    from scipy.stats import kendalltau
-
     from serving.sim.predictions import bucket_accuracy
 
     p = np.minimum(np.array([x.length for x in preds], dtype=float), max_tokens)
     t = np.array(truth, dtype=float)
-    tau = kendalltau(p, t).statistic
+    tau = kendall_tau(p, t)
     return {"kendall_tau": float(tau), "top1": bucket_accuracy(t, p), "mae": float(np.mean(np.abs(p - t))),
             "bias": float(np.mean(p - t))}

@@ -260,10 +260,10 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
     assert xargs["pred_len"] == pred and xargs["pred_hi"] == want["range"][1] and xargs["pred_bucket"] == want["bucket"]
     assert xargs["pred_edges"] == want["edges"] and xargs["pred_probs"] == pytest.approx(want["probs"], abs=1e-6)
     assert xargs["deadline"] == pytest.approx(dl, abs=1e-3)
-    # feedback: the actual length of a completed request reaches the sidecar's online metrics
+    # feedback: the actual length of a completed request reaches the sidecar's online metrics (a request the client
+    # did not shape: with ignore_eos, say, the gateway would withhold it; the dummy model's EOS is one id in 50,304)
     n0 = sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0
-    r = client.chat.completions.create(model=fleet.model, messages=[{"role": "user", "content": prompt}], max_tokens=6,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(model=fleet.model, messages=[{"role": "user", "content": prompt}], max_tokens=6)
     assert r.usage.completion_tokens == 6
     wait_for(lambda: (sidecar.metric("lengthwise_sidecar_feedback_total", source="served") or 0.0) == n0 + 1, timeout=30,
              what="feedback at the sidecar")

@@ -7,12 +7,19 @@ import shutil
 from pathlib import Path
 
 
-def tiny_base(path: Path, tokenizer_json: Path) -> Path:
-    """The backbone directory: config, random weights and ``tokenizer.json`` (vocabulary rounded up past the pad id)."""
+def tiny_base(path: Path, tokenizer_json: Path, seed: int = 0) -> Path:
+    """The backbone directory: config, random weights and ``tokenizer.json`` (vocabulary rounded up past the pad id).
+
+    The weights come from ``seed``, not from torch's global generator: drawn from that, they depended on whatever ran
+    before in the process, and a test that trains on this backbone passed alone and failed after another module's
+    training had moved the generator."""
+    import torch
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=128)).save_pretrained(path)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=32, max_position_embeddings=128)).save_pretrained(path)
     shutil.copyfile(tokenizer_json, path / "tokenizer.json")
     return path
 

@@ -13,9 +13,10 @@ length of an answer whose request carried any of these (counted by reason in
 ``max_tokens`` is not among them: an answer it cut ends with ``finish_reason`` "length", which the sidecar already
 takes as a lower bound (a censored label), and an answer that ended before it is the model's own length.
 
-Sampling is judged against the predictor's recorded sampling, within :data:`SAMPLING_TOLERANCE`; a field the request
-leaves out runs at the engine's default, taken as the served setting. Without a recorded sampling only the fields no
-served setting uses (penalties, ``top_k``, ``min_p``, beam search) are judged.
+Sampling is judged against the predictor's recorded sampling, within :data:`SAMPLING_TOLERANCE`, and a sampling field
+the recorded sampling does not name must keep its neutral value; a field the request leaves out runs at the engine's
+default, taken as the served setting. A predictor whose labels record no sampling has nothing to judge sampling
+against: then only the fields that end an answer by themselves are judged.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from serving.policy.hints import HINT_KEYS
 
 # Sampling fields compared with the predictor's recorded sampling: farther than this from it shapes the length.
 SAMPLING_TOLERANCE = {"temperature": 0.3, "top_p": 0.1, "repetition_penalty": 0.1}
-# Fields whose neutral value leaves the length alone; any other value shapes it (unless the labels used it).
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
-           "top_k": (-1, 0, None), "min_p": 0.0, "min_tokens": 0, "ignore_eos": False, "use_beam_search": False,
-           "continue_final_message": False, "add_generation_prompt": True}
+# Sampling fields the labels' recorded sampling leaves at their neutral value when it does not name them.
+SAMPLING_NEUTRAL = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+                    "top_k": (-1, 0), "min_p": (0.0,)}
+# Fields that shape the length whatever the served settings: any value but their neutral one.
+NEUTRAL = {"min_tokens": (0,), "ignore_eos": (False,), "use_beam_search": (False,), "length_penalty": (1.0,),
+           "continue_final_message": (False,), "add_generation_prompt": (True,)}
 # Fields that shape the length whenever they hold anything (a non-empty string, list or object).
 GIVEN = ("stop", "stop_token_ids", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "tools",
          "functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
@@ -41,7 +44,9 @@ GIVEN = ("stop", "stop_token_ids", "logit_bias", "bad_words", "allowed_token_ids
 def shaped_by(body: Mapping[str, Any], sampling: Mapping[str, float] | None) -> str | None:
     """The first field of the request ``body`` that shapes its answer's length (None: the model decided it alone).
 
-    ``sampling`` is the predictor's recorded sampling (temperature, top_p, repetition_penalty), or None when unknown.
+    ``sampling`` is the predictor's recorded sampling (temperature, top_p, repetition_penalty), or None when unknown:
+    then no sampling field is judged, since there is nothing to judge it against (the labels were perhaps made with the
+    very values the request sends).
     """
     for key in GIVEN:
         if body.get(key) not in (None, "", [], {}):
@@ -52,17 +57,21 @@ def shaped_by(body: Mapping[str, Any], sampling: Mapping[str, float] | None) -> 
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, Mapping) and set(xargs) - HINT_KEYS:  # a client's own: what a custom logits processor reads
         return "vllm_xargs"
-    served = dict(sampling or {})
     for key, neutral in NEUTRAL.items():
-        v = body.get(key)
-        if v is None or key in served:
-            continue
-        if v not in (neutral if isinstance(neutral, tuple) else (neutral,)):
+        if body.get(key) is not None and body[key] not in neutral:
             return key
+    if sampling is None:
+        return None
     for key, tolerance in SAMPLING_TOLERANCE.items():
-        v, want = body.get(key), served.get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or want is None:
-            continue
-        if abs(v - want) > tolerance:
+        v, want = body.get(key), sampling.get(key)
+        if _number(v) and want is not None and abs(v - want) > tolerance:
+            return key
+    for key, neutral in SAMPLING_NEUTRAL.items():
+        v = body.get(key)
+        if key not in sampling and v is not None and v not in neutral:
             return key
     return None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

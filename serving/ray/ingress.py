@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -207,14 +207,18 @@ class RayGateway(Gateway):
         self.count("/v1/models", status)
         return Response(body, status_code=status, media_type="application/json")
 
-    def health(self) -> dict[str, Any]:
+    def health(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The HTTP gateway's ``/health`` for the Ray backend (no engine addresses here; the sidecar's only to a caller
+        with a key, or from a gateway without keys)."""
+        shown = not self.keys.enabled or (headers is not None and self.keys.allows(headers))
         state, detail = self.predictor_state
         down = f"predictor {state}: {detail}; requests run on the fallback length"
         reasons = [] if state in ("ok", "none", "unchecked") else [down]
         body = {"status": "degraded" if reasons else "ok", "reasons": reasons, "backend": "ray",
                 "healthy_engines": 1 if self.pool.known_models else 0, "served_by_engine": dict(self.served),
                 "engine_retries": self.retries, "stream_errors": self.stream_errors, "routers": router_timings(),
-                "predictor_url": self.settings.predictor_url, "predictor": {"state": state, "detail": detail},
+                "predictor_url": self.settings.predictor_url if shown else None,
+                "predictor": {"state": state, "detail": detail},
                 "placement": self.settings.placement, "inflight": self.admission.inflight,
                 "ingress": {"rank": ingress_rank(), "replicas": self.settings.replicas}}
         self.count("/health", 200)

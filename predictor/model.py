@@ -7,6 +7,7 @@ the whole prompt. Only the LoRA matrices and the head are trained, so a run fits
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,8 +87,6 @@ def build_classifier(base_model: str | Path, n_buckets: int, lora: LoraSpec | No
 
 def merged_for_export(model: LengthClassifier) -> LengthClassifier:
     """A copy with LoRA weights merged into the backbone: a plain graph for ONNX, same outputs."""
-    import copy
-
     m = copy.deepcopy(model).eval()
     if hasattr(m.backbone, "merge_and_unload"):
         m.backbone = m.backbone.merge_and_unload()
@@ -110,8 +109,6 @@ def student_of(teacher: LengthClassifier, layers: int) -> LengthClassifier:
     :func:`layers_kept` picks, and its head; every weight trainable (a student small enough to fine-tune whole).
 
     Only encoders with a ``encoder.layer`` stack (BERT-like, the default MiniLM) can be cut this way."""
-    import copy
-
     student = merged_for_export(teacher).train()
     encoder = getattr(student.backbone, "encoder", None)
     if encoder is None or not hasattr(encoder, "layer"):

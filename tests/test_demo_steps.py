@@ -124,8 +124,8 @@ def world(tmp_path, monkeypatch) -> World:
         jobs = [replay.Job(i, 0.0, (("user", f"q{i}"),), 10 + i, 50 + i, 40 + i) for i in range(n)]
         return replay.Plan(jobs, "sharegpt", str(kw["tokenizer"]), 0, 0)
 
-    monkeypatch.setattr(replay, "plan_jobs", plan_jobs)
-    monkeypatch.setattr(replay, "poisson_arrivals", lambda n, rate, seed: [float(i) * 2 for i in range(n)])
+    monkeypatch.setattr(demo, "plan_jobs", plan_jobs)
+    monkeypatch.setattr(demo, "poisson_arrivals", lambda n, rate, seed: [float(i) * 2 for i in range(n)])
 
     def calibrate(url, model, jobs, n, tokens):
         w.calibrate_args = (url, model, [j.index for j in jobs], n, tokens)
@@ -138,14 +138,14 @@ def world(tmp_path, monkeypatch) -> World:
         w.replay_args = ([(j.index, j.arrival) for j in jobs], s)
         return ["r"] * len(jobs), 12.5
 
-    monkeypatch.setattr(replay, "run_with_progress", run_with_progress)
+    monkeypatch.setattr(demo, "run_with_progress", run_with_progress)
 
     def build_report(plan, s, rate, seed, cap, results, duration, max_tokens=None):
         w.report_args = (len(plan.jobs), s.url, rate, seed, cap, max_tokens, len(results), duration)
         return {"summary": {"requests": {"completed": len(results) if w.completed is None else w.completed}}, "s": s.url}
 
-    monkeypatch.setattr(replay, "build_report", build_report)
-    monkeypatch.setattr(replay, "report_table", lambda summary, title: f"TABLE {title}")
+    monkeypatch.setattr(demo, "build_report", build_report)
+    monkeypatch.setattr(demo, "report_table", lambda summary, title: f"TABLE {title}")
 
     def convert_gguf(src, dst):
         w.converted.append((src, dst))
@@ -303,7 +303,7 @@ def test_a_bad_trace_is_an_error_naming_it(world, tmp_path, capsys, monkeypatch)
     def bad(workload, **kw):
         raise replay.ReplayError("--workload x: no such file")
 
-    monkeypatch.setattr(replay, "plan_jobs", bad)
+    monkeypatch.setattr(demo, "plan_jobs", bad)
     assert demo.run(_args(work)) == 1
     assert "lengthwise demo: error: --workload x: no such file" in capsys.readouterr().err
     assert world.stopped == 2

@@ -49,8 +49,6 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     """``run_fleet_bench`` with every process and request faked. The fake engines answer as the exact-length logits
     processor makes real ones answer: with the length in ``vllm_xargs`` when it fits ``max_tokens``, else
     ``max_tokens`` (what an engine without the processor does under ``ignore_eos``)."""
-    from serving.launch import engines as launcher
-    from serving.launch import process
 
     work = tmp_path / "work"
     work.mkdir()
@@ -121,10 +119,10 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     monkeypatch.setattr(fleet, "_wait_idle", lambda urls: next(idle, None))
     monkeypatch.setattr(fleet, "_wait_gateway", lambda url, proc: None)
     monkeypatch.setattr(fleet, "_replay", replay)
-    monkeypatch.setattr(launcher, "start_engines", start_engines)
-    monkeypatch.setattr(launcher, "stop_engines", lambda procs: None)
-    monkeypatch.setattr(launcher, "wait_healthy", lambda urls, timeout, procs: None)
-    monkeypatch.setattr(process, "free_port", lambda: 8123)
+    monkeypatch.setattr(fleet, "start_engines", start_engines)
+    monkeypatch.setattr(fleet, "stop_engines", lambda procs: None)
+    monkeypatch.setattr(fleet, "wait_healthy", lambda urls, timeout, procs: None)
+    monkeypatch.setattr(fleet, "free_port", lambda: 8123)
     buf = io.StringIO()
     json_path = tmp_path / "out" / "fleet.json"
     out = fleet.run_fleet_bench(fleet.FleetBenchConfig(**config), json_path, Console(file=buf, width=200))

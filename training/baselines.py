@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from predictor.buckets import BucketScheme
-from predictor.features import baseline_text, length_hints
+from predictor.features import baseline_text, length_hints, tfidf_matrix
 from predictor.slices import ConstantBuckets, TfidfBuckets
 from training.data.example import Example
 from training.evaluate import Predictions, pairwise_accuracy
@@ -146,8 +146,6 @@ class TfidfLogReg:
     def fit(self, train: Rows, val: Rows, scheme: BucketScheme) -> TfidfLogReg:
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.linear_model import LogisticRegression
-
-        from predictor.features import tfidf_matrix
 
         self.scheme = scheme
         vec = TfidfVectorizer(ngram_range=(1, 2), max_features=50_000, sublinear_tf=True, min_df=2 if len(train) >= 50 else 1)

@@ -22,6 +22,7 @@ from scipy.stats import kendalltau
 
 from predictor.buckets import BucketScheme
 from training.data.example import Example
+from training.data.served import group_samples
 
 # The slices every offline report is broken into, in report order.
 SLICES = ("first_turn", "later_turns", "all")
@@ -112,8 +113,6 @@ def between_samples(examples: Sequence[Example], min_prompts: int = 10) -> dict 
     sqrt(rho); ``ideal_tau_estimate`` converts through the Gaussian relation r = sin(pi tau / 2) (Greiner). It is an
     estimate under that model, not a measurement. None with fewer than ``min_prompts`` prompts of two samples or more.
     """
-    from training.data.served import group_samples
-
     pairs = [(s[0][0], s[1][0]) for _, s in group_samples(examples) if len(s) >= 2]
     if len(pairs) < min_prompts:
         return None

@@ -13,6 +13,8 @@ import logging
 import os
 import tempfile
 import time
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from predictor.buckets import BucketScheme
-from predictor.common import default_tokenizer
+from predictor.common import default_tokenizer, silence_loggers
 from training.config import TrainConfig
-from training.data import Example, load_examples
+from training.data import DataError, Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, censored_of, labels_of, load_counter
 from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served, table_target
+from training.distill import describe, judge, package_dir, score, student_targets, teacher_probs
 from training.split import Splits, cap_groups, split_by_group
 
 if TYPE_CHECKING:
@@ -52,8 +55,6 @@ def prepare(cfg: TrainConfig) -> Prepared:
     straddle a split); ``--label soft`` regroups the training split later (:func:`_encode`), so both label modes are
     scored on the same test rows.
     """
-    from training.data import DataError
-
     scheme = (BucketScheme.parse(cfg.edges, cfg.max_tokens) if cfg.edges
               else BucketScheme.equal_width(200 if cfg.bucket_width is None else int(cfg.bucket_width), cfg.max_tokens))
     if cfg.label == "soft" and not cfg.served_lengths:
@@ -92,8 +93,6 @@ def _decided_eval(splits: Splits, scheme: BucketScheme) -> tuple[Splits, dict[st
 def _check_censored(served: ServedLabels, scheme: BucketScheme) -> None:
     """Censored samples (they ran to the cap) keep the cap as their length, which lands them in the top bucket only
     when the top bucket starts at or below the cap; otherwise their bucket would claim a length nobody observed."""
-    from training.data import DataError
-
     cap = served.max_tokens
     if served.censored and cap is not None and scheme.edges[-1] > cap:
         raise DataError(f"{served.censored} served samples ran to their cap of {cap} tokens (censored), but the top bucket "
@@ -167,8 +166,6 @@ def run(cfg: TrainConfig) -> dict:
         importlib.import_module(name)
     import mlflow
     import torch
-
-    from predictor.common import silence_loggers
 
     silence_loggers()
     torch.manual_seed(cfg.seed)
@@ -360,7 +357,6 @@ def _distill(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, teacher: Any, wo
 
     from predictor.model import layers_kept, student_of
     from predictor.runtime import OnnxLengthPredictor
-    from training.distill import describe, judge, package_dir, score, student_targets, teacher_probs
     from training.module import LengthModule, make_loader
 
     enc, pad_id, n = inputs.enc, inputs.fmt_in.pad_id, inputs.lengths
@@ -561,9 +557,6 @@ def config_from_params(params: dict[str, str]) -> TrainConfig:
 
 def _param_kind(annotation: object) -> type:
     """bool, int, float, list or str: how a field's logged string reads back (``X | None`` as ``X``)."""
-    import types
-    import typing
-
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = args[0]

@@ -47,7 +47,9 @@ from typing import Any
 import numpy as np
 
 from predictor.buckets import BucketScheme
+from predictor.target import served_model_id
 from registry.feedback_store import FeedbackRow, FeedbackStore
+from registry.online import window_history
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,6 @@ def split_window(rows: list[FeedbackRow], scheme: BucketScheme, holdout: float) 
 
 def drift_alarm(name: str, version: str) -> tuple[bool, str]:
     """(raised, why) from the champion's latest logged online window."""
-    from registry.online import window_history
-
     _, windows = window_history(name, version)
     if not windows:
         return False, f"no online windows logged for {name} version {version} yet"
@@ -299,8 +299,6 @@ def _base_examples(s: Settings) -> list[Any]:
 
 
 def _target(s: Settings, n_rows: int) -> dict[str, Any]:
-    from predictor.target import served_model_id
-
     return {"model": served_model_id(str(s.served_model)), "label_tokenizer": "served model's own output tokens",
             "sampling": None, "max_tokens": None, "source": f"feedback of {n_rows} served requests (lengthwise retrain)"}
 

@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
@@ -202,8 +203,6 @@ def _add_routes(app: FastAPI, state: SidecarState) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

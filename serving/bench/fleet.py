@@ -48,8 +48,10 @@ from rich.table import Table
 from serving.bench.engine.bench import merge_csv, profile_to_csv, run_engines, trace_cap
 from serving.bench.replay import Job as ReplayJob
 from serving.bench.replay import Settings, poisson_arrivals, send_one
+from serving.gateway.settings import GatewaySettings
+from serving.launch.engines import start_engines, stop_engines, wait_healthy
 from serving.launch.models import bench_dtype, dummy_model
-from serving.launch.process import wait_http
+from serving.launch.process import die_with_parent, free_port, wait_http
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
 from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
@@ -299,9 +301,6 @@ def _default_rate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, conso
 
 def _start_engines(cfg: FleetBenchConfig, dtype: str, work: Path, console: Console) -> tuple[str, Path | None, list]:
     """2. The engines, once for every placement: (the model they serve, the KV connector's store or None, the processes)."""
-    from serving.gateway.settings import GatewaySettings
-    from serving.launch.engines import start_engines
-
     model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
     kv_dir = work / "kv" if cfg.prefill_engines else None  # the connector's store, shared by every engine
     es = GatewaySettings(model=model, engines=cfg.engines, prefill_engines=cfg.prefill_engines, policy=cfg.local_policy,
@@ -333,8 +332,6 @@ def _v1_model_runner() -> Iterator[None]:
 def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, rate: float, dtype: str, work: Path,
                        console: Console) -> dict[str, Any]:
     """3. Each placement in turn: a gateway on the engines, the trace replayed through it, and simulated."""
-    from serving.launch.engines import stop_engines, wait_healthy
-
     reqs = trace.reqs
     arrivals = poisson_arrivals(len(reqs), rate, cfg.seed)
     jobs = [ReplayJob(i, t, tuple(r.turns), r.prompt_tokens, r.output_tokens, cfg.max_tokens)  # the cap, never the truth
@@ -399,8 +396,6 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
                             console: Console) -> tuple[list, float, dict, dict[str, int] | None]:
     """Start ``placement``'s gateway, replay the trace through it, and stop it: (results, wall seconds, its /health,
     its prefill hops by outcome or None without prefill engines)."""
-    from serving.launch.process import free_port
-
     port = free_port()
     args = _gateway_args(cfg, placement, port, cal, model, decoders, prefillers)
     with running_gateway(args, port, work / f"gateway-{placement}.log") as (url, _):
@@ -416,8 +411,6 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
 def service_process(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """A service the bench starts (``args``, its output in ``log_path``), stopped on exit: SIGTERM, then SIGKILL after
     30 s. It also gets SIGTERM with this process (Linux), so a killed bench leaves nothing behind."""
-    from serving.launch.process import die_with_parent
-
     log = log_path.open("w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509

@@ -27,6 +27,7 @@ above where the other finished).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import sys
@@ -37,16 +38,23 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-from serving.launch.models import predictor_fit
+from predictor.buckets import BucketScheme
+from predictor.common import data_dir, default_sharegpt, quiet_libraries, silence_loggers
+from registry.feedback_store import FeedbackStore
+from registry.online import Feedback, WindowStats, window_history
+from serving.bench.replay import CONTEXT_MARGIN, Job, Plan, Settings, build_report, poisson_arrivals, run_with_progress
+from serving.launch.models import Sampling, predictor_fit, resolve_model
 from serving.launch.process import Children, StartError, cpu_cores, free_port, wait_child
+from training.data.example import DataError
+from training.data.loaders import load_sharegpt
 from training.evaluate import censored_tau
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from registry.feedback_store import FeedbackRow
-    from serving.bench.replay import Job, Result
+    from serving.bench.replay import Result
 
 EPILOG = """\
 examples:
@@ -77,9 +85,6 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
     the conversations they come from, which the retrain's base set must leave out."""
     from tokenizers import Tokenizer
 
-    from serving.bench.replay import CONTEXT_MARGIN, Job
-    from training.data.loaders import load_sharegpt
-
     by_group: dict[str, list] = {}
     for e in load_sharegpt(sharegpt):
         by_group.setdefault(e.group, []).append(e)
@@ -109,9 +114,6 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
 # --- metrics with censoring -----------------------------------------------------------------------------------------
 def score(rows: list[FeedbackRow]) -> dict[str, Any]:
     """One version's feedback rows as registry.online counts them (a window over all of them) and tau as above."""
-    from predictor.buckets import BucketScheme
-    from registry.online import Feedback, WindowStats
-
     if not rows:
         return {"n": 0}
     w = WindowStats(rows[0].model_name, rows[0].model_version)
@@ -187,9 +189,6 @@ class Phase:
 
 
 def replay_phase(name: str, jobs: list[Job], a: argparse.Namespace, procs: Procs, model_dir: Path, con: Console) -> Phase:
-    from serving.bench.replay import Plan, Settings, build_report, poisson_arrivals, run_with_progress
-    from serving.launch.models import Sampling
-
     for j, t in zip(jobs, poisson_arrivals(len(jobs), a.rate, a.seed + (name == "phase2"))):
         j.arrival = t
     s = Settings(procs.gateway_url, str(model_dir), timeout_s=600, extra_body=Sampling().model_dump())
@@ -204,8 +203,6 @@ def replay_phase(name: str, jobs: list[Job], a: argparse.Namespace, procs: Procs
 def collect_feedback(ph: Phase, timeout_s: float) -> None:
     """Wait until the store holds a row for every request the sidecar predicted (the gateway posts feedback after
     the answer and the sidecar writes it off the request path), then keep those rows."""
-    from registry.feedback_store import FeedbackStore
-
     want = {r.request_id for r in ph.results if r.ok and r.prediction == "sidecar" and r.request_id}
     deadline = time.monotonic() + timeout_s
     while True:
@@ -221,8 +218,6 @@ def wait_windows(name: str, versions: set[str], rows: list[FeedbackRow], since: 
     """Each version's windows logged since ``since`` (unix seconds: a version's monitoring run keeps the windows of
     every earlier sidecar too), once they count every feedback row of it (a window closes by count or age, then a
     background thread logs it to MLflow); what is logged by ``timeout_s`` otherwise."""
-    from registry.online import window_history
-
     deadline = time.monotonic() + timeout_s
     while True:
         hist = {v: [w for w in window_history(name, v)[1] if w["timestamp"] >= since * 1000] for v in versions}
@@ -294,9 +289,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def check(a: argparse.Namespace) -> tuple[str, str, Path]:
     """(name, alias, ShareGPT file); LoopError (one line) for anything unusable, before any process starts."""
-    import importlib.util
-
-    from predictor.common import default_sharegpt
     from predictor.sidecar.cache import ModelResolveError, parse_uri
 
     try:
@@ -333,7 +325,6 @@ def check(a: argparse.Namespace) -> tuple[str, str, Path]:
         raise LoopError("vLLM is not installed here; install the cpu or gpu extra (make setup)")
     import mlflow  # noqa: F401 - imported first, so that its loggers are silenced before it sets its database up
 
-    from predictor.common import silence_loggers
     from registry import store
 
     silence_loggers()
@@ -344,10 +335,6 @@ def check(a: argparse.Namespace) -> tuple[str, str, Path]:
 
 
 def run(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from predictor.common import quiet_libraries
-
     quiet_libraries(False)
     con = Console(stderr=True)
     try:
@@ -378,8 +365,6 @@ def run(a: argparse.Namespace) -> int:
 def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Path, children: Children,
          con: Console) -> dict:
     """The six steps of the module docstring; returns the report."""
-    from serving.launch.models import resolve_model
-    from training.data.example import DataError
     from training.retrain import RetrainError, Settings, retrain_once
 
     t0 = time.time()
@@ -445,8 +430,6 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
 
 
 def _gguf() -> Path:
-    from predictor.common import data_dir
-
     p = data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not p.is_file():
         raise LoopError(f"{p}: no such file (set LENGTHWISE_DATA or give --model-dir)")
@@ -476,9 +459,6 @@ def phase_report(ph: Phase) -> dict:
 def outcomes(rows: list[dict]) -> list[tuple[float, bool | None, float | None]]:
     """(feedback time, top-1 hit or None when undecided, absolute error or None) of each request, as one-feedback
     windows of registry.online count them: the plot's rolling curves."""
-    from predictor.buckets import BucketScheme
-    from registry.online import Feedback, WindowStats
-
     out = []
     for r in rows:
         scheme = BucketScheme.from_edges(r["edges"])
@@ -495,8 +475,6 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 
 def table(report: dict):
     """Before (phase 1, the champion) and after (phase 2, the promoted version) side by side."""
-    from rich.table import Table
-
     t = Table(title=f"lengthwise bench loop: {report['predictor_fit']['served']} with predictor v{report['versions']['before']}"
                     + (f" -> v{report['versions']['after']}" if "after" in report["versions"] else " (not replaced)"),
               title_justify="left")

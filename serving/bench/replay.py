@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from predictor.common import default_tokenizer
 
 CONTEXT_MARGIN = 64  # tokens kept free for the chat template and tokenizer differences when fitting the context
 DEFAULT_MAX_REQUESTS = 100
@@ -136,8 +141,6 @@ def plan_jobs(workload: str | Path, *, max_requests: int, max_tokens_cap: int | 
 
 def default_tokenizer_for(model: str) -> Path:
     """The served model's own tokenizer when the model name is a local directory holding one, else GPT-2."""
-    from predictor.common import default_tokenizer
-
     p = Path(model).expanduser()
     if p.is_dir() and ((p / "tokenizer.json").exists() or (p / "tokenizer.model").exists()):
         return p
@@ -408,8 +411,6 @@ def _s(x: float | None) -> str:
 
 def report_table(summary: dict[str, Any], title: str):
     """The report as a rich table (two columns: what, value)."""
-    from rich.table import Table
-
     t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -470,9 +471,6 @@ def build_report(plan: Plan, s: Settings, rate: float | None, seed: int, max_tok
 
 def run_with_progress(jobs: list[Job], s: Settings, console=None) -> tuple[list[Result], float]:
     """:func:`replay` with a progress bar on stderr."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     console = console or Console(stderr=True)
     failed = 0
     with Progress(TextColumn("[bold]replay[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -560,8 +558,6 @@ def check_args(a: argparse.Namespace) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
     err = Console(stderr=True)
     try:
         check_args(a)

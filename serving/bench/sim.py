@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from serving.sim.metrics import RunMetrics
+from serving.sim.predictions import bucket_accuracy
 from serving.sim.scenarios import Setup
 from serving.sim.sweep import BENCH_POLICIES, run_point, sweep_policy
 
@@ -102,7 +103,6 @@ BLIND = ("vllm", "vllm-v0", "orca", "sarathi", "fcfs-max-alloc", "oracle")
 
 def prediction_quality(setup: Setup) -> dict:
     """Top-1 accuracy at 200-token buckets and Kendall tau of the setup's predictions against the truth."""
-    from serving.sim.predictions import bucket_accuracy
     from training.evaluate import kendall_tau
 
     truth = np.array([r.output_tokens for r in setup.requests], dtype=np.float64)

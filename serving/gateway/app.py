@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -182,8 +183,6 @@ def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse,
              responses={401: unavailable[401]})
     async def prometheus() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(await gw.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -9,6 +9,7 @@ command line's own: they name flags and give examples where the fields' descript
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -21,11 +22,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
 
 from serving.argtypes import flag_error
-from serving.gateway.auth import KEY_ENV
+from serving.engine.settings import SchedulerSettings
+from serving.gateway.auth import KEY_ENV, read_key_file
 from serving.gateway.settings import GatewaySettings
-from serving.policy.registry import policy_help
+from serving.policy.base import PolicyError
+from serving.policy.config import PolicyConfig
+from serving.policy.registry import make_policy, policy_help
 
 if TYPE_CHECKING:
     from serving.gateway.target import TargetCheck
@@ -323,8 +330,6 @@ class _Stop(BaseException):
 
 def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
     """Build and validate the settings; a bad value becomes one readable line."""
-    from pydantic import ValidationError
-
     try:
         sched = json.loads(a.scheduler_config)
     except json.JSONDecodeError as exc:
@@ -343,7 +348,6 @@ def settings_from_args(a: argparse.Namespace) -> GatewaySettings:
         settings = GatewaySettings(**fields)
     except ValidationError as exc:
         raise UsageError(flag_error(exc, _FLAGS)) from None
-    from serving.gateway.auth import read_key_file
 
     for flag, path in (("--api-key-file", settings.api_key_file), ("--slo-key-file", settings.slo_key_file)):
         try:
@@ -370,8 +374,6 @@ def _check_placement(settings: GatewaySettings) -> None:
 def _check_predictor(settings: GatewaySettings) -> TargetCheck:
     """Which model the sidecar's predictor is for, against the served one (:mod:`serving.gateway.target`): another
     model's is a UsageError unless allowed; any other verdict is logged and returned for the gateway to keep."""
-    import asyncio
-
     import httpx
 
     from serving.gateway.target import announce, check, refusal, served_model
@@ -401,12 +403,6 @@ def _check_engine(settings: GatewaySettings) -> None:
     """What would otherwise fail only after minutes of engine start-up: the policy, its settings, vLLM, the model."""
     if not settings.starts_engines:
         return
-    from pydantic import ValidationError
-
-    from serving.engine.settings import SchedulerSettings
-    from serving.policy.base import PolicyError
-    from serving.policy.config import PolicyConfig
-    from serving.policy.registry import make_policy
 
     try:
         sched = SchedulerSettings.model_validate({"policy": settings.policy, **settings.scheduler_config})
@@ -431,8 +427,6 @@ def _check_engine(settings: GatewaySettings) -> None:
 
 def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
     """A host name that does not resolve is a typo, not an engine still starting: fail now rather than after the timeout."""
-    from urllib.parse import urlsplit
-
     for url in urls:
         parts = urlsplit(url)
         try:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
@@ -155,8 +156,6 @@ class Gateway:
         """Check which model the sidecar's predictor is for now (unless the command line just did), then every
         ``predictor_check_interval_s``: a sidecar that was down at start, or whose alias moved, is judged when it
         answers."""
-        import httpx
-
         checked = self.target.current.state != "unchecked" and not self.target.current.pending
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self._sidecar_auth()) as client:
             while True:
@@ -172,8 +171,6 @@ class Gateway:
     async def _watch_sidecar(self) -> None:
         """Ask the sidecar's ``/ready`` every ``health_interval_s``, so ``/health`` says within a second or two that
         requests run on the fallback length because the sidecar is down or has no model, even with no traffic."""
-        import httpx
-
         s = self.settings
         async with httpx.AsyncClient(timeout=httpx.Timeout(s.health_timeout_s), headers=self._sidecar_auth()) as client:
             while True:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from serving.gateway.auth import read_key_file
 from serving.policy.config import PolicyConfig
 
 if TYPE_CHECKING:
@@ -211,15 +213,11 @@ class GatewaySettings(BaseModel):
     def client_keys(self) -> list[SecretStr]:
         """``api_keys``, those of ``api_key_file`` and of ``slo_key_file`` (ValueError naming the file, never a key,
         when one is unusable)."""
-        from serving.gateway.auth import read_key_file
-
         extra = read_key_file(self.api_key_file) if self.api_key_file is not None else []
         return [*self.api_keys, *(SecretStr(k) for k in extra), *self.slo_keys()]
 
     def slo_keys(self) -> list[SecretStr]:
         """The keys of ``slo_key_file``: those whose x-slo-* headers are honoured."""
-        from serving.gateway.auth import read_key_file
-
         return [SecretStr(k) for k in read_key_file(self.slo_key_file)] if self.slo_key_file is not None else []
 
     @property
@@ -246,8 +244,6 @@ class GatewaySettings(BaseModel):
 
     def engine_arg(self, flag: str) -> str | None:
         """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
-        import shlex
-
         parts = [p for a in self.engine_args for p in shlex.split(a)]
         for i, p in enumerate(parts):
             if p == flag and i + 1 < len(parts):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from serving.policy.base import Policy, StepPlan
+from serving.policy.base import Policy, PolicyError, StepPlan
 from serving.policy.ordering import find_fitting, order_key
 from serving.policy.pipelining import Lend, nested_slots
 from serving.policy.request import Phase, Request, SortedQueue, blocks_for
@@ -61,8 +61,6 @@ class EcoServe(Policy):
 
     @classmethod
     def from_flags(cls, flags: str, cfg, kv_blocks, repredict=None) -> EcoServe:
-        from serving.policy.base import PolicyError
-
         f = flags.upper()
         if not f or set(f) - set("DSOP"):
             raise PolicyError(f"ecoserve variant {flags!r}: use letters from D, S, O, P (e.g. ecoserve-SDO)")

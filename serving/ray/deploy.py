@@ -26,6 +26,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from predictor.sidecar.settings import SidecarSettings
 from serving.gateway.settings import GatewaySettings
 from serving.ray.app import ingress_app, sidecar_app
 
@@ -53,7 +54,5 @@ def gateway(args: dict[str, Any]) -> Application:
 
 def predictor(args: dict[str, Any]) -> Application:
     """The ``predictor`` application: the length predictor's sidecar, its settings checked now rather than on a replica."""
-    from predictor.sidecar.settings import SidecarSettings
-
     SidecarSettings(**args)
     return sidecar_app(dict(args))

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.launch.cores import claim_cores, pin_process
 from serving.ray.routing import JobRow, ReplicaStats
 
 log = logging.getLogger("serving.ray")
@@ -180,8 +181,6 @@ class EngineReplica:
         threads there (``VLLM_CPU_OMP_THREADS_BIND``), as the HTTP backend's launcher does for the engines it starts
         (serving/launch/cores.py says why the whole process). Ray's ``num_cpus`` only counts CPUs; without this two replicas'
         spinning engine cores land on each other's worker cores. No free cores: the replica runs unpinned, logged."""
-        from serving.launch.cores import claim_cores, pin_process
-
         claim = claim_cores(per)
         if claim is None:
             log.warning("engine replica %s: no %d free cores to pin to; running unpinned", self.name, per)

@@ -19,6 +19,7 @@ the served model and learn its lengths. This module does that with vLLM's offlin
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -29,7 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from predictor.target import model_id  # the identity a predictor records as its target; the gateway computes it too
+from serving.sim.workload import TraceRequest
+from training.data import FORMATS
 from training.data.example import DataError, Turn
+from training.data.loaders import alpaca_eval_generators, load_examples
+from training.data.served import prompt_hash, read_served, turn_index
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/lengthwise/models")
 
@@ -84,9 +89,6 @@ def sample_seed(seed: int, prompt_hash: str, sample: int) -> int:
 def load_prompts(path: str, fmt: str, generator: str | None = None, first_turns_only: bool = False,
                  max_prompts: int | None = None) -> list[Prompt]:
     """The prompt set's distinct prompts in file order, as ``train-predictor`` would read them (same loaders)."""
-    from training.data.loaders import alpaca_eval_generators, load_examples
-    from training.data.served import prompt_hash, turn_index
-
     if fmt == "alpaca-eval" and generator is None:  # every generator answered the same instructions: any one will do
         generator = next(iter(alpaca_eval_generators(path)), None)
     out: dict[str, Prompt] = {}
@@ -127,7 +129,6 @@ def resume(out: Path, settings: Settings) -> list[dict[str, Any]]:
     so that its sample runs again and the next line starts clean."""
     if not out.exists():
         return []
-    from training.data.served import read_served
 
     try:
         records, end = read_served(out)
@@ -248,7 +249,6 @@ class _Run:
 def prompt_ids(model_dir: Path, prompts: list[Prompt]) -> list[list[int]]:
     """Each prompt as the engine gets it: its turns in the model's chat template, as token ids (the bench's prompts)."""
     from serving.launch.models import chat_prompt_ids
-    from serving.sim.workload import TraceRequest
 
     ids = chat_prompt_ids(model_dir, [TraceRequest(i, 0.0, 0, 0, tuple((t.role, t.text) for t in p.turns))
                                       for i, p in enumerate(prompts)])
@@ -267,8 +267,6 @@ def _export_jobs(a: argparse.Namespace, model_dir: Path, settings: Settings, tod
     """Write what is left to label, for :mod:`serving.relabel.transformers_engine` on a host without vLLM: each sample's
     prompt token ids and seed, keyed ``prompt_hash:sample``; prompts with no room for ``--max-tokens`` are left out, as vLLM's run
     skips them."""
-    import gzip
-
     from rich.console import Console
     from rich.progress import track
 
@@ -331,7 +329,6 @@ def _import_results(a: argparse.Namespace, settings: Settings, todo: list[tuple[
 # --- the command --------------------------------------------------------------------------------------------------
 def add_parser(sub) -> argparse.ArgumentParser:
     from serving.launch.models import Sampling
-    from training.data import FORMATS
 
     d = Sampling.model_fields
     p = sub.add_parser(

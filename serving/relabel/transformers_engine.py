@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 _M32 = 0xFFFFFFFF
 
@@ -99,8 +100,6 @@ def sample(logits: torch.Tensor, seen: torch.Tensor, seeds: torch.Tensor, step: 
 
 def stop_ids(model_dir: Path) -> list[int]:
     """The token ids that end a sample: the tokenizer's EOS and the generation config's, as vLLM stops on both."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     ids: set[int] = set()
     tok = AutoTokenizer.from_pretrained(model_dir)
     for src in (tok.eos_token_id, AutoConfig.from_pretrained(model_dir).eos_token_id):
@@ -136,8 +135,6 @@ def generate(model, batch: list[Job], s: SamplingSpec, stops: torch.Tensor, pad_
              drawn: list[list[int]] | None = None) -> list[tuple[int, str]]:
     """Draw every job of ``batch`` to its end: (output tokens, finish reason) in the batch's order; the tokens
     themselves into ``drawn`` when one is given (one list per job)."""
-    from transformers import DynamicCache
-
     dev = stops.device
     rows, longest = len(batch), max(len(j.prompt_ids) for j in batch)
     ids = torch.full((rows, longest), pad_id, dtype=torch.int64)
@@ -199,8 +196,6 @@ def generate(model, batch: list[Job], s: SamplingSpec, stops: torch.Tensor, pad_
 def load_model(path: Path, device: str):
     """The served model in float32 (TF32 off, as the CPU engine computes), from a Hugging Face directory or a GGUF file
     (dequantised by transformers, which needs the ``gguf`` package); its tokenizer's directory for the stop tokens."""
-    from transformers import AutoModelForCausalLM
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if path.suffix == ".gguf":

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from predictor.common import data_dir
 from serving.perf.hardware import get_model, kv_blocks
 from serving.perf.latency import LatencyModel, StepShape, make_latency_model
 from serving.perf.slo import SLO, derive_slo
@@ -73,8 +74,6 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def data_path(rel: str) -> Path:
-    from predictor.common import data_dir
-
     p = Path(rel)
     return p if p.is_absolute() else data_dir() / p
 

@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from training.data.example import DataError
+from training.data.loaders import load_alpaca_eval, sharegpt_examples
+
 KINDS = ("azure", "mooncake", "sharegpt", "alpaca-eval", "lengths")
 ARRIVALS = ("auto", "trace", "poisson")
 DEFAULT_GENERATOR = "gpt4_1106_preview"
@@ -276,9 +279,6 @@ def _load_mooncake(p: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _load_examples(p: Path, kind: str, generator: str | None) -> tuple[list, str]:
     """Prompt/response examples via the training loaders (the same turn extraction the predictor learnt on)."""
-    from training.data.example import DataError
-    from training.data.loaders import load_alpaca_eval, sharegpt_examples
-
     try:
         if kind == "alpaca-eval":
             gen = generator or DEFAULT_GENERATOR

@@ -29,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,12 @@ from rich.table import Table
 
 from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
 from serving.launch.cores import parse_cores, pin_to
+from serving.launch.engines import is_cpu_build
+from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.launch.models import Sampling, chat_prompt_ids, resolve_model
 from serving.perf.latency import FittedLatency
 from serving.perf.slo import derive_slo
+from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
@@ -194,12 +199,6 @@ def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> lis
     schedulers alike, so their ratio survives a shared machine. On the CPU build both run on the system's tcmalloc
     where it is installed, as the engines ``lengthwise serve`` starts (:mod:`serving.launch.malloc`).
     """
-    import logging
-    import threading
-
-    from serving.launch.engines import is_cpu_build
-    from serving.launch.malloc import engine_malloc, with_tcmalloc
-
     malloc = engine_malloc(is_cpu_build(), "tcmalloc", logging.getLogger("serving.bench.engine"))
     if malloc is not None:
         console.print(f"engines preload {malloc}")
@@ -420,8 +419,6 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
 def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Console) -> tuple[Setup, list[Arm]]:
     """The fitted step model, the SLO and TFS it gives, and every arm's predictions (made after the relabel, so that
     the oracle and the noise are the served model's)."""
-    from serving.policy.config import PolicyConfig
-
     reqs = wl.requests
     lat = FittedLatency.from_csv(csv_path)
     pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serving.argtypes import comma_list
+from serving.argtypes import comma_list, flag_error
 
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
@@ -92,7 +92,6 @@ def run_cli(a: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from rich.console import Console
 
-    from serving.argtypes import flag_error
     from serving.bench.engine.bench import EngineBenchConfig, EngineBenchError, run_bench
     from serving.perf.latency import LatencyError
     from serving.policy.base import PolicyError

@@ -23,6 +23,7 @@ import numpy as np
 
 from serving.launch.models import length_summary, stable_seed
 from serving.policy.request import Prediction
+from serving.sim.predictions import bucket_accuracy
 from training.evaluate import kendall_tau
 
 
@@ -45,8 +46,6 @@ def served_lengths(outs: list[dict[str, Any]], max_tokens: int) -> tuple[dict[in
 
 def predictor_quality(preds: list[Prediction], truth: list[int], max_tokens: int) -> dict[str, float]:
     """How well predictions (clamped to ``max_tokens``, as the plug-in clamps them) rank and size the served lengths."""
-    from serving.sim.predictions import bucket_accuracy
-
     p = np.minimum(np.array([x.length for x in preds], dtype=float), max_tokens)
     t = np.array(truth, dtype=float)
     tau = kendall_tau(p, t)

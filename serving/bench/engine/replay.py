@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # (vLLM 0.32's default on CUDA with Triton) refuses at load; the CPU build, without Triton, runs the V1 runner anyway.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
-from serving.launch.models import dummy_model
+from serving.launch.models import bench_dtype, dummy_model
 
 STOCK = "serving.engine.profile.ProfiledScheduler"
 OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
@@ -38,7 +38,6 @@ def _engine(job: dict[str, Any]):
 
     from serving.bench.engine.exactlen import ExactLengthLogitsProcessor
     from serving.engine import seeded
-    from serving.launch.models import bench_dtype
 
     seeded.install()  # seeded requests with chunked prompts would kill a vLLM-CPU engine otherwise
     e = job["engine"]

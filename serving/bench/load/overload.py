@@ -44,7 +44,9 @@ from serving.bench.fleet import (
     running_gateway,
 )
 from serving.bench.load.run import Fleet, calibrated_fleet, error_kind, meets_slo, pct, trace_jobs
+from serving.bench.load.servedrate import served_rate
 from serving.bench.replay import Result
+from serving.launch.process import free_port
 from serving.perf.slo import SLO
 
 MULTIPLES = (0.5, 1.0, 1.5, 2.0, 3.0)
@@ -200,8 +202,6 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
 def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Console,
              kept: _Kept) -> dict[str, Any]:
     """The trace at m x R through a fresh gateway with the arm's bounds ("learnt-kept": the sweep's one, ``kept``)."""
-    from serving.launch.process import free_port
-
     fc = fleet.cfg
     jobs = trace_jobs(fleet, m * fleet.rate)
     bounds = _bounds(cfg, arm)
@@ -246,9 +246,6 @@ class _Kept:
 def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[str, Any]:
     """R measured through an unbounded gateway (the stack's own capacity, not the bound's); RuntimeError when even the
     ladder's last probe misses the target."""
-    from serving.bench.load.servedrate import served_rate
-    from serving.launch.process import free_port
-
     port = free_port()
     args = _gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
     args += ["--max-outstanding", str(UNBOUNDED), "--max-outstanding-per-engine", str(UNBOUNDED)]

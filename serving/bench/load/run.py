@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 
 from serving.bench.fleet import (
@@ -28,6 +29,7 @@ from serving.bench.fleet import (
     _with_cap,
 )
 from serving.bench.replay import Job, Result, poisson_arrivals
+from serving.launch.engines import stop_engines, wait_healthy
 from serving.launch.models import bench_dtype
 from serving.perf.slo import SLO
 from serving.sim.predictions import make_predictor
@@ -58,8 +60,6 @@ def prepared(cfg: FleetBenchConfig) -> tuple[FleetBenchConfig, _Trace]:
 def calibrated_fleet(cfg: FleetBenchConfig, placement: str, console: Console, prefix: str) -> Iterator[Fleet]:
     """Calibrate, find the rate (unless ``cfg.rate``), start the engines and wait for them; stop them on the way out,
     whatever happened inside."""
-    from serving.launch.engines import stop_engines, wait_healthy
-
     cfg, trace = prepared(cfg)
     work = Path(tempfile.mkdtemp(prefix=prefix))
     dtype = bench_dtype()
@@ -110,6 +110,5 @@ def pct(values: list[float], q: float) -> float | None:
     """The q-th percentile, None for no values (JSON null, not NaN)."""
     if not values:
         return None
-    import numpy as np
 
     return float(np.percentile(values, q))

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
+from predictor.common import quiet_libraries, silence_loggers
 from serving.bench.fleet import (
     FleetBenchConfig,
     _gateway_args,
@@ -45,8 +46,9 @@ from serving.bench.fleet import (
     service_process,
 )
 from serving.bench.load.run import calibrated_fleet, error_kind, pct
+from serving.bench.load.servedrate import served_rate
 from serving.bench.replay import Job, Result, poisson_arrivals
-from serving.launch.process import wait_http
+from serving.launch.process import free_port, wait_http
 
 WARMUP_SHARE = 0.2  # the verdict's baseline: each process at the end of the first 20% of the run
 
@@ -70,7 +72,6 @@ class SoakConfig(BaseModel):
 def registered(uri: str) -> str:
     """What ``uri`` resolves to (``name vN``), as the sidecar will resolve it; ValueError with one line when nothing
     answers to it, before anything starts."""
-    from predictor.common import quiet_libraries, silence_loggers
     from predictor.sidecar.cache import ModelResolveError, resolve
 
     quiet_libraries(False)
@@ -210,8 +211,6 @@ async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: 
 def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``predictor-sidecar`` with ``uri`` on a free loopback port, from ready to stopped: yields (its URL, the process).
     Its feedback store lives in ``work``, not the operator's."""
-    from serving.launch.process import free_port
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "predictor.sidecar", "--model", uri, "--port", str(port), "--feedback-db",
@@ -223,9 +222,6 @@ def running_sidecar(uri: str, work: Path, timeout_s: float = 300.0) -> Iterator[
 
 def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Start everything, soak, stop everything; the JSON, the PNG and the table. Returns what it wrote."""
-    from serving.bench.load.servedrate import served_rate
-    from serving.launch.process import free_port
-
     measured: dict[str, Any] | None = None
     with calibrated_fleet(cfg.fleet, cfg.placement, console, "lengthwise-bench-soak-") as fleet:
         fc = fleet.cfg

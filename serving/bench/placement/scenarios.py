@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from serving.perf.latency import DecodePoolLatency
-from serving.sim.scenarios import SCENARIOS, Scenario, Setup, build_setup
+from serving.sim.scenarios import SCENARIOS, Scenario, Setup, build_setup, data_path
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,6 @@ def build_placement_setup(name: str, *, max_requests: int | None = None, predict
     workload = hw.pop("workload", None)
     arrival = hw.pop("arrival", None)
     base: Scenario = SCENARIOS[ps.base]
-    from serving.sim.scenarios import data_path
 
     setup = build_setup(base, workload=str(data_path(workload)) if workload else None, arrival=arrival, predictor=predictor,
                         max_requests=max_requests or ps.max_requests, seed=seed, **hw)

@@ -29,8 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
+from predictor.common import default_sharegpt
 from serving.launch.process import StartError, free_port, wait_http
 
 DEFAULT_LEVELS = "1,8,32,128"
@@ -94,7 +98,6 @@ def parse_levels(spec: str) -> list[int]:
 
 def sharegpt_prompts(n: int, seed: int = 0) -> list[str]:
     """``n`` latest human turns of real ShareGPT conversations, shuffled deterministically."""
-    from predictor.common import default_sharegpt
     from training.data import load_examples
 
     path = default_sharegpt()
@@ -122,8 +125,6 @@ def wait_ready(url: str, proc: subprocess.Popen | None, log_path: Path | None, t
 
 def _batch_counters(url: str) -> tuple[float, float]:
     """(sum, count) of the sidecar's batch-size histogram."""
-    import httpx
-
     text = httpx.get(f"{url}/metrics", timeout=5).text
     vals = dict(re.findall(r"^lengthwise_sidecar_batch_size_(sum|count) ([0-9.eE+-]+)$", text, flags=re.MULTILINE))
     return float(vals.get("sum", 0.0)), float(vals.get("count", 0.0))
@@ -296,8 +297,6 @@ def bench(model: str, url: str | None, levels: list[int], duration: float, warmu
 
 
 def print_table(report: dict, console) -> None:
-    from rich.table import Table
-
     t = Table(title=f"predictor-sidecar: {report['model_name']} v{report['model_version']}, {report['cpus']} CPUs, "
                     f"{report['duration_s']:.0f} s per level")
     t.caption = ("sidecar CPU: its process CPU time per prediction; other cores: CPU used by other processes on the "
@@ -343,8 +342,6 @@ def plot(report: dict, path: Path) -> Path:
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
     console = Console(width=max(Console().width, 140))
     extra = [f for flag, v in (("--max-batch", a.max_batch), ("--max-wait-ms", a.max_wait_ms), ("--threads", a.threads),
                                ("--workers", a.workers), ("--token-budget", a.token_budget), ("--precision", a.precision),

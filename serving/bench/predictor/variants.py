@@ -35,8 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, BenchError
+from predictor.buckets import BucketScheme
+from predictor.common import default_sharegpt, quiet_libraries
+from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, BenchError, bench, parse_levels
 
 DEFAULT_BUDGETS = (32, 64, 96, 128)
 
@@ -163,8 +167,6 @@ def parse_layouts(spec: str | None) -> list[Layout]:
 
 def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
     """The test split ``train-predictor`` made from the same data and settings, labelled, with the package's buckets."""
-    from predictor.buckets import BucketScheme
-    from predictor.common import default_sharegpt
     from training.config import TrainConfig
     from training.data.labels import labels_of
     from training.pipeline import prepare
@@ -190,7 +192,6 @@ def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, d
     logistic-regression model fitted per slice on the package's training split, C chosen on its validation split:
     ``training.baselines.fit_sliced`` with ``TfidfLogReg``, what ``train-predictor`` fits and ships. Returns the copy and
     each slice's fit (C, rows)."""
-    from predictor.buckets import BucketScheme
     from predictor.runtime import META_FILE
     from predictor.slices import SLICES, SLICES_DIR, TFIDF
     from training.baselines import TfidfLogReg, fit_sliced, rows_of
@@ -350,8 +351,6 @@ def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledT
 def _over_http(package: Path, precision: str, budget: int, layout: Layout, test: LabelledTest, sidecar: dict,
                console) -> dict:
     """One row measured through a started sidecar (``lengthwise bench sidecar``'s machinery), latest turns as prompts."""
-    from serving.bench.predictor.sidecar import bench
-
     args = ["--precision", precision, "--max-prompt-tokens", str(budget), "--threads", str(layout.threads),
             "--workers", str(layout.workers), "--token-budget", str(sidecar["token_budget"])]
     prompts = [turns[-1][1] for turns in test.turns if turns[-1][1].strip()]
@@ -361,8 +360,6 @@ def _over_http(package: Path, precision: str, budget: int, layout: Layout, test:
 
 
 def print_table(report: dict, console) -> None:
-    from rich.table import Table
-
     t = Table(title=f"predictor variants: {report['package']}, {report['test_rows']} test prompts, {report['cpus']} CPUs")
     t.caption = ("quality on the whole test split; parity: max |logit diff| and bucket agreement with fp32 at the "
                  f"trained budget ({report['trained_budget']} tokens); batch 1: lone requests with THREADS threads; "
@@ -455,11 +452,6 @@ def plot(report: dict, path: Path) -> Path:
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from predictor.common import quiet_libraries
-    from serving.bench.predictor.sidecar import parse_levels
-
     quiet_libraries(False)
     console = Console(width=max(Console().width, 160))
     package = Path(a.package)

@@ -30,9 +30,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import Field
+from rich.console import Console
+from rich.table import Table
 
-from serving.bench.fleet import FleetBenchConfig
+from serving.bench import fleet
+from serving.bench.fleet import FleetBenchConfig, _Calibration
+from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettings
+from serving.launch.engines import stop_engines, wait_healthy
+from serving.launch.models import bench_dtype, dummy_model
+from serving.launch.process import free_port
+from serving.perf.slo import SLO
+from serving.ray.local import local_ray
+from serving.sim.metrics import summarize
+from serving.sim.predictions import make_predictor
+from serving.sim.scenarios import data_path
 
 ARMS = ("http", "ray-power-of-two", "ray-lengthwise")  # in the order they run
 ROUTER_OF_ARM = {"ray-power-of-two": "power-of-two", "ray-lengthwise": "lengthwise"}
@@ -49,11 +62,6 @@ class RayBenchConfig(FleetBenchConfig):
 
 def run_ray_bench(cfg: RayBenchConfig, json_path: Path, console: Any) -> dict[str, Any]:
     """Calibrate (or not), replay the trace through each arm in turn, and write JSON, table and PNG; returns the JSON."""
-    from serving.bench import fleet
-    from serving.launch.models import bench_dtype, dummy_model
-    from serving.sim.predictions import make_predictor
-    from serving.sim.scenarios import data_path
-
     bad = [a for a in cfg.arms if a not in ARMS]
     if bad or not cfg.arms:
         raise ValueError(f"unknown arm(s) {', '.join(bad) or '(none)'}: choose from {', '.join(ARMS)}")
@@ -95,10 +103,6 @@ def run_ray_bench(cfg: RayBenchConfig, json_path: Path, console: Any) -> dict[st
 
 def _default_calibration(cfg: RayBenchConfig) -> Any:
     """No calibration burst: the SLO from the gateway's default t_p and t_g, no latency profile."""
-    from serving.bench.fleet import _Calibration
-    from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S
-    from serving.perf.slo import SLO
-
     slo = SLO(cfg.slo_scale, DEFAULT_T_P_S, DEFAULT_T_G_S, cfg.slo_scale * 5 * DEFAULT_T_P_S, cfg.slo_scale * DEFAULT_T_G_S)
     return _Calibration(None, None, slo, None, None)  # type: ignore[arg-type]
 
@@ -106,10 +110,6 @@ def _default_calibration(cfg: RayBenchConfig) -> Any:
 def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, rate: float, dtype: str, work: Path,
               console: Any) -> tuple[list, float, dict]:
     """Two engine processes and the HTTP gateway on them, as ``bench fleet`` runs one placement."""
-    from serving.bench import fleet
-    from serving.launch.engines import stop_engines, wait_healthy
-    from serving.launch.process import free_port
-
     _, _, procs = fleet._start_engines(cfg, dtype, work, console)
     try:
         wait_healthy([p.url for p in procs], 900, procs)
@@ -132,14 +132,9 @@ def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any,
 def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, dtype: str, work: Path, router: str,
              console: Any) -> tuple[list, float, dict]:
     """The Ray application with ``router`` on fresh engine replicas (the same engine arguments as the HTTP arm's)."""
-    import httpx
     from ray import serve
 
-    from serving.bench import fleet
-    from serving.gateway.settings import GatewaySettings
-    from serving.launch.process import free_port
     from serving.ray.app import run
-    from serving.ray.local import local_ray
 
     slo = cal.slo
     settings = GatewaySettings(model=model, engines=cfg.engines, policy=cfg.local_policy, placement=cfg.placement,
@@ -162,8 +157,6 @@ def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, 
 
 
 def _wait_serving(url: str, timeout_s: float) -> None:
-    import httpx
-
     deadline = time.monotonic() + max(timeout_s, 1.0)
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
@@ -175,9 +168,6 @@ def _wait_serving(url: str, timeout_s: float) -> None:
 
 def arm_result(arm: str, res: list, reqs: list, cal: Any, wall: float, health: dict) -> dict[str, Any]:
     """One arm's row of the JSON (see the module docstring)."""
-    from serving.bench import fleet
-    from serving.sim.metrics import summarize
-
     limits = [cal.slo.jct_limit(r.output_tokens) for r in reqs]
     m = summarize(policy=arm, records=fleet._records(res, reqs, limits), slo=cal.slo,
                   makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0, kv_allocated=0,
@@ -204,9 +194,6 @@ def router_overhead(arm: str, health: dict) -> dict[str, Any] | None:
 
 
 def table(out: dict[str, Any], console: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"the same trace ({out['requests']} requests at {out['rate']:.3g} req/s) through the HTTP gateway and Ray "
                     "Serve (attainment: within the JCT SLO; lost: failed or not ended at its true length)")
     for c in ("arm", "completed", "JCT SLO att.", "TTFT+ATGT att.", "p50 JCT (s)", "p99 JCT (s)", "per replica", "lost",

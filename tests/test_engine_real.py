@@ -25,13 +25,6 @@ def _probe(*args: str, env: dict | None = None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def smollm2(data, tmp_path_factory) -> Path:
-    from predictor.convert import convert_gguf
-
-    return convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2"))
-
-
 def test_one_at_a_time_equals_stock_vllm_token_for_token(smollm2):
     stock = _probe("sequential", str(smollm2), "stock")
     ours = _probe("sequential", str(smollm2), "ecoserve")

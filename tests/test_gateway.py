@@ -2,8 +2,8 @@
 running the lengthwise scheduler plug-in, started by the gateway itself; a real prediction sidecar serving a model
 trained here on real ShareGPT prompts; the official ``openai`` client and ``vllm bench serve`` as clients.
 
-Engines start once per module (the slow part); further gateways attach to them with ``--engine-url``. The last
-test kills an engine with SIGKILL under load and then stops the gateway that owns the engines.
+The engines are the session's (tests/conftest.py: started once, the slow part); further gateways attach to them with
+``--engine-url``. The test that kills an engine with SIGKILL under load runs last of the session (``last``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
 from serving.launch.process import free_port
+from tests.conftest import FLEET_MAX_NUM_SEQS as MAX_NUM_SEQS
 from tests.conftest import HTTP, SHAREGPT
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
@@ -40,8 +41,6 @@ pytestmark = pytest.mark.timeout(900)  # the first engine test also waits for th
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-ENGINE_KEY = "engine-key-of-the-gateway-tests"  # the engines' own key (given, so that the other gateways can attach)
-MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
@@ -51,34 +50,10 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet_proc(model_dir, logs):
-    """``lengthwise serve --engines 2``: started first; tests wait for it through ``fleet``."""
-    gw = start_gateway(
-        logs, "--model", str(model_dir), "--engines", "2", "--policy", "lengthwise", "--engine-log-dir", str(logs / "engines"),
-        "--engine-api-key", ENGINE_KEY,
-        # the fault tests queue bursts of 4 x max_num_seqs inside the engines: the admission bound (429) is tested in
-        # test_gateway_overload.py, not here
-        "--max-outstanding", "128", "--max-outstanding-per-engine", "64",
-        "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
-        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
-        f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
-        env=ENGINE_ENV, wait=None)
-    yield gw
-    gw.stop()
-
-
-@pytest.fixture(scope="module")
-def fleet(fleet_proc) -> Gateway:
-    health = fleet_proc.wait_ready(timeout=540)
-    fleet_proc.engines = [e["url"] for e in health["engines"]]
-    fleet_proc.engine_logs = [fleet_proc.log.parent / "engines" / f"engine-{i}.log" for i in range(len(health["engines"]))]
-    fleet_proc.model = health["engines"][0]["models"][0]
-    return fleet_proc
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _engines_boot_first(fleet_proc):
-    """Engines take a minute or two to start: let them boot while the other fixtures (training) run."""
+def fleet(engine_fleet) -> Gateway:
+    """The session's two engines (tests/conftest.py) and the ``lengthwise serve`` that started them: the gateway most
+    tests here call; the others attach to the same engines with ``--engine-url``."""
+    return engine_fleet
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +129,7 @@ def _engine_state(gw: Gateway, name: str) -> dict:
 
 def _attach(fleet: Gateway) -> list[str]:
     return [arg for url in fleet.engines for arg in ("--engine-url", url)] + ["--health-interval", "0.5", "--engine-api-key",
-                                                                             ENGINE_KEY]
+                                                                             fleet.engine_key]
 
 
 def _client(gw: Gateway, **kw) -> openai.OpenAI:
@@ -425,7 +400,7 @@ def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
     before = [plugin_stats(p) for p in fleet.engine_logs]
     time.sleep(0.3)  # the plug-in logs its counters at most every log_every_s (0.2 s)
     r = HTTP.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
-                  headers={"Authorization": f"Bearer {ENGINE_KEY}"}, timeout=60)
+                  headers={"Authorization": f"Bearer {fleet.engine_key}"}, timeout=60)
     assert r.status_code == 200
     after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] >= 1 and s, timeout=30,
                      what="the plug-in's stats line")
@@ -722,7 +697,7 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     # a single slow probe begin in the 15 s wait: a stall that long outlasts the probes' 1 + 3 s cycle.)
     with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.016) as proxy:
         gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3",
-                           "--engine-api-key", ENGINE_KEY)
+                           "--engine-api-key", fleet.engine_key)
         try:
             stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
                                                     stream=True, extra_body={"ignore_eos": True},
@@ -786,11 +761,12 @@ def test_a_restarted_gateway_finishes_what_it_holds_then_serves_again(fleet, log
         again.stop()
 
 
+@pytest.mark.last  # the session's fleet loses an engine
 @pytest.mark.fault("an engine killed (SIGKILL) under load, behind two gateways",
                    saw="every request that had not started streaming: its whole answer, retried on the other "
                        "engine; a stream already sending: an error event and [DONE]",
                    lost="the rest of the streams that were on the dead engine (the client holds their first part)")
-# --- an engine dies under load; the gateway that started the engines stops them --------------------------------------
+# --- an engine dies under load; the gateway that started the engines stops them (last of the session) -----------------
 def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     """SIGKILL of an engine that two gateways use: the fleet's (JSQ) and one placing by Aladdin's best fit.
 

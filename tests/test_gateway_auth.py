@@ -1,8 +1,9 @@
 """Who may call what: API keys on the gateway, a key of their own on the engines, a token to the sidecar.
 
 Real parts: ``lengthwise serve`` as a process with keys from all three sources (flag, file, environment) over a real
-vLLM-CPU engine (dummy-weight Llama) that it started with a random key; a second gateway attached to that engine with
-its key and ``--protect-health``; the official ``openai`` client; a recording HTTP sidecar for the token.
+vLLM-CPU engine of the session (dummy-weight Llama), which its own ``lengthwise serve`` started with a random key; a
+second gateway attached to that engine with its key and ``--protect-health``; the official ``openai`` client; a
+recording HTTP sidecar for the token.
 """
 
 from __future__ import annotations
@@ -142,31 +143,26 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def keyed(model_dir, logs):
-    """A gateway with keys from a flag, a file and the environment, over one engine it started (with a random key)."""
-    pytest.importorskip("vllm")
+def keyed(engine_fleet, logs):
+    """A gateway with keys from a flag, a file and the environment, over the session's engines (started by their own
+    ``lengthwise serve`` with a random key, which this gateway gets from its environment, never from a flag)."""
     keyfile = logs / "keys"
     keyfile.write_text(f"# clients\n{K_FILE}\n")
-    gw = start_gateway(logs, "--model", str(model_dir), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
-                       "--api-key", K_FLAG, "--api-key-file", str(keyfile), "--engine-arg=--load-format dummy",
-                       "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048", "--log-level", "debug",
-                       env={"VLLM_CPU_KVCACHE_SPACE": "1", "LENGTHWISE_API_KEY": K_ENV}, wait=None)
-    try:
-        gw.wait_ready(timeout=540)
-    except AssertionError:
-        gw.stop()
-        raise
+    gw = start_gateway(logs, "--engine-url", engine_fleet.engines[0], "--api-key", K_FLAG, "--api-key-file", str(keyfile),
+                       "--log-level", "debug",
+                       env={"LENGTHWISE_API_KEY": K_ENV, "LENGTHWISE_ENGINE_API_KEY": engine_fleet.engine_key})
     health = gw.get("/health", headers={"Authorization": f"Bearer {K_FLAG}"}).json()  # only a key holder sees addresses
     gw.engines = [e["url"] for e in health["engines"]]
-    gw.engine_logs = [logs / "engines" / "engine-0.log"]
+    gw.engine_logs = engine_fleet.engine_logs[:1]
     gw.model = health["engines"][0]["models"][0]
+    gw.owner = engine_fleet
     yield gw
     gw.stop()
 
 
 def _engine_key(gw: Gateway) -> str:
-    """The engine's key, read from its process environment (the only place it is)."""
-    for p in psutil.Process(gw.proc.pid).children(recursive=True):
+    """The engine's key, read from the environment of the engines its owner started (the only place it is)."""
+    for p in psutil.Process(gw.owner.proc.pid).children(recursive=True):
         key = p.environ().get("VLLM_API_KEY")
         if key:
             return key
@@ -212,13 +208,15 @@ def test_the_engine_has_a_random_key_of_its_own_and_listens_on_loopback(keyed):
                       headers={"Authorization": f"Bearer {K_FLAG}"}).status_code == 401
     assert httpx.post(engine + "/v1/completions", json=direct, timeout=60,
                       headers={"Authorization": f"Bearer {key}"}).status_code == 200
-    # no key in any log or any process's command line
-    texts = [keyed.log.read_text(errors="replace"), *(p.read_text(errors="replace") for p in keyed.engine_logs)]
-    texts += [" ".join(p.cmdline()) for p in psutil.Process(keyed.proc.pid).children(recursive=True)]
-    texts.append(" ".join(keyed.proc.args))
+    # no key in any log or any process's command line: this gateway's, the owner's, the engines'
+    owner = keyed.owner
+    texts = [keyed.log.read_text(errors="replace"), owner.log.read_text(errors="replace"),
+             *(p.read_text(errors="replace") for p in owner.engine_logs)]
+    texts += [" ".join(p.cmdline()) for p in psutil.Process(owner.proc.pid).children(recursive=True)]
+    texts += [" ".join(keyed.proc.args), " ".join(owner.proc.args)]
     for secret in (key, K_FILE, K_ENV, TOKEN):
         assert not any(secret in t for t in texts), secret
-    assert not any(K_FLAG in t for t in texts[:2])  # a flag's key shows in ps (the help says so), never in a log
+    assert not any(K_FLAG in t for t in texts[:3])  # a flag's key shows in ps (the help says so), never in a log
 
 
 def test_an_engine_with_its_own_key_keeps_models_and_the_model_check(keyed, logs):

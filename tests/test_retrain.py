@@ -83,6 +83,32 @@ def feedback(data, tmp_path) -> Path:
     return path
 
 
+def test_one_short_retrain_registers_a_challenger_and_moves_the_alias_only_to_a_better_one(champion, feedback, trained,
+                                                                                            tmp_path):
+    """The default tier's counterpart of the test below (slow: eight epochs, twice): one epoch on the same feedback, the
+    same steps: the window, the served cap inferred, a challenger trained, judged on the held-out rows, registered with
+    its lineage, and the alias moved only if it beat the champion."""
+    from mlflow import MlflowClient
+
+    from registry import store
+
+    s = Settings(name=NAME, trigger="always", store=str(feedback), min_feedback=100, epochs=1, max_prompt_tokens=32,
+                 work_dir=str(tmp_path / "work"), served_model="SmolLM2-135M-Instruct")
+    out = retrain_once(s)
+    c = out.counts
+    assert out.edges[-1] == 300 and c["censored_undecided"] == 0 and c["train"] + c["holdout"] == c["rows"]
+    champ, chall = out.holdout["champion"], out.holdout["challenger"]
+    assert chall["n"] == c["holdout"] and champ["tau_pairs"] == chall["tau_pairs"] > 0
+    from training.retrain import better
+
+    same_buckets = list(trained["buckets"]["edges"]) == list(out.edges)
+    assert out.action == ("promoted" if better(chall, champ, same_buckets) else "kept") and out.challenger is not None
+    assert store.alias_version(NAME, store.CHAMPION) == (out.challenger if out.action == "promoted" else champion)
+    tags = MlflowClient().get_model_version(NAME, out.challenger).tags
+    assert tags["lengthwise.parent_version"] == champion and tags["lengthwise.target_model"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
 def test_retrain_trains_on_feedback_and_promotes_only_a_better_challenger(champion, feedback, tmp_path):
     from mlflow import MlflowClient
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 
-def tiny_base(path: Path, tokenizer_json: Path, seed: int = 0) -> Path:
+def tiny_base(path: Path, tokenizer_json: Path, seed: int = 0, layers: int = 1) -> Path:
     """The backbone directory: config, random weights and ``tokenizer.json`` (vocabulary rounded up past the pad id).
 
     The weights come from ``seed``, not from torch's global generator: drawn from that, they depended on whatever ran
@@ -18,7 +18,7 @@ def tiny_base(path: Path, tokenizer_json: Path, seed: int = 0) -> Path:
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        BertModel(BertConfig(vocab_size=50304, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                              intermediate_size=32, max_position_embeddings=128)).save_pretrained(path)
     shutil.copyfile(tokenizer_json, path / "tokenizer.json")
     return path

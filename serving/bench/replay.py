@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -55,6 +56,9 @@ SLO: met when the answer ended by the x-lengthwise-deadline the gateway returned
 lengthwise gateway) the report says so. Exit status: 0 when at least one request completed, 1 when none did,
 2 for bad input (unreachable --url, bad --rate, missing workload file).
 """
+
+
+KEY_ENV = "OPENAI_API_KEY"  # where the OpenAI SDK, and so a client of the endpoint, keeps its key
 
 
 class ReplayError(ValueError):
@@ -148,12 +152,15 @@ def default_tokenizer_for(model: str) -> Path:
 
 
 # --- the endpoint -------------------------------------------------------------------------------------------------
-def probe_endpoint(url: str, timeout: float = 10.0) -> tuple[str, int | None]:
+def probe_endpoint(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[str, int | None]:
     """The first model the endpoint serves and its context length (vLLM's ``max_model_len``), from ``/v1/models``."""
     try:
-        r = httpx.get(url + "/v1/models", timeout=timeout)
+        r = httpx.get(url + "/v1/models", timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         raise ReplayError(f"--url {url}: cannot reach {url}/v1/models ({type(exc).__name__}: {exc or 'no answer'})") from None
+    if r.status_code == 401:
+        raise ReplayError(f"--url {url}: GET /v1/models answered 401: the endpoint wants a key; give it with --api-key "
+                          f"or {KEY_ENV}")
     if r.status_code != 200:
         raise ReplayError(f"--url {url}: GET /v1/models answered {r.status_code}: {' '.join(r.text.split())[:200]}")
     try:
@@ -520,6 +527,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, metavar="MS", help="sent as x-slo-ttft-ms: the gateway's deadline uses it")
     p.add_argument("--slo-tpot-ms", type=float, metavar="MS", help="sent as x-slo-tpot-ms: the gateway's deadline uses it")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(KEY_ENV),
+                   help=f"sent as 'Authorization: Bearer KEY' with every request, for an endpoint with keys (default: "
+                        f"${KEY_ENV}, as the OpenAI SDK reads it; a flag shows in ps)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="longest wait for an answer or, streaming, for its next chunk (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the report (config, summary, every request) here")
@@ -566,7 +576,8 @@ def run(a: argparse.Namespace) -> int:
         workload = Path(a.workload).expanduser() if a.workload else default_sharegpt()
         if not workload.exists():
             raise ReplayError(f"ShareGPT prompts not found at {workload}; set LENGTHWISE_DATA or give --workload")
-        model, max_len = probe_endpoint(a.url)
+        auth = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        model, max_len = probe_endpoint(a.url, headers=auth)
         model = a.model or model
         tokenizer = Path(a.tokenizer).expanduser() if a.tokenizer else default_tokenizer_for(model)
         with err.status(f"loading {workload.name} (tokens counted with {tokenizer})..."):
@@ -577,7 +588,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"lengthwise replay: error: {exc}", file=sys.stderr)
         return 2
     s = Settings(a.url, model, chat=a.chat, stream=a.stream, ignore_eos=a.ignore_eos, temperature=a.temperature,
-                 slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, timeout_s=a.timeout)
+                 slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, timeout_s=a.timeout, extra_headers=auth)
     skipped = f", {plan.skipped_context} skipped: too long for the context" if plan.skipped_context else ""
     err.print(f"replaying {len(plan.jobs)} prompts of {plan.workload} to {a.url} ({model}) "
               f"{'at ' + format(a.rate, 'g') + ' req/s (Poisson)' if a.rate else 'all at once'}{skipped}")

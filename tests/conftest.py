@@ -134,7 +134,10 @@ def smollm2(data, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct converted from the GGUF once for the session: the real model of the real-model tests."""
     from predictor.convert import convert_gguf
 
-    return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path_factory.mktemp("smollm2")))
+    # named as the model: a served model's identity (what a predictor records as its target) starts with its directory's
+    # name, as it does for a user's converted copy
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", out))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,8 @@
 """The Ray Serve application the live Ray tests share: a local Ray cluster, two CPU vLLM engine replicas (dummy weights),
 the real sidecar deployment with a small ONNX package, and the ingress.
 
-Why a module of its own: the end-to-end tests and the fault tests need the same application, and starting it takes
-minutes on a small machine; each test module starts it once, in a module-scoped fixture over :func:`start_app`.
+Why a module of its own: starting the application takes about a minute on a small machine, so tests/test_ray_serve.py
+starts it once (a module-scoped fixture over :func:`start_app`) for its end-to-end tests and, last, its faults.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def test_censored_tau_counts_only_pairs_whose_order_is_known():
     assert censored_tau(np.array([1.0, 1.0]), np.array([5, 6]), np.array([True, True])) == (None, 0)
 
 
-def test_bad_input_exits_2_with_one_line(home, capsys):
+def test_bad_input_exits_2_with_one_line(home, capsys, tmp_path):
     from serving.cli import main
 
     for argv, words in ((["--phase1", "0"], "--phase1 must be at least 1"),
@@ -177,7 +177,7 @@ def test_bad_input_exits_2_with_one_line(home, capsys):
                         (["--predictor", "models:/no-such-model@champion"], "no such alias"),
                         (["--base-data", "x.json"], "go together"),
                         (["--max-tokens", "4000"], "no room for a prompt"),
-                        (["--model-dir", "/tmp"], "no config.json")):
+                        (["--model-dir", str(tmp_path)], "no config.json")):
         rc = main(["bench", "loop", *argv])
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert rc == 2 and len(err) == 1 and err[0].startswith("lengthwise bench loop: error:") and words in err[0], err

@@ -21,6 +21,7 @@ the runtime and the gateway can all share one definition of a model's identity.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,19 +29,63 @@ from typing import Any
 
 # The files that decide a length besides the weights.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# What a converter or a download writes into those files about itself, not about the model: where it read the model
+# from (``_name_or_path``, another path on every machine and cache), its own version, a hub commit. Left out of the hash.
+VOLATILE_KEYS = ("transformers_version", "name_or_path")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SAMPLES = 16       # evenly spaced reads per weights file ...
+WEIGHT_SAMPLE_BYTES = 1 << 16  # ... of 64 KiB each: a fine-tune changes every tensor, and a 140 GB model reads in ms
 TARGET_KEYS = ("model", "label_tokenizer", "sampling", "max_tokens", "source")
 _ID = re.compile(r"^(?P<name>.+)@(?P<hash>[0-9a-f]{12})$")
 
 
+def _canonical(f: Path) -> bytes:
+    """A JSON file's content without what its writer says of itself (:data:`VOLATILE_KEYS`, keys starting with ``_``),
+    keys sorted; any other file (or JSON that does not parse) as its bytes."""
+    raw = f.read_bytes()
+    if f.suffix != ".json":
+        return raw
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw
+
+    def clean(o: Any) -> Any:
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items() if not (k.startswith("_") or k in VOLATILE_KEYS)}
+        if isinstance(o, list):
+            return [clean(v) for v in o]
+        return o
+
+    return json.dumps(clean(doc), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _weights_fingerprint(model_dir: Path, h: Any) -> None:
+    """Fold every weights file's size and :data:`WEIGHT_SAMPLES` evenly spaced slices of its bytes into ``h``: two
+    conversions of one checkpoint write the same bytes, two fine-tunes of one base differ in every tensor."""
+    files = sorted(f for f in model_dir.iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"weights:{size}".encode())
+        with f.open("rb") as fh:
+            for i in range(WEIGHT_SAMPLES):
+                fh.seek(max(0, (size - WEIGHT_SAMPLE_BYTES) * i // max(WEIGHT_SAMPLES - 1, 1)))
+                h.update(fh.read(WEIGHT_SAMPLE_BYTES))
+
+
 def model_id(model_dir: Path, name: str, load_format: str = "auto") -> str:
-    """``name@hash``: the hash covers the files that decide a length besides the weights (config, generation config,
-    tokenizer, chat template), so two label sets made by different models never look alike."""
+    """``name@hash``: the hash covers what decides the model's answers and nothing about where its files came from: the
+    config, generation config, tokenizer and chat template (JSON without its writer's bookkeeping, so two conversions
+    of one GGUF, or one model in two caches, agree) and a sample of the weights' bytes (dummy weights under a real
+    config are another model, whatever files lie beside it)."""
     h = hashlib.sha256()
     for f in MODEL_FILES:
         if (model_dir / f).is_file():
-            h.update(f.encode() + b"\0" + (model_dir / f).read_bytes())
-    if load_format != "auto":  # dummy weights under a real config are another model
+            h.update(f.encode() + b"\0" + _canonical(model_dir / f))
+    if load_format != "auto":
         h.update(f"load_format={load_format}".encode())
+    else:
+        _weights_fingerprint(model_dir, h)
     return f"{name}@{h.hexdigest()[:12]}"
 
 

@@ -35,6 +35,62 @@ def test_relabel_and_the_gateway_compute_one_identity(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_identity_is_the_models_not_where_its_files_came_from(tmp_path):
+    """Two copies of one model differ only in what their writer says of itself (the path a converter read the GGUF from,
+    its version): one identity. A real key, the chat template or the weights' bytes changed: another model."""
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "rope_theta": 100000.0}
+    weights = bytes(range(256)) * 4096  # 1 MiB: more than the sampled slices cover
+    dirs = []
+    for i, (where, version) in enumerate([("../shared/data/models", "5.0.0"), ("/elsewhere/models", "5.1.0")]):
+        d = tmp_path / f"copy{i}" / "SmolLM2-135M-Instruct"
+        d.mkdir(parents=True)
+        # the same keys in another order, spaced otherwise: JSON is compared by content
+        (d / "config.json").write_text(json.dumps({"_name_or_path": where, "transformers_version": version, **config},
+                                                  indent=i * 2 or None, sort_keys=bool(i)))
+        (d / "tokenizer_config.json").write_text(json.dumps({"name_or_path": where, "model_max_length": 8192}))
+        (d / "chat_template.jinja").write_text("{{ messages }}")
+        (d / "model.safetensors").write_bytes(weights)
+        dirs.append(d)
+    a, b = dirs
+    assert served_model_id(str(a)) == served_model_id(str(b)) == model_id(a, "SmolLM2-135M-Instruct")
+    (b / "model.safetensors").write_bytes(weights[:500_000] + b"\x01" + weights[500_001:])  # one byte mid-file...
+    assert served_model_id(str(a)) != served_model_id(str(b))  # ... of a sampled slice: a fine-tune is another model
+    assert served_model_id(str(a), "dummy") == served_model_id(str(b), "dummy")  # dummy weights: the files' bytes are not used
+    (b / "model.safetensors").write_bytes(weights)
+    (b / "chat_template.jinja").write_text("{{ messages }}!")
+    assert served_model_id(str(a)) != served_model_id(str(b))
+    (b / "chat_template.jinja").write_text("{{ messages }}")
+    (b / "config.json").write_text(json.dumps({**config, "rope_theta": 10000.0}))
+    assert served_model_id(str(a)) != served_model_id(str(b))
+
+
+def test_a_fresh_conversion_of_the_gguf_is_the_model_the_committed_labels_name(smollm2):
+    """The session's conversion of the GGUF (a fresh directory on every machine) has the identity the committed
+    SmolLM2 labels record, so a predictor trained on them is found to be for the served model (``predictor_fit: same``)."""
+    from serving.launch.models import predictor_fit
+
+    labels = Path(__file__).resolve().parents[1] / "training" / "labels"
+    for summary in sorted(labels.glob("smollm2-*.summary.json")):
+        assert json.loads(summary.read_text())["model"] == served_model_id(str(smollm2)), summary.name
+    fit = predictor_fit(smollm2, {"target": {"model": json.loads(summary.read_text())["model"]}})
+    assert fit["verdict"] == "same", fit
+
+
+@pytest.mark.slow
+def test_two_conversions_of_the_gguf_from_two_spellings_of_its_path_are_one_model(data, smollm2, tmp_path, monkeypatch):
+    """A second conversion, from a relative path through a symlinked directory into another cache, as another machine
+    would make it: one identity with the session's."""
+    from predictor.convert import convert_gguf
+
+    (tmp_path / "models").symlink_to(data / "models", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    again = convert_gguf(Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    assert json.loads((again / "config.json").read_text()).get("_name_or_path") != json.loads(
+        (smollm2 / "config.json").read_text()).get("_name_or_path")  # the files differ where the converter read from
+    assert served_model_id(str(again)) == served_model_id(str(smollm2))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(("served", "target", "verdict"), [
     ("SmolLM2@0123456789ab", "SmolLM2@0123456789ab", "same"),
     ("SmolLM2@0123456789ab", "SmolLM2@ba9876543210", "different"),  # another config, tokenizer or template

@@ -140,6 +140,7 @@ def smollm2(data, tmp_path_factory) -> Path:
     return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", out))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order. With
     ``-n`` (pytest-xdist, ``--dist loadgroup``), the tests that share something costly run on one worker: the session's

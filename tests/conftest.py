@@ -121,10 +121,7 @@ def engine_fleet(engine_fleet_proc):
 
 @pytest.fixture(scope="session", autouse=True)
 def _engines_boot_early(request):
-    """Engines take a minute or two to start: when the session will need them, they boot while the first tests run (in
-    one process; under pytest-xdist a worker cannot tell which tests it will get, so they boot when first needed)."""
-    if hasattr(request.config, "workerinput"):
-        return
+    """Engines take a minute or two to start: when the session will need them, they boot while the first tests run."""
     if any("engine_fleet" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("engine_fleet_proc")
 
@@ -140,17 +137,12 @@ def smollm2(data, tmp_path_factory) -> Path:
     return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", out))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order. With
-    ``-n`` (pytest-xdist, ``--dist loadgroup``), the tests that share something costly run on one worker: the session's
-    engine fleet, the trained model, a Ray cluster (one per machine at a time)."""
+    """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order. (The suite
+    runs in one process: on two cores, pytest-xdist's two workers found the CPU as busy as one process does, and its
+    ``loadgroup``, which would keep the session's fleet, trained model and Ray application on one worker, has no effect
+    under pytest 9.2, so each worker started its own; docs/development.md.)"""
     items[:] = [i for i in items if i.get_closest_marker("last") is None] + [i for i in items if i.get_closest_marker("last")]
-    for item in items:
-        group = ("fleet" if "engine_fleet" in item.fixturenames else "trained" if "trained" in item.fixturenames
-                 else "ray" if item.module.__name__.startswith("tests.test_ray") else None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def metric_values(text: str, metric: str, labels: dict[str, str]):

@@ -139,9 +139,8 @@ def smollm2(data, tmp_path_factory) -> Path:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order. (The suite
-    runs in one process: on two cores, pytest-xdist's two workers found the CPU as busy as one process does, and its
-    ``loadgroup``, which would keep the session's fleet, trained model and Ray application on one worker, has no effect
-    under pytest 9.2, so each worker started its own; docs/development.md.)"""
+    runs in one process: pytest-xdist's ``loadgroup``, which would keep the session's fleet, trained model and Ray
+    application on one worker, has no effect under pytest 9.2, so each worker started its own; docs/development.md.)"""
     items[:] = [i for i in items if i.get_closest_marker("last") is None] + [i for i in items if i.get_closest_marker("last")]
 
 

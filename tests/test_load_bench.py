@@ -326,43 +326,19 @@ def test_soak_on_the_real_stack(trained, data, tmp_path):
                    for p in psutil.process_iter(["cmdline"]))  # nothing of the run is left running
 
 
-@pytest.mark.timeout(1500)
-def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
-    """The default tier's overload run: one point, 3 x R, both arms (the slow tier runs 1 x R too)."""
+def _overload_at(multiples: list[int], calibration_requests: int, tmp_path: Path) -> None:
+    """``bench overload`` at ``multiples`` x R (R given: 1 req/s), both arms, a bound of 2: every request accounted
+    for, the bounded arm refusing at once at 3 x R and the unbounded one never."""
     pytest.importorskip("vllm")
     out = tmp_path / "overload.json"
-    run = _bench(["overload", "--multiples", "3", "--rate", "1", "--max-requests", "12", "--max-outstanding", "2",
-                  "--calibration-requests", "8", "--json", str(out)], 1400, tmp_path / "overload.log")
+    run = _bench(["overload", "--multiples", ",".join(map(str, multiples)), "--rate", "1", "--max-requests", "12",
+                  "--max-outstanding", "2", "--calibration-requests", str(calibration_requests), "--json", str(out)],
+                 1400, tmp_path / "overload.log")
     assert run.returncode == 0, run.stdout[-4000:]
     res = json.loads(out.read_text())
     assert res["saturation_rate_rps"] == 1.0 and res["rate_from"] == "--rate"
-    assert [(r["multiple"], r["arm"]) for r in res["runs"]] == [(3, "bounded"), (3, "unbounded")]
-    for r in res["runs"]:
-        assert r["requests"] == 12 and r["accepted"] + r["rejected_429"] == 12 and r["errors"] == {}, r
-        assert r["wrong_length"] == 0 and r["completed"] == r["accepted"] and r["goodput_rps"] >= 0
-        assert sum(r["missed"].values()) == r["accepted"] - r["met_slo"] and r["missed"]["failed"] == 0, r
-        assert math.isclose(r["rate"], 3.0)
-        assert r["bounds"]["gateway_max_outstanding"] == (2 if r["arm"] == "bounded" else 1_000_000)
-    by = {r["arm"]: r for r in res["runs"]}
-    assert by["unbounded"]["rejected_429"] == 0 and by["unbounded"]["gateway_peak_in_flight"] > 2
-    assert by["bounded"]["rejected_429"] > 0 and by["bounded"]["gateway_peak_in_flight"] == 2
-    assert by["bounded"]["peak_in_flight"] >= 2 and by["bounded"]["slowest_429_s"] < 5.0
-    assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
-    assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
-    pytest.importorskip("vllm")
-    out = tmp_path / "overload.json"
-    run = _bench(["overload", "--multiples", "1,3", "--rate", "1", "--max-requests", "12", "--max-outstanding", "2",
-                  "--calibration-requests", "16", "--json", str(out)], 1400, tmp_path / "overload.log")
-    assert run.returncode == 0, run.stdout[-4000:]
-    res = json.loads(out.read_text())
-    assert res["saturation_rate_rps"] == 1.0 and res["rate_from"] == "--rate"
-    assert [(r["multiple"], r["arm"]) for r in res["runs"]] == [(1, "bounded"), (1, "unbounded"), (3, "bounded"),
-                                                                (3, "unbounded")]
+    assert [(r["multiple"], r["arm"]) for r in res["runs"]] == [(m, arm) for m in multiples for arm in ("bounded",
+                                                                                                        "unbounded")]
     for r in res["runs"]:
         assert r["requests"] == 12 and r["accepted"] + r["rejected_429"] == 12 and r["errors"] == {}, r
         assert r["wrong_length"] == 0 and r["completed"] == r["accepted"] and r["goodput_rps"] >= 0
@@ -378,6 +354,18 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
     assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
     assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
     assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout
+
+
+@pytest.mark.timeout(1500)
+def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
+    """The default tier's overload run: one point, 3 x R, both arms (the slow tier runs 1 x R too)."""
+    _overload_at([3], 8, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
+    _overload_at([1, 3], 16, tmp_path)
 
 
 @pytest.mark.slow  # the default tier's counterpart: tests/test_replay.py, Ctrl-C mid-replay

@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from tests.ray_app import RayApp, start_app
+from tests.sidecar_proc import wait_for
 from tests.vllm_bench import bench_sharegpt
 
 pytest.importorskip("ray")
@@ -102,16 +103,6 @@ def unary(url: str, model: str, prompt: str, n: int) -> tuple[int, int | None, s
 
 def health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=30).json()
-
-
-def wait_for(what: str, check, timeout: float, every: float = 1.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f} s: {what}")
 
 
 def engine_replicas() -> set[str]:
@@ -249,9 +240,9 @@ def test_sidecar_down_requests_run_on_the_fallback_and_health_says_why(ray_app, 
     from serving.ray.sidecar import ROUTE
 
     url, model = ray_app.url, str(model_dir)
-    wait_for("the sidecar is ready", lambda: health(url)["predictor"]["state"] == "ok", 300)
+    wait_for(lambda: health(url)["predictor"]["state"] == "ok", 300, 1.0, "the sidecar is ready")
     serve.delete("predictor")
-    down = wait_for("/health says the predictor is down", lambda: (h := health(url))["status"] == "degraded" and h, 60)
+    down = wait_for(lambda: (h := health(url))["status"] == "degraded" and h, 60, 1.0, "/health says the predictor is down")
     print("health with the sidecar down:", down["reasons"], down["predictor"])
     assert down["predictor"]["state"] not in ("ok", "unchecked"), down
     assert [r for r in down["reasons"] if r.startswith("predictor ") and "fallback length" in r], down
@@ -264,7 +255,7 @@ def test_sidecar_down_requests_run_on_the_fallback_and_health_says_why(ray_app, 
     assert [(s.usage, s.error, s.done) for s in seen] == [(lengths[i], None, True) for i in range(2)]
 
     serve.run(sidecar_app(ray_app.sidecar), name="predictor", route_prefix=ROUTE)
-    wait_for("the sidecar is ready again", lambda: health(url)["predictor"]["state"] == "ok", 300)
+    wait_for(lambda: health(url)["predictor"]["state"] == "ok", 300, 1.0, "the sidecar is ready again")
     assert health(url)["status"] == "ok"
     assert unary(url, model, "the sidecar is back", 5)[1:4:2] == (5, "sidecar")
 
@@ -326,7 +317,7 @@ def test_killed_engine_replica_cuts_its_streams_with_an_error_event_and_is_repla
         now = engine_replicas()
         return now - before if len(now) == 2 else set()
 
-    fresh = wait_for("Ray starts a new engine replica", replaced, 900, every=5)
+    fresh = wait_for(replaced, 900, 5.0, "Ray starts a new engine replica")
     print(f"new replica {fresh} alive {time.time() - t0:.0f} s after the kill")
     new = next(iter(fresh))
 
@@ -336,5 +327,5 @@ def test_killed_engine_replica_cuts_its_streams_with_an_error_event_and_is_repla
         assert [(st, n) for st, n, _, _ in got] == [(200, 20)] * 6, got
         return any(e == new for _, _, e, _ in got)
 
-    wait_for("the new replica answers requests", new_one_serves, 900, every=2)
+    wait_for(new_one_serves, 900, 2.0, "the new replica answers requests")
     print(f"the new replica serves {time.time() - t0:.0f} s after the kill")

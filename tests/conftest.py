@@ -80,6 +80,9 @@ def model_dir(data, tmp_path_factory) -> Path:
 # owns them (random engine key, on loopback), as soon as the session holds a test that needs them; each module attaches
 # gateways of its own with --engine-url. A test that kills one of them is marked ``last`` and runs after all others.
 FLEET_MAX_NUM_SEQS = 4  # small, so that a burst of requests queues inside the engines
+# an engine whose start hangs is started again after 240 s (normal: 30-120 s here), so one more start fits in the
+# 540 s the fixtures wait; when both hang, the gateway's own error carries the engines' last log lines
+ENGINE_START = ("--engine-start-timeout", "240", "--engine-start-retries", "1")
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +98,7 @@ def engine_fleet_proc(model_dir, tmp_path_factory):
         # test_gateway_overload.py, not here
         "--max-outstanding", "128", "--max-outstanding-per-engine", "64",
         "--scheduler-config", json.dumps({"log_every_s": 0.2}), "--health-interval", "0.5", "--health-timeout", "2",
+        *ENGINE_START,
         "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
         f"--engine-arg=--max-num-seqs {FLEET_MAX_NUM_SEQS}", "--engine-arg=--enable-log-requests", "--engine-arg=--seed 0",
         env={"VLLM_CPU_KVCACHE_SPACE": "1", "LENGTHWISE_API_KEY": "", "LENGTHWISE_ENGINE_API_KEY": ""}, wait=None)

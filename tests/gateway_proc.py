@@ -51,7 +51,7 @@ class Gateway:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"gateway exited with {self.proc.returncode}:\n{self.tail()}")
+                raise AssertionError(f"gateway exited with {self.proc.returncode}:\n{self.tail(12000)}")  # engines' tails
             try:
                 r = HTTP.get(self.url + "/health", timeout=2)
                 if r.status_code == 200:

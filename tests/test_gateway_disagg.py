@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import HTTP
+from tests.conftest import ENGINE_START, HTTP
 from tests.gateway_proc import Gateway, dummy_llama, start_gateway
 from tests.sidecar_proc import wait_for
 
@@ -36,6 +36,7 @@ def engines(data, tmp_path_factory):
                      "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}})
     gw = start_gateway(tmp, "--model", str(model), "--engines", "1", "--prefill-engines", "1",
                        "--engine-log-dir", str(tmp / "engines"), "--no-engine-key",  # the tests call the engines too
+                       *ENGINE_START,
                        "--engine-arg=--load-format dummy", "--engine-arg=--enforce-eager", "--engine-arg=--max-model-len 2048",
                        "--engine-arg=--seed 0", "--engine-arg=--enable-prompt-tokens-details",
                        f"--engine-arg=--kv-transfer-config '{kv}'", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)

@@ -178,6 +178,9 @@ def _engine_flags(e: argparse._ActionsContainer) -> None:
     _setting(e, "--engine-log-dir", "engine_log_dir", metavar="DIR", help="engine logs (default: a new temporary directory)")
     _setting(e, "--engine-start-timeout", "engine_start_timeout_s", metavar="S",
              help="seconds engines may take to become healthy (default: %(default)s)")
+    _setting(e, "--engine-start-retries", "engine_start_retries", metavar="N",
+             help="an engine started here that is still not healthy after --engine-start-timeout is stopped and "
+                  "started again, up to N times; an engine that exits during start-up is not (default: %(default)s)")
     _setting(e, "--no-pin-engines", "pin_engines", action="store_false",
              help="CPU engines started side by side share every core: by default each whole engine (API server, engine "
                   "core, worker) runs on its own cores, so one engine's busy-waiting engine core does not take the "
@@ -453,7 +456,7 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
 def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings, argparse.Namespace], int]] | None = None) -> int:
     """Start engines (or check the attached ones), then serve until SIGINT/SIGTERM; engines stop with us. ``backends``:
     what serves ``--backend NAME`` other than ``http`` (given the checked settings and the arguments)."""
-    from serving.launch.engines import EngineStartError, start_engines, stop_engines, wait_healthy
+    from serving.launch.engines import EngineStartError, start_engines, stop_engines, wait_started
 
     try:
         settings = settings_from_args(a)
@@ -500,13 +503,13 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
         if settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)
-            urls = [p.url for p in procs[:settings.engines]]
-            prefill_urls = [p.url for p in procs[settings.engines:]]
-            plugin_metrics = {p.url: p.metrics_url for p in procs if p.metrics_url}
             log.info("starting %d engine(s)%s with policy %s; logs in %s", settings.engines,
                      f" and {settings.prefill_engines} prefill engine(s)" if settings.prefill_engines else "",
                      settings.policy, log_dir)
-            wait_healthy([p.url for p in procs], settings.engine_start_timeout_s, procs)
+            wait_started(procs, settings.engine_start_timeout_s, settings.engine_start_retries)  # may start some again
+            urls = [p.url for p in procs[:settings.engines]]
+            prefill_urls = [p.url for p in procs[settings.engines:]]
+            plugin_metrics = {p.url: p.metrics_url for p in procs if p.metrics_url}
         else:
             urls, prefill_urls = settings.engine_urls, settings.prefill_urls
             plugin_metrics = dict(zip(urls, settings.engine_metrics_urls))

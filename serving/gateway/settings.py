@@ -46,6 +46,8 @@ class GatewaySettings(BaseModel):
     engine_args: list[str] = Field(default_factory=list, description="extra arguments for each engine we start")
     engine_log_dir: Path | None = Field(None, description="engine logs go here (default: a new temporary directory)")
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
+    engine_start_retries: int = Field(1, ge=0, description="how many more times an engine started here that is not "
+                                      "healthy after engine_start_timeout_s is started again (one that exits is not)")
     pin_engines: bool = Field(True, description="CPU engines started side by side each run on their own cores: the whole "
                               "process tree (API server, engine core, worker), not only the worker's compute threads")
     engine_malloc: Literal["tcmalloc", "system"] = Field(

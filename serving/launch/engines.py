@@ -43,7 +43,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -94,6 +95,7 @@ class EngineProcess:
     log_path: Path
     metrics_url: str | None = None
     name: str = ""  # engine-i, or prefill-i for a prefill engine
+    respawn: Callable[[], EngineProcess] | None = field(default=None, repr=False)  # the same engine again, new ports
 
     def __post_init__(self) -> None:
         self.name = self.name or f"engine-{self.index}"
@@ -104,6 +106,11 @@ class EngineProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.rstrip().splitlines()[-lines:])
+
+    def last_line(self, width: int = 200) -> str:
+        """The last line the engine logged, cut to ``width``: where a slow start-up has got to."""
+        line = self.tail(1).strip()
+        return line if len(line) <= width else line[:width] + "..."
 
     @property
     def alive(self) -> bool:
@@ -167,7 +174,7 @@ def logging_config(level: str = "INFO") -> dict:
 
 def start_engines(settings: EngineSpec, log_dir: Path) -> list[EngineProcess]:
     """Start ``settings.engines`` engines, then ``settings.prefill_engines`` prefill engines (logs ``prefill-i.log``),
-    on free loopback ports; returns at once (see :func:`wait_healthy`)."""
+    on free loopback ports; returns at once (see :func:`wait_healthy` and :func:`wait_started`)."""
     cpu = is_cpu_build()
     total = settings.engines + settings.prefill_engines
     binds = cpu_binds(total) if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else [None] * total
@@ -176,8 +183,9 @@ def start_engines(settings: EngineSpec, log_dir: Path) -> list[EngineProcess]:
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
     names = engine_names(settings.engines) + engine_names(settings.prefill_engines, prefill=True)
     malloc = engine_malloc(cpu, settings.engine_malloc, log)
-    out = []
-    for i, name in enumerate(names):
+
+    def launch(i: int, again: bool = False) -> EngineProcess:
+        name = names[i]
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
         cmd = engine_command(settings, port, cpu, metrics_port)
@@ -193,27 +201,28 @@ def start_engines(settings: EngineSpec, log_dir: Path) -> list[EngineProcess]:
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             pin = parse_cores(binds[i]) if settings.pin_engines else None
         path = log_dir / f"{name}.log"
-        with open(path, "wb") as f:
-            f.write(f"$ {shlex.join(cmd)}\n".encode())
+        with open(path, "ab" if again else "wb") as f:  # a second start follows the first in the same log
+            header = "--- started again: the first start was not healthy in time ---\n" if again else ""
+            f.write(f"{header}$ {shlex.join(cmd)}\n".encode())
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True,  # started before the gateway starts any thread:
                                     preexec_fn=pin_to(pin, die_with_parent) if sys.platform == "linux" else None)  # noqa: PLW1509
-        out.append(EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name))
         log.info("%s: pid %d on port %d%s%s, log %s", name, proc.pid, port,
                  (f", cores {binds[i]}" + (" (pinned)" if pin else "")) if binds[i] else "",
                  f", malloc {malloc}" if malloc is not None else "", path)
-    return out
+        return EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name,
+                             respawn=lambda: launch(i, again=True))
+
+    return [launch(i) for i in range(total)]
 
 
-def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None = None,
-                 require_all: bool = True, prefill: bool = False) -> None:
-    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200; ``prefill``: the URLs
-    are prefill engines (named so in the log, when there are no ``procs`` to name them).
-
-    Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
-    tail of each failed engine's log so the operator sees vLLM's own reason.
-    """
+def _await(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None, require_all: bool,
+           prefill: bool) -> list[int]:
+    """Poll ``/health`` until every engine (or, ``require_all`` false, one) answers 200 or ``timeout_s`` passes;
+    returns the indices of the engines still unhealthy then. Raises :class:`EngineStartError` as soon as one of
+    ``procs`` exits. Every 15 s the log says how many are up and, for each one still starting, the last line it
+    logged: a start-up that hangs shows where."""
     names = [p.name for p in procs] if procs else engine_names(len(urls), prefill)
     t0 = time.monotonic()
     ready: set[str] = set()
@@ -234,20 +243,63 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] |
                 except httpx.HTTPError:
                     pass
             if len(ready) == len(urls) or (ready and not require_all):
-                return
+                return []
             now = time.monotonic()
             if now - t0 > timeout_s:
-                parts = []
-                for i, url in enumerate(urls):
-                    if url not in ready:
-                        tail = f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else ""
-                        parts.append(f"{names[i]} at {url} not healthy after {timeout_s:g} s{tail}")
-                raise EngineStartError("\n".join(parts))
+                return [i for i, url in enumerate(urls) if url not in ready]
             if now - last_note >= 15:
                 last_note = now
-                log.info("waiting for %s: %d/%d healthy after %.0f s", "prefill engines" if prefill else "engines",
-                         len(ready), len(urls), now - t0)
+                where = "".join(f"; {procs[i].name} last logged: {procs[i].last_line()}"
+                                for i, url in enumerate(urls) if procs and url not in ready)
+                log.info("waiting for %s: %d/%d healthy after %.0f s%s", "prefill engines" if prefill else "engines",
+                         len(ready), len(urls), now - t0, where)
             time.sleep(0.5)
+
+
+def _stalled(stalled: list[int], urls: list[str], names: list[str], timeout_s: float,
+             procs: list[EngineProcess] | None) -> str:
+    return "\n".join(f"{names[i]} at {urls[i]} not healthy after {timeout_s:g} s"
+                     + (f"; last lines of {procs[i].log_path}:\n{procs[i].tail()}" if procs else "") for i in stalled)
+
+
+def wait_healthy(urls: list[str], timeout_s: float, procs: list[EngineProcess] | None = None,
+                 require_all: bool = True, prefill: bool = False) -> None:
+    """Block until every engine (or, attaching, at least one) answers ``/health`` with 200; ``prefill``: the URLs
+    are prefill engines (named so in the log, when there are no ``procs`` to name them).
+
+    Raises :class:`EngineStartError` as soon as one of our engines exits, or at the timeout, with the
+    tail of each failed engine's log so the operator sees vLLM's own reason.
+    """
+    stalled = _await(urls, timeout_s, procs, require_all, prefill)
+    if stalled:
+        names = [p.name for p in procs] if procs else engine_names(len(urls), prefill)
+        raise EngineStartError(_stalled(stalled, urls, names, timeout_s, procs))
+
+
+def wait_started(procs: list[EngineProcess], timeout_s: float, retries: int = 1) -> None:
+    """Wait for engines we started, as :func:`wait_healthy`, but start an engine again (on new ports, same log) when it
+    is still not healthy after ``timeout_s``, up to ``retries`` times; ``procs`` is updated in place, so a caller that
+    stops ``procs`` stops the new ones.
+
+    A start-up that hangs (a worker that never reports, a stuck distributed init) costs one more start instead of the
+    whole fleet; an engine that exits during start-up is not started again, since its reason (a bad argument, too
+    little memory) would stop the next start the same way: that raises at once with its log's tail."""
+    pending = list(range(len(procs)))
+    for attempt in range(retries + 1):
+        stalled = _await([procs[i].url for i in pending], timeout_s, [procs[i] for i in pending], True, False)
+        stalled = [pending[j] for j in stalled]
+        if not stalled:
+            return
+        if attempt == retries:
+            raise EngineStartError(_stalled(stalled, [p.url for p in procs], [p.name for p in procs], timeout_s, procs))
+        for i in stalled:
+            log.warning("%s at %s not healthy after %g s; starting it again (%d of %d more); last lines of %s:\n%s",
+                        procs[i].name, procs[i].url, timeout_s, attempt + 1, retries, procs[i].log_path, procs[i].tail(10))
+            stop_engines([procs[i]])
+            if procs[i].respawn is None:
+                raise EngineStartError(f"{procs[i].name} not healthy after {timeout_s:g} s and cannot be started again")
+            procs[i] = procs[i].respawn()
+        pending = stalled
 
 
 def stop_engines(procs: list[EngineProcess], grace_s: float = 20.0) -> None:

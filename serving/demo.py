@@ -9,9 +9,11 @@
    meanwhile;
 4. calibrate the SLO: a few requests alone measure the time to the first token (t_p) and per output token (t_g);
    every replayed request then carries ``x-slo-ttft-ms = scale x t_p`` and ``x-slo-tpot-ms = scale x t_g``, so the
-   gateway's deadline is EcoServe's JCT SLO ``scale x (t_p + t_g x predicted length)`` on this machine;
+   gateway's deadline is EcoServe's JCT SLO ``scale x (t_p + t_g x predicted length)`` on this machine; the same
+   times set the rate: ``--load`` x one engine's lone-request capacity ``1 / (t_p + t_g x mean predicted length)``
+   (the sidecar's predictions for the trace's prompts), unless ``--rate`` gives one;
 5. replay a short real trace (ShareGPT first turns, Poisson arrivals, answers capped) through the endpoint with
-   ``lengthwise replay`` and print its report;
+   ``lengthwise replay``, print its report and what it shows;
 6. stop everything.
 
 Every child runs in its own session with a parent-death signal and is stopped at the end, on an error, on Ctrl-C
@@ -37,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from predictor.common import data_dir, default_sharegpt, quiet_libraries, silence_loggers
+from predictor.sidecar.schemas import MAX_PROMPTS
 from serving.bench.replay import (
     ReplayError,
     Settings,
@@ -56,7 +59,8 @@ if TYPE_CHECKING:
 EPILOG = """\
 examples:
   lengthwise demo                                   # everything on the defaults above (a few minutes)
-  lengthwise demo --requests 48 --rate 0.5          # a longer trace
+  lengthwise demo --requests 48 --load 0.8          # a longer trace, closer to what one engine sustains
+  lengthwise demo --rate 0.25                       # a fixed rate instead of one from the calibration
   lengthwise demo --predictor models:/length-predictor@challenger --work-dir /tmp/demo
 
 needs: a registered predictor (make demo trains one; lengthwise registry list shows it), the SmolLM2 GGUF and ShareGPT
@@ -67,6 +71,7 @@ WORK_DIR/demo.json.
 
 CALIBRATION_REQUESTS = 3  # lone requests that measure t_p and t_g (prompts that are not part of the trace)
 CALIBRATION_TOKENS = 32  # output tokens of each (ignore_eos)
+MET_ENOUGH = 0.9  # SLO attainment at which the report says the engine kept up
 
 
 class DemoError(StartError):
@@ -105,7 +110,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--predictor", default="models:/length-predictor@champion", metavar="URI",
                    help="what the sidecar serves (default: %(default)s)")
     p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
-    p.add_argument("--rate", type=float, default=0.25, metavar="R", help="Poisson arrivals, requests/s (default: %(default)s)")
+    p.add_argument("--load", type=float, default=0.5, metavar="F",
+                   help="Poisson arrivals at F x one engine's lone-request capacity, 1 / (t_p + t_g x mean predicted "
+                        "length), measured by the calibration: below 1 the engine can keep up (batching lets it serve "
+                        "somewhat more than its lone capacity), above it the queue grows (default: %(default)s)")
+    p.add_argument("--rate", type=float, metavar="R",
+                   help="Poisson arrivals at R requests/s instead of --load x capacity (the report still gives R as a "
+                        "multiple of the capacity)")
     p.add_argument("--max-tokens", type=int, default=512, metavar="N",
                    help="every request's max_tokens, as a client would send it: SmolLM2 answers until it stops or "
                         "reaches N, so the prediction is judged against the served model's own length; the default is "
@@ -143,8 +154,8 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
     for name in ("requests", "max_tokens", "max_model_len", "sidecar_threads"):
         if getattr(a, name) < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
-    for name in ("rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
-        if not getattr(a, name) > 0:
+    for name in ("load", "rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
+        if getattr(a, name) is not None and not getattr(a, name) > 0:
             raise DemoError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name):g}")
     cpu_cores(a.engine_cores)
 
@@ -214,6 +225,51 @@ class Gateway:
 
 
 @dataclass
+class Load:
+    """The rate the replay offers and what it is relative to: one engine's lone-request capacity, from the
+    calibration's t_p and t_g and the sidecar's mean predicted length of the trace's prompts. Batching lets an engine
+    serve more than that, so a load below 1 is one it can keep up with, not an exact utilisation."""
+
+    rate: float  # requests/s
+    given: bool  # --rate set it (else --load x capacity)
+    mean_predicted_tokens: float
+    lone_service_s: float  # t_p + t_g x mean_predicted_tokens
+
+    @property
+    def capacity(self) -> float:
+        return 1.0 / self.lone_service_s
+
+    @property
+    def load(self) -> float:
+        return self.rate / self.capacity
+
+    def line(self) -> str:
+        how = "--rate" if self.given else "--load"
+        return (f"offered load {self.rate:.3g} req/s ({how}): {self.load:.2f} x one engine's lone-request capacity "
+                f"{self.capacity:.3g} req/s (t_p + t_g x {self.mean_predicted_tokens:.0f} predicted tokens = "
+                f"{self.lone_service_s:.1f} s a request)")
+
+    def report(self) -> dict:
+        return {"rate_req_s": self.rate, "given": self.given, "load": self.load, "capacity_req_s": self.capacity,
+                "mean_predicted_tokens": self.mean_predicted_tokens, "lone_service_s": self.lone_service_s}
+
+
+def verdict(summary: dict, load: Load) -> str:
+    """What the replay's numbers show, in one sentence a newcomer can act on."""
+    slo = summary["slo"]
+    if not slo["with_deadline"]:
+        return "no request carried a deadline (the gateway set none), so the report shows latency, not SLO attainment"
+    met, n = slo["met"], slo["with_deadline"] + summary["requests"]["failed"]
+    slack = "" if slo["slack_p50_s"] is None else f", median slack {slo['slack_p50_s']:.1f} s"
+    at = f"at {load.load:.2f} x the lone-request capacity"
+    if slo["attainment"] >= MET_ENOUGH:
+        return (f"{met} of {n} requests met their SLO {at}{slack}: one engine keeps up at this rate; a higher --load "
+                "shows where it stops")
+    return (f"only {met} of {n} requests met their SLO {at}{slack}: the engine fell behind its queue at this rate "
+            f"(below {MET_ENOUGH:.0%}); a lower --load shows the rate it sustains")
+
+
+@dataclass
 class Calibration:
     """The lone-request times on this machine (EcoServe's t_p and t_g, in seconds) and the SLO headers they give."""
 
@@ -243,9 +299,11 @@ def _run(a: argparse.Namespace, gguf: Path, sharegpt: Path, work: Path, logs: Pa
     plan, calib_jobs = _load_trace(a, sharegpt, model_dir, gateway, timings, con)
     _gateway_ready(a, gateway, logs, len(plan.jobs), timings, con)
     calibration = _calibrate_slo(a, gateway.url, model_dir, calib_jobs, timings, con)
-    report = _replay(a, gateway.url, model_dir, plan, calibration, work, timings, con)
+    load = _offered_load(a, sidecar_url, plan, calibration, con)
+    report = _replay(a, gateway.url, model_dir, plan, calibration, load, work, timings, con)
     return _demo_report(a, model_dir, sidecar_model, gateway, calibration, report, _gateway_metrics(gateway.url)) | {
-        "predictor_fit": {k: fit[k] for k in ("served", "target", "verdict")}}
+        "predictor_fit": {k: fit[k] for k in ("served", "target", "verdict")}, "load": load.report(),
+        "verdict": verdict(report["summary"], load)}
 
 
 def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
@@ -319,8 +377,6 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
     calib_jobs, plan.jobs = plan.jobs[a.requests:], plan.jobs[:a.requests]  # prompts outside the trace calibrate
     if not calib_jobs:
         raise DemoError(f"the ShareGPT file holds fewer than {a.requests + CALIBRATION_REQUESTS} usable prompts")
-    for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), a.rate, a.seed)):
-        j.arrival = arrival
     timings["load_trace_s"] = time.monotonic() - gateway.started
     return plan, calib_jobs
 
@@ -350,21 +406,50 @@ def _calibrate_slo(a: argparse.Namespace, gw_url: str, model_dir: Path, calib_jo
     return c
 
 
-def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, calibration: Calibration, work: Path,
-            timings: dict, con: Console) -> dict:
+def predicted_lengths(sidecar_url: str, jobs: list[Job], max_tokens: int) -> list[float]:
+    """The sidecar's expected length of each prompt, capped at ``max_tokens`` as the gateway caps a prediction: what
+    production knows of the trace before it is served (no answer's true length)."""
+    out: list[float] = []
+    for i in range(0, len(jobs), MAX_PROMPTS):
+        try:
+            r = httpx.post(sidecar_url + "/v1/predict", json={"prompts": [j.prompt() for j in jobs[i:i + MAX_PROMPTS]]},
+                           timeout=300)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise DemoError(f"predicting the trace's lengths with the sidecar failed: {exc}") from None
+        out += [min(float(p["expected_tokens"]), max_tokens) for p in r.json()["predictions"]]
+    return out
+
+
+def _offered_load(a: argparse.Namespace, sidecar_url: str, plan: Plan, calibration: Calibration, con: Console) -> Load:
+    """The replay's rate, from the calibration (or ``--rate``), and the trace's Poisson arrivals at it: an engine
+    offered more than it can serve only grows its queue, and a demo run there reads as a broken product."""
+    mean = statistics.fmean(predicted_lengths(sidecar_url, plan.jobs, a.max_tokens))
+    service = calibration.t_p + calibration.t_g * mean
+    rate = a.rate if a.rate is not None else a.load / service
+    load = Load(rate, a.rate is not None, mean, service)
+    for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), rate, a.seed)):
+        j.arrival = arrival
+    con.print(f"      {load.line()}")
+    return load
+
+
+def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, calibration: Calibration, load: Load,
+            work: Path, timings: dict, con: Console) -> dict:
     """5. The replay: the trace through the endpoint as ``lengthwise replay`` sends it, every request carrying the SLO
-    headers; writes ``replay.json``, prints its table and returns the report."""
+    headers; writes ``replay.json``, prints its table and what it shows, and returns the report."""
     # SmolLM2 sampled as it is served and relabelled (the predictor's labels come from these settings)
     s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),
                  slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600, extra_body=Sampling().model_dump())
-    con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {a.rate:g} req/s (Poisson, seed {a.seed}), "
+    con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {load.rate:.3g} req/s (Poisson, seed {a.seed}), "
               f"max_tokens {a.max_tokens}: each answer ends where SmolLM2 stops")
     t = time.monotonic()
     results, duration = run_with_progress(plan.jobs, s, con)
     timings["replay_s"] = time.monotonic() - t
-    report = build_report(plan, s, a.rate, a.seed, None, results, duration, a.max_tokens)
+    report = build_report(plan, s, load.rate, a.seed, None, results, duration, a.max_tokens)
     (work / "replay.json").write_text(json.dumps(report, indent=1))
     Console().print(report_table(report["summary"], "lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve"))
+    Console().print(verdict(report["summary"], load))
     return report
 
 

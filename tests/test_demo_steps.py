@@ -43,6 +43,8 @@ class World:
     starts: list = field(default_factory=list)
     waits: list = field(default_factory=list)
     gets: list = field(default_factory=list)
+    posts: list = field(default_factory=list)  # (url, json) of each request to the sidecar
+    arrivals_rate: float | None = None  # the rate the trace's arrivals were drawn at
     plan_args: dict = field(default_factory=dict)
     calibrate_args: tuple = ()
     replay_args: tuple = ()
@@ -55,8 +57,8 @@ class World:
 
 
 def _args(work: Path, **kw) -> argparse.Namespace:
-    a = {"work_dir": work, "gguf": None, "predictor": "models:/length-predictor@champion", "requests": 4, "rate": 0.25,
-         "max_tokens": 256, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
+    a = {"work_dir": work, "gguf": None, "predictor": "models:/length-predictor@champion", "requests": 4, "load": 0.5,
+         "rate": None, "max_tokens": 256, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
          "engine_arg": [], "kv_cache_gib": 1.0, "max_model_len": 2048, "predictor_timeout_ms": 1000.0, "sidecar_threads": 1,
          "slo_scale": 2.0, "start_timeout": 900.0}
     return argparse.Namespace(**(a | kw))
@@ -118,6 +120,14 @@ def world(tmp_path, monkeypatch) -> World:
 
     monkeypatch.setattr(httpx, "get", get)
 
+    def post(url, json=None, timeout=None):  # the sidecar predicts the trace: one prediction above max_tokens (256)
+        w.posts.append((url, json))
+        expected = [20.0, 30.0, 34.0, 500.0][:len(json["prompts"])]
+        return SimpleNamespace(raise_for_status=lambda: None,
+                               json=lambda: {"predictions": [{"expected_tokens": e} for e in expected]})
+
+    monkeypatch.setattr(httpx, "post", post)
+
     def plan_jobs(workload, **kw):
         w.plan_args = {"workload": workload, **kw}
         n = kw["max_requests"] - w.short
@@ -125,7 +135,11 @@ def world(tmp_path, monkeypatch) -> World:
         return replay.Plan(jobs, "sharegpt", str(kw["tokenizer"]), 0, 0)
 
     monkeypatch.setattr(demo, "plan_jobs", plan_jobs)
-    monkeypatch.setattr(demo, "poisson_arrivals", lambda n, rate, seed: [float(i) * 2 for i in range(n)])
+    def poisson_arrivals(n, rate, seed):
+        w.arrivals_rate = rate
+        return [float(i) * 2 for i in range(n)]
+
+    monkeypatch.setattr(demo, "poisson_arrivals", poisson_arrivals)
 
     def calibrate(url, model, jobs, n, tokens):
         w.calibrate_args = (url, model, [j.index for j in jobs], n, tokens)
@@ -142,7 +156,10 @@ def world(tmp_path, monkeypatch) -> World:
 
     def build_report(plan, s, rate, seed, cap, results, duration, max_tokens=None):
         w.report_args = (len(plan.jobs), s.url, rate, seed, cap, max_tokens, len(results), duration)
-        return {"summary": {"requests": {"completed": len(results) if w.completed is None else w.completed}}, "s": s.url}
+        done = len(results) if w.completed is None else w.completed
+        return {"summary": {"requests": {"completed": done, "failed": len(results) - done},
+                            "slo": {"with_deadline": done, "met": max(done - 1, 0), "attainment": 0.75 if done else None,
+                                    "slack_p50_s": 1.5 if done else None}}, "s": s.url}
 
     monkeypatch.setattr(demo, "build_report", build_report)
     monkeypatch.setattr(demo, "report_table", lambda summary, title: f"TABLE {title}")
@@ -187,12 +204,18 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
          f"(logs {logs / 'gateway.log'}, {logs / 'engines'}); 4 prompts loaded meanwhile in 1 s"),
         ("[4/5] lone request here: t_p 250 ms to the first token, t_g 12.5 ms per token; "
          "SLO headers x-slo-ttft-ms 500, x-slo-tpot-ms 25.0 (scale 2)"),
-        ("[5/5] replaying 4 ShareGPT first turns at 0.25 req/s (Poisson, seed 0), "
+        # predictions 20, 30, 34 and 500 capped at max_tokens 256: mean 85; 0.25 + 0.0125 x 85 = 1.3125 s a request
+        ("      offered load 0.381 req/s (--load): 0.50 x one engine's lone-request capacity 0.762 req/s "
+         "(t_p + t_g x 85 predicted tokens = 1.3 s a request)"),
+        ("[5/5] replaying 4 ShareGPT first turns at 0.381 req/s (Poisson, seed 0), "
          "max_tokens 256: each answer ends where SmolLM2 stops"),
         f"reports: {work / 'replay.json'}, {work / 'demo.json'}; logs: {logs}",
     ]
     assert "TABLE lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve" in out
     assert "lengthwise demo: where the time went" in out
+    verdict = ("only 3 of 4 requests met their SLO at 0.50 x the lone-request capacity, median slack 1.5 s: the engine "
+               "fell behind its queue at this rate (below 90%); a lower --load shows the rate it sustains")
+    assert verdict in " ".join(out.split())
 
     assert world.starts == [
         {"name": "predictor-sidecar", "log": logs / "sidecar.log", "env": None, "grace_s": 20.0,
@@ -218,18 +241,25 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert (s.url, s.model, s.slo_ttft_ms, s.slo_tpot_ms, s.timeout_s) == (gw, str(model), 500.0, 25.0, 600)
     # sampled as SmolLM2 is served and relabelled, so the predictor is judged on the lengths it was trained for
     assert s.extra_body == {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
-    assert world.report_args == (4, gw, 0.25, 0, None, 256, 4, 12.5)
+    assert world.posts == [(sc + "/v1/predict", {"prompts": ["q0", "q1", "q2", "q3"]})]  # the trace, not the calibration
+    assert world.arrivals_rate == pytest.approx(0.5 / 1.3125)
+    assert world.report_args == (4, gw, pytest.approx(0.5 / 1.3125), 0, None, 256, 4, 12.5)
 
     replay_json = json.loads((work / "replay.json").read_text())
-    assert replay_json == {"summary": {"requests": {"completed": 4}}, "s": gw}
+    assert replay_json["s"] == gw and replay_json["summary"]["requests"] == {"completed": 4, "failed": 0}
     report = json.loads((work / "demo.json").read_text())
     assert list(report) == ["model", "predictor", "predictor_model", "policy", "engine_cores", "kv_cache_gib",
-                            "max_model_len", "calibration", "replay", "gateway_metrics", "predictor_fit", "timings"]
+                            "max_model_len", "calibration", "replay", "gateway_metrics", "predictor_fit", "load", "verdict",
+                            "timings"]
     assert report["model"] == str(model) and report["engine_cores"] == "7"
     assert report["predictor_model"] == {"model_name": "length-predictor", "model_version": "3"}
     assert report["calibration"] == {"t_p_s": 0.25, "t_g_s": 0.0125, "slo_scale": 2.0, "requests": [
         {"prompt_tokens": 10, "output_tokens": 32, "ttft": 0.25, "jct": 1.0}] * 3}
     assert report["replay"] == replay_json
+    assert report["load"] == {"rate_req_s": pytest.approx(0.5 / 1.3125), "given": False, "load": pytest.approx(0.5),
+                              "capacity_req_s": pytest.approx(1 / 1.3125), "mean_predicted_tokens": 85.0,
+                              "lone_service_s": 1.3125}
+    assert report["verdict"] == verdict
     assert report["gateway_metrics"] == ["lengthwise_gateway_requests_total 4", "lengthwise_gateway_inflight 0"]
     # one clock reading a second: every step's time is the number of readings between its start and its end
     assert list(report["timings"].items()) == list({"convert_s": 1.0, "sidecar_ready_s": 1.0, "load_trace_s": 1.0,
@@ -275,6 +305,51 @@ def test_a_predictor_for_another_model_is_served_only_with_the_override_and_said
         assert "the predictor learned the lengths of ChatGPT, not of the served SmolLM2-135M-Instruct@" in err
     else:
         assert "--allow-predictor-for-other-model" not in gateway and fit["verdict"] == "same_name"
+
+
+def test_a_given_rate_is_replayed_as_it_is_and_reported_against_the_capacity(world, tmp_path, capsys):
+    work = tmp_path / "work"
+    _cached(work)
+    assert demo.run(_args(work, rate=1.5)) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert world.arrivals_rate == 1.5
+    assert ("offered load 1.5 req/s (--rate): 1.97 x one engine's lone-request capacity 0.762 req/s "
+            "(t_p + t_g x 85 predicted tokens = 1.3 s a request)") in err
+    assert json.loads((work / "demo.json").read_text())["load"]["given"] is True
+
+
+def _summary(met: int, n: int, failed: int = 0, slack: float | None = 2.0) -> dict:
+    return {"requests": {"completed": n - failed, "failed": failed},
+            "slo": {"with_deadline": n - failed, "met": met, "attainment": met / n, "slack_p50_s": slack}}
+
+
+def test_the_verdict_says_whether_one_engine_kept_up():
+    load = demo.Load(rate=0.05, given=False, mean_predicted_tokens=200.0, lone_service_s=10.0)
+    assert load.capacity == pytest.approx(0.1) and load.load == pytest.approx(0.5)
+    assert demo.verdict(_summary(23, 24), load) == (
+        "23 of 24 requests met their SLO at 0.50 x the lone-request capacity, median slack 2.0 s: one engine keeps up "
+        "at this rate; a higher --load shows where it stops")
+    # a failed request counts against attainment, as the replay's report counts it
+    assert demo.verdict(_summary(20, 24, failed=2, slack=-70.0), load).startswith(
+        "only 20 of 24 requests met their SLO at 0.50 x the lone-request capacity, median slack -70.0 s: the engine fell "
+        "behind its queue")
+    no_deadline = {"requests": {"completed": 4, "failed": 0},
+                   "slo": {"with_deadline": 0, "met": 0, "attainment": None, "slack_p50_s": None}}
+    assert demo.verdict(no_deadline, load).startswith("no request carried a deadline")
+
+
+def test_a_sidecar_that_cannot_predict_the_trace_is_an_error_and_every_child_stops(world, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    _cached(work)
+
+    def post(url, json=None, timeout=None):
+        raise httpx.ConnectError("connection refused")
+
+    monkeypatch.setattr(httpx, "post", post)
+    assert demo.run(_args(work)) == 1
+    assert ("lengthwise demo: error: predicting the trace's lengths with the sidecar failed: connection refused"
+            in capsys.readouterr().err)
+    assert world.stopped == 2
 
 
 def test_no_completed_request_exits_1_with_the_reports_written(world, tmp_path):

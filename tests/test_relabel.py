@@ -205,6 +205,26 @@ def test_a_finished_file_gets_its_summary_and_starts_no_engine(tmp_path, model_d
     assert "3 prompts, 6 samples" in capsys.readouterr().out
 
 
+@pytest.mark.unit
+def test_split_test_labels_exactly_the_prompts_train_predictor_holds_out(tmp_path, model_dir, capsys):
+    """More samples of the held-out prompts (to measure how well any predictor could rank them) must be of the prompts
+    train-predictor tests on: the same conversations, by the same seeded split."""
+    from training.split import split_by_group
+
+    data = _sharegpt(tmp_path / "d.json", 80, turns=2)
+    held_out = {e.group for e in split_by_group(load_examples(str(data), "sharegpt")).test}
+    assert 0 < len(held_out) < 40
+    prompts = [p for p in load_prompts(str(data), "sharegpt") if p.group in held_out]
+    out = tmp_path / "o.jsonl"
+    settings = Settings(model_id(model_dir, "model"), SETTINGS.sampling, 16, 0, True)
+    _write(out, [record(p, s, sample_seed(0, p.hash, s), 9, 5, "stop", settings) for p in prompts for s in range(2)])
+    argv = ["relabel", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-tokens", "16"]
+    assert main([*argv, "--split", "test"]) == 0  # every held-out prompt is labelled: nothing to run
+    assert f"{len(prompts)} prompts, {2 * len(prompts)} samples" in capsys.readouterr().out
+    assert len(prompts) == 2 * len(held_out)  # both turns of each held-out conversation
+    assert "--split test --split-seed 0" in json.loads((tmp_path / "o.jsonl.summary.json").read_text())["command"]
+
+
 def _relabelled(prompts: list[Prompt], out: Path, text: bool) -> list[dict]:
     """What relabel writes for ``prompts``, 2 samples each with made-up lengths (a 16-token cap)."""
     settings = Settings(**{**SETTINGS.__dict__, "text": text})

@@ -31,14 +31,20 @@ def _unit(seed: int, group: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_by_group(examples: list[Example], val: float = 0.1, test: float = 0.1, seed: int = 0) -> Splits:
+def split_of(group: str, val: float = 0.1, test: float = 0.1, seed: int = 0) -> str:
+    """``train``, ``val`` or ``test``: where :func:`split_by_group` puts a conversation, so another tool (relabelling
+    more samples of the held-out prompts) can pick the same prompts without the examples at hand."""
     if not (0 < val < 1 and 0 < test < 1 and val + test < 1):
         raise ValueError("val and test fractions must be in (0, 1) and sum below 1")
-    tr, va, te = [], [], []
+    u = _unit(seed, group)
+    return "test" if u < test else "val" if u < test + val else "train"
+
+
+def split_by_group(examples: list[Example], val: float = 0.1, test: float = 0.1, seed: int = 0) -> Splits:
+    parts: dict[str, list[Example]] = {"train": [], "val": [], "test": []}
     for e in examples:
-        u = _unit(seed, e.group)
-        (te if u < test else va if u < test + val else tr).append(e)
-    return Splits(tr, va, te)
+        parts[split_of(e.group, val, test, seed)].append(e)
+    return Splits(parts["train"], parts["val"], parts["test"])
 
 
 def cap_groups(examples: list[Example], max_samples: int | None, seed: int = 0) -> list[Example]:

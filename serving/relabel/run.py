@@ -35,6 +35,7 @@ from training.data import FORMATS
 from training.data.example import DataError, Turn
 from training.data.loaders import alpaca_eval_generators, load_examples
 from training.data.served import prompt_hash, read_served, turn_index
+from training.split import split_of
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/lengthwise/models")
 
@@ -350,6 +351,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--shard", metavar="K/N", help="only the prompts in shard K of N (by prompt hash): N processes on the "
                    "same --out, one per GPU (CUDA_VISIBLE_DEVICES). Not on a small CPU: on 2 cores two one-core engines "
                    "labelled SmolLM2 at a quarter of one two-core engine's rate")
+    g.add_argument("--split", choices=("train", "val", "test"),
+                   help="only the prompts whose conversation train-predictor puts in this split (its 80/10/10 split by "
+                        "conversation, seeded by --split-seed): e.g. more samples of the held-out prompts, to measure "
+                        "how well any predictor could rank them (default: every prompt)")
+    g.add_argument("--split-seed", type=int, default=0, metavar="S",
+                   help="train-predictor's --seed the split follows (default: %(default)s, its default)")
     g.add_argument("--out", required=True, type=Path, metavar="OUT.jsonl", help="the JSONL to append to (created if missing)")
     g.add_argument("--no-text", dest="text", action="store_false",
                    help="ids and lengths only, without the prompt's messages (for committing; see below)")
@@ -452,6 +459,8 @@ def run(a: argparse.Namespace) -> int:
         sampling = {"temperature": a.temperature, "top_p": a.top_p, "repetition_penalty": a.repetition_penalty}
         settings = Settings(model_id(model_dir, name, a.load_format), sampling, a.max_tokens, a.seed, a.text)
         prompts = in_shard(load_prompts(a.data, a.fmt, a.generator, a.first_turns_only, a.max_prompts), shard_of(a.shard))
+        if a.split is not None:
+            prompts = [p for p in prompts if split_of(p.group, seed=a.split_seed) == a.split]
         if not prompts:
             raise ValueError(f"no prompts to relabel in {a.data}")
         old = resume(a.out, settings)

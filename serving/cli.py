@@ -172,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_scale_parser(sub)
     _add_convert_gguf(sub)
     from serving.relabel.agreement import add_parser as add_relabel_agreement
+    from serving.relabel.ceiling import add_parser as add_relabel_ceiling
     from serving.relabel.run import add_parser as add_relabel
 
     add_relabel(sub)
     add_relabel_agreement(sub)
+    add_relabel_ceiling(sub)
 
     add_serve(sub).set_defaults(func=functools.partial(run_serve, backends={"ray": _serve_ray}))
     from serving.bench.replay import add_parser as add_replay

@@ -43,7 +43,8 @@ def test_on_lengths_the_model_describes_the_measured_means_match_it():
         s = res[name]
         for m in (2, 3):
             assert s["measured"][f"mean_of_{m}"] == pytest.approx(s["noise_model"][f"mean_of_{m}"], abs=0.02)
-        assert s["measured"]["between"] < s["measured"]["mean_of_2"] < s["measured"]["mean_of_3"] < s["noise_model"]["prompt_mean"]
+        measured = s["measured"]
+        assert measured["between"] < measured["mean_of_2"] < measured["mean_of_3"] < s["noise_model"]["prompt_mean"]
         lo, hi = s["interval95"]["between"]
         assert lo <= s["measured"]["between"] <= hi
     assert res["all"]["prompts"] == 3000 and res["first_turn"]["prompts"] == 1500
@@ -80,6 +81,7 @@ def test_the_command_prints_the_table_and_writes_the_json(tmp_path, capsys, monk
     assert main(["relabel-ceiling", *files, "--bootstrap", "20", "--json", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "60 prompts x 4 samples" in text and "the mean of 3 other samples" in text and "(the ceiling)" in text
+    assert "noise model: the mean of 1 other sample " in text
     res = json.loads(out.read_text())
     assert res["prompts"] == 60 and set(res["slices"]) == {"all", "first_turn", "later_turns"}
     assert main(["relabel-ceiling", files[0]]) == 2  # two samples a prompt: fewer than --samples 4

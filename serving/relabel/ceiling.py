@@ -34,8 +34,6 @@ from typing import Any
 
 import numpy as np
 
-SLICES = ("all", "first_turn", "later_turns")
-
 
 def pool(paths: list[Path]) -> tuple[dict[str, list[int]], dict[str, bool], dict[str, Any]]:
     """The samples of every file, per prompt hash, in file then sample order; each prompt's first-turn flag; the set-up.
@@ -151,26 +149,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _label(figure: str, k: int) -> str:
+    """What a figure of :func:`_taus` ranks one sample with, in words."""
+    if figure == "between":
+        return "another sample of the prompt"
+    if figure.startswith("mean_of_"):
+        m = figure.rsplit("_", 1)[1]
+        return f"the mean of {m} other sample{'s' if m != '1' else ''}"
+    if figure == "prompt_mean":
+        return "the prompt's mean (the ceiling)"
+    name, _, against = figure.partition("_vs_")
+    return f"{name} (vs one sample)" if against == "sample" else f"{name} (vs the mean of {k})"
+
+
 def _print(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"ranking the served model's lengths: {res['prompts']} prompts x {res['samples']} samples "
+    k, slices = res["samples"], res["slices"]
+    t = Table(title=f"ranking the served model's lengths: {res['prompts']} prompts x {k} samples "
                     f"({res['setup'].get('model')})", title_justify="left")
     t.add_column("Kendall tau against one sample")
-    for name in SLICES:
-        if name in res["slices"]:
-            t.add_column(f"{name} ({res['slices'][name]['prompts']})", justify="right")
-    figures = list(res["slices"]["all"]["measured"])
-    labels = {"between": "another sample of the prompt"} | {
-        f: f"the mean of {f.split('_')[-1]} other samples" for f in figures if f.startswith("mean_of_")}
-    for f in figures:
-        label = labels.get(f) or f.replace("_vs_sample", " (vs one sample)").replace("_vs_mean", f" (vs the mean of {res['samples']})")
-        t.add_row(label, *[f"{s['measured'][f]:.3f} [{s['interval95'][f][0]:.3f}, {s['interval95'][f][1]:.3f}]"
-                           for s in res["slices"].values()])
-    for m in [f"mean_of_{m}" for m in range(1, res["samples"])] + ["prompt_mean"]:
-        label = "noise model: the prompt's mean (the ceiling)" if m == "prompt_mean" else f"noise model: {labels.get(m, 'the mean of 1 other sample')}"
-        t.add_row(label, *[f"{s['noise_model'][m]:.3f}" for s in res["slices"].values()])
+    for name, s in slices.items():
+        t.add_column(f"{name} ({s['prompts']})", justify="right")
+    for f in slices["all"]["measured"]:
+        t.add_row(_label(f, k), *[f"{s['measured'][f]:.3f} [{s['interval95'][f][0]:.3f}, {s['interval95'][f][1]:.3f}]"
+                                  for s in slices.values()])
+    for f in slices["all"]["noise_model"]:
+        t.add_row(f"noise model: {_label(f, k)}", *[f"{s['noise_model'][f]:.3f}" for s in slices.values()])
     Console().print(t)
 
 

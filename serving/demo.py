@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 EPILOG = """\
 examples:
   lengthwise demo                                   # everything on the defaults above (a few minutes)
-  lengthwise demo --requests 48 --load 0.8          # a longer trace, closer to what one engine sustains
+  lengthwise demo --requests 32 --load 2            # a longer trace at twice the lone-request capacity
   lengthwise demo --rate 0.25                       # a fixed rate instead of one from the calibration
   lengthwise demo --predictor models:/length-predictor@challenger --work-dir /tmp/demo
 
@@ -109,11 +109,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the GGUF to serve (default: $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf)")
     p.add_argument("--predictor", default="models:/length-predictor@champion", metavar="URI",
                    help="what the sidecar serves (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=24, metavar="N", help="prompts to replay (default: %(default)s)")
-    p.add_argument("--load", type=float, default=0.5, metavar="F",
+    p.add_argument("--requests", type=int, default=16, metavar="N", help="prompts to replay (default: %(default)s)")
+    p.add_argument("--load", type=float, default=1.0, metavar="F",
                    help="Poisson arrivals at F x one engine's lone-request capacity, 1 / (t_p + t_g x mean predicted "
-                        "length), measured by the calibration: below 1 the engine can keep up (batching lets it serve "
-                        "somewhat more than its lone capacity), above it the queue grows (default: %(default)s)")
+                        "length): the requests/s it serves one at a time, measured by the calibration. Batching lets it "
+                        "serve more than that, so 1 leaves it headroom; raise F to see where it stops keeping up "
+                        "(default: %(default)s)")
     p.add_argument("--rate", type=float, metavar="R",
                    help="Poisson arrivals at R requests/s instead of --load x capacity (the report still gives R as a "
                         "multiple of the capacity)")

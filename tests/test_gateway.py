@@ -697,7 +697,7 @@ def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     # a single slow probe begin in the 15 s wait: a stall that long outlasts the probes' 1 + 3 s cycle.)
     with SlowHealthProxy(fleet.engines[0], delay_s=6.0, pace_s=0.016) as proxy:
         gw = start_gateway(logs, "--engine-url", proxy.url, "--health-interval", "1", "--health-timeout", "3",
-                           "--engine-api-key", fleet.engine_key)
+                           f"--engine-api-key={fleet.engine_key}")
         try:
             stream = _client(gw).completions.create(model=fleet.model, prompt="a busy engine", max_tokens=1900,
                                                     stream=True, extra_body={"ignore_eos": True},

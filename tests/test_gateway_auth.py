@@ -202,6 +202,7 @@ def test_the_engine_has_a_random_key_of_its_own_and_listens_on_loopback(keyed):
     assert engine.startswith("http://127.0.0.1:")
     key = _engine_key(keyed)
     assert len(key) >= 40 and key not in (K_FLAG, K_FILE, K_ENV)
+    assert set(key) <= set("0123456789abcdef"), "hex: copied into --engine-api-key it never reads as a flag"
     direct = {"model": keyed.model, "prompt": "around the gateway", "max_tokens": 2}
     assert httpx.post(engine + "/v1/completions", json=direct, timeout=60).status_code == 401
     assert httpx.post(engine + "/v1/completions", json=direct, timeout=60,  # a client's gateway key is no engine key
@@ -221,7 +222,7 @@ def test_the_engine_has_a_random_key_of_its_own_and_listens_on_loopback(keyed):
 
 def test_an_engine_with_its_own_key_keeps_models_and_the_model_check(keyed, logs):
     key = _engine_key(keyed)
-    gw = start_gateway(logs, "--engine-url", keyed.engines[0], "--engine-api-key", key, "--api-key", K_PROTECT,
+    gw = start_gateway(logs, "--engine-url", keyed.engines[0], f"--engine-api-key={key}", "--api-key", K_PROTECT,
                        "--protect-health", wait=None)
     try:
         auth = {"Authorization": f"Bearer {K_PROTECT}"}

@@ -399,7 +399,7 @@ def owner(engine_fleet, logs):
 
 
 def _attach(owner: Gateway, logs: Path, *args: str, env: dict | None = None) -> Gateway:
-    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", owner.engine_key, "--health-interval",
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], f"--engine-api-key={owner.engine_key}", "--health-interval",
                        "0.5", *args, env=env)
     gw.model, gw.engines = owner.model, owner.engines
     return gw

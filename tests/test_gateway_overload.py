@@ -65,7 +65,7 @@ def owner(engine_fleet) -> Gateway:
 
 
 def _attach(owner: Gateway, logs: Path, *args: str) -> Gateway:
-    gw = start_gateway(logs, "--engine-url", owner.engines[0], "--engine-api-key", owner.engine_key, *args)
+    gw = start_gateway(logs, "--engine-url", owner.engines[0], f"--engine-api-key={owner.engine_key}", *args)
     gw.model, gw.engines = owner.model, owner.engines
     return gw
 

@@ -499,7 +499,9 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
         if settings.starts_engines and settings.engine_api_key is None and settings.random_engine_key:
             from pydantic import SecretStr
 
-            settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_urlsafe(32))})
+            # hex: a key an operator copies into a flag never starts with "-" (a url-safe one does 1 time in 64, and
+            # "--engine-api-key -x..." then reads as a missing value)
+            settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_hex(32))})
         if settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)

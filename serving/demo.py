@@ -255,19 +255,27 @@ class Load:
                 "mean_predicted_tokens": self.mean_predicted_tokens, "lone_service_s": self.lone_service_s}
 
 
-def verdict(summary: dict, load: Load) -> str:
-    """What the replay's numbers show, in one sentence a newcomer can act on."""
-    slo = summary["slo"]
+def verdict(report: dict, load: Load) -> str:
+    """What the replay's numbers show, in one sentence a newcomer can act on. A deadline is set from the predicted
+    length, so a request that runs past its prediction can miss it with the engine keeping pace: the misses are told
+    apart by whether they ran longer than predicted."""
+    summary, slo = report["summary"], report["summary"]["slo"]
     if not slo["with_deadline"]:
         return "no request carried a deadline (the gateway set none), so the report shows latency, not SLO attainment"
     met, n = slo["met"], slo["with_deadline"] + summary["requests"]["failed"]
     slack = "" if slo["slack_p50_s"] is None else f", median slack {slo['slack_p50_s']:.1f} s"
-    at = f"at {load.load:.2f} x the lone-request capacity"
+    head = f"{met} of {n} requests met their SLO at {load.load:.2f} x the lone-request capacity{slack}"
     if slo["attainment"] >= MET_ENOUGH:
-        return (f"{met} of {n} requests met their SLO {at}{slack}: one engine keeps up at this rate; a higher --load "
-                "shows where it stops")
-    return (f"only {met} of {n} requests met their SLO {at}{slack}: the engine fell behind its queue at this rate "
-            f"(below {MET_ENOUGH:.0%}); a lower --load shows the rate it sustains")
+        return f"{head}: one engine keeps up at this rate; a higher --load shows where it stops"
+    missed = [r for r in report.get("requests", []) if r.get("deadline") is not None and not r.get("met_slo")]
+    long = [r for r in missed if r.get("ok") and r.get("pred_len") is not None and r["output_tokens"] > r["pred_len"]]
+    if missed and 2 * len(long) > len(missed):
+        late = statistics.median(r["finished_at"] - r["deadline"] for r in long)
+        return (f"{head}: {len(long)} of the {len(missed)} misses ran longer than predicted and finished a median "
+                f"{late:.1f} s after a deadline set from the short prediction; the engine kept pace, the predictions "
+                "were short")
+    return (f"only {head}: the engine fell behind its queue at this rate (below {MET_ENOUGH:.0%}); a lower --load "
+            "shows the rate it sustains")
 
 
 @dataclass
@@ -304,7 +312,7 @@ def _run(a: argparse.Namespace, gguf: Path, sharegpt: Path, work: Path, logs: Pa
     report = _replay(a, gateway.url, model_dir, plan, calibration, load, work, timings, con)
     return _demo_report(a, model_dir, sidecar_model, gateway, calibration, report, _gateway_metrics(gateway.url)) | {
         "predictor_fit": {k: fit[k] for k in ("served", "target", "verdict")}, "load": load.report(),
-        "verdict": verdict(report["summary"], load)}
+        "verdict": verdict(report, load)}
 
 
 def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
@@ -450,7 +458,7 @@ def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, cal
     report = build_report(plan, s, load.rate, a.seed, None, results, duration, a.max_tokens)
     (work / "replay.json").write_text(json.dumps(report, indent=1))
     Console().print(report_table(report["summary"], "lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve"))
-    Console().print(verdict(report["summary"], load))
+    Console().print(verdict(report, load))
     return report
 
 

@@ -318,23 +318,36 @@ def test_a_given_rate_is_replayed_as_it_is_and_reported_against_the_capacity(wor
     assert json.loads((work / "demo.json").read_text())["load"]["given"] is True
 
 
-def _summary(met: int, n: int, failed: int = 0, slack: float | None = 2.0) -> dict:
-    return {"requests": {"completed": n - failed, "failed": failed},
-            "slo": {"with_deadline": n - failed, "met": met, "attainment": met / n, "slack_p50_s": slack}}
+def _report(met: int, n: int, failed: int = 0, slack: float | None = 2.0, missed: list | None = None) -> dict:
+    """A replay report: its summary and, for the misses, (predicted, actual tokens, seconds past the deadline)."""
+    misses = [{"ok": True, "met_slo": False, "deadline": 100.0, "finished_at": 100.0 + late, "pred_len": pred,
+               "output_tokens": actual} for pred, actual, late in missed or []]
+    return {"summary": {"requests": {"completed": n - failed, "failed": failed},
+                        "slo": {"with_deadline": n - failed, "met": met, "attainment": met / n, "slack_p50_s": slack}},
+            "requests": misses}
 
 
 def test_the_verdict_says_whether_one_engine_kept_up():
     load = demo.Load(rate=0.05, given=False, mean_predicted_tokens=200.0, lone_service_s=10.0)
     assert load.capacity == pytest.approx(0.1) and load.load == pytest.approx(0.5)
-    assert demo.verdict(_summary(23, 24), load) == (
+    assert demo.verdict(_report(23, 24), load) == (
         "23 of 24 requests met their SLO at 0.50 x the lone-request capacity, median slack 2.0 s: one engine keeps up "
         "at this rate; a higher --load shows where it stops")
-    # a failed request counts against attainment, as the replay's report counts it
-    assert demo.verdict(_summary(20, 24, failed=2, slack=-70.0), load).startswith(
+    # a failed request counts against attainment, as the replay's report counts it; misses that ran no longer than
+    # predicted are the engine's: it fell behind
+    queued = _report(20, 24, failed=2, slack=-70.0, missed=[(400, 300, 80.0), (400, 350, 60.0), (300, 512, 2.0)])
+    assert demo.verdict(queued, load).startswith(
         "only 20 of 24 requests met their SLO at 0.50 x the lone-request capacity, median slack -70.0 s: the engine fell "
         "behind its queue")
-    no_deadline = {"requests": {"completed": 4, "failed": 0},
-                   "slo": {"with_deadline": 0, "met": 0, "attainment": None, "slack_p50_s": None}}
+    # misses that ran past a short prediction had deadlines set too early: the engine kept pace (the demo's own run:
+    # three answers ran to 512 tokens, predicted 354-432, and finished 0.4-1.5 s late)
+    short = _report(13, 16, slack=15.3, missed=[(354, 512, 0.8), (361, 512, 1.5), (432, 512, 0.4)])
+    assert demo.verdict(short, load) == (
+        "13 of 16 requests met their SLO at 0.50 x the lone-request capacity, median slack 15.3 s: 3 of the 3 misses "
+        "ran longer than predicted and finished a median 0.8 s after a deadline set from the short prediction; the "
+        "engine kept pace, the predictions were short")
+    no_deadline = {"summary": {"requests": {"completed": 4, "failed": 0},
+                               "slo": {"with_deadline": 0, "met": 0, "attainment": None, "slack_p50_s": None}}}
     assert demo.verdict(no_deadline, load).startswith("no request carried a deadline")
 
 

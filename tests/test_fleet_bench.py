@@ -121,7 +121,7 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     monkeypatch.setattr(fleet, "_replay", replay)
     monkeypatch.setattr(fleet, "start_engines", start_engines)
     monkeypatch.setattr(fleet, "stop_engines", lambda procs: None)
-    monkeypatch.setattr(fleet, "wait_healthy", lambda urls, timeout, procs: None)
+    monkeypatch.setattr(fleet, "wait_started", lambda procs, timeout: None)
     monkeypatch.setattr(fleet, "free_port", lambda: 8123)
     buf = io.StringIO()
     json_path = tmp_path / "out" / "fleet.json"

@@ -49,7 +49,7 @@ from serving.bench.engine.bench import merge_csv, profile_to_csv, run_engines, t
 from serving.bench.replay import Job as ReplayJob
 from serving.bench.replay import Settings, poisson_arrivals, send_one
 from serving.gateway.settings import GatewaySettings
-from serving.launch.engines import start_engines, stop_engines, wait_healthy
+from serving.launch.engines import start_engines, stop_engines, wait_started
 from serving.launch.models import bench_dtype, dummy_model
 from serving.launch.process import die_with_parent, free_port, wait_http
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
@@ -338,10 +338,10 @@ def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, 
             for i, (r, t) in enumerate(zip(reqs, arrivals))]
     limits = [cal.slo.jct_limit(r.output_tokens) for r in reqs]
     model, kv_dir, procs = _start_engines(cfg, dtype, work, console)
-    decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
     results: dict[str, Any] = {}
     try:
-        wait_healthy([p.url for p in procs], 900, procs)
+        wait_started(procs, 900)  # an engine whose start hangs is started again once, in its place in procs
+        decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
         metrics_urls = [p.url + "/metrics" for p in procs]
         for placement in cfg.placements:
             not_idle = _wait_idle(metrics_urls)

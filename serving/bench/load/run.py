@@ -29,7 +29,7 @@ from serving.bench.fleet import (
     _with_cap,
 )
 from serving.bench.replay import Job, Result, poisson_arrivals
-from serving.launch.engines import stop_engines, wait_healthy
+from serving.launch.engines import stop_engines, wait_started
 from serving.launch.models import bench_dtype
 from serving.perf.slo import SLO
 from serving.sim.predictions import make_predictor
@@ -68,7 +68,7 @@ def calibrated_fleet(cfg: FleetBenchConfig, placement: str, console: Console, pr
     console.print(f"saturation rate R = {rate:.3g} req/s ({'--rate' if cfg.rate else f'calibrated simulator, {placement}'})")
     model, _, procs = _start_engines(cfg, dtype, work, console)
     try:
-        wait_healthy([p.url for p in procs], 900, procs)
+        wait_started(procs, 900)
         yield Fleet(cfg, trace, cal, rate, model, procs, work)
     finally:
         stop_engines(procs)

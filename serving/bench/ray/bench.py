@@ -38,7 +38,7 @@ from rich.table import Table
 from serving.bench import fleet
 from serving.bench.fleet import FleetBenchConfig, _Calibration
 from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettings
-from serving.launch.engines import stop_engines, wait_healthy
+from serving.launch.engines import stop_engines, wait_started
 from serving.launch.models import bench_dtype, dummy_model
 from serving.launch.process import free_port
 from serving.perf.slo import SLO
@@ -112,7 +112,7 @@ def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any,
     """Two engine processes and the HTTP gateway on them, as ``bench fleet`` runs one placement."""
     _, _, procs = fleet._start_engines(cfg, dtype, work, console)
     try:
-        wait_healthy([p.url for p in procs], 900, procs)
+        wait_started(procs, 900)
         port = free_port()
         args = fleet._gateway_args(cfg, cfg.placement, port, cal, model, procs, [])
         if cal.profile is None and "--latency-profile" in args:

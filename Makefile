@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-slow test-fast faults lint vllm-schema
+.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,13 @@ demo: setup
 	$(VENV)/bin/lengthwise demo --work-dir demo-results/serving
 
 # Everything CI runs: the lint, then every test but the long real runs (unit tier, real data, real engines, servers,
-# MLflow, Ray); prints the 30 slowest and its own wall time.
+# MLflow, Ray), in two lanes at once and then the deadline tests alone (tests/lanes.py); prints each lane's 15
+# slowest and its own wall time. `make test-serial` runs the same tests in one process.
 test: setup lint
+	@start=$$(date +%s); $(VENV)/bin/python -m tests.lanes -q -m "not slow" --durations=15 tests; rc=$$?; \
+	echo "make test: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-serial: setup lint
 	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m "not slow" --durations=30 tests; rc=$$?; \
 	echo "make test: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 

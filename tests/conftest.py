@@ -141,10 +141,22 @@ def smollm2(data, tmp_path_factory) -> Path:
     return Path(convert_gguf(data / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", out))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=("a", "b", "alone"), default=None,
+                     help="run one phase of `make test` (tests/lanes.py): lane a or b, or the tests marked alone")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``last`` (they stop a part the session shares) run after all the others, in their order. (The suite
-    runs in one process: pytest-xdist's ``loadgroup``, which would keep the session's fleet, trained model and Ray
-    application on one worker, has no effect under pytest 9.2, so each worker started its own; docs/development.md.)"""
+    """With ``--lane``, keep the tests of that phase (tests/lanes.py). Tests marked ``last`` (they stop a part the
+    session shares) run after all the others, in their order."""
+    from tests.lanes import lane_of
+
+    lane = config.getoption("lane")
+    if lane is not None:
+        keep = [i for i in items if lane_of(i.path.stem, i.get_closest_marker("alone") is not None) == lane]
+        kept = set(keep)
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = keep
     items[:] = [i for i in items if i.get_closest_marker("last") is None] + [i for i in items if i.get_closest_marker("last")]
 
 

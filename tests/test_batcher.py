@@ -148,6 +148,7 @@ def test_items_whose_caller_stopped_waiting_are_dropped_unrun():
     assert "gone" not in seen and sorted(seen) == ["first", "forever", "waits"]
 
 
+@pytest.mark.alone  # a 100 ms deadline in wall time: beside the other lane it would time that lane too
 def test_items_still_queued_near_their_callers_deadline_are_spilled_in_time():
     """With a spill (the package's fast tier), an item the busy worker cannot reach before its caller's time is up is
     answered by the spill before that time, never also run by a batch; items with time to spare, or none set, wait for

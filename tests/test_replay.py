@@ -134,9 +134,11 @@ def test_demo_children_are_stopped_on_error_with_their_own_children(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_demo_children_are_stopped_on_ctrl_c_and_sigterm(tmp_path, sig):
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         from pathlib import Path
         from serving.demo import Children
+        # SIGINT as a terminal's Ctrl-C delivers it, even where this test runs with it ignored (a background job)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with Children() as kids:
                 c = kids.start("sleeper", ["sh", "-c", "sleep 300 & sleep 300"], Path({str(tmp_path / 'c.log')!r}))

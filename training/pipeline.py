@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import tempfile
 import time
 import types
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from predictor.buckets import BucketScheme
-from predictor.common import default_tokenizer, silence_loggers
+from predictor.common import compute_threads, default_tokenizer, silence_loggers
 from training.config import TrainConfig
 from training.data import DataError, Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, censored_of, labels_of, load_counter
@@ -169,7 +168,7 @@ def run(cfg: TrainConfig) -> dict:
 
     silence_loggers()
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(compute_threads())
     inputs = _encode(cfg, prep)
     module, lora, train_dl, val_dl = _build_module(cfg, prep, inputs)
     exp_id = store.ensure_experiment(cfg.experiment)

@@ -49,14 +49,16 @@ def silence_loggers() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def compute_threads(cap: int | None = None) -> int:
-    """Threads for in-process math (torch, onnxruntime): ``OMP_NUM_THREADS`` when set, else the cores this process may
-    run on (its affinity, not the machine's count: a process pinned to one core that starts two threads makes them take
-    turns), at most ``cap``."""
+def available_cores() -> int:
+    """The cores this process may run on: its affinity, not the machine's count (a process pinned to one core that
+    starts two compute threads makes them take turns)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def compute_threads() -> int:
+    """Threads for torch's in-process math: ``OMP_NUM_THREADS`` when set, else :func:`available_cores`."""
     try:
         n = int(os.environ.get("OMP_NUM_THREADS", "0"))
     except ValueError:
         n = 0
-    if n < 1:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(n, cap) if cap else n)
+    return n if n >= 1 else available_cores()

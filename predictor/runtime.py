@@ -24,7 +24,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
-from predictor.common import compute_threads
+from predictor.common import available_cores
 from predictor.optimize import fuse
 from predictor.prompt import Encoded, InputFormat, encode_turns
 from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
@@ -107,7 +107,7 @@ def session_options(threads: int | None = None, spin: bool | None = None) -> ort
     """``spin=False`` stops idle intra-op threads from busy-waiting: on a machine shared with other work (a sidecar
     beside engines) spinning threads burn CPU others need; ``None`` keeps onnxruntime's default."""
     opts = ort.SessionOptions()
-    n = threads or int(os.environ.get("LENGTHWISE_ORT_THREADS", "0")) or compute_threads(cap=4)
+    n = threads or int(os.environ.get("LENGTHWISE_ORT_THREADS", "0")) or min(4, available_cores())
     opts.intra_op_num_threads = n
     if spin is not None:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")

@@ -153,10 +153,11 @@ def pytest_collection_modifyitems(config, items):
 
     lane = config.getoption("lane")
     if lane is not None:
-        keep = [i for i in items if lane_of(i.path.stem, i.get_closest_marker("alone") is not None) == lane]
-        kept = set(keep)
-        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-        items[:] = keep
+        phase = {i: lane_of(i.path.stem, i.get_closest_marker("alone") is not None) for i in items}
+        config.hook.pytest_deselected(items=[i for i in items if phase[i] != lane])
+        if lane == "a" and os.environ.get("LENGTHWISE_LANES_ALONE_FILE"):  # what the last phase runs
+            Path(os.environ["LENGTHWISE_LANES_ALONE_FILE"]).write_text("\n".join(i.nodeid for i in items if phase[i] == "alone"))
+        items[:] = [i for i in items if phase[i] == lane]
     items[:] = [i for i in items if i.get_closest_marker("last") is None] + [i for i in items if i.get_closest_marker("last")]
 
 

@@ -58,14 +58,19 @@ def _pump(name: str, proc: subprocess.Popen, lock: threading.Lock, t0: float, en
     ended[name] = (proc.wait(), time.monotonic() - t0)
 
 
-# each lane's in-process math (torch, onnxruntime, BLAS) on one thread: two lanes of two threads each on two cores made
-# every thread wait for a core (the shared training run took 222 s beside the other lane, 94 s alone); vLLM's CPU
-# engines bind their own threads to the cores they are given
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "LENGTHWISE_ORT_THREADS": "1"}
+# each lane's torch and BLAS math on one thread: two lanes of two threads each on two cores made every thread wait for a
+# core (the shared training run took 222 s beside the other lane, 130 s so, 94 s alone; the notebook 158, 41 and 48 s).
+# vLLM's CPU engines bind their own threads to the cores they are given; the sidecar's onnxruntime keeps its own count
+# (on one thread beside the other lane the soak's sidecar answered every request from its fast tier)
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+# where lane a lists the tests marked alone it collected: the last phase collects those modules only, not the whole suite
+ALONE_FILE = "LENGTHWISE_LANES_ALONE_FILE"
 
 
 def _run(args: list[str], lane: str, base: Path) -> subprocess.Popen:
-    env = {**os.environ, **(ONE_THREAD if lane in LANES else {})}
+    env = {**os.environ, **(ONE_THREAD if lane in LANES else {}), ALONE_FILE: str(base / "alone.txt")}
     return subprocess.Popen([sys.executable, "-m", "pytest", f"--lane={lane}", f"--basetemp={base / lane}", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
@@ -80,7 +85,10 @@ def main(args: list[str]) -> int:
         t.start()
     for t in pumps:
         t.join()
-    _pump(ALONE, _run(args, ALONE, base), lock, time.monotonic(), ended)
+    alone = (base / "alone.txt").read_text().split() if (base / "alone.txt").exists() else []
+    if alone:  # the same arguments, the paths replaced by the tests themselves
+        paths = [a for a in args if not a.startswith("-") and Path(a.split("::")[0]).exists()]
+        _pump(ALONE, _run([a for a in args if a not in paths] + alone, ALONE, base), lock, time.monotonic(), ended)
     bad = {k: rc for k, (rc, _) in ended.items() if rc not in (0, 5)}
     if not bad:  # a failed run's directories are kept to look into
         shutil.rmtree(base, ignore_errors=True)

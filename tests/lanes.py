@@ -60,8 +60,7 @@ def _pump(name: str, proc: subprocess.Popen, lock: threading.Lock, t0: float, en
 
 # each lane's torch and BLAS math on one thread: two lanes of two threads each on two cores made every thread wait for a
 # core (the shared training run took 222 s beside the other lane, 130 s so, 94 s alone; the notebook 158, 41 and 48 s).
-# vLLM's CPU engines bind their own threads to the cores they are given; the sidecar's onnxruntime keeps its own count
-# (on one thread beside the other lane the soak's sidecar answered every request from its fast tier)
+# vLLM's CPU engines bind their own threads to the cores they are given; onnxruntime keeps its own count
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 

@@ -278,3 +278,29 @@ def test_before_any_batch_ends_the_running_batch_sets_the_pace_for_spilling_on_a
     late, answered_in, rest = run(main())
     assert late == ["fast:late"] and answered_in < 0.05  # at once: not held until the 90 ms spill time
     assert rest == [[f"model:q{i}"] for i in range(21)] + [["model:roomy"]]
+
+
+def test_a_pace_measured_in_a_slow_moment_does_not_keep_requests_on_the_spill():
+    """One slow batch (a cold start, a busy CPU: 300 ms an item here) would send every later caller with a 100 ms timeout
+    to the spill, and the encoder, never run again, would never show it is fast now. A request spilled on arrival
+    while the encoder is idle is answered by the spill and also run there as a probe: the next caller gets the model."""
+    slow = [True]
+
+    def encoder(items: list[str]) -> list[str]:
+        time.sleep(0.3 if slow[0] else 0.001)
+        return [f"model:{x}" for x in items]
+
+    async def main():
+        b = MicroBatcher(encoder, max_batch=4, max_wait_s=0.0, spill=lambda xs: [f"fast:{x}" for x in xs], spill_margin_s=0.01)
+        b.start()
+        loop = asyncio.get_running_loop()
+        await b.submit(["cold"])  # 300 ms an item: the pace now
+        slow[0] = False
+        first = await b.submit(["a"], expires_at=loop.time() + 0.1)  # the stale pace says late: the spill answers
+        await asyncio.sleep(0.2)  # the probe of "a" runs on the idle encoder (1 ms)
+        second = await b.submit(["b"], expires_at=loop.time() + 0.1)
+        await b.stop()
+        return first, second
+
+    first, second = run(main())
+    assert first == ["fast:a"] and second == ["model:b"]

@@ -21,6 +21,11 @@ on arrival: when the queue ahead, at the per-item time recent batches took, woul
 timeout less ``spill_margin_s``, the request goes to the spill at once (so it does not wait for nothing, and the
 encoder keeps to what it can finish in time). A request that was expected to make it but is still queued
 ``spill_margin_s`` before its timeout is spilled then.
+
+The pace is learnt only from batches the encoder runs, so a pace measured in a slow moment (a cold first batch, a CPU
+taken by other work) would send every later request to the spill and never be measured again. So a request spilled
+on arrival while the encoder is idle is also run there as a probe, its result discarded: the pace it measures
+replaces the stale one, at the cost of encoder time nobody else wanted.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class _Entry:
     arrival: float
     expiry: float
     taken: bool = field(default=False)
+    probe: bool = field(default=False)  # run only to measure the pace: nobody waits for its result
 
 
 class MicroBatcher(Generic[T, R]):
@@ -138,6 +144,8 @@ class MicroBatcher(Generic[T, R]):
         if self.spill is not None and math.isfinite(expires_at):
             if now + self.expected_wait_s(len(entries)) > expires_at - self.spill_margin_s:
                 self._spill_due(entries)  # it would be late: the spill answers now, the queue is spared
+                if not self._in_flight and not self._pending:  # an idle encoder: measure the pace again
+                    self._probe(entries, loop)
                 return list(await asyncio.gather(*(e.fut for e in entries)))
             loop.call_at(max(now, expires_at - self.spill_margin_s), self._spill_due, entries)
         self._pending.extend(entries)
@@ -166,6 +174,14 @@ class MicroBatcher(Generic[T, R]):
         k = len(self._pending) + n
         own = min(k, self.max_batch)
         return free_in + own * item_s + (k - own) * item_s / self.workers
+
+    def _probe(self, entries: list[_Entry], loop: asyncio.AbstractEventLoop) -> None:
+        """Queue copies of ``entries`` for the encoder, whose results (or failure) nobody reads."""
+        probes = [_Entry(e.item, loop.create_future(), e.arrival, math.inf, probe=True) for e in entries]
+        for p in probes:
+            p.fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" log
+        self._pending.extend(probes)
+        self._wakeup.set()
 
     def _spill_due(self, entries: list[_Entry]) -> None:
         """The items of one submit still queued near their caller's deadline (or that would be late): handed to the spill
@@ -270,5 +286,6 @@ class MicroBatcher(Generic[T, R]):
             self._in_flight.pop(key, None)
             self._slots.release()
             took = time.perf_counter() - t0
-            self._item_s = took / len(batch) if self._item_s == 0.0 else 0.8 * self._item_s + 0.2 * took / len(batch)
+            fresh = self._item_s == 0.0 or all(e.probe for e in batch)  # a probe's pace replaces a stale one
+            self._item_s = took / len(batch) if fresh else 0.8 * self._item_s + 0.2 * took / len(batch)
             self._on_batch(len(batch), took)

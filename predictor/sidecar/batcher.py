@@ -25,7 +25,8 @@ encoder keeps to what it can finish in time). A request that was expected to mak
 The pace is learnt only from batches the encoder runs, so a pace measured in a slow moment (a cold first batch, a CPU
 taken by other work) would send every later request to the spill and never be measured again. So a request spilled
 on arrival while the encoder is idle is also run there as a probe, its result discarded: the pace it measures
-replaces the stale one, at the cost of encoder time nobody else wanted.
+replaces the stale one, at the cost of encoder time nobody else wanted. (Not one whose deadline is within the margin:
+no encoder answer could be in time for it, whatever the pace.)
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class MicroBatcher(Generic[T, R]):
         if self.spill is not None and math.isfinite(expires_at):
             if now + self.expected_wait_s(len(entries)) > expires_at - self.spill_margin_s:
                 self._spill_due(entries)  # it would be late: the spill answers now, the queue is spared
-                if not self._in_flight and not self._pending:  # an idle encoder: measure the pace again
+                # an idle encoder that a deadline past the margin leaves time to: measure the pace again
+                if not self._in_flight and not self._pending and expires_at - self.spill_margin_s > now:
                     self._probe(entries, loop)
                 return list(await asyncio.gather(*(e.fut for e in entries)))
             loop.call_at(max(now, expires_at - self.spill_margin_s), self._spill_due, entries)

@@ -46,7 +46,7 @@ test: setup lint
 
 test-serial: setup lint
 	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m "not slow" --durations=30 tests; rc=$$?; \
-	echo "make test: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
+	echo "make test-serial: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The long real runs (marked slow): the benches at full length, the feedback loop, retraining, the real-model engine
 # bench. Run before resolving work that touches them (docs/development.md).

@@ -27,6 +27,7 @@ from predictor.buckets import BucketScheme
 from predictor.features import baseline_text, length_hints, tfidf_matrix
 from predictor.slices import ConstantBuckets, TfidfBuckets
 from training.data.example import Example
+from training.data.labels import censored_of, labels_of
 from training.evaluate import Predictions, pairwise_accuracy
 
 # Regularisation strengths tried for tfidf-logreg, on the validation split (a small grid: each fit costs seconds).
@@ -174,6 +175,13 @@ class TfidfLogReg:
     def servable(self) -> TfidfBuckets:
         """The fitted vectorizer and classifier as a routed predictor (what :meth:`predict` itself runs)."""
         return self.model
+
+
+def exact_labelled(examples: Sequence[Example], scheme: BucketScheme) -> list[Example]:
+    """The examples whose bucket their label decides: what the baselines learn from, since they have no censored
+    likelihood (a capped answer's bucket is known only when the cap is past the last edge)."""
+    known = scheme.decided(labels_of(examples), censored_of(examples))
+    return [e for e, k in zip(examples, known) if k]
 
 
 BASELINES: tuple[Callable[[], Baseline], ...] = (GlobalMedian, PromptLengthBin, TfidfLogReg)

@@ -456,7 +456,7 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     ``{baseline: {slice: fitted baseline}}``. With served lengths a held-out prompt is scored once per sample, whatever
     the label mode trained on.
     """
-    from training.baselines import BASELINES, fit_sliced, rows_of
+    from training.baselines import BASELINES, exact_labelled, fit_sliced, rows_of
     from training.evaluate import (
         RECOMMEND_BY,
         Predictions,
@@ -481,8 +481,7 @@ def evaluate_all(cfg: TrainConfig, prep: Prepared, predictor, enc: dict, work: P
     report["accuracy_at_widths"] = {"lengthwise": accuracy_at_widths(ours, scheme, y_len)}
     per_slice = {"lengthwise": sliced_metrics(ours, y_len, scheme, masks, cfg.padding)}
     # full (untruncated) prompt length in target-model tokens: what Aladdin's predictor conditions on
-    known = scheme.decided(labels_of(splits.train), censored_of(splits.train))
-    base_train = [e for e, k in zip(splits.train, known) if k]  # the baselines have no censored likelihood: exact labels
+    base_train = exact_labelled(splits.train, scheme)
     rows = {k: rows_of(part, prep.counter.count(["\n".join(t.text for t in e.turns) for e in part]))
             for k, part in (("train", base_train), ("val", splits.val), ("test", test))}
     report["baselines"], report["baseline_fits"] = {}, {}

@@ -115,9 +115,8 @@ def tfidf_predictions(data: str, fmt: str, served: Path, max_tokens: int, hashes
     """train-predictor's TF-IDF baseline fitted per slice on ``served``'s training split (as ``train-predictor --data DATA
     --served-lengths SERVED --max-tokens N`` fits it), its expected length for each of ``hashes`` in the test split;
     returns (predictions, mask of the hashes it could score: those in its test split)."""
-    from training.baselines import TfidfLogReg, fit_sliced, rows_of
+    from training.baselines import TfidfLogReg, exact_labelled, fit_sliced, rows_of
     from training.config import TrainConfig
-    from training.data.labels import censored_of, labels_of
     from training.data.served import prompt_hash
     from training.pipeline import prepare
 
@@ -128,8 +127,7 @@ def tfidf_predictions(data: str, fmt: str, served: Path, max_tokens: int, hashes
         return rows_of(part, prep.counter.count(["\n".join(t.text for t in e.turns) for e in part]))
 
     test = list({prompt_hash(e.turns): e for e in s.test}.items())  # one row per prompt: the prediction is per prompt
-    known = prep.scheme.decided(labels_of(s.train), censored_of(s.train))
-    train = [e for e, k in zip(s.train, known) if k]  # as train-predictor: the baselines learn from exact labels only
+    train = exact_labelled(s.train, prep.scheme)  # as train-predictor fits it
     pred, _ = fit_sliced(TfidfLogReg, prep.scheme, rows(train), rows(s.val), rows([e for _, e in test]))
     by_hash = dict(zip([h for h, _ in test], pred.point))
     mask = np.array([h in by_hash for h in hashes])

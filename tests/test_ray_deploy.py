@@ -116,8 +116,11 @@ def test_engine_replicas_start_with_the_systems_tcmalloc_preloaded_on_the_cpu_bu
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     env = app.replica_env(s, 0.0)
     lib = find_tcmalloc()
-    assert env == ({"LD_PRELOAD": str(lib)} if lib is not None else {})
-    assert app.replica_env(s, 1.0) == {}  # a GPU replica: CUDA vLLM brings its own allocator setup
-    assert app.replica_env(s.model_copy(update={"engine_malloc": "system"}), 0.0) == {}
+    one_device = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the model in the engine core process, as the HTTP engines
+    assert env == ({**one_device, "LD_PRELOAD": str(lib)} if lib is not None else one_device)
+    assert app.replica_env(s, 1.0) == {}  # a GPU replica: CUDA vLLM brings its own allocator setup and layout
+    assert app.replica_env(s.model_copy(update={"engine_malloc": "system"}), 0.0) == one_device
+    mp = s.model_copy(update={"engine_args": ["--distributed-executor-backend mp"], "engine_malloc": "system"})
+    assert app.replica_env(mp, 0.0) == {}  # vLLM's own CPU layout, asked for
     monkeypatch.setattr(app, "is_cpu_build", lambda: False)
     assert app.replica_env(s, 0.0) == {}

@@ -58,7 +58,7 @@ def claim_cores(per: int, lock_dir: Path | None = None) -> CoreClaim | None:
     directory in the temporary directory) it can lock, so claims of different sizes never overlap either. The kernel
     drops a dead process's locks, so a replica Ray restarts finds its predecessor's cores free.
     """
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     lock_dir = lock_dir or Path(tempfile.gettempdir()) / f"lengthwise-cores-{os.getuid()}"
     lock_dir.mkdir(parents=True, exist_ok=True)
     for i in range(len(cores) // per if per > 0 else 0):
@@ -84,3 +84,4 @@ def pin_process(cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
         except ProcessLookupError:  # the thread ended meanwhile
             pass
+from predictor.common import usable_cores

@@ -9,11 +9,20 @@ and ``--block-size 32`` (the CPU attention backend's block multiple) unless the 
 arguments say otherwise, and engines started side by side get disjoint cores
 (``VLLM_CPU_OMP_THREADS_BIND``) instead of all spinning on the same ones.
 
-The whole engine, not only its compute threads, is pinned to those cores (``pin_engines``): on CPU, vLLM runs the
-model in a worker process and its engine core process busy-waits (``sched_yield``) for each step's output. Unpinned,
-the engine core of one engine spins on the cores the other engine's worker computes on: one busy engine took about
-1.7 of two cores (its worker 95%, its engine core 73%, measured with ``top``), and a second request on the other
-engine waited seconds for its first token. Pinned, a spinning engine core yields to its own worker.
+On one device, vLLM runs the model inside its engine core process on a GPU (the ``uni`` executor); on CPU its platform
+turns that into a separate model worker process whenever V1 multiprocessing is on, which costs a third import of vLLM
+at start and an engine core that busy-waits (``sched_yield``) for each step's output. The CPU build's engines here run
+as on one GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in their environment, :func:`one_device_env`; the API server still
+starts its engine core process). Measured on the 2-core machine with the dummy-weight Llama on one core: healthy after
+19-22 s instead of 26-30 s, a burst of 32 x 128 tokens at 1,600 tokens/s instead of 930-980, with 5.0 instead of 8.5
+CPU-seconds. ``--engine-arg=--distributed-executor-backend mp`` gives back vLLM's own CPU layout.
+
+The whole engine, not only its compute threads, is pinned to those cores (``pin_engines``): with vLLM's CPU layout a
+worker process computes while the engine core busy-waits, and unpinned, the engine core of one engine spun on the
+cores the other engine's worker computed on: one busy engine took about 1.7 of two cores (its worker 95%, its engine
+core 73%, measured with ``top``), and a second request on the other engine waited seconds for its first token.
+Pinned, a spinning engine core yields to its own worker; in the one-device layout the pin keeps each engine's API
+server and engine core off the other's cores.
 
 On CPU each engine preloads the system's tcmalloc (``engine_malloc``, :mod:`serving.launch.malloc`), as vLLM's CPU platform
 intends and the PyPI wheel cannot arrange: its model worker grows less in a long run than on glibc's malloc.
@@ -51,6 +60,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import SecretStr
 
+from predictor.common import usable_cores
 from serving.launch.cores import parse_cores, pin_to
 from serving.launch.guard import MIDDLEWARE as ENGINE_GUARD
 from serving.launch.malloc import engine_malloc, with_tcmalloc
@@ -130,6 +140,24 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+# the flags that ask vLLM for more than one device, or for an executor by name: the operator's layout is kept
+MULTI_DEVICE_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+
+
+def one_device_env(cpu: bool, args: list[str]) -> dict[str, str]:
+    """The environment that makes a CPU engine run its model in its engine core process, as vLLM does on one GPU (the
+    module docstring says why and what it measured); empty on a GPU build, and where ``args`` ask for several devices or
+    an executor other than ``uni``."""
+    if not cpu or any(_has_flag(args, f) for f in MULTI_DEVICE_FLAGS):
+        return {}
+    for i, a in enumerate(args):
+        if a == "--distributed-executor-backend" or a.startswith("--distributed-executor-backend="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if value != "uni":
+                return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def engine_args(settings: EngineSpec) -> list[str]:
     """The operator's ``--engine-arg`` values, each split like a shell would."""
     return [part for a in settings.engine_args for part in shlex.split(a)]
@@ -151,7 +179,7 @@ def engine_command(settings: EngineSpec, port: int, cpu: bool, metrics_port: int
 
 def cpu_binds(n: int) -> list[str | None]:
     """Disjoint core lists for ``n`` engines (``VLLM_CPU_OMP_THREADS_BIND``); None where there are too few cores."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     if n < 2 or len(cores) < n:
         return [None] * n
     per = len(cores) // n
@@ -194,6 +222,8 @@ def start_engines(settings: EngineSpec, log_dir: Path) -> list[EngineProcess]:
         if settings.engine_api_key is not None:  # vLLM reads it as --api-key; in the environment it is in no ps listing
             env["VLLM_API_KEY"] = settings.engine_api_key.get_secret_value()  # and in no log line (the command is logged)
         env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
+        for k, v in one_device_env(cpu, engine_args(settings)).items():
+            env.setdefault(k, v)
         env = with_tcmalloc(env, malloc)
         pin = None
         if binds[i] is not None:

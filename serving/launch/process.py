@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Self
 
 import httpx
+import psutil
 
 
 class StartError(RuntimeError):
@@ -54,6 +55,26 @@ def killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def wait_group_gone(pgid: int, timeout_s: float = 5.0) -> bool:
+    """Wait until no live process is left in process group ``pgid`` (zombies aside): a SIGKILL is delivered when the
+    kernel next runs the process, so a group signalled a moment ago may still list its members. False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = False
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive = True
+                    break
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def tail(log: Path | None, lines: int = 25) -> str:
@@ -90,7 +111,7 @@ def wait_http(url: str, timeout_s: float, what: str, proc: subprocess.Popen | No
 
 def cpu_cores(spec: str) -> str:
     """``all`` or the first N of the cores this process may use, as a list for ``VLLM_CPU_OMP_THREADS_BIND``."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     if spec == "all":
         return ",".join(map(str, cores))
     try:
@@ -167,6 +188,7 @@ class Children:
             child.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        wait_group_gone(child.proc.pid)  # its own children too, before the caller goes on
         if child in self.children:
             self.children.remove(child)
         return child.proc.returncode
@@ -174,3 +196,4 @@ class Children:
     def stop_all(self) -> None:
         for child in reversed(list(self.children)):
             self.stop(child)
+from predictor.common import usable_cores

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from serving.gateway.settings import GatewaySettings
-from serving.launch.engines import engine_command, is_cpu_build
+from serving.launch.engines import engine_args, engine_command, is_cpu_build, one_device_env
 from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.ray.engine import EngineReplica
 from serving.ray.ingress import Ingress
@@ -61,11 +61,14 @@ def pinned_cores(settings: GatewaySettings, engine_cpus: float, engine_gpus: flo
 
 
 def replica_env(settings: GatewaySettings, engine_gpus: float) -> dict[str, str]:
-    """Environment variables each engine replica's process starts with: on the CPU build, the system's tcmalloc first in
-    ``LD_PRELOAD`` (``engine_malloc``, as the HTTP backend's engines; :mod:`serving.launch.malloc`). The library is looked up
-    on the node that deploys: a node without it at that path runs the replica on glibc's malloc (the loader says so)."""
-    lib = engine_malloc(engine_gpus == 0 and is_cpu_build(), settings.engine_malloc, log)
-    return {"LD_PRELOAD": with_tcmalloc(os.environ, lib)["LD_PRELOAD"]} if lib is not None else {}
+    """Environment variables each engine replica's process starts with, on the CPU build as the HTTP backend's engines:
+    the model run in the engine core process (``one_device_env``), and the system's tcmalloc first in ``LD_PRELOAD``
+    (``engine_malloc``; :mod:`serving.launch.malloc`). The library is looked up on the node that deploys: a node without
+    it at that path runs the replica on glibc's malloc (the loader says so)."""
+    cpu = engine_gpus == 0 and is_cpu_build()
+    env = one_device_env(cpu, engine_args(settings))
+    lib = engine_malloc(cpu, settings.engine_malloc, log)
+    return {**env, "LD_PRELOAD": with_tcmalloc(os.environ, lib)["LD_PRELOAD"]} if lib is not None else env
 
 
 def engine_app(settings: GatewaySettings, engine_cpus: float = 1.0, engine_gpus: float = 0.0,

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rich.console import Console
 from rich.table import Table
 
+from predictor.common import usable_cores
 from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
 from serving.launch.cores import parse_cores, pin_to
 from serving.launch.engines import is_cpu_build
@@ -186,7 +187,7 @@ def merge_csv(parts: list[Path], path: Path) -> Path:
 
 def _core_sets(n: int, threads: int) -> list[str | None]:
     """Disjoint cores per engine (``VLLM_CPU_OMP_THREADS_BIND``) when the machine has enough, else None."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = usable_cores()
     if len(cores) < n * threads:
         return [None] * n
     return [",".join(str(c) for c in cores[i * threads:(i + 1) * threads]) for i in range(n)]

@@ -109,11 +109,12 @@ def test_the_wait_says_where_each_engine_still_starting_has_got_to(tmp_path, sta
     assert "engine-1 last logged" not in notes[-1], "an engine that is up is not listed"
 
 
-def test_cpu_engines_run_their_model_in_the_engine_core_unless_told_otherwise():
+def test_cpu_engines_run_their_model_in_the_engine_core_unless_told_otherwise(monkeypatch):
     """One device, one engine core process with the model in it (vLLM's layout on one GPU); an operator's executor or
     several devices keep vLLM's own choice, and a GPU build is left alone."""
     from serving.launch.engines import one_device_env
 
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     one = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert one_device_env(True, []) == one == one_device_env(True, ["--distributed-executor-backend", "uni"])
     assert one_device_env(True, ["--max-model-len", "2048", "--distributed-executor-backend=uni"]) == one
@@ -121,3 +122,5 @@ def test_cpu_engines_run_their_model_in_the_engine_core_unless_told_otherwise():
     for args in (["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=ray"],
                  ["--tensor-parallel-size", "2"], ["-tp=2"], ["--pipeline-parallel-size", "2"], ["-dp", "2"]):
         assert one_device_env(True, args) == {}, args
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the operator's own choice, for every engine
+    assert one_device_env(True, []) == {}

@@ -114,6 +114,7 @@ def test_engine_replicas_start_with_the_systems_tcmalloc_preloaded_on_the_cpu_bu
     s = GatewaySettings(model="m")
     monkeypatch.setattr(app, "is_cpu_build", lambda: True)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     env = app.replica_env(s, 0.0)
     lib = find_tcmalloc()
     one_device = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the model in the engine core process, as the HTTP engines

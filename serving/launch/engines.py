@@ -15,7 +15,8 @@ at start and an engine core that busy-waits (``sched_yield``) for each step's ou
 as on one GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in their environment, :func:`one_device_env`; the API server still
 starts its engine core process). Measured on the 2-core machine with the dummy-weight Llama on one core: healthy after
 19-22 s instead of 26-30 s, a burst of 32 x 128 tokens at 1,600 tokens/s instead of 930-980, with 5.0 instead of 8.5
-CPU-seconds. ``--engine-arg=--distributed-executor-backend mp`` gives back vLLM's own CPU layout.
+CPU-seconds. ``--engine-arg=--distributed-executor-backend mp`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the
+environment) gives back vLLM's own CPU layout.
 
 The whole engine, not only its compute threads, is pinned to those cores (``pin_engines``): with vLLM's CPU layout a
 worker process computes while the engine core busy-waits, and unpinned, the engine core of one engine spun on the
@@ -146,9 +147,10 @@ MULTI_DEVICE_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size
 
 def one_device_env(cpu: bool, args: list[str]) -> dict[str, str]:
     """The environment that makes a CPU engine run its model in its engine core process, as vLLM does on one GPU (the
-    module docstring says why and what it measured); empty on a GPU build, and where ``args`` ask for several devices or
-    an executor other than ``uni``."""
-    if not cpu or any(_has_flag(args, f) for f in MULTI_DEVICE_FLAGS):
+    module docstring says why and what it measured); empty on a GPU build, where ``args`` ask for several devices or an
+    executor other than ``uni``, and where the operator set ``VLLM_ENABLE_V1_MULTIPROCESSING`` themselves (``1``: vLLM's
+    own CPU layout, for every engine a command starts)."""
+    if not cpu or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ or any(_has_flag(args, f) for f in MULTI_DEVICE_FLAGS):
         return {}
     for i, a in enumerate(args):
         if a == "--distributed-executor-backend" or a.startswith("--distributed-executor-backend="):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the loop below reads the scheduler in this process
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # The length processor (serving.bench.engine.exactlen) has vLLM's V1 logits-processor interface, which the V2 model runner
 # (vLLM 0.32's default on CUDA with Triton) refuses at load; the CPU build, without Triton, runs the V1 runner anyway.

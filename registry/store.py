@@ -52,6 +52,7 @@ TARGET_TAGS = {"model": TAG_TARGET_MODEL, "label_tokenizer": "lengthwise.label_t
                "source": "lengthwise.label_source"}
 TAG_VARIANT = "lengthwise.variant"
 TAG_ROUTES = "lengthwise.routes"
+TAG_STAGES = "lengthwise.stages"  # what it learnt from, e.g. "dataset answers (sharegpt) x 20000 > SmolLM2-… x 5126"
 TAG_FAST_TIER = "lengthwise.fast_tier"  # e.g. "tfidf-logreg:first_turn,later_turns": what a saturated sidecar answers with
 
 
@@ -181,6 +182,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
         tags[TAG_ROUTES] = routes
     if (fast := package_fast_tier(Path(package_dir))) is not None:
         tags[TAG_FAST_TIER] = fast
+    if (stages := package_stages(Path(package_dir))) is not None:
+        tags[TAG_STAGES] = stages
     for k, v in tags.items():
         client.set_model_version_tag(name, version, k, v)
     return Registered(name, version, f"models:/{name}/{version}")
@@ -217,6 +220,16 @@ def package_routes(package_dir: Path) -> str | None:
     try:
         return routes_tag(json.loads((package_dir / META_FILE).read_text()).get(ROUTES_KEY))
     except (OSError, ValueError, AttributeError):
+        return None
+
+
+def package_stages(package_dir: Path) -> str | None:
+    """What the package's model learnt from, stage by stage (``meta.json``'s ``stages``), as ``labels x examples > ...``;
+    None for a package that does not say."""
+    try:
+        stages = json.loads((package_dir / META_FILE).read_text()).get("stages")
+        return " > ".join(f"{s['labels']} x {s['examples']}" for s in stages) if stages else None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
 
 

@@ -175,6 +175,9 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert main(["--data", str(prompts), *tok, "--label", "soft"]) == 2
     assert capsys.readouterr().err.strip() == ("train-predictor: error: --label soft needs --served-lengths: soft labels "
                                                "are the bucket histogram of a prompt's samples")
+    assert main(["--data", str(prompts), *tok, "--pretrain-epochs", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("train-predictor: error: --pretrain-epochs needs --served-lengths: without "
+                                               "them the data's answers are the labels already")
     assert load_served(lengths).censored > 0
     assert main(["--data", str(prompts), *tok, "--served-lengths", str(lengths), "--max-tokens", "1024"]) == 2
     err = capsys.readouterr().err.strip()
@@ -183,10 +186,30 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert "invalid choice" in _fail_line(capsys, ["--data", str(prompts), "--label", "hard"])
 
 
+def test_pre_training_takes_the_datas_own_answers_of_training_conversations_only(served_set, data):
+    """The first stage learns from the data's answers, counted by the target's tokenizer, of every conversation in the
+    training split and no other: no validation or test prompt is seen by either stage."""
+    from training.pipeline import prepare
+    from training.split import split_of
+
+    prompts, lengths = served_set
+    cfg = TrainConfig(data=str(prompts), served_lengths=str(lengths), tokenizer=str(data / "tokenizers/gpt2/tokenizer.json"),
+                      max_tokens=256, bucket_width=64, pretrain_epochs=1, pretrain_samples=None)
+    prep = prepare(cfg)
+    every = [e for e in load_examples(prompts, "sharegpt") if e.response]
+    train = [e for e in every if split_of(e.group, seed=0) == "train"]
+    assert len(prep.pretrain) == len(train) < len(every)  # all of training's turns, none of the others
+    assert {e.group for e in prep.pretrain} == {e.group for e in train}
+    assert not {e.group for e in prep.pretrain} & {e.group for e in prep.splits.val + prep.splits.test}
+    assert all(e.response_tokens > 0 and not e.censored for e in prep.pretrain)  # the answers' own lengths, not the cap
+    assert len(prepare(cfg.model_copy(update={"pretrain_samples": 50})).pretrain) <= 50
+
+
 @pytest.mark.timeout(900)
 def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_target(served_set, data, home, tmp_path):
-    """One small real run: every slice scored for the model and each baseline, a recommendation per slice, the test
-    rows one per sample, and the served model recorded as the target in the package and the registry."""
+    """One small real run, pre-trained on the data's own answers first: every slice scored for the model and each
+    baseline, a recommendation per slice, the test rows one per sample, and the served model recorded as the target
+    in the package and the registry, beside both stages' data."""
     from registry import store
 
     prompts, lengths = served_set
@@ -194,9 +217,12 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--rank-loss-weight", "0.5",
                "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens", "256", "--bucket-width", "64",
                "--max-samples", "300", "--epochs", "1", "--max-prompt-tokens", "24", "--experiment", "tests-served",
+               "--pretrain-epochs", "1", "--pretrain-samples", "120",
                "--register", "served-predictor", "--work-dir", str(tmp_path / "work"), "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
+    pre = r["pretrain"]
+    assert pre["labels"] == "dataset answers (sharegpt)" and 0 < pre["examples"] <= 120 and 0 <= pre["best_val_acc"] <= 1
     assert set(r["slices"]) == {"first_turn", "later_turns", "all"} == set(r["recommended"])
     for block in r["slices"].values():
         assert set(block) == {"lengthwise", "global-median", "prompt-length-bin", "tfidf-logreg"}
@@ -217,10 +243,15 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     assert agree["prompts"] >= 10 and -1 <= agree["kendall_tau"] <= agree["ideal_tau_estimate"] <= 1
     meta = json.loads((tmp_path / "work" / "package" / "meta.json").read_text())
     assert meta["target"] == want
+    assert [s["labels"] for s in meta["stages"]] == ["dataset answers (sharegpt)", MODEL]
+    assert [s["examples"] for s in meta["stages"]] == [pre["examples"], r["n_train"]]
     assert store.version_target("served-predictor", r["registered_version"])["model"] == MODEL
+    tags = store.MlflowClient().get_model_version("served-predictor", r["registered_version"]).tags
+    assert tags[store.TAG_STAGES] == f"dataset answers (sharegpt) x {pre['examples']} > {MODEL} x {r['n_train']}"
     from mlflow import MlflowClient
 
     run = MlflowClient().get_run(r["run_id"])
     assert run.data.params["label"] == "soft" and float(run.data.params["rank_loss_weight"]) == 0.5
     assert {f"recommended_{s}" for s in r["recommended"]} <= set(run.data.tags)
     assert "train_rank_loss" in run.data.metrics and "later_turns_tfidf-logreg_pairwise_accuracy" in run.data.metrics
+    assert "pretrain-val_acc" in run.data.metrics and int(run.data.params["n_pretrain"]) == pre["examples"]

@@ -28,6 +28,10 @@ examples:
   train-predictor --data smollm2.jsonl --format jsonl --max-tokens 1024
   train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024
 
+  # pre-trained on the data's own answers (ChatGPT's) of every training conversation, then on the served model's
+  train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024 \\
+      --pretrain-epochs 2
+
   # the same, each prompt trained once on the histogram of its K samples, with a ranking term in the loss
   train-predictor --data sharegpt.json.xz --format sharegpt --served-lengths smollm2.lengths.jsonl --max-tokens 1024 \\
       --label soft --rank-loss-weight 0.5
@@ -115,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch-size", type=int, default=_default("batch_size"), help=_help("batch_size"))
     m.add_argument("--rank-loss-weight", type=_non_negative, default=_default("rank_loss_weight"), metavar="W",
                    help=_help("rank_loss_weight"))
+    m.add_argument("--pretrain-epochs", type=int, default=_default("pretrain_epochs"), metavar="N",
+                   help=_help("pretrain_epochs"))
+    m.add_argument("--pretrain-samples", type=int, default=_default("pretrain_samples"), metavar="N",
+                   help="cap on the pre-training examples, whole conversations kept (default: %(default)s; 0 = all)")
     m.add_argument("--lora-rank", type=int, default=_default("lora_rank"), help=_help("lora_rank"))
     m.add_argument("--lora-alpha", type=int, default=_default("lora_alpha"), help=_help("lora_alpha"))
     m.add_argument("--lora-dropout", type=float, default=_default("lora_dropout"), help=_help("lora_dropout"))
@@ -202,6 +210,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         route_slices=a.route_slices, route_max_top1_drop=a.route_max_top1_drop, route_max_tau_drop=a.route_max_tau_drop,
         distill_to=a.distill_to, distill_alpha=a.distill_alpha, distill_lr=a.distill_lr,
         distill_max_top1_drop=a.distill_max_top1_drop, distill_max_tau_drop=a.distill_max_tau_drop,
+        pretrain_epochs=a.pretrain_epochs, pretrain_samples=a.pretrain_samples or None,
     )
 
 

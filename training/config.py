@@ -52,6 +52,12 @@ class TrainConfig(BaseModel):
     lora_targets: list[str] | None = Field(None, description="module names the adapters wrap (None: query,value for BERT; "
                                                              "q_proj,v_proj for Llama)")
     patience: int = Field(2, description="early-stopping patience in epochs")
+    pretrain_epochs: int = Field(0, ge=0, description="with served_lengths: first train this many epochs (early stopping "
+                                 "on the served validation split) on the data's own answers (ChatGPT's, for ShareGPT) of "
+                                 "every training-split conversation of the slice, then train on the served model's labels "
+                                 "from there (0: off)")
+    pretrain_samples: int | None = Field(20000, ge=1, description="cap on the pre-training examples, whole conversations "
+                                         "kept (None: all)")
     seed: int = Field(0, description="seed of the split, the sampling cap, the initialisation and the batches")
     padding: float = Field(0.15, description="padding ratio for the under-prediction rate (EcoServe: 0.1-0.2)")
     quantile: float = Field(0.9, description="quantile length reported beside the expected length")

@@ -27,7 +27,7 @@ from training.data import DataError, Example, load_examples
 from training.data.labels import TokenCounter, attach_labels, censored_of, labels_of, load_counter
 from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served, table_target
 from training.distill import describe, judge, package_dir, score, student_targets, teacher_probs
-from training.split import Splits, cap_groups, split_by_group
+from training.split import Splits, cap_groups, split_by_group, split_of
 
 if TYPE_CHECKING:
     from predictor.prompt import InputFormat
@@ -45,6 +45,7 @@ class Prepared:
     target: dict | None = None  # whose lengths the labels are (predictor.target): recorded in the package and registry
     served: ServedLabels | None = None  # the served-length file's labels, with --served-lengths
     undecided: dict[str, int] | None = None  # cut answers left out of validation and test (no known bucket)
+    pretrain: list[Example] | None = None  # with pretrain_epochs: the data's own answers, training conversations only
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -58,6 +59,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
               else BucketScheme.equal_width(200 if cfg.bucket_width is None else int(cfg.bucket_width), cfg.max_tokens))
     if cfg.label == "soft" and not cfg.served_lengths:
         raise DataError("--label soft needs --served-lengths: soft labels are the bucket histogram of a prompt's samples")
+    if cfg.pretrain_epochs and not cfg.served_lengths:
+        raise DataError("--pretrain-epochs needs --served-lengths: without them the data's answers are the labels already")
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
     examples = load_examples(cfg.data, cfg.fmt, **kwargs)
@@ -73,7 +76,21 @@ def prepare(cfg: TrainConfig) -> Prepared:
         raise DataError(f"too few conversations to split ({len(examples)} examples): need data for train, val and test")
     train_decided = scheme.decided(labels_of(splits.train), censored_of(splits.train))
     scheme = scheme.with_centers(labels_of(splits.train)[train_decided])
-    return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided)
+    pretrain = _pretrain_examples(cfg, counter) if cfg.pretrain_epochs else None
+    return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided, pretrain)
+
+
+def _pretrain_examples(cfg: TrainConfig, counter: TokenCounter) -> list[Example]:
+    """The data's own answers (counted by the target's tokenizer) for every conversation :func:`split_by_group` puts in
+    training: no validation or test prompt is seen by either stage. Every prompt of the slice, not only the ones the
+    served model answered (TetriInfer and EcoServe train on a dataset's answers; here they teach the encoder what makes
+    an answer long before the served model's noisier samples say how long it answers)."""
+    examples = load_examples(cfg.data, cfg.fmt, generator=cfg.generator, first_turn_only=cfg.first_turn_only)
+    examples = [e for e in examples if split_of(e.group, seed=cfg.seed) == "train" and e.response]
+    examples = attach_labels(cap_groups(examples, cfg.pretrain_samples, cfg.seed), counter)
+    if not examples:
+        raise DataError("--pretrain-epochs: the data has no answers of training conversations to pre-train on")
+    return examples
 
 
 def _decided_eval(splits: Splits, scheme: BucketScheme) -> tuple[Splits, dict[str, int]]:
@@ -177,6 +194,7 @@ def run(cfg: TrainConfig) -> dict:
     params = _run_params(cfg, prep, inputs, lora)
     with mlflow.start_run(experiment_id=exp_id) as run_:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        pretrained = _pretrain(cfg, inputs, module, val_dl, work, run_.info.run_id) if prep.pretrain else None
         trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
         model, distilled = trained.model, None
         if cfg.distill_to:  # a smaller student of the trained model; it replaces it only if as good (training.distill)
@@ -188,6 +206,7 @@ def run(cfg: TrainConfig) -> dict:
         report["routes"] = _route(cfg, package, report, fitted)
         report["fast_tier"] = _fast_tier(package, report, fitted)
         report["distillation"] = distilled
+        report["pretrain"] = pretrained
         splits = prep.splits
         report.update(
             onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
@@ -253,6 +272,10 @@ def _encode(cfg: TrainConfig, prep: Prepared) -> _Inputs:
         lengths["train"] = np.array([np.mean([n for n, _ in samples]) for _, samples in grouped])
     elif censored_of(splits.train).any():  # lower bounds train by their likelihood, not as short answers
         y["train"] = label_targets([[(e.response_tokens or 0, e.censored)] for e in splits.train], scheme)
+    if prep.pretrain:  # the data's own answers: exact lengths, one example each
+        parts["pretrain"] = prep.pretrain
+        y["pretrain"] = scheme.assign(labels_of(prep.pretrain))
+        lengths["pretrain"] = labels_of(prep.pretrain).astype(np.float64)
     enc = {name: encode_turns(tok, fmt_in, [_turns(e) for e in part]) for name, part in parts.items()}
     return _Inputs(base, model_type, fmt_in, enc, y, lengths)
 
@@ -291,10 +314,34 @@ def _run_params(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, lora: Any) ->
     splits = prep.splits
     params = dict(cfg.model_dump())
     params.update(base_model=str(inputs.base), model_type=inputs.model_type, n_buckets=prep.scheme.n,
-                  n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test),
+                  n_train=len(splits.train), n_val=len(splits.val), n_test=len(splits.test), n_pretrain=len(prep.pretrain or []),
                   lora_targets=",".join(lora.target_modules), eval_split=splits.fingerprint(),
                   label_tokenizer=str(cfg.tokenizer or default_tokenizer()))
     return params
+
+
+def _stages(cfg: TrainConfig, prep: Prepared) -> list[dict]:
+    """What each training stage learnt from, in order (the package's ``stages``; the registry's ``lengthwise.stages``)."""
+    served = {"labels": str((prep.target or {}).get("model")), "data": str(cfg.served_lengths or cfg.data),
+              "examples": len(prep.splits.train)}
+    if not prep.pretrain:
+        return [served]
+    return [{"labels": f"dataset answers ({cfg.generator or cfg.fmt})", "data": str(cfg.data),
+             "examples": len(prep.pretrain)}, served]
+
+
+def _pretrain(cfg: TrainConfig, inputs: _Inputs, module: Any, val_dl: Any, work: Path, run_id: str) -> dict:
+    """The first stage (``pretrain_epochs``): ``module`` trained on the data's own answers, early-stopped on the served
+    validation split (what the second stage is judged on), its best checkpoint loaded back; returns what the report
+    and MLflow keep of it (curves under ``pretrain-``)."""
+    from training.module import make_loader
+
+    enc, y, n = inputs.enc["pretrain"], inputs.y["pretrain"], inputs.lengths["pretrain"]
+    loader = make_loader([e.ids for e in enc], y.tolist(), inputs.fmt_in.pad_id, cfg.batch_size, True, cfg.seed, n.tolist())
+    stage = _train(cfg.model_copy(update={"epochs": cfg.pretrain_epochs}), module, loader, val_dl, work / "pretrain",
+                   run_id, prefix="pretrain")
+    return {"labels": f"dataset answers ({cfg.generator or cfg.fmt})", "examples": len(enc),
+            "epochs_run": stage.epochs_run, "best_val_acc": stage.best_val_acc, "train_seconds": stage.train_seconds}
 
 
 def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path, run_id: str, prefix: str = "") -> _Trained:
@@ -337,7 +384,7 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
         "backbone": str(base.name), "model_type": inputs.model_type,
         "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
         "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
-        **(extra_meta or {}),
+        "stages": _stages(cfg, prep), **(extra_meta or {}),
     }, target=prep.target)
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]

@@ -341,7 +341,7 @@ def _pretrain(cfg: TrainConfig, inputs: _Inputs, module: Any, val_dl: Any, work:
     stage = _train(cfg.model_copy(update={"epochs": cfg.pretrain_epochs}), module, loader, val_dl, work / "pretrain",
                    run_id, prefix="pretrain")
     return {"labels": f"dataset answers ({cfg.generator or cfg.fmt})", "examples": len(enc),
-            "epochs_run": stage.epochs_run, "best_val_acc": stage.best_val_acc, "train_seconds": stage.train_seconds}
+            "epoch_seconds": stage.epoch_seconds, "best_val_acc": stage.best_val_acc, "train_seconds": stage.train_seconds}
 
 
 def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path, run_id: str, prefix: str = "") -> _Trained:

@@ -96,7 +96,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"({', '.join(f'{s:.0f}s' for s in report.get('epoch_seconds', []))})")
     if pre := report.get("pretrain"):
         console.print(f"pre-trained first on {pre['labels']}: {pre['examples']} training-split examples, "
-                      f"{pre['epochs_run'] + 1} epochs in {pre['train_seconds']:.0f}s, best served validation accuracy "
+                      f"{len(pre['epoch_seconds'])} epochs in {pre['train_seconds']:.0f}s, best served validation accuracy "
                       f"{pre['best_val_acc']:.3f} before the served labels")
     console.print(f"model: {report['model_uri']}" + (f"  alias @{report['alias']}" if report.get("alias") else ""))
     if report.get("promotion"):

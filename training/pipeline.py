@@ -83,8 +83,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
 def _pretrain_examples(cfg: TrainConfig, counter: TokenCounter) -> list[Example]:
     """The data's own answers (counted by the target's tokenizer) for every conversation :func:`split_by_group` puts in
     training: no validation or test prompt is seen by either stage. Every prompt of the slice, not only the ones the
-    served model answered (TetriInfer and EcoServe train on a dataset's answers; here they teach the encoder what makes
-    an answer long before the served model's noisier samples say how long it answers)."""
+    served model answered: a dataset's answer has no sampling noise, so it teaches the encoder what makes an answer long
+    before the served model's noisier samples say how long that model answers."""
     examples = load_examples(cfg.data, cfg.fmt, generator=cfg.generator, first_turn_only=cfg.first_turn_only)
     examples = [e for e in examples if split_of(e.group, seed=cfg.seed) == "train" and e.response]
     examples = attach_labels(cap_groups(examples, cfg.pretrain_samples, cfg.seed), counter)
@@ -124,7 +124,7 @@ def _target(cfg: TrainConfig, served: ServedLabels | None) -> dict:
         return served.target()
     if cfg.fmt == "jsonl" and not cfg.served_lengths and (named := table_target(cfg.data)) is not None:
         return named
-    return {"model": f"dataset answers ({cfg.generator or cfg.fmt})",
+    return {"model": _dataset_answers(cfg),
             "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
             "sampling": None, "max_tokens": cfg.max_tokens, "source": "dataset answers"}
 
@@ -326,8 +326,12 @@ def _stages(cfg: TrainConfig, prep: Prepared) -> list[dict]:
               "examples": len(prep.splits.train)}
     if not prep.pretrain:
         return [served]
-    return [{"labels": f"dataset answers ({cfg.generator or cfg.fmt})", "data": str(cfg.data),
-             "examples": len(prep.pretrain)}, served]
+    return [{"labels": _dataset_answers(cfg), "data": str(cfg.data), "examples": len(prep.pretrain)}, served]
+
+
+def _dataset_answers(cfg: TrainConfig) -> str:
+    """What labels counted from the data's own answers are called (a target's model, the first stage's labels)."""
+    return f"dataset answers ({cfg.generator or cfg.fmt})"
 
 
 def _pretrain(cfg: TrainConfig, inputs: _Inputs, module: Any, val_dl: Any, work: Path, run_id: str) -> dict:
@@ -340,7 +344,7 @@ def _pretrain(cfg: TrainConfig, inputs: _Inputs, module: Any, val_dl: Any, work:
     loader = make_loader([e.ids for e in enc], y.tolist(), inputs.fmt_in.pad_id, cfg.batch_size, True, cfg.seed, n.tolist())
     stage = _train(cfg.model_copy(update={"epochs": cfg.pretrain_epochs}), module, loader, val_dl, work / "pretrain",
                    run_id, prefix="pretrain")
-    return {"labels": f"dataset answers ({cfg.generator or cfg.fmt})", "examples": len(enc),
+    return {"labels": _dataset_answers(cfg), "examples": len(enc),
             "epoch_seconds": stage.epoch_seconds, "best_val_acc": stage.best_val_acc, "train_seconds": stage.train_seconds}
 
 

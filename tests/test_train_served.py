@@ -184,6 +184,8 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert err.count("\n") == 0 and "ran to their cap of 256 tokens (censored)" in err and "--max-tokens 256" in err
     assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--rank-loss-weight", "-1"])
     assert "invalid choice" in _fail_line(capsys, ["--data", str(prompts), "--label", "hard"])
+    assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-epochs", "-1"])
+    assert "not a whole number" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-samples", "many"])
 
 
 def test_pre_training_takes_the_datas_own_answers_of_training_conversations_only(served_set, data):

@@ -66,11 +66,18 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _count(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
     return value
@@ -119,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch-size", type=int, default=_default("batch_size"), help=_help("batch_size"))
     m.add_argument("--rank-loss-weight", type=_non_negative, default=_default("rank_loss_weight"), metavar="W",
                    help=_help("rank_loss_weight"))
-    m.add_argument("--pretrain-epochs", type=int, default=_default("pretrain_epochs"), metavar="N",
+    m.add_argument("--pretrain-epochs", type=_count, default=_default("pretrain_epochs"), metavar="N",
                    help=_help("pretrain_epochs"))
-    m.add_argument("--pretrain-samples", type=int, default=_default("pretrain_samples"), metavar="N",
+    m.add_argument("--pretrain-samples", type=_count, default=_default("pretrain_samples"), metavar="N",
                    help="cap on the pre-training examples, whole conversations kept (default: %(default)s; 0 = all)")
     m.add_argument("--lora-rank", type=int, default=_default("lora_rank"), help=_help("lora_rank"))
     m.add_argument("--lora-alpha", type=int, default=_default("lora_alpha"), help=_help("lora_alpha"))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from serving.gateway.auth import read_key_file
+from serving.launch.engines import engine_args, flag_value
 from serving.policy.config import PolicyConfig
 
 if TYPE_CHECKING:
@@ -246,13 +246,7 @@ class GatewaySettings(BaseModel):
 
     def engine_arg(self, flag: str) -> str | None:
         """The value of ``flag`` in the ``--engine-arg`` strings (``--flag V`` or ``--flag=V``), if given there."""
-        parts = [p for a in self.engine_args for p in shlex.split(a)]
-        for i, p in enumerate(parts):
-            if p == flag and i + 1 < len(parts):
-                return parts[i + 1]
-            if p.startswith(flag + "="):
-                return p.split("=", 1)[1]
-        return None
+        return flag_value(engine_args(self), flag)
 
     def placement_config(self) -> PlacementConfig:
         """The placement's settings; loads and fits ``latency_profile`` (LatencyError when it is unusable)."""

@@ -141,6 +141,16 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in split engine arguments (``--flag V`` or ``--flag=V``), if given there."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 # the flags that ask vLLM for more than one device, or for an executor by name: the operator's layout is kept
 MULTI_DEVICE_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
 
@@ -152,11 +162,8 @@ def one_device_env(cpu: bool, args: list[str]) -> dict[str, str]:
     own CPU layout, for every engine a command starts)."""
     if not cpu or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ or any(_has_flag(args, f) for f in MULTI_DEVICE_FLAGS):
         return {}
-    for i, a in enumerate(args):
-        if a == "--distributed-executor-backend" or a.startswith("--distributed-executor-backend="):
-            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-            if value != "uni":
-                return {}
+    if _has_flag(args, "--distributed-executor-backend") and flag_value(args, "--distributed-executor-backend") != "uni":
+        return {}
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

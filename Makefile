@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema
+.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema gpu-pack
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -74,3 +74,12 @@ lint: setup
 # after a vLLM upgrade, run it and commit the file (tests/test_gateway_schema.py says when it no longer matches).
 vllm-schema: setup
 	$(VENV)/bin/python -m serving.gateway.schema
+
+# .gpu-pack/ (ignored), what a lent GPU machine (H200, Python 3.12, torch 2.11, no registry) lacks to run the engine
+# benchmark on CUDA vLLM: its wheel stripped to sm_90 and LZMA-compressed, the missing dependencies' wheels, an
+# install script, a manifest and the h200-llama8b preset's workload (ShareGPT first turns in Llama-3 tokens, length
+# only); downloads are cached in ~/.cache/lengthwise/gpu-pack. On the GPU machine:
+# `sh .gpu-pack/install.sh /tmp/site; PYTHONPATH=/tmp/site:. python3 -m serving.bench.gpu.check`.
+gpu-pack: setup
+	$(VENV)/bin/python -m serving.bench.gpu.pack --out .gpu-pack
+	$(VENV)/bin/python -m serving.bench.engine.presets --out .gpu-pack/sharegpt-first-turns.llama3.csv

@@ -8,8 +8,11 @@ Load ``serving.engine.profile.ProfiledScheduler`` (stock vLLM V1 scheduling, rec
 ``serving.engine.profile.ProfiledLengthwiseScheduler`` (the plug-in, recorded) as ``scheduler_cls``.
 Rows are kept in memory (``step_rows()``); ``$LENGTHWISE_PROFILE_CSV`` also writes them out at exit.
 
-A row's ``step_s`` runs from ``schedule()`` to the end of ``update_from_output()``: the scheduler, the
-forward pass and sampling. ``start_s`` lets a caller add the engine loop's own gap between steps.
+A row's ``step_s`` runs from ``schedule()`` (or, when the step was scheduled while the one before it still ran,
+from the end of that one) to the end of ``update_from_output()``: the scheduler, the forward pass and sampling.
+``start_s`` lets a caller add the engine loop's own gap between steps. Under async scheduling (vLLM's default on
+CUDA) the engine schedules step k+1 before step k's output is back, so the recorder keeps scheduled steps in order
+and charges each only for the time after its predecessor finished: the steps' times still add up to the busy time.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import atexit
 import csv
 import os
 import time
+from collections import deque
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -38,7 +43,8 @@ class StepRecorder:
         super().__init__(*args, **kwargs)
         self.profile_rows: list[dict[str, float]] = []
         self.profile_preemptions = 0
-        self._pending: dict[str, float] | None = None
+        self._pending: deque[dict[str, float] | None] = deque()  # scheduled steps whose output is not back yet
+        self._last_done = 0.0
         path = os.environ.get(ENV_CSV)
         if path:
             atexit.register(self.write_profile, path)
@@ -58,18 +64,20 @@ class StepRecorder:
             else:
                 chunks.append((before, n))
         shape = StepShape.of(chunks, decodes)  # the simulator's own definition of what a step computes
-        self._pending = {"start_s": t0, "prefill_tokens": shape.prefill_tokens, "decode_tokens": shape.decode_tokens,
-                         "kv_read_tokens": shape.kv_read_tokens, "num_seqs": shape.num_seqs,
-                         "prefill_seqs": len(chunks), "sched_s": t1 - t0} if shape.num_seqs else None
+        self._pending.append({"start_s": t0, "prefill_tokens": shape.prefill_tokens, "decode_tokens": shape.decode_tokens,
+                              "kv_read_tokens": shape.kv_read_tokens, "num_seqs": shape.num_seqs,
+                              "prefill_seqs": len(chunks), "sched_s": t1 - t0} if shape.num_seqs else None)
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         res = super().update_from_output(*args, **kwargs)
-        if self._pending is not None:
-            row = self._pending
-            row["step_s"] = time.perf_counter() - row["start_s"]
+        done = time.perf_counter()
+        row = self._pending.popleft() if self._pending else None
+        if row is not None:
+            row["start_s"] = max(row["start_s"], self._last_done)  # scheduled while the step before ran (async)
+            row["step_s"] = done - row["start_s"]
             self.profile_rows.append(row)
-            self._pending = None
+        self._last_done = done
         return res
 
     def _preempt_request(self, *args: Any, **kwargs: Any) -> None:
@@ -90,8 +98,12 @@ class ProfiledScheduler(StepRecorder, Scheduler):
     """Stock vLLM V1 scheduling, step by step recorded."""
 
 
+class ProfiledAsyncScheduler(StepRecorder, AsyncScheduler):
+    """Stock vLLM V1 scheduling under async scheduling (vLLM's own choice on CUDA), step by step recorded."""
+
+
 class ProfiledLengthwiseScheduler(StepRecorder, LengthwiseScheduler):
     """The lengthwise plug-in, step by step recorded."""
 
 
-__all__ = ["COLUMNS", "ProfiledLengthwiseScheduler", "ProfiledScheduler", "StepRecorder"]
+__all__ = ["COLUMNS", "ProfiledAsyncScheduler", "ProfiledLengthwiseScheduler", "ProfiledScheduler", "StepRecorder"]

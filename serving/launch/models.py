@@ -28,13 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from predictor.target import compare_models, served_model_id
 from serving.launch.engines import is_cpu_build
 
-SHAPES: dict[str, dict[str, int]] = {
+SHAPES: dict[str, dict[str, Any]] = {
     "micro": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 4},  # the fastest to start and serve: smoke runs and the tests' engines
     "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 4},
     "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                 "num_key_value_heads": 3},
+    # Llama-3-8B's shape with its 128,256-token vocabulary (the LM head's weight read is part of every step): GPU runs
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0},
 }
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -58,12 +61,12 @@ def dummy_model(shape: str, max_model_len: int, directory: str | Path | None = N
     d = Path(directory) if directory else Path(tempfile.mkdtemp(prefix=f"lengthwise-bench-{shape}-"))
     d.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is None:
-        LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=4096, max_position_embeddings=max_model_len,
-                    bos_token_id=1, eos_token_id=2, **SHAPES[shape]).save_pretrained(d)
+        LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len, bos_token_id=1,
+                    eos_token_id=2, **{"vocab_size": 4096, **SHAPES[shape]}).save_pretrained(d)
         return str(d)
     shutil.copy(tokenizer_json, d / "tokenizer.json")
-    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=50304, max_position_embeddings=max_model_len,
-                bos_token_id=GPT2_EOS, eos_token_id=GPT2_EOS, **SHAPES[shape]).save_pretrained(d)
+    LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len, bos_token_id=GPT2_EOS,
+                eos_token_id=GPT2_EOS, **{**SHAPES[shape], "vocab_size": 50304}).save_pretrained(d)
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
         "unk_token": "<|endoftext|>", "model_max_length": max_model_len, "chat_template": CHAT_TEMPLATE}))

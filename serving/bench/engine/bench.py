@@ -21,7 +21,10 @@ Steps, each in its own engine process:
    the same cap (each request's ``max_tokens``, predictions clamped to it as the plug-in clamps them);
    the relative error in JCT and throughput is the simulator's calibration error (Vidur reports < 9%).
 
-KV pressure comes from ``num_gpu_blocks_override``, which vLLM honours on the CPU backend.
+KV pressure comes from ``num_gpu_blocks_override``, which vLLM honours on the CPU backend and on CUDA.
+
+With ``sequential`` (one GPU; :mod:`serving.bench.engine.sessions`) the engines run one after another instead, each
+kept for every job it can run, and each rate has one stock replay that every arm is set beside.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ from rich.table import Table
 
 from predictor.common import usable_cores
 from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
+from serving.bench.engine.sessions import SessionError, Sessions
 from serving.launch.cores import parse_cores, pin_to
 from serving.launch.engines import is_cpu_build
 from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.launch.models import Sampling, chat_prompt_ids, resolve_model
-from serving.perf.latency import FittedLatency
+from serving.perf.latency import FittedLatency, LatencyModel, StepShape, make_latency_model
 from serving.perf.slo import derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
@@ -66,6 +70,7 @@ DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simula
 MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
 REAL_MAX_TOKENS = 512  # the default cap with a real model, whose lengths are not known before it runs
 MATCHED_NOISE = "noise:matched"  # noise at the main predictor's measured top-1 accuracy on this trace
+TAU_NOISE = "noise-tau:"  # noise-tau:T, noise whose Kendall tau on this trace comes closest to T
 
 
 def trace_max_tokens(lengths: list[int], step: int = MAX_TOKENS_STEP) -> int:
@@ -98,7 +103,8 @@ class EngineBenchConfig(BaseModel):
     max_requests: int = Field(200, ge=4)
     policy: str = Field("lengthwise", description="the plug-in's policy compared with stock vLLM")
     predictor: str = Field("noise:0.55", description="noise:ACC, gauss:SIGMA, oracle or models:/NAME@ALIAS")
-    shape: str = Field("tiny", description="dummy-weight model shape: tiny (4 layers, hidden 256) or smollm2")
+    shape: str = Field("tiny", description="dummy-weight model shape: micro, tiny (4 layers, hidden 256), smollm2 or "
+                                           "llama3-8b")
     kv_blocks: int = Field(128, ge=8, description="KV pool in blocks (num_gpu_blocks_override): the memory pressure")
     block_size: int = Field(32, ge=32, description="the CPU backend needs a multiple of 32")
     max_model_len: int = Field(2048, ge=128)
@@ -128,6 +134,12 @@ class EngineBenchConfig(BaseModel):
                                           description=f"more predictors for the main policy, each beside its own stock "
                                                       f"run; {MATCHED_NOISE} is noise at the main predictor's measured "
                                                       f"top-1 accuracy")
+    sequential: bool = Field(False, description="engines one after another (one GPU), each kept for every rate it "
+                                                "replays, and one stock replay per rate shared by every arm")
+    async_scheduling: bool | None = Field(None, description="vLLM's async scheduling for every engine, stock and plug-in "
+                                                            "alike; default vLLM's choice (on for CUDA, off on CPU)")
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="vLLM's share of the GPU per engine (weights, "
+                                                                      "activations; the KV pool is kv_blocks)")
 
     @model_validator(mode="after")
     def _pool_holds_a_request(self) -> EngineBenchConfig:
@@ -142,7 +154,9 @@ class EngineBenchConfig(BaseModel):
     def _specs(cls, v: str | list[str]) -> str | list[str]:
         """A malformed spec is refused here, not after minutes of calibration."""
         for spec in [v] if isinstance(v, str) else v:
-            if spec != MATCHED_NOISE:
+            if spec.startswith(TAU_NOISE):
+                _tau_target(spec)
+            elif spec != MATCHED_NOISE:
                 try:
                     check_spec(spec)
                 except PredictorSpecError as exc:
@@ -157,23 +171,38 @@ class EngineBenchConfig(BaseModel):
         return v
 
 
+def _tau_target(spec: str) -> float:
+    """The T of ``noise-tau:T``, a Kendall tau in (0, 1)."""
+    try:
+        t = float(spec[len(TAU_NOISE):])
+    except ValueError:
+        t = float("nan")
+    if not 0 < t < 1:
+        raise ValueError(f"{spec!r}: {TAU_NOISE}T needs a Kendall tau T between 0 and 1, e.g. {TAU_NOISE}0.372")
+    return t
+
+
 class EngineBenchError(RuntimeError):
     """An engine run failed; the message carries the tail of its log."""
 
 
-def _scenario(cfg: EngineBenchConfig) -> Scenario:
+def _scenario(cfg: EngineBenchConfig, start_rate: float = 1.0) -> Scenario:
     what = f"model {cfg.model}" if cfg.model else f"dummy {cfg.shape} model"
-    return Scenario(name="cpu-engine", description=f"vLLM-CPU engine, {what}", workload=cfg.workload,
+    where = "vLLM-CPU engine" if is_cpu_build() else "vLLM CUDA engine"
+    return Scenario(name="real-engine", description=f"{where}, {what}", workload=cfg.workload,
                     arrival="poisson", model="smollm2-135m", gpu="a100-80gb", latency="fitted", block_size=cfg.block_size,
                     max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    max_num_seqs=cfg.max_num_seqs, start_rate=1.0, kv_blocks=cfg.kv_blocks, predictor=cfg.predictor,
-                    max_requests=cfg.max_requests)
+                    max_num_seqs=cfg.max_num_seqs, start_rate=start_rate, kv_blocks=cfg.kv_blocks,
+                    predictor=cfg.predictor, max_requests=cfg.max_requests)
 
 
 def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
-    return {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+    args = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "kv_blocks": cfg.kv_blocks, "threads": cfg.threads, "model": cfg.model}
+    if not is_cpu_build():  # the CPU build keeps its jobs as they were; these only matter on a GPU
+        args.update(async_scheduling=cfg.async_scheduling, gpu_memory_utilization=cfg.gpu_memory_utilization)
+    return args
 
 
 def merge_csv(parts: list[Path], path: Path) -> Path:
@@ -339,21 +368,92 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
     ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
+    console.print(f"work dir {work} (every engine's job, output and log)")
     if cfg.model:  # a real model's lengths are unknown until it runs: its cap is given or REAL_MAX_TOKENS
         cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models"))),
                                      "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
     wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
-    wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console)
-    setup, arms = _setup(cfg, wl, csv_path, console)
-    rates, sim_cap = _rates(cfg, setup, console)
-    points = []
-    for rate in rates:
-        points.append(_replay_at(cfg, setup, arms, prompts, rate, work, console))
-        _table(points, console)
+    sessions = Sessions(work, console) if cfg.sequential else None
+    try:
+        run = ((lambda jobs: [sessions.run(j, f"{j['scheduler']}-{j['tag']}") for j in jobs]) if sessions
+               else (lambda jobs: run_engines(jobs, work, console)))
+        wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console, run)
+        setup, arms = _setup(cfg, wl, FittedLatency.from_csv(csv_path), console)
+        rates, sim_cap = _rates(cfg, setup, console)
+        if sessions:
+            points = _replay_sequential(cfg, setup, arms, prompts, rates, run, console)
+            _table(points, console)
+        else:
+            points = []
+            for rate in rates:
+                points.append(_replay_at(cfg, setup, arms, prompts, rate, work, console))
+                _table(points, console)
+    finally:
+        if sessions:
+            sessions.close()
+    if not points:
+        raise EngineBenchError(f"no rate has both a stock and a {cfg.policy} replay (cut short); what finished is in {work}")
     result = _result(cfg, setup, arms, csv_path, sim_cap, points, relabel, work, console)
     _write(result, json_path, png_path, console)
     return result
+
+
+def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_path: Path | None,
+            console: Console) -> dict[str, Any]:
+    """The simulator's prediction of the run ``cfg`` describes, made before any engine runs: the same trace, pool,
+    arms, predictions and rate rule, with the step model ``latency`` (e.g. ``roofline``) of ``model`` on ``gpu``
+    in place of the calibration. Each rate's arms are simulated beside a simulated stock run; written to
+    ``json_path`` in the bench's own layout (``"prediction": true``), so a later engine run compares point for
+    point."""
+    if cfg.model:
+        raise EngineBenchError("a prediction replays a length-only trace: leave out --model")
+    wl, _ = _trace(cfg, console)
+    cfg = _with_cap(cfg, wl)
+    lat = make_latency_model(latency, model=model, gpu=gpu)
+    setup, arms = _setup(cfg, wl, lat, console)
+    rates, sim_cap = _rates(cfg, setup, console)
+    points = []
+    for rate in rates:
+        at = setup.at_rate(rate)
+        point: dict[str, Any] = {"rate": rate, "arms": {}}
+        for arm in arms:
+            arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
+            stock, run = (_simulated(at, arm_setup, name, label, cfg.max_tokens)
+                          for name, label in (("vllm", "stock"), (arm.policy, arm.label)))
+            point["arms"][arm.label] = {"stock": {"rate": rate, **stock}, "run": {"rate": rate, **run},
+                                        "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor),
+                                        "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])}
+        main = point["arms"][arms[0].label]
+        point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
+        points.append(point)
+    _table(points, console, title="PREDICTION (simulator, no engine ran): stock vLLM vs the plug-in, same trace")
+    capacity = {a.label: sweep_policy(dataclasses.replace(setup, predictor=a.predictor, predictions=a.predictions),
+                                      a.policy)["max_rate_at_90_slo"] for a in arms}
+    result = {"prediction": True, "config": cfg.model_dump(), "latency_model": lat.describe(), "rates": rates,
+              "sim_max_rate_at_90_slo": {"stock": sim_cap.get("vllm"), **capacity}, "points": points,
+              "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None),
+                                 "quality": a.quality} for a in arms},
+              "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
+              "tfs": setup.config.tfs}
+    console.print("simulated max rate at 90% SLO: " + ", ".join(f"{k} {v:.3g} req/s"
+                                                                for k, v in result["sim_max_rate_at_90_slo"].items()))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2, default=float))
+        console.print(f"wrote {json_path}")
+    return result
+
+
+def _simulated(at: list[TraceRequest], setup: Setup, policy: str, label: str, max_tokens: int | None) -> dict[str, Any]:
+    """One simulated run as the table shows an engine run: no simulator error (it is the simulator), nothing lost."""
+    m = simulate(at, setup.predictions, policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+                 repredict=setup.predictor.repredict, max_tokens=max_tokens)
+    m.policy = label
+    d = m.to_dict()
+    d.setdefault("extra", {}).update(sim_error=dict.fromkeys(("jct_mean_s", "jct_p50_s", "throughput_rps"), 0.0),
+                                     wrong_or_lost=0)
+    return d
 
 
 def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int, list[int]] | None]:
@@ -385,7 +485,7 @@ def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
 
 
 def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int]] | None, work: Path,
-               console: Console) -> tuple[Workload, Path, dict[str, Any] | None]:
+               console: Console, run=None) -> tuple[Workload, Path, dict[str, Any] | None]:
     """1. Calibrate: a burst of the trace through stock vLLM, every step recorded, to fit the simulator's step model
     (which then sets the SLO's t_p and t_g and the TFS, so every later run is judged against what this machine does).
     With random weights the burst is the trace's first ``calibration_requests``; with a real model it is the whole
@@ -404,7 +504,7 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
                   **_real_fields(cfg, r, prompts)} for r in part]
         jobs.append({"scheduler": "stock", "tag": f"calibration{i}", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
                      "requests": items, "sampling": cfg.sampling.model_dump()})
-    outs = run_engines(jobs, work, console)
+    outs = run(jobs) if run else run_engines(jobs, work, console)
     csv_path = merge_csv([profile_to_csv(o["profile"], work / f"step_profile-{i}.csv") for i, o in enumerate(outs)],
                          work / "step_profile.csv")
     if not prompts:
@@ -417,31 +517,45 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
     return dataclasses.replace(wl, requests=served), csv_path, relabel
 
 
-def _setup(cfg: EngineBenchConfig, wl: Workload, csv_path: Path, console: Console) -> tuple[Setup, list[Arm]]:
-    """The fitted step model, the SLO and TFS it gives, and every arm's predictions (made after the relabel, so that
-    the oracle and the noise are the served model's)."""
+def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Console) -> tuple[Setup, list[Arm]]:
+    """The step model (fitted to the calibration, or a prediction's), the SLO and TFS it gives, and every arm's
+    predictions (made after the relabel, so that the oracle and the noise are the served model's)."""
     reqs = wl.requests
-    lat = FittedLatency.from_csv(csv_path)
     pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
     scale = cfg.slo_scale or pc.slo_scale
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], scale)
     tfs = saturating_forward_size(lat, cfg.max_num_batched_tokens)
     pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale})
-    console.print(f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "
-                  f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
-                  f"MAPE {lat.mape:.1%}, {lat.n_rows} steps); SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, "
-                  f"scale {scale}; TFS {tfs}")
+    what = (f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "
+            f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
+            f"MAPE {lat.mape:.1%}, {lat.n_rows} steps)" if isinstance(lat, FittedLatency) else f"step model {lat.name}")
+    console.print(f"{what}; SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, scale {scale}; TFS {tfs}")
     arms = _arms(cfg, reqs, console)
     main = arms[0]
-    setup = Setup(_scenario(cfg), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor, main.predictions, cfg.seed)
+    setup = Setup(_scenario(cfg, alone_rate(lat, reqs)), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor,
+                  main.predictions, cfg.seed)
     return setup, arms
 
 
-def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig) -> tuple[LengthOracle, list[Prediction]]:
+def alone_rate(lat: LatencyModel, reqs: list[TraceRequest]) -> float:
+    """The rate at which the engine would serve the trace one request at a time (prefill, then one decode step per
+    token): where the simulator's search for stock's knee starts, so that it starts within reach on any machine, a
+    fast GPU or a slow CPU, rather than at a fixed 1 req/s."""
+    def alone(r: TraceRequest) -> float:
+        decode = lat.step_time(StepShape.of([], [r.prompt_tokens + r.output_tokens // 2]))
+        return lat.step_time(StepShape.of([(0, r.prompt_tokens)])) + r.output_tokens * decode
+
+    mean = float(np.mean([alone(r) for r in reqs]))
+    return float(f"{1.0 / mean:.3g}") if mean > 0 else 1.0
+
+
+def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig, key: str = "top1",
+                   spec: str = MATCHED_NOISE) -> tuple[LengthOracle, list[Prediction]]:
     """``noise:ACC`` whose top-1 accuracy, scored as the main predictor's is (clamped to ``max_tokens``), comes closest to
     ``top1``. Clamping makes every prediction at or above the cap right for a capped answer, so the accuracy the noise
-    is calibrated to (unclamped) would overshoot on a trace with many capped answers; a grid over ACC finds the match."""
+    is calibrated to (unclamped) would overshoot on a trace with many capped answers; a grid over ACC finds the match.
+    ``key="kendall_tau"`` matches the ranking instead (``noise-tau:T``)."""
     truth = [r.output_tokens for r in reqs]
     best: tuple[float, LengthOracle, list[Prediction]] | None = None
     for acc in np.linspace(0.02, 1.0, 50):
@@ -450,11 +564,11 @@ def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig
             preds = p.predict(reqs)
         except PredictorSpecError:  # that accuracy is out of reach on this trace
             continue
-        miss = abs(predictor_quality(preds, truth, cfg.max_tokens)["top1"] - top1)
+        miss = abs(predictor_quality(preds, truth, cfg.max_tokens)[key] - top1)
         if best is None or miss < best[0]:
             best = (miss, p, preds)
     if best is None:
-        raise PredictorSpecError(f"{MATCHED_NOISE}: no noise level reaches a top-1 accuracy of {top1:.1%} on this trace")
+        raise PredictorSpecError(f"{spec}: no noise level reaches a {key} of {top1:.3f} on this trace")
     return best[1], best[2]
 
 
@@ -470,6 +584,8 @@ def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) ->
             if spec == MATCHED_NOISE:
                 made[spec] = _matched_noise(predictor_quality(made[cfg.predictor][1], truth, cfg.max_tokens)["top1"],
                                             reqs, cfg)
+            elif spec.startswith(TAU_NOISE):
+                made[spec] = _matched_noise(_tau_target(spec), reqs, cfg, "kendall_tau", spec)
             else:
                 p = make_predictor(spec, seed=cfg.seed)
                 made[spec] = (p, p.predict(reqs))
@@ -494,12 +610,19 @@ def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list
     simulated capacities (none when the rates were given)."""
     sim_cap: dict[str, float] = {}
     if cfg.rates is None:
-        with console.status("simulating the saturation point of stock vLLM and of the plug-in..."):
+        start = setup.scenario.start_rate
+        with console.status(f"simulating the saturation point of stock vLLM and of the plug-in (from {start:g} req/s, "
+                            "the rate of serving one request at a time)..."):
             for name in ("vllm", cfg.policy):
                 sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]
-        console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.2f} req/s, {cfg.policy} "
-                      f"{sim_cap[cfg.policy]:.2f} req/s")
-    rates = cfg.rates or [round(sim_cap["vllm"] * f, 3) for f in cfg.rate_factors]
+        console.print(f"simulated max rate at 90% SLO: stock {sim_cap['vllm']:.3g} req/s, {cfg.policy} "
+                      f"{sim_cap[cfg.policy]:.3g} req/s")
+        if not sim_cap["vllm"] > 0:
+            raise EngineBenchError(
+                f"the calibrated simulator finds no rate at which stock vLLM meets {SLO_TARGET:.0%} of SLOs on this "
+                f"engine (searched down from {start:g} req/s, the rate of serving one request at a time): its SLOs "
+                f"(scale {setup.config.slo_scale}) are out of reach here; raise --slo-scale, or give --rates")
+    rates = cfg.rates or [float(f"{sim_cap['vllm'] * f:.3g}") for f in cfg.rate_factors]
     console.print(f"replaying at {', '.join(f'{r:g}' for r in rates)} req/s")
     return rates, sim_cap
 
@@ -539,6 +662,59 @@ def _replay_at(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: d
     main = point["arms"][arms[0].label]
     point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
     return point
+
+
+def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None,
+                       rates: list[float], run, console: Console) -> list[dict[str, Any]]:
+    """2. Replay, one engine at a time (``sequential``): stock at every rate (on the engine that calibrated), then the
+    other policies' arms, then the main policy's (its own predictor first), each arm at every rate and the arms of one
+    policy on one engine; every arm of a rate is set beside that rate's one stock replay, whose deadlines are the main
+    arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every replay that finished: the
+    points hold the arms measured at each rate, and the first point says what was cut. Returns the points as
+    :func:`_replay_at` does."""
+    served = prompts is not None
+    ats = {rate: setup.at_rate(rate) for rate in rates}
+    tfs = setup.config.tfs
+    stock_out: dict[float, dict[str, Any]] = {}
+    arm_out: dict[tuple[int, float], dict[str, Any]] = {}
+    order = sorted(range(len(arms)), key=lambda i: (arms[i].policy == arms[0].policy, i))
+    cut = None
+    try:
+        for rate in rates:
+            console.print(f"[bold]stock[/] at {rate:g} req/s ({len(ats[rate])} requests)")
+            job = _job("stock", cfg, ats[rate], arms[0].predictions, setup.slo, f"r{rate:g}", tfs, prompts)
+            stock_out[rate] = run([job])[0]
+        for i in order:
+            arm = arms[i]
+            for rate in rates:
+                console.print(f"[bold]{arm.label}[/] at {rate:g} req/s ({len(ats[rate])} requests)")
+                job = _job(arm.policy, cfg, ats[rate], arm.predictions, setup.slo, f"r{rate:g}-{i}", tfs, prompts)
+                arm_out[(i, rate)] = run([job])[0]
+    except (KeyboardInterrupt, SessionError) as exc:
+        cut = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        console.print(f"[red]replays cut short[/] ({cut}); keeping the {len(stock_out) + len(arm_out)} that finished")
+    points = []
+    for rate in rates:
+        if rate not in stock_out or (0, rate) not in arm_out:
+            continue
+        point: dict[str, Any] = {"rate": rate, "arms": {}}
+        if cut and not points:
+            point["cut"] = cut
+        for i, arm in enumerate(arms):
+            if (i, rate) not in arm_out:
+                continue
+            arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
+            stock = _compared(stock_out[rate], ats[rate], arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
+            r = _compared(arm_out[(i, rate)], ats[rate], arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
+            ratio = _ratio(r["goodput_rps"], stock["goodput_rps"])
+            point["arms"][arm.label] = {
+                "stock": {"rate": rate, **stock}, "run": {"rate": rate, **r}, "policy": arm.policy,
+                "predictor": getattr(arm.predictor, "spec", cfg.predictor), "goodput_ratio": ratio, "shared_stock": True,
+                "replays": [{"stock": stock, "run": r, "stock_first_cores": None, "goodput_ratio": ratio}]}
+        main = point["arms"][arms[0].label]
+        point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
+        points.append(point)
+    return points
 
 
 _SUMMED = frozenset({"wrong_or_lost", "relabel_mismatch"})  # losses are added up over replays, never averaged away
@@ -594,12 +770,12 @@ def _result(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], csv_path: Pat
                   f"max rate at >= {SLO_TARGET:.0%} SLO: stock {_cap_text(capacity['stock'])}, "
                   f"{cfg.policy} {_cap_text(capacity['lengthwise'])}")
     return {
-        "config": cfg.model_dump(), "device": "cpu", "stock": head["stock"], "lengthwise": head["lengthwise"],
+        "config": cfg.model_dump(), "device": _device(), "stock": head["stock"], "lengthwise": head["lengthwise"],
         "goodput_ratio": head["goodput_ratio"], "rate": head["rate"], "headline_rule": rule, "points": points,
         "capacity": {**capacity, "ratio": cap_ratio, "target_attainment": SLO_TARGET},
         "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None), "quality": a.quality}
                  for a in arms},
-        "relabel": relabel,
+        "relabel": relabel, "cut": next((p["cut"] for p in points if "cut" in p), None),
         "calibration": {"latency_model": setup.latency.describe(), "profile_csv": str(csv_path), "tfs": setup.config.tfs,
                         "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
                         "sim_max_rate_at_90_slo": sim_cap,
@@ -607,6 +783,15 @@ def _result(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], csv_path: Pat
                                       for lab in ("stock", "lengthwise")}},
         "work_dir": str(work),
     }
+
+
+def _device() -> str:
+    """Where the engines ran: ``cpu``, or the GPU's name as torch reports it."""
+    if is_cpu_build():
+        return "cpu"
+    import torch
+
+    return f"cuda: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cuda"
 
 
 def _write(result: dict[str, Any], json_path: Path | None, png_path: Path | None, console: Console) -> None:
@@ -655,8 +840,9 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def _table(points: list[dict], console: Console) -> None:
-    t = Table(title="real engine: stock vLLM vs the plug-in (each arm beside its own stock run, same trace)")
+def _table(points: list[dict], console: Console,
+           title: str = "real engine: stock vLLM vs the plug-in (each arm beside its own stock run, same trace)") -> None:
+    t = Table(title=title)
     for col in ("rate", "arm", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
                 "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err", "sim thru err"):
         t.add_column(col, justify="right", overflow="fold")

@@ -23,12 +23,24 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                     "Prints a table, writes JSON and a PNG.",
         epilog="examples:\n  lengthwise bench engine\n"
                "  lengthwise bench engine --max-requests 300 --rates 2,3 --kv-blocks 192 --json /tmp/engine.json\n"
-               "  lengthwise bench engine --policy ecoserve --predictor models:/length-predictor@champion\n\n"
-               "It runs for minutes: each rate replays the trace twice in real time (requests / rate seconds each).")
+               "  lengthwise bench engine --policy ecoserve --predictor models:/length-predictor@champion\n"
+               "  lengthwise bench engine --preset cpu-smoke --max-requests 16\n"
+               "  lengthwise bench engine --preset h200-llama8b   # on one GPU, after make gpu-pack\n\n"
+               "It runs for minutes: each rate replays the trace twice in real time (requests / rate seconds each).\n"
+               "A preset sets the flags you leave out: h200-llama8b is EcoServe's KV-bound setting on a Llama-3-8B-shaped\n"
+               "engine (458 KV blocks of 32, ShareGPT first turns in Llama-3 tokens, engines one after another, async\n"
+               "scheduling for both arms; arms stock, lengthwise with noise as good as the trained predictor, the oracle,\n"
+               "sarathi; rates 1x and 1.5x the simulated knee); cpu-smoke runs that path with a tiny model here.")
+    from serving.bench.engine.presets import PRESETS
+    from serving.launch.models import SHAPES
+
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="named settings for the flags you leave out (see below)")
     p.add_argument("--policy", default="lengthwise", help="the plug-in's policy (default: %(default)s)")
     p.add_argument("--predictor", default="noise:0.55", metavar="SPEC",
-                   help="predictions carried to the engine: noise:ACC | gauss:SIGMA | oracle | models:/NAME@ALIAS "
-                        "(default: %(default)s, our trained predictor's top-1 accuracy)")
+                   help="predictions carried to the engine: noise:ACC | noise-tau:T (noise ranking the trace at Kendall "
+                        "tau T) | gauss:SIGMA | oracle | models:/NAME@ALIAS (default: %(default)s, our trained "
+                        "predictor's top-1 accuracy)")
     p.add_argument("--workload", metavar="PATH", help="trace or prompt file (default: ShareGPT first turns in $LENGTHWISE_DATA)")
     p.add_argument("--max-requests", type=int, default=200, help="requests per replay (default: %(default)s)")
     p.add_argument("--rates", metavar="R,R,...", type=comma_list(float, "1.5,3"),
@@ -41,9 +53,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=128,
                    help="KV pool in blocks of 32 tokens (default: %(default)s: about 7 ShareGPT requests at once, so stock vLLM "
                         "preempts near its capacity)")
-    p.add_argument("--shape", choices=["micro", "tiny", "smollm2"], default="tiny",
-                   help="dummy-weight model: micro (2 layers, hidden 256: smoke runs), tiny (4 layers, hidden 256) or "
-                        "SmolLM2-135M's shape (default: %(default)s)")
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                   help="dummy-weight model: micro (2 layers, hidden 256: smoke runs), tiny (4 layers, hidden 256), "
+                        "SmolLM2-135M's shape or Llama-3-8B's (a GPU's) (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context limit; trace requests longer than this are skipped (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -82,17 +94,46 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--no-swap-cores", dest="swap_cores", action="store_false",
                    help="replay each pair once (half the time) instead of twice with the engines' cores swapped; two "
                         "cores can differ by over 10%% for a whole replay, so one replay's ratio carries that")
+    p.add_argument("--sequential", action="store_true",
+                   help="engines one after another, each kept for every rate, one stock replay per rate shared by every "
+                        "arm (one GPU: two engines cannot share it fairly)")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's async scheduling for every engine, stock and plug-in alike (default: vLLM's choice: on "
+                        "with CUDA, off on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                   help="each engine's share of the GPU for weights and activations (default: %(default)s)")
+    pred = p.add_argument_group("a prediction instead of a run")
+    pred.add_argument("--predict", metavar="LATENCY",
+                      help="run no engine: simulate this very setting (trace, pool, arms, rate rule) with the step model "
+                           "LATENCY (roofline, blis, linear:...) of --sim-model on --sim-gpu, and write the table and JSON "
+                           "a later engine run is compared with")
+    pred.add_argument("--sim-model", default="llama-3.1-8b", help="model for --predict (default: %(default)s)")
+    pred.add_argument("--sim-gpu", default="h200", help="GPU for --predict (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write results here (default: bench-results/engine/bench_engine.json; PNG beside it)")
     p.set_defaults(func=run_cli)
+    p.set_defaults(flag_default=p.get_default)
     return p
+
+
+def with_preset(a: argparse.Namespace, flag_default) -> argparse.Namespace:
+    """``a`` with the preset's value for every flag left at its default (a flag given on the command line wins)."""
+    from serving.bench.engine.presets import PRESETS
+
+    if not a.preset:
+        return a
+    out = argparse.Namespace(**vars(a))
+    for key, value in PRESETS[a.preset].items():
+        if getattr(a, key, None) == flag_default(key):
+            setattr(out, key, value)
+    return out
 
 
 def run_cli(a: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from rich.console import Console
 
-    from serving.bench.engine.bench import EngineBenchConfig, EngineBenchError, run_bench
+    from serving.bench.engine.bench import EngineBenchConfig, EngineBenchError, predict, run_bench
     from serving.perf.latency import LatencyError
     from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
@@ -100,6 +141,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
+    a = with_preset(a, a.flag_default)
     try:
         for policy in (a.policy, *a.ablation):
             make_policy(policy, PolicyConfig(), 64)
@@ -110,13 +152,18 @@ def run_cli(a: argparse.Namespace) -> int:
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
                                 calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
                                 compare_predictors=a.compare_predictors, swap_cores=a.swap_cores,
+                                sequential=a.sequential, async_scheduling=a.async_scheduling,
+                                gpu_memory_utilization=a.gpu_memory_utilization,
                                 sampling={"temperature": a.temperature, "top_p": a.top_p,
                                           "repetition_penalty": a.repetition_penalty}, **kw)
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")
         console = Console()
         if not console.is_terminal:
             console = Console(width=170)  # the table has 14 columns; logs and pipes get them unsquashed
-        run_bench(cfg, json_path, json_path.with_suffix(".png"), console)
+        if a.predict:
+            predict(cfg, a.predict, a.sim_model, a.sim_gpu, json_path, console)
+        else:
+            run_bench(cfg, json_path, json_path.with_suffix(".png"), console)
     except ValidationError as exc:
         print(f"lengthwise: error: {flag_error(exc)}", file=sys.stderr)
         return 2

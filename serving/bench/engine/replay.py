@@ -1,7 +1,11 @@
 """Replay a timed trace through one real vLLM engine and record when every token came out.
 
 Run as ``python -m serving.bench.engine.replay JOB.json OUT.json`` (one engine per process: vLLM keeps
-process-wide state). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
+process-wide state), or as ``python -m serving.bench.engine.replay --serve``, which reads ``JOB.json OUT.json`` lines on
+its standard input and replays each on one engine started for the first, answering ``DONE_MARK OUT.json`` on its
+standard output: on one GPU the bench runs engines one after another, and an 8B engine's start costs more than a
+replay. Between two jobs the prefix cache is emptied, so a replay never finds the previous one's prompts cached.
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the loop
 below is an online server's: between steps it admits the requests whose arrival time has passed, so a
 request arriving mid-step waits for the step boundary exactly as it would behind ``vllm serve``.
 Every request has the same ``max_tokens``, the job's cap, with stock scheduling and with the plug-in. With random
@@ -31,7 +35,25 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 from serving.launch.models import bench_dtype, dummy_model
 
 STOCK = "serving.engine.profile.ProfiledScheduler"
+STOCK_ASYNC = "serving.engine.profile.ProfiledAsyncScheduler"
 OURS = "serving.engine.profile.ProfiledLengthwiseScheduler"
+DONE_MARK = "@@lengthwise-replay-done"
+"""The line prefix ``--serve`` answers a finished job with (the engine's own logs share standard output)."""
+
+
+def engine_key(job: dict[str, Any]) -> str:
+    """What decides the engine a job needs: two jobs with the same key can share one engine process."""
+    plugin = job.get("plugin", {}) if job["scheduler"] != "stock" else {}  # stock vLLM reads no plug-in settings
+    return json.dumps({"engine": job["engine"], "scheduler": job["scheduler"], "plugin": plugin}, sort_keys=True)
+
+
+def scheduler_cls(job: dict[str, Any]) -> str:
+    """The recorded scheduler class: the plug-in, or stock vLLM in the engine's scheduling mode (async scheduling, which
+    vLLM turns on by itself on CUDA, needs vLLM's AsyncScheduler; the CPU build runs synchronously)."""
+    if job["scheduler"] != "stock":
+        return OURS
+    return STOCK_ASYNC if job["engine"].get("async_scheduling") else STOCK
+
 
 def _engine(job: dict[str, Any]):
     from vllm import LLM
@@ -48,11 +70,13 @@ def _engine(job: dict[str, Any]):
     else:
         weights = {"model": dummy_model(e["shape"], e["max_model_len"], tokenizer_json=e.get("tokenizer_json")),
                    "load_format": "dummy", "skip_tokenizer_init": True, "logits_processors": [ExactLengthLogitsProcessor]}
+    if e.get("async_scheduling") is not None:
+        weights["async_scheduling"] = bool(e["async_scheduling"])
     llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.2, block_size=e["block_size"], max_model_len=e["max_model_len"],
-              max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
-              num_gpu_blocks_override=e["kv_blocks"],
-              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=STOCK if job["scheduler"] == "stock" else OURS)
+              gpu_memory_utilization=e.get("gpu_memory_utilization", 0.2), block_size=e["block_size"],
+              max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
+              max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],
+              enable_prefix_caching=e.get("prefix_caching", True), scheduler_cls=scheduler_cls(job))
     return llm.llm_engine
 
 
@@ -80,9 +104,20 @@ def _warm(engine, n: int = 4) -> None:
     from vllm import SamplingParams
 
     for i in range(n):
-        engine.add_request(f"warm-{i}", _prompt(10_000 + i, 64 + 32 * i), SamplingParams(max_tokens=16, ignore_eos=True))
+        engine.add_request(f"warm-{time.monotonic_ns()}-{i}", _prompt(10_000 + i, 64 + 32 * i),
+                           SamplingParams(max_tokens=16, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _empty_prefix_cache(engine, steps: int = 100) -> None:
+    """Empty the prefix cache of an engine that replayed a job before: first let it send the last finished requests
+    through (under async scheduling a step may still be queued), since vLLM refuses while blocks are in use."""
+    for _ in range(steps):
+        if engine.reset_prefix_cache():
+            return
+        engine.step()
+    raise RuntimeError("replay: the engine's prefix cache could not be emptied between two replays")
 
 
 def _params(job: dict[str, Any], r: dict[str, Any], xargs: dict[str, Any]):
@@ -107,11 +142,16 @@ def _request_prompt(r: dict[str, Any]):
     return _prompt(int(r["id"]), r["prompt_tokens"])
 
 
-def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+def replay(job: dict[str, Any], progress: bool = True, engine=None, reuse: bool = False) -> dict[str, Any]:
     """Run ``job["requests"]`` (id, arrival, prompt_tokens, output_tokens, extra_args, slo_s; with a real model also
-    prompt_ids and seed) on one engine, every request with ``max_tokens`` = ``job["max_tokens"]``."""
+    prompt_ids and seed) on one engine, every request with ``max_tokens`` = ``job["max_tokens"]``; ``engine``: one
+    started for a job of the same :func:`engine_key`; ``reuse``: it replayed one already, so its prefix cache is
+    emptied first."""
 
-    engine = _engine(job)
+    if engine is None:
+        engine = _engine(job)
+    if reuse:
+        _empty_prefix_cache(engine)
     sched = engine.engine_core.engine_core.scheduler
     _warm(engine)
     sched.profile_rows.clear()
@@ -161,7 +201,29 @@ def replay(job: dict[str, Any], progress: bool = True) -> dict[str, Any]:
             "kv_blocks": sched.kv_cache_config.num_blocks}
 
 
+def serve(lines=sys.stdin) -> None:
+    """``--serve``: one engine, many jobs of one :func:`engine_key`, each named on a line ``JOB.json OUT.json``."""
+    engine, key = None, None
+    for line in lines:
+        if not line.strip():
+            continue
+        job_path, out_path = line.split()
+        job = json.loads(Path(job_path).read_text())
+        if key is not None and engine_key(job) != key:
+            raise SystemExit(f"replay --serve: {job_path} needs another engine than the jobs before it")
+        key = engine_key(job)
+        fresh = engine is None
+        if fresh:
+            engine = _engine(job)
+        out = replay(job, engine=engine, reuse=not fresh)
+        Path(out_path).write_text(json.dumps(out))
+        print(f"{DONE_MARK} {out_path}", flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     job = json.loads(Path(sys.argv[1]).read_text())
     out = replay(job)
     Path(sys.argv[2]).write_text(json.dumps(out))

@@ -114,7 +114,8 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     assert Path(result["calibration"]["profile_csv"]).name == "step_profile.csv"
     assert result["calibration"]["sim_max_rate_at_90_slo"] == {}  # rates given: no saturation sweep
     assert set(result) == {"config", "device", "stock", "lengthwise", "goodput_ratio", "rate", "headline_rule", "points",
-                           "capacity", "calibration", "work_dir", "arms", "relabel"}
+                           "capacity", "calibration", "work_dir", "arms", "relabel", "cut"}
+    assert result["cut"] is None
     assert result["relabel"] is None and set(result["arms"]) == {"lengthwise"}
     assert result["arms"]["lengthwise"]["predictor"] == "noise:0.55" and -1 <= result["arms"]["lengthwise"]["quality"][
         "kendall_tau"] <= 1
@@ -131,6 +132,7 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     assert result["headline_rule"] in text and result["config"]["rates"] == [2.0, 4.0]
 
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    assert lines.pop(0) == f"work dir {result['work_dir']} (every engine's job, output and log)"
     assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks, max_tokens 768)"
     assert lines[1].startswith("fitted step model: 3.00 ms + 4.0 µs/prefill token + 30.0 µs/decode token + 0.0 ns/KV token")
     assert lines[2].startswith("arm lengthwise: policy lengthwise, predictor noise:0.55: Kendall tau ")
@@ -154,11 +156,11 @@ def test_default_rates_are_factors_of_the_simulated_stock_capacity(engines, tmp_
     con, buf = _console()
     result = run_bench(_cfg(tmp_path), None, None, con)
     assert swept == ["vllm", "lengthwise"]
-    assert [p["rate"] for p in result["points"]] == [round(1.5 * f, 3) for f in bench.DEFAULT_RATE_FACTORS]
+    assert [p["rate"] for p in result["points"]] == [float(f"{1.5 * f:.3g}") for f in bench.DEFAULT_RATE_FACTORS]
     assert result["calibration"]["sim_max_rate_at_90_slo"] == {"vllm": 1.5, "lengthwise": 2.25}
     text = buf.getvalue()
-    assert "simulated max rate at 90% SLO: stock 1.50 req/s, lengthwise 2.25 req/s" in text
-    assert "replaying at 1.5, 1.875, 2.25, 3 req/s" in text and "wrote" not in text
+    assert "simulated max rate at 90% SLO: stock 1.5 req/s, lengthwise 2.25 req/s" in text
+    assert "replaying at 1.5, 1.88, 2.25, 3 req/s" in text and "wrote" not in text
 
 
 def test_each_arm_runs_beside_a_stock_run_of_its_own(engines, tmp_path):

@@ -100,6 +100,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's async scheduling for every engine, stock and plug-in alike (default: vLLM's choice: on "
                         "with CUDA, off on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="vLLM's default compiled model and CUDA graphs instead of eager mode (a GPU; slower to start)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.2,
                    help="each engine's share of the GPU for weights and activations (default: %(default)s)")
     pred = p.add_argument_group("a prediction instead of a run")
@@ -153,7 +155,7 @@ def run_cli(a: argparse.Namespace) -> int:
                                 calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
                                 compare_predictors=a.compare_predictors, swap_cores=a.swap_cores,
                                 sequential=a.sequential, async_scheduling=a.async_scheduling,
-                                gpu_memory_utilization=a.gpu_memory_utilization,
+                                gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
                                 sampling={"temperature": a.temperature, "top_p": a.top_p,
                                           "repetition_penalty": a.repetition_penalty}, **kw)
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")

@@ -72,7 +72,7 @@ def _engine(job: dict[str, Any]):
                    "load_format": "dummy", "skip_tokenizer_init": True, "logits_processors": [ExactLengthLogitsProcessor]}
     if e.get("async_scheduling") is not None:
         weights["async_scheduling"] = bool(e["async_scheduling"])
-    llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=True, seed=0,
+    llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=not e.get("cuda_graphs"), seed=0,
               gpu_memory_utilization=e.get("gpu_memory_utilization", 0.2), block_size=e["block_size"],
               max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
               max_num_batched_tokens=e["max_num_batched_tokens"], num_gpu_blocks_override=e["kv_blocks"],

@@ -7,8 +7,8 @@
 # Steps and their budgets (one command of at most 10 minutes in all):
 #   1. install the carried pack (.gpu-pack, built by `make gpu-pack`) into $LENGTHWISE_GPU_SITE   ~20-40 s
 #   2. check Python, torch, the GPU and every import the bench needs (serving.bench.gpu.check)     <= 60 s
-#   3. the bench: calibrate, simulate the knee, replay stock / sarathi / lengthwise (noise, oracle) ~6-8 min, cut at
-#      $LENGTHWISE_GPU_BENCH_S (default 450 s) so the outputs are always collected
+#   3. the bench: calibrate, simulate the knee, replay stock / lengthwise (noise, oracle) / sarathi  ~7-8 min, cut at
+#      $LENGTHWISE_GPU_BENCH_S (default 500 s) so the outputs are always collected; a cut bench keeps what finished
 #   4. collect into OUT_DIR: bench_engine.json (+ .png), bench.log, steps.log, install.log, check.log and work.tar.gz
 #      (every engine's log, step profile, job and output, so a cut run still has what it replayed)
 # Exit status: 2 for a missing pack, a wrong Python or torch, no GPU, or a failed install or import (one line each);
@@ -24,7 +24,7 @@ fi
 PY=${PYTHON:-python3}
 PACK=${LENGTHWISE_GPU_PACK:-.gpu-pack}
 SITE=${LENGTHWISE_GPU_SITE:-/tmp/lengthwise-site}
-BENCH_S=${LENGTHWISE_GPU_BENCH_S:-450}
+BENCH_S=${LENGTHWISE_GPU_BENCH_S:-500}
 mkdir -p "$OUT"
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }

@@ -25,6 +25,7 @@ from serving.perf.latency import FittedLatency
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 75 s; the default tier's counterpart: test_engine_bench_steps.py's sequential test (stand-in engines)
 @pytest.mark.timeout(900)
 def test_cpu_smoke_runs_the_gpu_presets_path_on_the_real_engine(tmp_path):
     out = tmp_path / "smoke.json"
@@ -37,7 +38,8 @@ def test_cpu_smoke_runs_the_gpu_presets_path_on_the_real_engine(tmp_path):
     assert set(point["arms"]) == {"lengthwise", "sarathi", "lengthwise+oracle"}
     stock = point["arms"]["lengthwise"]["stock"]
     for label, pair in point["arms"].items():
-        assert pair["shared_stock"] and pair["stock"] == stock  # every arm beside the rate's one stock replay
+        # every arm beside the rate's one stock replay (its simulation differs by each arm's predictions)
+        assert pair["shared_stock"] and pair["stock"]["jct_mean_s"] == stock["jct_mean_s"]
         m = pair["run"]
         assert m["requests_total"] == m["requests_completed"] == 8, label
         assert m["extra"]["wrong_or_lost"] == 0 and m["extra"]["plugin"]["fallback_predictions"] == 0

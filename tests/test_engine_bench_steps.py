@@ -237,3 +237,45 @@ def test_mean_metrics_sums_losses_and_keeps_what_is_not_a_number():
     assert m == {"policy": "x", "goodput_rps": 2.0, "preemptions": 3.5,
                  "extra": {"wrong_or_lost": 3, "sim": {"jct_p99_s": 5.0}}, "flag": True}
     assert bench.mean_metrics([a]) is a
+
+
+class StandInSessions:
+    """Stands in for the one-GPU layout's engine sessions: the same answers as :class:`Engines`, one job at a time; a job
+    whose tag is in ``cut_at`` raises KeyboardInterrupt, as a time limit's SIGINT would."""
+
+    def __init__(self, engines: Engines, cut_at: set[str]) -> None:
+        self.engines, self.cut_at, self.closed = engines, cut_at, False
+
+    def __call__(self, work: Path, console: Console) -> StandInSessions:
+        return self
+
+    def run(self, job: dict, tag: str) -> dict:
+        if tag in self.cut_at:
+            raise KeyboardInterrupt
+        return self.engines([job], Path("."), None)[0]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_sequential_runs_stock_then_the_main_policy_then_the_others_and_a_cut_keeps_what_finished(monkeypatch, tmp_path,
+                                                                                                  cut):
+    e = Engines()
+    sessions = StandInSessions(e, {"sarathi-r4-1"} if cut else set())
+    monkeypatch.setattr(bench, "Sessions", sessions)
+    con, _ = _console()
+    result = run_bench(_cfg(tmp_path, rates=[2.0, 4.0], sequential=True, ablation=["sarathi"],
+                            compare_predictors=["oracle"]), None, None, con)
+    order = [(j["scheduler"], j["tag"]) for jobs in e.calls for j in jobs]
+    expected = [("stock", "calibration0"), ("stock", "r2"), ("stock", "r4"), ("lengthwise", "r2-0"),
+                ("lengthwise", "r4-0"), ("lengthwise", "r2-2"), ("lengthwise", "r4-2"), ("sarathi", "r2-1"),
+                ("sarathi", "r4-1")]
+    assert order == (expected[:-1] if cut else expected) and sessions.closed
+    for p in result["points"]:
+        arms = p["arms"]
+        stock = arms["lengthwise"]["stock"]  # one replay; its simulation differs by each arm's predictions
+        assert all(a["shared_stock"] and a["stock"]["jct_mean_s"] == stock["jct_mean_s"] for a in arms.values())
+        assert set(arms) == ({"lengthwise", "lengthwise+oracle"} if cut and p["rate"] == 4.0
+                             else {"lengthwise", "lengthwise+oracle", "sarathi"})
+    assert (result["cut"] is not None) == cut and (result["cut"] or "").startswith("KeyboardInterrupt" if cut else "")

@@ -248,7 +248,7 @@ def run_engines(jobs: list[dict[str, Any]], work: Path, console: Console) -> lis
         log = lp.open("w")
         # pinned whole: the engine core's busy wait stays on this engine's cores (serving/launch/cores.py)
         proc = subprocess.Popen([sys.executable, "-m", "serving.bench.engine.replay", str(jp), str(op)], stdout=log,
-                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parents[3],
                                 preexec_fn=pin_to(parse_cores(bind) if bind else None))  # noqa: PLW1509
 
         def pump(proc=proc, log=log) -> None:
@@ -373,7 +373,8 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
     console.print(f"work dir {work} (every engine's job, output and log)")
     if cfg.model:  # a real model's lengths are unknown until it runs: its cap is given or REAL_MAX_TOKENS
-        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models"))),
+        # absolute: the engine processes run from the repository root, not necessarily from here
+        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models")).resolve()),
                                      "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
     wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)

@@ -425,15 +425,13 @@ def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_pat
             arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
             stock, run = (_simulated(at, arm_setup, name, label, cfg.max_tokens)
                           for name, label in (("vllm", "stock"), (arm.policy, arm.label)))
-            point["arms"][arm.label] = {"stock": {"rate": rate, **stock}, "run": {"rate": rate, **run},
-                                        "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor),
-                                        "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])}
-        main = point["arms"][arms[0].label]
-        point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
-        points.append(point)
+            point["arms"][arm.label] = _pair(rate, arm, stock, run, cfg.predictor)
+        points.append(_point(point, arms))
     _table(points, console, title="PREDICTION (simulator, no engine ran): stock vLLM vs the plug-in, same trace")
-    capacity = {a.label: sweep_policy(dataclasses.replace(setup, predictor=a.predictor, predictions=a.predictions),
-                                      a.policy)["max_rate_at_90_slo"] for a in arms}
+    # the main arm's capacity is the one _rates swept already (same setup, same predictions)
+    capacity = {a.label: sim_cap[a.policy] if a is arms[0] else
+                sweep_policy(dataclasses.replace(setup, predictor=a.predictor, predictions=a.predictions),
+                             a.policy)["max_rate_at_90_slo"] for a in arms}
     result = {"prediction": True, "config": cfg.model_dump(), "latency_model": lat.describe(), "rates": rates,
               "sim_max_rate_at_90_slo": {"stock": sim_cap.get("vllm"), **capacity}, "points": points,
               "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None),
@@ -489,12 +487,13 @@ def _with_cap(cfg: EngineBenchConfig, wl: Workload) -> EngineBenchConfig:
 
 
 def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int]] | None, work: Path,
-               console: Console, run=None) -> tuple[Workload, Path, dict[str, Any] | None]:
+               console: Console, run) -> tuple[Workload, Path, dict[str, Any] | None]:
     """1. Calibrate: a burst of the trace through stock vLLM, every step recorded, to fit the simulator's step model
     (which then sets the SLO's t_p and t_g and the TFS, so every later run is judged against what this machine does).
     With random weights the burst is the trace's first ``calibration_requests``; with a real model it is the whole
     trace, split over two engines side by side, and doubles as the seeded relabel: the lengths it measures replace
-    the file's. Returns the workload (with served lengths), the profile CSV and the relabel's summary."""
+    the file's. ``run`` replays a list of jobs (side by side, or one engine at a time). Returns the workload (with
+    served lengths), the profile CSV and the relabel's summary."""
     reqs = wl.requests
     k = len(reqs) if prompts else min(cfg.calibration_requests, len(reqs))
     burst = [dataclasses.replace(r, arrival=0.05 * i) for i, r in enumerate(reqs[:k])]
@@ -508,7 +507,7 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
                   **_real_fields(cfg, r, prompts)} for r in part]
         jobs.append({"scheduler": "stock", "tag": f"calibration{i}", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
                      "requests": items, "sampling": cfg.sampling.model_dump()})
-    outs = run(jobs) if run else run_engines(jobs, work, console)
+    outs = run(jobs)
     csv_path = merge_csv([profile_to_csv(o["profile"], work / f"step_profile-{i}.csv") for i, o in enumerate(outs)],
                          work / "step_profile.csv")
     if not prompts:
@@ -658,14 +657,23 @@ def _replay_at(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: d
             run = _compared(out_arm, at, arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
             replays.append({"stock": stock, "run": run, "stock_first_cores": not swapped,
                             "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])})
-        pair = {"stock": {"rate": rate, **mean_metrics([r["stock"] for r in replays])},
-                "run": {"rate": rate, **mean_metrics([r["run"] for r in replays])},
-                "policy": arm.policy, "predictor": getattr(arm.predictor, "spec", cfg.predictor), "replays": replays}
-        pair["goodput_ratio"] = _ratio(pair["run"]["goodput_rps"], pair["stock"]["goodput_rps"])
-        point["arms"][arm.label] = pair
+        point["arms"][arm.label] = _pair(rate, arm, mean_metrics([r["stock"] for r in replays]),
+                                         mean_metrics([r["run"] for r in replays]), cfg.predictor, replays=replays)
+    return _point(point, arms)
+
+
+def _pair(rate: float, arm: Arm, stock: dict[str, Any], run: dict[str, Any], default_spec: str,
+          **extra: Any) -> dict[str, Any]:
+    """One arm at one rate beside its stock run, as every point of the JSON holds it (``extra``: how it was replayed)."""
+    return {"stock": {"rate": rate, **stock}, "run": {"rate": rate, **run}, "policy": arm.policy,
+            "predictor": getattr(arm.predictor, "spec", default_spec), **extra,
+            "goodput_ratio": _ratio(run["goodput_rps"], stock["goodput_rps"])}
+
+
+def _point(point: dict[str, Any], arms: list[Arm]) -> dict[str, Any]:
+    """``point`` with the main arm's pair at its top level, where the headline and the plot read it."""
     main = point["arms"][arms[0].label]
-    point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
-    return point
+    return {**point, "stock": main["stock"], "lengthwise": main["run"], "goodput_ratio": main["goodput_ratio"]}
 
 
 def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None,
@@ -710,14 +718,10 @@ def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], pr
             arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
             stock = _compared(stock_out[rate], ats[rate], arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
             r = _compared(arm_out[(i, rate)], ats[rate], arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
-            ratio = _ratio(r["goodput_rps"], stock["goodput_rps"])
-            point["arms"][arm.label] = {
-                "stock": {"rate": rate, **stock}, "run": {"rate": rate, **r}, "policy": arm.policy,
-                "predictor": getattr(arm.predictor, "spec", cfg.predictor), "goodput_ratio": ratio, "shared_stock": True,
-                "replays": [{"stock": stock, "run": r, "stock_first_cores": None, "goodput_ratio": ratio}]}
-        main = point["arms"][arms[0].label]
-        point.update(stock=main["stock"], lengthwise=main["run"], goodput_ratio=main["goodput_ratio"])
-        points.append(point)
+            replay = {"stock": stock, "run": r, "stock_first_cores": None,
+                      "goodput_ratio": _ratio(r["goodput_rps"], stock["goodput_rps"])}
+            point["arms"][arm.label] = _pair(rate, arm, stock, r, cfg.predictor, shared_stock=True, replays=[replay])
+        points.append(_point(point, arms))
     return points
 
 

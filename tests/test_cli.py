@@ -9,8 +9,10 @@ import time
 import pytest
 
 from serving.launch.process import free_port
+from tests.cli_inproc import run_main
 from tests.conftest import SHAREGPT
 from tests.sidecar_proc import wait_for
+from training.cli import main
 
 
 def run_cli(*args, env=None):
@@ -39,7 +41,7 @@ def test_bad_input_exits_2_with_one_line(case, files, data, home):
         "bad-edges": ["--data", sg, "--tokenizer", tok, "--edges", "10,abc", "--max-samples", "50"],
         "base-model": ["--data", sg, "--tokenizer", tok, "--base-model", str(files), "--max-samples", "200"],
     }[case]
-    r = run_cli(*args)
+    r = run_main(main, args)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("train-predictor: error:"), r.stderr

@@ -14,6 +14,8 @@ import onnx
 import pytest
 
 from predictor.model import layers_kept
+from tests.cli_inproc import run_main
+from training.cli import main
 from training.distill import judge, student_targets
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
@@ -55,14 +57,17 @@ def test_the_student_ships_only_within_the_agreed_loss_on_both_top1_and_tau():
     assert v.ships == "teacher" and "tau -0.030" in v.reason
 
 
+def _args(data: Path, work: Path, *extra: str) -> list[str]:
+    return ["--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
+            "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "1200", "--epochs", "1",
+            "--max-prompt-tokens", "64", "--batch-size", "32", "--lr", "3e-3", "--experiment", "tests-distill",
+            "--register", "distill-test", "--work-dir", str(work), "--output-json", str(work / "metrics.json"),
+            "--route-slices", "off", "--no-baselines", *extra]
+
+
 def _train(data: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "training.cli", "--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
-         "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "1200", "--epochs", "1",
-         "--max-prompt-tokens", "64", "--batch-size", "32", "--lr", "3e-3", "--experiment", "tests-distill",
-         "--register", "distill-test", "--work-dir", str(work), "--output-json", str(work / "metrics.json"),
-         "--route-slices", "off", "--no-baselines", *extra],
-        capture_output=True, text=True, timeout=1500, check=False)
+    return subprocess.run([sys.executable, "-m", "training.cli", *_args(data, work, *extra)], capture_output=True,
+                          text=True, timeout=1500, check=False)
 
 
 def test_a_tiny_teachers_student_ships_with_its_layers_and_tag(home, data, tmp_path):
@@ -121,7 +126,7 @@ def test_a_short_run_ships_a_two_layer_student_that_is_smaller_cheaper_and_tagge
 def test_a_student_the_backbone_cannot_give_exits_2_with_one_line_before_training(data, tmp_path):
     for bad, words in ((["--distill-to", "6"], "between 1 and 5 layers"), (["--distill-to", "0"], "must be 1 or more"),
                        (["--distill-to", "2", "--distill-alpha", "1.5"], "between 0 and 1")):
-        r = _train(data, tmp_path, *bad)
+        r = run_main(main, _args(data, tmp_path, *bad))
         lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "error" in ln]
         assert r.returncode == 2 and len(lines) == 1 and words in lines[0], r.stderr[-2000:]
         assert "Traceback" not in r.stderr

@@ -97,11 +97,12 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
     assert code == 2 and needle in err and "\n" not in err and "Traceback" not in err
 
 
-@pytest.mark.timeout(900)
-def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
+def _real_pair(tmp_path: Path, *extra: str) -> tuple[dict, list[Path]]:
+    """``bench engine`` at one rate on the real engine: the JSON and the replays' records, with what every run of it
+    must show (both arms complete and exact, the plug-in got every prediction, one cap that cut nothing)."""
     out = tmp_path / "engine.json"
     code = main(["bench", "engine", "--max-requests", "12", "--rates", "4", "--calibration-requests", "12",
-                 "--kv-blocks", "24", "--max-model-len", "512", "--json", str(out)])
+                 "--kv-blocks", "24", "--max-model-len", "512", "--json", str(out), *extra])
     assert code == 0
     d = json.loads(out.read_text())
     for lab in ("stock", "lengthwise"):
@@ -121,12 +122,28 @@ def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
     cap = d["config"]["max_tokens"]  # one cap for every request, none cut: the logits processor ended each one
     assert cap % 256 == 0
     runs = sorted(Path(d["work_dir"]).glob("*.out.json"))
-    assert len(runs) == 5  # the calibration, then stock and the plug-in at the one rate, twice (cores swapped)
-    assert {r.name for r in runs} >= {"stock-r4-0-swapped.out.json", "lengthwise-r4-0-swapped.out.json"}
-    assert [r["stock_first_cores"] for r in d["points"][0]["arms"]["lengthwise"]["replays"]] == [True, False]
     for run in runs:
         recs = json.loads(run.read_text())["records"]
         assert recs and all(r["max_tokens"] == cap and r["finish_reason"] == "stop" for r in recs)
+    return d, runs
+
+
+@pytest.mark.timeout(900)
+def test_bench_engine_runs_one_pair_on_the_real_engine(tmp_path):
+    """The default tier's real pair: the calibration, then stock and the plug-in once each (the slow tier swaps the
+    cores and runs the pair again)."""
+    d, runs = _real_pair(tmp_path, "--no-swap-cores")
+    assert [r.name for r in runs] == ["lengthwise-r4-0.out.json", "stock-calibration0.out.json", "stock-r4-0.out.json"]
+    assert [r["stock_first_cores"] for r in d["points"][0]["arms"]["lengthwise"]["replays"]] == [True]
+
+
+@pytest.mark.slow  # the default tier's counterpart: test_bench_engine_runs_one_pair_on_the_real_engine
+@pytest.mark.timeout(900)
+def test_bench_engine_runs_both_schedulers_on_the_real_engine(tmp_path):
+    d, runs = _real_pair(tmp_path)
+    assert len(runs) == 5  # the calibration, then stock and the plug-in at the one rate, twice (cores swapped)
+    assert {r.name for r in runs} >= {"stock-r4-0-swapped.out.json", "lengthwise-r4-0-swapped.out.json"}
+    assert [r["stock_first_cores"] for r in d["points"][0]["arms"]["lengthwise"]["replays"]] == [True, False]
 
 
 def _pt(rate, stock, ours):

@@ -26,10 +26,12 @@ import openai
 import psutil
 import pytest
 
+from serving.cli import main
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slo import deadline, default_slo
 from serving.gateway.sse import StreamRelay
 from serving.launch.process import free_port
+from tests.cli_inproc import run_main
 from tests.conftest import FLEET_MAX_NUM_SEQS as MAX_NUM_SEQS
 from tests.conftest import HTTP, SHAREGPT
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
@@ -196,7 +198,7 @@ CLI_ERRORS = {
 @pytest.mark.parametrize("case", list(CLI_ERRORS))
 def test_cli_mistakes_exit_2_with_one_line(case, model_dir):
     args, words = CLI_ERRORS[case]
-    r = _serve(*[str(model_dir) if a == "MODEL" else a for a in args], timeout=60)
+    r = run_main(main, ["serve", *[str(model_dir) if a == "MODEL" else a for a in args]], env={**os.environ, **ENGINE_ENV})
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("lengthwise serve: error:"), r.stderr
     assert words in lines[0] and "Traceback" not in r.stderr

@@ -297,13 +297,22 @@ def _bench(argv: list[str], timeout_s: float, log: Path) -> subprocess.Completed
     return subprocess.CompletedProcess(argv, proc.returncode, log.read_text(), "")
 
 
-@pytest.mark.timeout(1500)
-def test_soak_on_the_real_stack(trained, data, tmp_path):
+@pytest.fixture(scope="module")
+def soak(trained, data, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One real soak of a minute (its own calibration burst); the overload point below reuses its step profile."""
     pytest.importorskip("vllm")
-    out = tmp_path / "soak.json"
+    work = tmp_path_factory.mktemp("soak")
+    out = work / "soak.json"
     run = _bench(["soak", "--duration", "60", "--rate", "0.5", "--sample-interval", "5", "--max-requests", "40",
-                  "--calibration-requests", "16", "--model", f"models:/length-predictor/{trained['registered_version']}",
-                  "--json", str(out)], 1400, tmp_path / "soak.log")
+                  "--calibration-requests", "16", "--max-num-seqs", "8",
+                  "--model", f"models:/length-predictor/{trained['registered_version']}", "--json", str(out)],
+                 1400, work / "soak.log")
+    return run, out
+
+
+@pytest.mark.timeout(1500)
+def test_soak_on_the_real_stack(soak):
+    run, out = soak
     assert run.returncode == 0, run.stdout[-4000:]
     res = json.loads(out.read_text())
     v = res["verdict"]
@@ -322,18 +331,19 @@ def test_soak_on_the_real_stack(trained, data, tmp_path):
     assert len(res["windows"]) >= 12 and sum(w["sent"] for w in res["windows"]) == res["requests"]
     assert sum(w["completed"] for w in res["windows"]) == res["requests"]
     assert Path(res["png"]).stat().st_size > 10_000 and "RSS warm" in run.stdout
+    cal = res["calibration"]
+    assert cal["reused_from"] is None and cal["latency_model"]["n_rows"] > 4 and Path(cal["profile_csv"]).is_file()
     assert not any(p.info["cmdline"] and str(out.parent) in " ".join(p.info["cmdline"])
                    for p in psutil.process_iter(["cmdline"]))  # nothing of the run is left running
 
 
-def _overload_at(multiples: list[int], calibration_requests: int, tmp_path: Path) -> None:
+def _overload_at(multiples: list[int], calibration: list[str], tmp_path: Path) -> dict:
     """``bench overload`` at ``multiples`` x R (R given: 1 req/s), both arms, a bound of 2: every request accounted
-    for, the bounded arm refusing at once at 3 x R and the unbounded one never."""
+    for, the bounded arm refusing at once at 3 x R and the unbounded one never. ``calibration``: its flags."""
     pytest.importorskip("vllm")
     out = tmp_path / "overload.json"
     run = _bench(["overload", "--multiples", ",".join(map(str, multiples)), "--rate", "1", "--max-requests", "12",
-                  "--max-outstanding", "2", "--calibration-requests", str(calibration_requests), "--json", str(out)],
-                 1400, tmp_path / "overload.log")
+                  "--max-outstanding", "2", *calibration, "--json", str(out)], 1400, tmp_path / "overload.log")
     assert run.returncode == 0, run.stdout[-4000:]
     res = json.loads(out.read_text())
     assert res["saturation_rate_rps"] == 1.0 and res["rate_from"] == "--rate"
@@ -354,18 +364,43 @@ def _overload_at(multiples: list[int], calibration_requests: int, tmp_path: Path
     assert by[(3, "bounded")]["slowest_429_s"] < 5.0  # refused at once, not after a wait
     assert set(res["verdict"]) >= {"holds", "why", "bounded", "unbounded"}
     assert Path(res["png"]).stat().st_size > 10_000 and "verdict" in run.stdout
+    return res
 
 
 @pytest.mark.timeout(1500)
-def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
-    """The default tier's overload run: one point, 3 x R, both arms (the slow tier runs 1 x R too)."""
-    _overload_at([3], 8, tmp_path)
+def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(soak, tmp_path):
+    """The default tier's overload run: one point, 3 x R, both arms, on the soak's step profile (no burst of its own;
+    the slow tier runs 1 x R too, after its own calibration burst)."""
+    profile = json.loads(soak[1].read_text())["calibration"]["profile_csv"]
+    res = _overload_at([3], ["--step-profile", profile], tmp_path)
+    assert res["calibration"]["reused_from"] == profile and res["calibration"]["latency_model"]["n_rows"] > 4
+    assert not list(Path(res["work_dir"]).glob("*calibration*"))  # no burst ran: no calibration replay's files
+
+
+def test_a_step_profile_of_other_settings_exits_2_before_anything_starts(tmp_path, capsys):
+    from serving.bench.fleet import CALIBRATION_SETTINGS
+
+    csv = tmp_path / "step_profile.csv"
+    csv.write_text("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n" +
+                   "".join(f"{p},{d},{p + 10 * d},{0.01 + 1e-4 * p + 3e-4 * d}\n" for p, d in ((100, 0), (0, 4), (50, 2),
+                                                                                               (0, 8), (200, 1), (0, 1))))
+    for argv, needle in (([], f"no {CALIBRATION_SETTINGS} beside it"),
+                         (["--shape", "micro"], "shape 'tiny' there, 'micro' here"),
+                         ([], "no such file")):
+        if "shape" in needle:
+            (tmp_path / CALIBRATION_SETTINGS).write_text(json.dumps({"shape": "tiny", "dtype": "float32", "engines": 2,
+                                                                     "block_size": 32}))
+        path = str(csv) if "no such" not in needle else str(tmp_path / "nope.csv")
+        code = main(["bench", "overload", "--rate", "1", "--max-requests", "12", "--step-profile", path, *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and needle in err and "\n" not in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
-    _overload_at([1, 3], 16, tmp_path)
+    res = _overload_at([1, 3], ["--calibration-requests", "16"], tmp_path)
+    assert res["calibration"]["reused_from"] is None
 
 
 @pytest.mark.slow  # the default tier's counterpart: tests/test_replay.py, Ctrl-C mid-replay

@@ -13,12 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serving.cli import main
 from serving.perf.latency import make_latency_model
 from serving.placement import Instance, Job, LengthHistory, Limits, PlacementError, make_placement, placement_names, rebalance
 from serving.placement.scaling import fit_scaling
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import simulate
 from serving.sim.scenarios import SCENARIOS, build_setup
+from tests.cli_inproc import run_main
 
 LAT = make_latency_model("blis", "llama-3.1-8b", "a100-80gb")
 
@@ -333,7 +335,7 @@ def test_bench_placement_reports_a_decode_pools_fluid_floor_and_no_placement_bea
     (["bench", "fleet", "--predictor", "models:/length-predictor@champion"], "not supported here"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
-    r = lengthwise(*args)
+    r = run_main(main, args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from serving.cli import main
+from tests.cli_inproc import run_main
 from tests.conftest import SHAREGPT
 
 LENGTHS = "traces/length_only/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
@@ -85,7 +87,7 @@ def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
         "unknown-scenario": ["bench", "sim", "--scenario", "mars"],
         "one-predictor": ["bench", "sim", "--workload", wl, "--predictors", "oracle"],
     }[case]
-    r = lengthwise(*args)
+    r = run_main(main, args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert "Traceback" not in r.stderr

@@ -92,6 +92,9 @@ class FleetBenchConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     calibration_requests: int = Field(64, ge=8)
+    step_profile: str | None = Field(None, description="an earlier calibration's step_profile.csv (in that bench's "
+                                      "work directory) to fit instead of a new burst: the same model shape, dtype and "
+                                      "number of engines on this machine")
     slo_scale: float = Field(2.0, gt=0)
     seed: int = 0
 
@@ -252,9 +255,35 @@ def run_fleet_bench(cfg: FleetBenchConfig, json_path: Path, console: Console) ->
     return out
 
 
+CALIBRATION_SETTINGS = "step_profile.json"
+"""Beside every calibration's ``step_profile.csv``: the settings its step costs depend on (model shape, dtype, engines
+sharing the machine, block size), checked when a later run reuses the profile (``--step-profile``)."""
+
+
 def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, console: Console) -> _Calibration:
-    """1. A burst through stock vLLM on the same model shape: the step model, the SLO, Aladdin's profile."""
+    """1. A burst through stock vLLM on the same model shape: the step model, the SLO, Aladdin's profile. With
+    ``cfg.step_profile`` an earlier burst's profile is fitted instead (:func:`reused_profile`)."""
     reqs = trace.reqs
+    settings = profile_settings(cfg, dtype)
+    if cfg.step_profile is not None:
+        profile = reused_profile(cfg.step_profile, settings, work)
+        console.print(f"[bold]calibration[/]: reusing the step profile {cfg.step_profile} (no burst)")
+    else:
+        profile = _burst(cfg, reqs, dtype, work, console)
+        (work / CALIBRATION_SETTINGS).write_text(json.dumps(settings))
+    lat = FittedLatency.from_csv(profile)
+    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
+    pc = PolicyConfig(block_size=BLOCK, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_model_len=cfg.max_model_len, slo_scale=cfg.slo_scale)
+    console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
+                  f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "
+                  f"ATGT {slo.tpot_s * 1e3:.1f} ms")
+    # disaggregated, the decode engines' steps carry no prompt compute; the simulator leaves the prefill hop out
+    return _Calibration(profile, lat, slo, pc, DecodePoolLatency(lat) if cfg.prefill_engines else lat)
+
+
+def _burst(cfg: FleetBenchConfig, reqs: list[TraceRequest], dtype: str, work: Path, console: Console) -> Path:
+    """The calibration burst: the trace's first requests through every engine at once; their merged step profile."""
     k = min(cfg.calibration_requests, len(reqs))
     burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
              for i, r in enumerate(reqs[:k])]
@@ -267,17 +296,43 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
     # the fit (what the HTTP path of the replays costs them is not: the calibration replays in process)
     cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "max_tokens": cfg.max_tokens,
                          "requests": burst} for i in range(cfg.engines)], work, console)
-    profile = merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
-                         work / "step_profile.csv")
-    lat = FittedLatency.from_csv(profile)
-    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
-    pc = PolicyConfig(block_size=BLOCK, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      max_model_len=cfg.max_model_len, slo_scale=cfg.slo_scale)
-    console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
-                  f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f}); SLO TTFT {slo.ttft_s * 1e3:.0f} ms, "
-                  f"ATGT {slo.tpot_s * 1e3:.1f} ms")
-    # disaggregated, the decode engines' steps carry no prompt compute; the simulator leaves the prefill hop out
-    return _Calibration(profile, lat, slo, pc, DecodePoolLatency(lat) if cfg.prefill_engines else lat)
+    return merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
+                     work / "step_profile.csv")
+
+
+def profile_settings(cfg: FleetBenchConfig, dtype: str) -> dict[str, Any]:
+    """What a step profile's costs depend on: the model shape and dtype, the engines sharing the machine, the block."""
+    return {"shape": cfg.shape, "dtype": dtype, "engines": cfg.engines, "block_size": BLOCK}
+
+
+def check_step_profile(path: str | Path, settings: dict[str, Any]) -> None:
+    """ValueError, saying how to fix it, unless ``path`` is a step profile measured with ``settings`` (its
+    :data:`CALIBRATION_SETTINGS` beside it) that the step model fits."""
+    path = Path(path)
+    meta = path.with_name(CALIBRATION_SETTINGS)
+    if not path.is_file():
+        raise ValueError(f"--step-profile {path}: no such file (a fleet, soak or overload bench's work directory holds "
+                         "step_profile.csv; its JSON names it under calibration.profile_csv)")
+    if not meta.is_file():
+        raise ValueError(f"--step-profile {path}: no {CALIBRATION_SETTINGS} beside it, so the settings it was measured "
+                         "with are unknown; calibrate again (leave --step-profile out)")
+    then = json.loads(meta.read_text())
+    differ = [f"{k} {then.get(k)!r} there, {v!r} here" for k, v in settings.items() if then.get(k) != v]
+    if differ:
+        raise ValueError(f"--step-profile {path} was measured with other settings ({'; '.join(differ)}): calibrate "
+                         "again (leave --step-profile out) or match them")
+    try:
+        FittedLatency.from_csv(path)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"--step-profile {path}: not a step profile the step model fits ({exc})") from None
+
+
+def reused_profile(path: str | Path, settings: dict[str, Any], work: Path) -> Path:
+    """An earlier calibration's step profile (checked by :func:`check_step_profile`), copied into this run's ``work``."""
+    check_step_profile(path, settings)
+    shutil.copy(path, work / "step_profile.csv")
+    (work / CALIBRATION_SETTINGS).write_text(json.dumps(settings))
+    return work / "step_profile.csv"
 
 
 def _simulate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, placement: str, rate: float) -> RunMetrics:

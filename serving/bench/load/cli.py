@@ -68,6 +68,10 @@ def _fleet_args(p: argparse.ArgumentParser, max_requests: int, max_num_seqs: int
                    help="the predictions the calibrated simulator plans with when it finds R: noise:ACC | gauss:SIGMA | "
                         "oracle (default: %(default)s)")
     p.add_argument("--calibration-requests", type=int, default=64, help="the calibration burst (default: %(default)s)")
+    p.add_argument("--step-profile", metavar="CSV",
+                   help="skip the calibration burst and fit an earlier one's step profile: step_profile.csv in a "
+                        "fleet, soak or overload bench's work directory (its JSON names it, calibration.profile_csv), "
+                        "measured on this machine with the same --shape and number of engines")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -131,8 +135,9 @@ def add_soak_parser(bench_sub) -> argparse.ArgumentParser:
 
 def _fleet_config(a: argparse.Namespace, placements: list[str]):
     """The fleet's settings from the shared flags (pydantic checks the ranges), and the trace checked to fit."""
-    from serving.bench.fleet import FleetBenchConfig
+    from serving.bench.fleet import FleetBenchConfig, check_step_profile, profile_settings
     from serving.bench.load.run import prepared
+    from serving.launch.models import bench_dtype
     from serving.placement import make_placement
     from serving.placement.limits import Limits
     from serving.sim.predictions import make_predictor
@@ -146,8 +151,10 @@ def _fleet_config(a: argparse.Namespace, placements: list[str]):
         raise ValueError(f"--rate must be positive, got {a.rate:g}")
     cfg = FleetBenchConfig(placements=placements, max_requests=a.max_requests, rate=a.rate, kv_blocks=a.kv_blocks,
                            shape=a.shape, max_num_seqs=a.max_num_seqs, predictor=a.predictor,
-                           calibration_requests=a.calibration_requests, seed=a.seed)
+                           calibration_requests=a.calibration_requests, step_profile=a.step_profile, seed=a.seed)
     prepared(cfg)  # a trace that does not fit fails now
+    if cfg.step_profile is not None:  # a profile of other settings fails now, not after the engines started
+        check_step_profile(cfg.step_profile, profile_settings(cfg, bench_dtype()))
     return cfg
 
 

@@ -43,7 +43,7 @@ from serving.bench.fleet import (
     request_settings,
     running_gateway,
 )
-from serving.bench.load.run import Fleet, calibrated_fleet, error_kind, meets_slo, pct, trace_jobs
+from serving.bench.load.run import Fleet, calibrated_fleet, calibration_record, error_kind, meets_slo, pct, trace_jobs
 from serving.bench.load.servedrate import served_rate
 from serving.bench.replay import Result
 from serving.launch.process import free_port
@@ -183,13 +183,13 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
                 runs.append(row)
                 console.print(f"  {m:g} x R {arm}: goodput {row['goodput_rps']:.3g} req/s, {row['rejected_429']} x 429, "
                               f"attainment among accepted {_f(row['attainment_accepted'])}")
-        slo, rate, work, fcfg = fleet.cal.slo, fleet.rate, fleet.work, fleet.cfg
+        slo, rate, work, fcfg, calibration = fleet.cal.slo, fleet.rate, fleet.work, fleet.cfg, calibration_record(fleet)
     out = {"config": {**cfg.model_dump(exclude={"fleet"}), "fleet": fcfg.model_dump()}, "saturation_rate_rps": rate,
            "rate_from": ("--rate" if cfg.fleet.rate else f"measured through the gateway ({cfg.placement}, 90% TTFT+ATGT)"
                          if measured else f"calibrated simulator ({cfg.placement}, 90% TTFT+ATGT)"),
            "served_rate": measured,
            "slo": {"ttft_s": slo.ttft_s, "atgt_s": slo.tpot_s, "t_p_s": slo.t_p, "t_g_s": slo.t_g},
-           "runs": runs, "verdict": verdict(runs, rate), "work_dir": str(work)}
+           "calibration": calibration, "runs": runs, "verdict": verdict(runs, rate), "work_dir": str(work)}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     png = json_path.with_suffix(".png")
     out["png"] = str(plot_overload(out, png))

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -72,6 +73,12 @@ def calibrated_fleet(cfg: FleetBenchConfig, placement: str, console: Console, pr
         yield Fleet(cfg, trace, cal, rate, model, procs, work)
     finally:
         stop_engines(procs)
+
+
+def calibration_record(fleet: Fleet) -> dict[str, Any]:
+    """The JSON's ``calibration``: the step model, and the profile a later run can reuse (``--step-profile``)."""
+    return {"latency_model": fleet.cal.latency.describe(), "profile_csv": str(fleet.cal.profile),
+            "reused_from": fleet.cfg.step_profile}
 
 
 def trace_jobs(fleet: Fleet, rate: float, n: int | None = None) -> list[Job]:

@@ -45,7 +45,7 @@ from serving.bench.fleet import (
     running_gateway,
     service_process,
 )
-from serving.bench.load.run import calibrated_fleet, error_kind, pct
+from serving.bench.load.run import calibrated_fleet, calibration_record, error_kind, pct
 from serving.bench.load.servedrate import served_rate
 from serving.bench.replay import Job, Result, poisson_arrivals
 from serving.launch.process import free_port, wait_http
@@ -248,6 +248,7 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
         out["served_rate"] = measured
         out["simulated_rate_rps"] = fleet.rate
         out["slo"] = {"ttft_s": fleet.cal.slo.ttft_s, "atgt_s": fleet.cal.slo.tpot_s}
+        out["calibration"] = calibration_record(fleet)
         out["config"]["fleet"] = fc.model_dump()
         out["work_dir"] = str(fleet.work)
     json_path.parent.mkdir(parents=True, exist_ok=True)

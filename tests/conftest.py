@@ -46,7 +46,7 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def trained(home, data, tmp_path_factory) -> dict:
-    """A short real training run through the CLI: 3,000 ShareGPT first turns, 1 epoch, 64-token prompts. Its package
+    """A short real training run through the CLI: 2,000 ShareGPT first turns, 1 epoch, 64-token prompts. Its package
     serves every prompt with the trained encoder (``--route-slices off``): the tests that use it are about that model;
     tests/test_slice_routing.py covers a package that routes a slice to a baseline."""
     from training.cli import main
@@ -55,7 +55,7 @@ def trained(home, data, tmp_path_factory) -> dict:
     out = work / "metrics.json"
     rc = main([
         "--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
-        "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "3000", "--epochs", "1",
+        "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "2000", "--epochs", "1",
         "--max-prompt-tokens", "64", "--batch-size", "32", "--lr", "3e-3", "--experiment", "tests",
         "--work-dir", str(work), "--output-json", str(out), "--promote", "--route-slices", "off",
     ])

@@ -304,7 +304,7 @@ def soak(trained, data, tmp_path_factory) -> tuple[subprocess.CompletedProcess, 
     work = tmp_path_factory.mktemp("soak")
     out = work / "soak.json"
     run = _bench(["soak", "--duration", "60", "--rate", "0.5", "--sample-interval", "5", "--max-requests", "40",
-                  "--calibration-requests", "16", "--max-num-seqs", "8",
+                  "--calibration-requests", "8", "--max-num-seqs", "8",
                   "--model", f"models:/length-predictor/{trained['registered_version']}", "--json", str(out)],
                  1400, work / "soak.log")
     return run, out

@@ -380,20 +380,21 @@ def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(soak, tm
 def test_a_step_profile_of_other_settings_exits_2_before_anything_starts(tmp_path, capsys):
     from serving.bench.fleet import CALIBRATION_SETTINGS
 
+    def refused(path: Path, *argv: str) -> str:
+        code = main(["bench", "overload", "--rate", "1", "--max-requests", "12", "--step-profile", str(path), *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and "Traceback" not in err, err
+        return err
+
     csv = tmp_path / "step_profile.csv"
     csv.write_text("prefill_tokens,decode_tokens,kv_read_tokens,step_s\n" +
                    "".join(f"{p},{d},{p + 10 * d},{0.01 + 1e-4 * p + 3e-4 * d}\n" for p, d in ((100, 0), (0, 4), (50, 2),
                                                                                                (0, 8), (200, 1), (0, 1))))
-    for argv, needle in (([], f"no {CALIBRATION_SETTINGS} beside it"),
-                         (["--shape", "micro"], "shape 'tiny' there, 'micro' here"),
-                         ([], "no such file")):
-        if "shape" in needle:
-            (tmp_path / CALIBRATION_SETTINGS).write_text(json.dumps({"shape": "tiny", "dtype": "float32", "engines": 2,
-                                                                     "block_size": 32}))
-        path = str(csv) if "no such" not in needle else str(tmp_path / "nope.csv")
-        code = main(["bench", "overload", "--rate", "1", "--max-requests", "12", "--step-profile", path, *argv])
-        err = capsys.readouterr().err.strip()
-        assert code == 2 and needle in err and "\n" not in err and "Traceback" not in err, err
+    assert f"no {CALIBRATION_SETTINGS} beside it" in refused(csv)
+    (tmp_path / CALIBRATION_SETTINGS).write_text(json.dumps({"shape": "tiny", "dtype": "float32", "engines": 2,
+                                                             "block_size": 32}))
+    assert "shape 'tiny' there, 'micro' here" in refused(csv, "--shape", "micro")
+    assert "no such file" in refused(tmp_path / "nope.csv")
 
 
 @pytest.mark.slow

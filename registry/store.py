@@ -228,9 +228,18 @@ def package_stages(package_dir: Path) -> str | None:
     None for a package that does not say."""
     try:
         stages = json.loads((package_dir / META_FILE).read_text()).get("stages")
-        return " > ".join(f"{s['labels']} x {s['examples']}" for s in stages) if stages else None
+        return " > ".join(_stage_text(s) for s in stages) if stages else None
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
+
+
+def _stage_text(stage: dict) -> str:
+    """One stage as ``labels x examples``, its auxiliary head's labels after it (``+ labels x examples on a second
+    head``)."""
+    text = f"{stage['labels']} x {stage['examples']}"
+    if aux := stage.get("auxiliary"):
+        text += f" + {aux['labels']} x {aux['examples']} on a second head (weight {aux['weight']:g})"
+    return text
 
 
 def package_fast_tier(package_dir: Path) -> str | None:

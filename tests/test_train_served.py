@@ -186,6 +186,14 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert "invalid choice" in _fail_line(capsys, ["--data", str(prompts), "--label", "hard"])
     assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-epochs", "-1"])
     assert "not a whole number" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-samples", "many"])
+    assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--aux-weight", "-0.5"])
+    assert main(["--data", str(prompts), *tok, "--aux-weight", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("train-predictor: error: --aux-weight needs --served-lengths: without "
+                                               "them the data's answers are the labels already")
+    assert main(["--data", str(prompts), *tok, "--served-lengths", str(lengths), "--max-tokens", "256",
+                 "--aux-weight", "1", "--pretrain-epochs", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "choose one" in err
 
 
 def test_pre_training_takes_the_datas_own_answers_of_training_conversations_only(served_set, data):
@@ -257,3 +265,71 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     assert {f"recommended_{s}" for s in r["recommended"]} <= set(run.data.tags)
     assert "train_rank_loss" in run.data.metrics and "later_turns_tfidf-logreg_pairwise_accuracy" in run.data.metrics
     assert "pretrain-val_acc" in run.data.metrics and int(run.data.params["n_pretrain"]) == pre["examples"]
+
+
+@pytest.mark.unit
+def test_a_second_head_learns_its_own_labels_and_leaves_the_served_output_alone():
+    """A two-headed step trains the shared encoder through both heads; the served logits are what forward (and so the
+    exported graph) gives, whatever the second head learnt."""
+    from transformers import BertConfig, BertModel
+
+    from predictor.model import LengthClassifier
+    from training.module import LengthModule
+
+    torch.manual_seed(0)
+    backbone = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = LengthClassifier(backbone, 16, 4, "mean", dropout=0.0, aux_buckets=4)
+    module = LengthModule(model, [10.0, 30.0, 50.0, 70.0], aux_weight=0.5)
+    x, m = torch.randint(1, 50, (3, 5)), torch.ones(3, 5, dtype=torch.long)
+    batch = (x, m, torch.tensor([0, 1, 3]), torch.tensor([5.0, 25.0, 65.0]))
+    module.log = lambda *a, **k: None  # no trainer attached
+    before = model(x, m).detach()
+    module.training_step({"served": batch, "answers": (x, m, torch.tensor([3, 3, 3]), torch.zeros(3))}, 0).backward()
+    assert model.aux_head.weight.grad.abs().sum() > 0 and model.head.weight.grad.abs().sum() > 0
+    assert next(backbone.parameters()).grad is not None
+    assert torch.equal(model(x, m).detach(), before)  # forward is the served head alone (no step taken)
+    assert not torch.equal(model.aux_logits(x, m), model(x, m))
+    with pytest.raises(ValueError, match="no auxiliary head"):
+        LengthClassifier(backbone, 16, 4, "mean").aux_logits(x, m)
+
+
+@pytest.mark.timeout(600)
+def test_a_two_headed_run_trains_on_the_datas_answers_beside_the_served_labels(served_set, data, home, tmp_path):
+    """--aux-weight: one stage, the data's answers of training conversations on a second head; the exported package
+    serves the first head (ONNX parity), and the package and the registry say what each head learnt from."""
+    from mlflow import MlflowClient
+
+    from registry import store
+
+    prompts, lengths = served_set
+    out = tmp_path / "metrics.json"
+    rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--aux-weight", "0.5",
+               "--pretrain-samples", "80", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens",
+               "256", "--bucket-width", "64", "--max-samples", "160", "--epochs", "1", "--max-prompt-tokens", "16",
+               "--experiment", "tests-served", "--no-baselines", "--register", "two-headed", "--work-dir",
+               str(tmp_path / "work"), "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    aux = r["auxiliary"]
+    assert aux["labels"] == "dataset answers (sharegpt)" and 0 < aux["examples"] <= 80 and aux["weight"] == 0.5
+    assert r["pretrain"] is None and r["onnx_parity_max_abs_diff"] < 1e-3
+    meta = json.loads((tmp_path / "work" / "package" / "meta.json").read_text())
+    assert [s["labels"] for s in meta["stages"]] == [MODEL] and meta["stages"][0]["auxiliary"] == {
+        "labels": aux["labels"], "data": str(prompts), "examples": aux["examples"], "weight": 0.5}
+    tags = MlflowClient().get_model_version("two-headed", r["registered_version"]).tags
+    assert tags[store.TAG_STAGES] == (f"{MODEL} x {r['n_train']} + dataset answers (sharegpt) x {aux['examples']} on a "
+                                      "second head (weight 0.5)")
+    run = MlflowClient().get_run(r["run_id"])
+    assert "train_aux_loss" in run.data.metrics and float(run.data.params["aux_weight"]) == 0.5
+
+
+@pytest.mark.unit
+def test_the_second_heads_batches_keep_pace_with_the_served_epoch_and_cycle_through_every_example():
+    from training.module import CycledBatches, LengthGroupedBatches
+
+    cycled = CycledBatches(LengthGroupedBatches([3] * 10, batch_size=4, shuffle=True, seed=0), n=2)
+    epochs = [list(cycled) for _ in range(3)]
+    assert [len(e) for e in epochs] == [2, 2, 2] and len(cycled) == 2
+    first_pass = sorted(i for b in epochs[0] + epochs[1][:1] for i in b)
+    assert first_pass == list(range(10))  # three batches (4 + 4 + 2) make one whole pass before any repeats

@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pretrain-epochs", type=_count, default=_default("pretrain_epochs"), metavar="N",
                    help=_help("pretrain_epochs"))
     m.add_argument("--pretrain-samples", type=_count, default=_default("pretrain_samples"), metavar="N",
-                   help="cap on the pre-training examples, whole conversations kept (default: %(default)s; 0 = all)")
+                   help="cap on the pre-training (or --aux-weight) examples, whole conversations kept (default: "
+                   "%(default)s; 0 = all)")
+    m.add_argument("--aux-weight", type=_non_negative, default=_default("aux_weight"), metavar="W",
+                   help=_help("aux_weight"))
     m.add_argument("--lora-rank", type=int, default=_default("lora_rank"), help=_help("lora_rank"))
     m.add_argument("--lora-alpha", type=int, default=_default("lora_alpha"), help=_help("lora_alpha"))
     m.add_argument("--lora-dropout", type=float, default=_default("lora_dropout"), help=_help("lora_dropout"))
@@ -217,7 +220,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         route_slices=a.route_slices, route_max_top1_drop=a.route_max_top1_drop, route_max_tau_drop=a.route_max_tau_drop,
         distill_to=a.distill_to, distill_alpha=a.distill_alpha, distill_lr=a.distill_lr,
         distill_max_top1_drop=a.distill_max_top1_drop, distill_max_tau_drop=a.distill_max_tau_drop,
-        pretrain_epochs=a.pretrain_epochs, pretrain_samples=a.pretrain_samples or None,
+        pretrain_epochs=a.pretrain_epochs, pretrain_samples=a.pretrain_samples or None, aux_weight=a.aux_weight,
     )
 
 

@@ -57,7 +57,11 @@ class TrainConfig(BaseModel):
                                  "every training-split conversation of the slice, then train on the served model's labels "
                                  "from there (0: off)")
     pretrain_samples: int | None = Field(20000, ge=1, description="cap on the pre-training examples, whole conversations "
-                                         "kept (None: all)")
+                                         "kept (None: all); also the auxiliary head's examples")
+    aux_weight: float = Field(0.0, ge=0.0, description="with served_lengths: train a second head at the same time on the "
+                              "data's own answers (the pre-training examples, one batch beside each served batch, "
+                              "cycling through them over the epochs), this weight on its loss; the served head ships (a "
+                              "two-headed model, the alternative to pretrain_epochs; 0: off)")
     seed: int = Field(0, description="seed of the split, the sampling cap, the initialisation and the batches")
     padding: float = Field(0.15, description="padding ratio for the under-prediction rate (EcoServe: 0.1-0.2)")
     quantile: float = Field(0.9, description="quantile length reported beside the expected length")

@@ -78,13 +78,34 @@ class LengthGroupedBatches(Sampler[list[int]]):
         return math.ceil(len(self.lengths) / self.batch_size)
 
 
+class CycledBatches(Sampler[list[int]]):
+    """``n`` batches of ``batches`` per epoch, continuing where the last epoch stopped (a new shuffled pass when one
+    runs out): a second head's labels keep pace with the served epoch, one batch a step, and every example is seen
+    over the epochs whether that set is smaller or larger than the served one."""
+
+    def __init__(self, batches: LengthGroupedBatches, n: int):
+        self.batches = batches
+        self.n = max(1, n)
+        self._it: Iterator[list[int]] = iter(())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.n):
+            batch = next(self._it, None)
+            if batch is None:
+                self._it = iter(self.batches)
+                batch = next(self._it)
+            yield batch
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def make_loader(ids: Sequence[list[int]], labels: Sequence[Label], pad_id: int, batch_size: int, shuffle: bool,
-                seed: int, lengths: Sequence[float] | None = None) -> DataLoader:
+                seed: int, lengths: Sequence[float] | None = None, batches_per_epoch: int | None = None) -> DataLoader:
     """Batches ``(input_ids, attention_mask, label, true length)``: the label a long bucket index, or for soft labels
     a float row per example; the true length (response tokens; a prompt's mean over its samples with soft labels) is
-    what the ranking term orders by."""
+    what the ranking term orders by. ``batches_per_epoch`` cycles through the examples that many batches an epoch
+    (:class:`CycledBatches`) instead of one pass."""
     soft = bool(labels) and not isinstance(labels[0], (int, np.integer))
 
     def collate(items):
@@ -92,7 +113,9 @@ def make_loader(ids: Sequence[list[int]], labels: Sequence[Label], pad_id: int, 
         y = torch.tensor([y for _, y, _ in items], dtype=torch.float32 if soft else torch.long)
         return torch.from_numpy(x), torch.from_numpy(m), y, torch.tensor([n for _, _, n in items], dtype=torch.float32)
 
-    sampler = LengthGroupedBatches([len(x) for x in ids], batch_size, shuffle, seed)
+    sampler: Sampler[list[int]] = LengthGroupedBatches([len(x) for x in ids], batch_size, shuffle, seed)
+    if batches_per_epoch is not None:
+        sampler = CycledBatches(sampler, batches_per_epoch)
     return DataLoader(EncodedDataset(ids, labels, lengths), batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
 
@@ -129,12 +152,13 @@ class LengthModule(L.LightningModule):
     """
 
     def __init__(self, model: LengthClassifier, centers: Sequence[float], lr: float = 1e-3, weight_decay: float = 0.01,
-                 rank_loss_weight: float = 0.0):
+                 rank_loss_weight: float = 0.0, aux_weight: float = 0.0):
         super().__init__()
         self.model = model
         self.lr = lr
         self.weight_decay = weight_decay
         self.rank_loss_weight = float(rank_loss_weight)
+        self.aux_weight = float(aux_weight)
         self.register_buffer("centers", torch.tensor(list(centers), dtype=torch.float32))
         c = list(centers)
         self.rank_scale = max((c[-1] - c[0]) / max(len(c) - 1, 1), 1e-6)
@@ -146,6 +170,22 @@ class LengthModule(L.LightningModule):
         return self.model(input_ids, attention_mask)
 
     def training_step(self, batch, _):
+        """One batch of served labels; or, for a two-headed model, a dict of one served batch (``served``) and one batch
+        of the auxiliary labels (``answers``, for the second head) per step, the latter's loss weighed by
+        ``aux_weight``."""
+        served = batch["served"] if isinstance(batch, dict) else batch
+        loss = self._served_loss(served)
+        n = int(served[2].shape[0])
+        if isinstance(batch, dict):
+            x, m, y, _ = batch["answers"]
+            aux = torch.nn.functional.cross_entropy(self.model.aux_logits(x, m), y)
+            self.log("train_aux_loss", aux, batch_size=int(y.shape[0]), on_step=False, on_epoch=True)
+            self._seen += int(y.shape[0])
+            loss = loss + self.aux_weight * aux
+        self.log("train_loss", loss, prog_bar=True, batch_size=n)
+        return loss
+
+    def _served_loss(self, batch) -> torch.Tensor:
         x, m, y, length = batch
         logits = self(x, m)
         n = int(y.shape[0])
@@ -161,7 +201,6 @@ class LengthModule(L.LightningModule):
             self.log("train_rank_loss", rank, batch_size=n, on_step=False, on_epoch=True)  # numbers, however short
             loss = loss + self.rank_loss_weight * rank
         self._seen += n
-        self.log("train_loss", loss, prog_bar=True, batch_size=n)
         return loss
 
     def on_train_epoch_start(self) -> None:

@@ -45,7 +45,8 @@ class Prepared:
     target: dict | None = None  # whose lengths the labels are (predictor.target): recorded in the package and registry
     served: ServedLabels | None = None  # the served-length file's labels, with --served-lengths
     undecided: dict[str, int] | None = None  # cut answers left out of validation and test (no known bucket)
-    pretrain: list[Example] | None = None  # with pretrain_epochs: the data's own answers, training conversations only
+    pretrain: list[Example] | None = None  # with pretrain_epochs or aux_weight: the data's own answers, training
+    # conversations only
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -61,6 +62,11 @@ def prepare(cfg: TrainConfig) -> Prepared:
         raise DataError("--label soft needs --served-lengths: soft labels are the bucket histogram of a prompt's samples")
     if cfg.pretrain_epochs and not cfg.served_lengths:
         raise DataError("--pretrain-epochs needs --served-lengths: without them the data's answers are the labels already")
+    if cfg.aux_weight and not cfg.served_lengths:
+        raise DataError("--aux-weight needs --served-lengths: without them the data's answers are the labels already")
+    if cfg.aux_weight and cfg.pretrain_epochs:
+        raise DataError("--aux-weight and --pretrain-epochs are two ways to learn from the data's answers (at the same "
+                        "time, or first): choose one")
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
     examples = load_examples(cfg.data, cfg.fmt, **kwargs)
@@ -76,7 +82,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         raise DataError(f"too few conversations to split ({len(examples)} examples): need data for train, val and test")
     train_decided = scheme.decided(labels_of(splits.train), censored_of(splits.train))
     scheme = scheme.with_centers(labels_of(splits.train)[train_decided])
-    pretrain = _pretrain_examples(cfg, counter) if cfg.pretrain_epochs else None
+    pretrain = _pretrain_examples(cfg, counter) if cfg.pretrain_epochs or cfg.aux_weight else None
     return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided, pretrain)
 
 
@@ -89,7 +95,7 @@ def _pretrain_examples(cfg: TrainConfig, counter: TokenCounter) -> list[Example]
     examples = [e for e in examples if split_of(e.group, seed=cfg.seed) == "train" and e.response]
     examples = attach_labels(cap_groups(examples, cfg.pretrain_samples, cfg.seed), counter)
     if not examples:
-        raise DataError("--pretrain-epochs: the data has no answers of training conversations to pre-train on")
+        raise DataError("--pretrain-epochs/--aux-weight: the data has no answers of training conversations to learn from")
     return examples
 
 
@@ -194,7 +200,7 @@ def run(cfg: TrainConfig) -> dict:
     params = _run_params(cfg, prep, inputs, lora)
     with mlflow.start_run(experiment_id=exp_id) as run_:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-        pretrained = _pretrain(cfg, inputs, module, val_dl, work, run_.info.run_id) if prep.pretrain else None
+        pretrained = _pretrain(cfg, inputs, module, val_dl, work, run_.info.run_id) if cfg.pretrain_epochs else None
         trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
         model, distilled = trained.model, None
         if cfg.distill_to:  # a smaller student of the trained model; it replaces it only if as good (training.distill)
@@ -207,6 +213,7 @@ def run(cfg: TrainConfig) -> dict:
         report["fast_tier"] = _fast_tier(package, report, fitted)
         report["distillation"] = distilled
         report["pretrain"] = pretrained
+        report["auxiliary"] = _stages(cfg, prep)[-1].get("auxiliary")
         splits = prep.splits
         report.update(
             onnx_parity_max_abs_diff=parity, train_seconds=trained.train_seconds, epoch_seconds=trained.epoch_seconds,
@@ -299,11 +306,18 @@ def _build_module(cfg: TrainConfig, prep: Prepared, inputs: _Inputs) -> tuple[An
     from training.module import LengthModule, make_loader
 
     lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets or default_targets(inputs.model_type))
-    model = build_classifier(inputs.base, prep.scheme.n, lora)
-    module = LengthModule(model, prep.scheme.centers, lr=cfg.lr, rank_loss_weight=cfg.rank_loss_weight)
+    model = build_classifier(inputs.base, prep.scheme.n, lora, aux_buckets=prep.scheme.n if cfg.aux_weight else 0)
+    module = LengthModule(model, prep.scheme.centers, lr=cfg.lr, rank_loss_weight=cfg.rank_loss_weight,
+                          aux_weight=cfg.aux_weight)
     enc, y, n, pad_id = inputs.enc, inputs.y, inputs.lengths, inputs.fmt_in.pad_id
     train_dl = make_loader([e.ids for e in enc["train"]], y["train"].tolist(), pad_id, cfg.batch_size, True, cfg.seed,
                            n["train"].tolist())
+    if cfg.aux_weight:  # each step one served batch and one of the data's answers; an epoch is one served pass
+        from lightning.pytorch.utilities import CombinedLoader
+
+        answers = make_loader([e.ids for e in enc["pretrain"]], y["pretrain"].tolist(), pad_id, cfg.batch_size, True,
+                              cfg.seed + 1, n["pretrain"].tolist(), batches_per_epoch=len(train_dl))
+        train_dl = CombinedLoader({"served": train_dl, "answers": answers}, mode="min_size")
     val_dl = make_loader([e.ids for e in enc["val"]], y["val"].tolist(), pad_id, 64, False, cfg.seed, n["val"].tolist())
     return module, lora, train_dl, val_dl
 
@@ -324,7 +338,10 @@ def _stages(cfg: TrainConfig, prep: Prepared) -> list[dict]:
     """What each training stage learnt from, in order (the package's ``stages``; the registry's ``lengthwise.stages``)."""
     served = {"labels": str((prep.target or {}).get("model")), "data": str(cfg.served_lengths or cfg.data),
               "examples": len(prep.splits.train)}
-    if not prep.pretrain:
+    if cfg.aux_weight:  # one stage, the data's answers beside it on the second head
+        served["auxiliary"] = {"labels": _dataset_answers(cfg), "data": str(cfg.data), "examples": len(prep.pretrain or []),
+                               "weight": cfg.aux_weight}
+    if not cfg.pretrain_epochs:
         return [served]
     return [{"labels": _dataset_answers(cfg), "data": str(cfg.data), "examples": len(prep.pretrain)}, served]
 

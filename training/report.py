@@ -98,6 +98,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"pre-trained first on {pre['labels']}: {pre['examples']} training-split examples, "
                       f"{len(pre['epoch_seconds'])} epochs in {pre['train_seconds']:.0f}s, best served validation accuracy "
                       f"{pre['best_val_acc']:.3f} before the served labels")
+    if aux := report.get("auxiliary"):
+        console.print(f"trained with a second head on {aux['labels']}: {aux['examples']} training-split examples, loss "
+                      f"weight {aux['weight']:g} (the served head ships)")
     console.print(f"model: {report['model_uri']}" + (f"  alias @{report['alias']}" if report.get("alias") else ""))
     if report.get("promotion"):
         console.print(f"promotion: {report['promotion']}")

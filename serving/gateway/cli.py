@@ -86,6 +86,15 @@ who may call: with --api-key/--api-key-file/LENGTHWISE_API_KEY every request nee
 random key of their own. Past --max-outstanding requests in flight a request gets 429 with Retry-After at once.
 /health: ok, or degraded with reasons (no engine, sidecar down); HTTP 503 only when no engine can serve.
 
+several models (--models FILE): a request is placed only on the engines that serve the model it names; a model
+whose engines are all down gets 503 while the others keep serving; /v1/models lists every served name (an
+adapter's card names its parent); an unknown model gets 404 with the served names. Example catalogue:
+  models:
+    - {name: smol, model: ./SmolLM2-135M-Instruct, engine_args: ["--max-model-len 2048"],
+       slo: {ttft_ms: 2000, tpot_ms: 150}}
+    - {name: smol-terse, adapter_of: smol, adapter: ./adapters/terse}
+    - {name: llama-8b, engine_urls: ["http://10.0.0.7:8001"], slo: {ttft_ms: 500, tpot_ms: 50}}
+
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 """
 
@@ -153,6 +162,11 @@ def _engine_flags(e: argparse._ActionsContainer) -> None:
                   "the tokenizer it counts prompt tokens with")
     _setting(e, "--engine-url", "engine_urls", action="append", metavar="URL",
              help="a running vLLM OpenAI server to use; repeatable. Without it, engines are started here")
+    _setting(e, "--models", "models_file", metavar="FILE",
+             help="several models behind this endpoint: a YAML or TOML catalogue of served names, each with its "
+                  "engines (engine_urls to attach, or model and engines to start here), its LoRA adapters (entries "
+                  "with adapter_of and adapter) and its SLO (slo: {ttft_ms, tpot_ms}); see 'several models' below. "
+                  "Replaces --model/--engine-url/--engines")
     _setting(e, "--prefill-url", "prefill_urls", action="append", metavar="URL",
              help="disaggregated prefill: a running vLLM server that prefills each prompt first (max_tokens 1, "
                   "kv_transfer_params for a remote decode), repeatable; the --engine-url engines then only decode, "
@@ -423,9 +437,11 @@ def _check_engine(settings: GatewaySettings) -> None:
                              "or attach to running engines with --engine-url")
     except (ImportError, ValueError):
         raise UsageError("vLLM is not importable here; attach to running engines with --engine-url") from None
-    model = Path(settings.model)
-    if (settings.model.startswith((".", "/", "~")) or model.exists()) and not (model.expanduser() / "config.json").exists():
-        raise UsageError(f"--model {settings.model}: no config.json there (a Hugging Face model directory is needed)")
+    for group in settings.engine_groups():
+        name, flag = str(group.model), "--model" if settings.catalogue is None else f"--models: 'model' {group.model!r}"
+        model = Path(name)
+        if (name.startswith((".", "/", "~")) or model.exists()) and not (model.expanduser() / "config.json").exists():
+            raise UsageError(f"{flag}: no config.json there (a Hugging Face model directory is needed)")
 
 
 def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
@@ -451,6 +467,65 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
     except EngineStartError:
         raise UsageError(f"{flag}: no {what} answered /health within {timeout_s:g} s ({', '.join(urls)}); start them "
                          "first or raise --engine-start-timeout") from None
+
+
+def _catalogue_engines(settings: GatewaySettings) -> tuple[list[str], list]:
+    """The ``--models`` engines: those of entries with ``model`` started here (all at once, the cores shared out), those
+    with ``engine_urls`` attached; then every engine must list the names its entry gives it (a base and its adapters),
+    or nothing would ever be placed on it. Returns (engine URLs, the processes started here); the processes are in the
+    list before anything can fail, so the caller stops them."""
+    from serving.launch.engines import EngineStartError, start_engines, wait_healthy, wait_started
+
+    cat = settings.catalogue
+    assert cat is not None
+    procs: list = []
+    groups = settings.engine_groups()
+    if groups:
+        log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
+        procs.extend(start_engines(settings, log_dir, groups))
+        log.info("starting %d engine(s) for %s with policy %s; logs in %s", len(procs),
+                 ", ".join(str(g.model) for g in groups), settings.policy, log_dir)
+        wait_started(procs, settings.engine_start_timeout_s, settings.engine_start_retries)
+    started = iter(procs)
+    urls: list[str] = []
+    serves: dict[str, list[str]] = {}  # engine URL -> the names its entry says it serves
+    for m in cat.models:
+        if m.is_adapter:
+            continue
+        mine = [next(started).url for _ in range(m.engines)] if m.starts_engines else m.engine_urls
+        names = [m.name, *(a.name for a in cat.adapters_of(m.name))]
+        serves.update({u: names for u in mine})
+        urls += mine
+    attached = cat.attached_urls()
+    if attached:
+        _resolve(attached, "--models engine_urls")
+        try:
+            wait_healthy(attached, settings.engine_start_timeout_s, require_all=False)
+        except EngineStartError:
+            raise UsageError(f"--models: no attached engine answered /health within {settings.engine_start_timeout_s:g} s "
+                             f"({', '.join(attached)})") from None
+    _check_served_names(settings, serves)
+    return urls, procs
+
+
+def _check_served_names(settings: GatewaySettings, serves: dict[str, list[str]]) -> None:
+    """Every engine that answers lists the names its catalogue entry gives it (UsageError naming the engine, what it
+    lists and the fix); one that does not answer yet is checked by the gateway when it comes up."""
+    import httpx
+
+    from serving.gateway.pool import engine_auth
+
+    with httpx.Client(timeout=10.0, headers=engine_auth(settings)) as client:
+        for url, names in serves.items():
+            try:
+                listed = {card["id"] for card in client.get(url + "/v1/models").raise_for_status().json()["data"]}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                continue
+            missing = [n for n in names if n not in listed]
+            if missing:
+                raise UsageError(f"--models: the engine {url} does not serve {', '.join(map(repr, missing))} (it lists "
+                                 f"{', '.join(sorted(listed))}); start it with --served-model-name {names[0]} (and "
+                                 "--lora-modules for adapters), or name the entry as it lists")
 
 
 def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings, argparse.Namespace], int]] | None = None) -> int:
@@ -502,7 +577,10 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
             # hex: a key an operator copies into a flag never starts with "-" (a url-safe one does 1 time in 64, and
             # "--engine-api-key -x..." then reads as a missing value)
             settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_hex(32))})
-        if settings.starts_engines:
+        if settings.catalogue is not None:
+            urls, procs = _catalogue_engines(settings)
+            prefill_urls, plugin_metrics = [], {p.url: p.metrics_url for p in procs if p.metrics_url}
+        elif settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
             procs = start_engines(settings, log_dir)
             log.info("starting %d engine(s)%s with policy %s; logs in %s", settings.engines,

@@ -93,13 +93,14 @@ class Forwarder:
         transient: dict[str, Engine] = {}  # engines whose last failure of this request a live engine can cause
         returns = 0  # goes back to those, once every engine was tried
         full: frozenset[str] = frozenset()  # engines at --max-outstanding-per-engine: not chosen
+        others = self.pool.not_serving(req.model)  # engines of other models: never chosen
         while True:
             engine = again
             if engine is None and len(tried) < self.settings.max_attempts:
                 # the per-engine bound is admission: a request already accepted that lost its engine is retried on
                 # any live one, full or not, rather than failed
-                full = self.pool.full(self.per_engine) if not tried else frozenset()
-                engine = self.pool.place(job, frozenset(tried) | full)
+                full = self.pool.full(self.per_engine) - others if not tried else frozenset()
+                engine = self.pool.place(job, frozenset(tried) | full | others)
             if engine is None and returns < self.settings.transient_retries:
                 engine = await self._return_to(job, transient, returns)
                 returns += engine is not None
@@ -130,7 +131,11 @@ class Forwarder:
             self.metrics.rejected.labels("engine_full").inc()
             bounds = sorted({e.limit.bound if e.limit else self.per_engine for e in self.pool.engines if e.name in full})
             raise overloaded(f"{'/'.join(map(str, bounds))} requests in flight on every engine")
-        if failure is None:
+        if failure is None and others:
+            mine = [e.name for e in self.pool.engines if e.name not in others]
+            msg = (f"no healthy engine serves '{req.model}' ({', '.join(mine) or 'none lists it now'}: down); the other "
+                   "models are served")
+        elif failure is None:
             msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
         else:
             msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "

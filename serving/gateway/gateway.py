@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.gateway.admission import Admission, Slot
 from serving.gateway.auth import KeyCheck
@@ -119,6 +119,8 @@ class Gateway:
         names = {e.url: e.name for e in [*self.pool.engines, *(self.hop.pool.engines if self.hop else [])]}
         self.plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
         self.slo = default_slo(settings)
+        # each catalogue model's own (TTFT, TPOT) terms, where it sets them (--models)
+        self.model_terms = {m.name: m.slo.terms() for m in (settings.catalogue.models if settings.catalogue else [])}
         self.prompts = PromptCounter()
         self.rids = itertools.count()
         self._tokenizer: asyncio.Task | None = None
@@ -228,7 +230,7 @@ class Gateway:
         call.client = self.client_of(headers)
         if call.slot is not None and req.prompts > 1:
             self.widen(call.slot, req.prompts)
-        terms = self.slo_terms(headers)
+        terms = self.slo_terms(headers, req.model)
         await self.measured(call, req)
         pred = await self.predict(call, req, headers)
         body = self.hints(call, req, pred, self.deadline(call, pred, terms))
@@ -275,9 +277,12 @@ class Gateway:
             raise
 
     def validate(self, kind: Kind, raw: bytes) -> ClientRequest:
-        """The body as a checked request for the models the engines serve (none known yet: any model)."""
+        """The body as a checked request for the models served: the catalogue's names (``--models``), else those the
+        engines list (none known yet: any model)."""
+        cat = self.settings.catalogue
+        served = set(cat.names) if cat is not None else self.pool.models
         try:
-            return validate_request(kind, parse_json(raw), self.pool.models, self.settings.max_n, self.settings.max_messages)
+            return validate_request(kind, parse_json(raw), served, self.settings.max_n, self.settings.max_messages)
         except ApiError as exc:
             if exc.param == "n" and exc.code == "invalid_value":
                 self.metrics.rejected.labels("too_many_n").inc()
@@ -290,16 +295,19 @@ class Gateway:
             return self.validate(kind, raw)
         return await asyncio.to_thread(self.validate, kind, raw)
 
-    def slo_terms(self, headers: Mapping[str, str]) -> tuple[float | None, float | None]:
+    def slo_terms(self, headers: Mapping[str, str], model: str | None = None) -> tuple[float | None, float | None]:
         """The client's own (TTFT, TPOT) in seconds from ``x-slo-ttft-ms``/``x-slo-tpot-ms``, moved into
         [``slo_min_ms``, ``slo_max_ms``] (counted); a malformed one is a 400. With client keys, only the keys of
-        ``slo_key_file`` may set them: anyone else's are ignored (counted), and the request keeps the default SLO."""
+        ``slo_key_file`` may set them: anyone else's are ignored (counted), and the request keeps the default SLO.
+        A term the client leaves out is the ``model``'s catalogue SLO term, where it has one."""
         s = self.settings
+        own = self.model_terms.get(model or "", (None, None))
         if self.keys.enabled and (TTFT_HEADER in headers or TPOT_HEADER in headers) and not self.urgent.allows(headers):
             self.metrics.slo_ignored.inc()
-            return None, None
-        return client_slo(headers, (s.slo_min_ms, s.slo_max_ms),
-                          lambda header, bound: self.metrics.slo_clamped.labels(header, bound).inc())
+            return own
+        ttft, tpot = client_slo(headers, (s.slo_min_ms, s.slo_max_ms),
+                                lambda header, bound: self.metrics.slo_clamped.labels(header, bound).inc())
+        return (own[0] if ttft is None else ttft), (own[1] if tpot is None else tpot)
 
     def measure(self, call: Call, req: ClientRequest, counted: tuple[int, int, str] | None = None) -> None:
         """Count the prompt's tokens (each prompt once, whatever ``n``; ``counted``: already counted, see :meth:`measured`)
@@ -408,11 +416,17 @@ class Gateway:
         self.count(call.endpoint, out.status)
         if call.slot is not None:
             call.slot.release()
-        self.metrics.latency.labels(call.endpoint).observe(time.perf_counter() - call.t0)
+        m, elapsed = self.metrics, time.perf_counter() - call.t0
+        m.latency.labels(call.endpoint).observe(elapsed)
+        m.model_requests.labels(req.model, str(out.status)).inc()
+        m.model_latency.labels(req.model).observe(elapsed)
+        if out.status == 200 and call.deadline is not None:
+            m.model_deadlines.labels(req.model, "met" if time.time() <= call.deadline else "missed").inc()
         if out.first_token_at is not None:
-            self.metrics.ttft.labels(call.endpoint).observe(out.first_token_at - call.t0)
+            m.ttft.labels(call.endpoint).observe(out.first_token_at - call.t0)
         if out.status == 200 and out.completion_tokens is not None:
-            self.metrics.output_tokens.inc(out.completion_tokens)
+            m.output_tokens.inc(out.completion_tokens)
+            m.model_output_tokens.labels(req.model).inc(out.completion_tokens)
             assert call.pred is not None
             target = self.target.current.target or {}
             reason = shaped_by(req.body, target.get("sampling"))
@@ -449,18 +463,26 @@ class Gateway:
 
     # --- the other endpoints ------------------------------------------------------------------------
     async def models(self) -> Response:
-        """The first healthy engine's ``/v1/models``, or a 503."""
+        """Every model the healthy engines serve, each once, in vLLM's own cards (an adapter's names its ``parent``),
+        listed afresh from each engine; or a 503 when none answers."""
+        cards: dict[str, dict] = {}
         for e in self.pool.engines:
             if e.healthy:
                 try:
                     r = await self.pool.client.get(e.url + "/v1/models")
-                except Exception:  # noqa: BLE001 - try the next engine
+                    r.raise_for_status()
+                    listed = r.json()["data"]
+                except Exception:  # noqa: BLE001 - the others still list theirs
                     self.pool.suspect(e)
                     continue
-                self.count("/v1/models", r.status_code)
-                return Response(r.content, status_code=r.status_code, media_type="application/json")
-        self.count("/v1/models", 503)
-        return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
+                for card in listed:
+                    if isinstance(card, dict) and isinstance(card.get("id"), str):
+                        cards.setdefault(card["id"], card)
+        if not cards:
+            self.count("/v1/models", 503)
+            return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
+        self.count("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     def health(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``/health``'s body (see :meth:`health_status` for its HTTP status).
@@ -484,6 +506,11 @@ class Gateway:
             reasons.append(f"predictor {state}: {detail}; requests run on the fallback length")
         if self.target.refuses:
             reasons.append(f"predictor for another model: {self.target.current.detail}; requests run on the fallback length")
+        models = self.model_health()
+        down = [name for name, m in models.items() if not m["healthy_engines"]]
+        if down and up:
+            reasons.append(f"no healthy engine serves {', '.join(down)} (their requests get 503; the other models are "
+                           "served)")
         shown = not self.keys.enabled or (headers is not None and self.keys.allows(headers))
 
         def engines(p: EnginePool) -> list[dict[str, Any]]:
@@ -491,7 +518,8 @@ class Gateway:
 
         extra = {"prefill_engines": engines(hop.pool)} if hop else {}
         body = {"status": "degraded" if reasons else "ok", "reasons": reasons, "healthy_engines": up,
-                "engines": engines(pool), **extra, "predictor_url": s.predictor_url if shown else None,
+                "engines": engines(pool), **extra, **({"models": models} if models else {}),
+                "predictor_url": s.predictor_url if shown else None,
                 "predictor": {"state": state, "detail": detail},
                 "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
                 "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method,
@@ -499,6 +527,19 @@ class Gateway:
                 "max_outstanding": self.admission.limit}
         self.count("/health", self.health_status(body))
         return body
+
+    def model_health(self) -> dict[str, dict[str, Any]]:
+        """Per catalogue model (``--models``; empty without one): the engines that serve it (as their model lists
+        said) and how many of them are healthy."""
+        cat = self.settings.catalogue
+        if cat is None:
+            return {}
+        out = {}
+        for name in cat.names:
+            mine = [e for e in self.pool.engines if name in e.models]
+            out[name] = {"engines": [e.name for e in mine], "healthy_engines": sum(e.healthy for e in mine),
+                         **({"adapter_of": cat.base_of(name)} if cat.base_of(name) != name else {})}
+        return out
 
     def health_status(self, body: dict[str, Any]) -> int:
         """200 while requests can be served, degraded or not; 503 when no engine can serve one (a load balancer then

@@ -85,6 +85,15 @@ class GatewayMetrics:
                                          "min_tokens, sampling, ...)", ["reason"], registry=r)
         self.predictor_up = Gauge(p + "predictor_up", "1 while the sidecar answers (its /ready and the predictions); "
                                   "0 without --predictor-url or while it does not", registry=r)
+        # per served model (a name /v1/models lists: a refused request for an unknown one is never labelled)
+        self.model_requests = Counter(p + "model_requests", "answered requests by model and status code", ["model", "status"],
+                                      registry=r)
+        self.model_latency = Histogram(p + "model_request_latency_seconds", "end-to-end latency by model", ["model"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.model_output_tokens = Counter(p + "model_output_tokens", "generated tokens by model", ["model"], registry=r)
+        self.model_deadlines = Counter(p + "model_deadlines", "answered requests by model and whether the answer was "
+                                       "complete by its deadline (met, missed): each model's SLO attainment, and summed "
+                                       "over models the whole endpoint's", ["model", "outcome"], registry=r)
         self.engine_others = Gauge(p + "engine_other_requests", "requests on the engine that this gateway did not send "
                                    "(its last load report)", ["engine"], registry=r)
 

@@ -49,6 +49,7 @@ class Engine:
     failures: int = 0  # consecutive failed probes
     models: set[str] = field(default_factory=set)
     context: dict[str, int] = field(default_factory=dict)  # model -> its max_model_len, as /v1/models says
+    cards: list[dict] = field(default_factory=list)  # its /v1/models cards, as last listed (an adapter's names its parent)
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
     last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
@@ -131,6 +132,11 @@ class EnginePool:
             e.models = {m["id"] for m in cards}
             e.context = {m["id"]: m["max_model_len"] for m in cards
                          if type(m.get("max_model_len")) is int and m["max_model_len"] > 0}
+            for m in cards:  # a LoRA adapter's card has no context of its own: its base model's is the one it runs in
+                parent = m.get("parent")
+                if m["id"] not in e.context and isinstance(parent, str) and parent in e.context:
+                    e.context[m["id"]] = e.context[parent]
+            e.cards = [m for m in cards if isinstance(m, dict)]
             self.known_models |= e.models
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("%s (%s): could not list its models: %s", e.name, e.url, exc)
@@ -245,6 +251,12 @@ class EnginePool:
         """The smallest context (max_model_len) an engine reported for ``model``; None when none did."""
         lens = [e.context[model] for e in self.engines if model in e.context]
         return min(lens) if lens else None
+
+    def not_serving(self, model: str) -> frozenset[str]:
+        """The engines that do not serve ``model`` (as their last model list said; one not listed yet may): placement
+        never chooses them for its requests, so several models can share one gateway (and adapters their base's
+        engines)."""
+        return frozenset(e.name for e in self.engines if e.models and model not in e.models)
 
     def full(self, per_engine: int) -> frozenset[str]:
         """The engines with as many of this gateway's requests in flight as their bound: the learnt one

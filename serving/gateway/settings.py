@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from serving.gateway.auth import read_key_file
+from serving.gateway.catalogue import Catalogue, CatalogueError, read_catalogue
 from serving.launch.engines import engine_args, flag_value
 from serving.policy.config import PolicyConfig
 
@@ -30,6 +32,9 @@ class GatewaySettings(BaseModel):
 
     # engines
     model: str | None = Field(None, description="model path or name the engines serve (required to start engines)")
+    models_file: Path | None = Field(None, description="the model catalogue (YAML or TOML, serving/gateway/catalogue.py): "
+                                     "several models and LoRA adapters behind one endpoint, each with its engines and "
+                                     "SLO, instead of model/engine_urls/engines")
     engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM OpenAI servers")
     engines: int = Field(1, ge=1, le=64, description="engines to start when no engine_urls are given")
     prefill_engines: int = Field(0, ge=0, le=64, description="disaggregated prefill with engines started here: this many "
@@ -140,6 +145,7 @@ class GatewaySettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get 413")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+    _catalogue: Catalogue | None = PrivateAttr(None)
 
     @field_validator("engine_urls", "engine_metrics_urls", "prefill_urls", "predictor_url")
     @classmethod
@@ -159,6 +165,22 @@ class GatewaySettings(BaseModel):
             return canonical_placement(v)
         except PlacementError as exc:
             raise ValueError(f"{exc} (or least-outstanding, an alias of jsq)") from None
+
+    @model_validator(mode="after")
+    def _read_catalogue(self) -> GatewaySettings:
+        if self.models_file is None:
+            return self
+        given = [flag for flag, on in (("--model", self.model), ("--engine-url", self.engine_urls),
+                                       ("--engines", self.engines != 1), ("--prefill-engines", self.prefill_engines),
+                                       ("--prefill-url", self.prefill_urls),
+                                       ("--engine-metrics-url", self.engine_metrics_urls)) if on]
+        if given:
+            raise ValueError(f"--models names every model's engines in its file: drop {', '.join(given)}")
+        try:
+            self._catalogue = read_catalogue(self.models_file)
+        except CatalogueError as exc:
+            raise ValueError(f"--models {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _engines_or_model(self) -> GatewaySettings:
@@ -188,8 +210,9 @@ class GatewaySettings(BaseModel):
             if self.placement not in limited:
                 raise ValueError(f"--latency-profile is used by --placement {', '.join(limited[:-1])} or {limited[-1]} only, "
                                  f"not {self.placement}")
-        if not self.engine_urls and not self.model:
-            raise ValueError("give --model to start engines, or --engine-url to attach to running ones")
+        if not self.engine_urls and not self.model and self.models_file is None:
+            raise ValueError("give --model to start engines, --engine-url to attach to running ones, or --models for "
+                             "several models")
         if self.engine_urls and self.engines > 1:
             raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:
@@ -204,8 +227,28 @@ class GatewaySettings(BaseModel):
         return self
 
     @property
+    def catalogue(self) -> Catalogue | None:
+        """The ``--models`` catalogue, read and checked when the settings were built; None without one."""
+        return self._catalogue
+
+    @property
     def starts_engines(self) -> bool:
+        if self._catalogue is not None:
+            return any(m.starts_engines for m in self._catalogue.models)
         return not self.engine_urls
+
+    def engine_groups(self) -> list[GatewaySettings]:
+        """The engines to start, one settings object per model that starts its own (``--models``: each base entry with
+        ``model``, served under its name, its adapters loaded with ``--lora-modules``); ``[self]`` without a
+        catalogue."""
+        cat = self._catalogue
+        if cat is None:
+            return [self]
+        return [self.model_copy(update={
+            "model": m.model, "engines": m.engines, "prefill_engines": 0,
+            "engine_args": [*self.engine_args, *m.engine_args, shlex.join(["--served-model-name", m.name]),
+                            *([shlex.join(cat.lora_args(m.name))] if cat.adapters_of(m.name) else [])]})
+            for m in cat.models if m.starts_engines]
 
     @property
     def stale_after_s(self) -> float:

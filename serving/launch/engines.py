@@ -53,7 +53,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -209,29 +209,34 @@ def logging_config(level: str = "INFO") -> dict:
     }
 
 
-def start_engines(settings: EngineSpec, log_dir: Path) -> list[EngineProcess]:
+def start_engines(settings: EngineSpec, log_dir: Path, groups: Sequence[EngineSpec] = ()) -> list[EngineProcess]:
     """Start ``settings.engines`` engines, then ``settings.prefill_engines`` prefill engines (logs ``prefill-i.log``),
-    on free loopback ports; returns at once (see :func:`wait_healthy` and :func:`wait_started`)."""
+    on free loopback ports; returns at once (see :func:`wait_healthy` and :func:`wait_started`). ``groups``: engines of
+    several models instead (``lengthwise serve --models``), each group's ``engines`` started from its own spec, in
+    order, the cores shared out among all of them."""
     cpu = is_cpu_build()
-    total = settings.engines + settings.prefill_engines
+    specs = ([g for g in groups for _ in range(g.engines)] if groups
+             else [settings] * (settings.engines + settings.prefill_engines))
+    total = len(specs)
     binds = cpu_binds(total) if cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else [None] * total
     log_dir.mkdir(parents=True, exist_ok=True)
     log_cfg = log_dir / "vllm-logging.json"
     log_cfg.write_text(json.dumps(logging_config(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()), indent=1))
-    names = engine_names(settings.engines) + engine_names(settings.prefill_engines, prefill=True)
+    prefill = 0 if groups else settings.prefill_engines
+    names = engine_names(total - prefill) + engine_names(prefill, prefill=True)
     malloc = engine_malloc(cpu, settings.engine_malloc, log)
 
     def launch(i: int, again: bool = False) -> EngineProcess:
-        name = names[i]
+        name, spec = names[i], specs[i]
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
-        cmd = engine_command(settings, port, cpu, metrics_port)
+        cmd = engine_command(spec, port, cpu, metrics_port)
         env = {k: v for k, v in os.environ.items() if k not in GATEWAY_SECRETS}
         env.pop("VLLM_API_KEY", None)
         if settings.engine_api_key is not None:  # vLLM reads it as --api-key; in the environment it is in no ps listing
             env["VLLM_API_KEY"] = settings.engine_api_key.get_secret_value()  # and in no log line (the command is logged)
         env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(log_cfg))
-        for k, v in one_device_env(cpu, engine_args(settings)).items():
+        for k, v in one_device_env(cpu, engine_args(spec)).items():
             env.setdefault(k, v)
         env = with_tcmalloc(env, malloc)
         pin = None

@@ -24,6 +24,8 @@ def _fail(msg: str) -> int:
 
 def serve_ray(settings: GatewaySettings, address: str | None, predictor_model: str | None) -> int:
     """Deploy and serve until a signal; returns the exit code."""
+    if settings.models_file is not None:
+        return _fail("--backend ray serves one model: a --models catalogue is served by --backend http (the default)")
     if settings.engine_urls or settings.prefill_urls or settings.prefill_engines:
         return _fail("--backend ray starts its own engine replicas: --engine-url, --prefill-url and --prefill-engines do "
                      "not apply")

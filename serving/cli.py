@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_sidecar(bsub)
     add_bench_variants(bsub)
+    from serving.bench.predictor.models import add_parser as add_bench_model_lengths
+
+    add_bench_model_lengths(bsub)
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)

@@ -1,0 +1,74 @@
+"""``lengthwise bench model-lengths`` on the real AlpacaEval answers of two models: the split by instruction, the
+predictors' rows, and bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from serving.bench.predictor.models import conditioned_text, load_answers
+from serving.cli import main
+from tests.cli_inproc import run_main
+
+TWO = "alpaca-7b,gpt4"  # a terse and a verbose answerer (mean about 100 and 250 GPT-2 tokens)
+
+
+@pytest.fixture(scope="module")
+def report(data, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("model-lengths") / "ml.json"
+    r = run_main(main, ["bench", "model-lengths", "--data", str(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
+                        "--models", TWO, "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+def test_every_predictor_is_scored_per_model_and_across_models(report):
+    assert set(report["per_model"]) == {"alpaca-7b", "gpt4"}
+    names = {"model-mean", "tfidf", "tfidf-pooled", "tfidf-conditioned"}
+    assert set(report["summary"]) == set(report["across_models"]) == names
+    assert report["per_model"]["gpt4"]["mean_length"] > report["per_model"]["alpaca-7b"]["mean_length"]
+    # SeaLLM's profile ranks nothing inside a model, and across the two only as far as their means differ
+    assert report["summary"]["model-mean"]["mean_tau"] == 0.0 and report["across_models"]["model-mean"]["kendall_tau"] > 0
+    # a predictor blind to the model ranks the two models' answers worse in one queue than it does each model's
+    assert report["across_models"]["tfidf-pooled"]["kendall_tau"] < report["across_models"]["tfidf-conditioned"]["kendall_tau"]
+    for name in names:
+        assert report["across_models"][name]["n"] == report["config"]["rows"]["test"]
+        assert all(0 <= report["per_model"][m][name]["accuracy"] <= 1 for m in ("alpaca-7b", "gpt4"))
+
+
+def test_no_test_instruction_is_in_training_for_any_model(data):
+    answers = load_answers(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz",
+                           data / "tokenizers/gpt2/tokenizer.json", TWO.split(","))
+    test = {g for g, s in zip(answers.groups, answers.split) if s == "test"}
+    train = {g for g, s in zip(answers.groups, answers.split) if s == "train"}
+    assert test and train and not test & train
+    assert set(answers.split) == {"train", "val", "test"} and np.all(answers.lengths > 0)
+
+
+def test_the_conditioned_rows_for_train_predictor_leave_the_test_out(data, tmp_path):
+    out = tmp_path / "cond.jsonl"
+    r = run_main(main, ["bench", "model-lengths", "--data", str(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
+                        "--models", TWO, "--write-conditioned", str(out)])
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    answers = load_answers(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz",
+                           data / "tokenizers/gpt2/tokenizer.json", TWO.split(","))
+    assert len(rows) == int((answers.split != "test").sum())
+    test = {g for g, s in zip(answers.groups, answers.split) if s == "test"}
+    assert not {row["group"] for row in rows} & test
+    assert rows[0]["prompt"].startswith(("[alpaca-7b] ", "[gpt4] ")) and conditioned_text("m", "x") == "[m] x"
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--models", "alpaca-7b,nobody"], "--models: nobody not in"),
+    (["--models", "1"], "--models N needs N >= 2"),
+    (["--data", "/nowhere.jsonl.xz"], "/nowhere.jsonl.xz not found"),
+    (["--conditioned-package", "/nowhere"], "--conditioned-package /nowhere: not a directory"),
+    (["--bucket-width", "0"], "--bucket-width must be >= 1"),
+])
+def test_bad_input_exits_2_in_one_line(data, args, said):
+    r = run_main(main, ["bench", "model-lengths", *args], env={"LENGTHWISE_DATA": str(data), "PATH": "/usr/bin"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr

@@ -260,14 +260,18 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
             assert r.status_code == 200, r.text
             assert r.json()["model"] == model
             where.setdefault(model, set()).add(r.headers["x-lengthwise-engine"])
-        assert where["terse"] == where["long"] == where["lora-base"] == {"engine-1"} and where[fleet_model] == {"engine-0"}
+        health = gw.get("/health").json()
+        lora, other = set(health["models"]["lora-base"]["engines"]), set(health["models"][fleet_model]["engines"])
+        assert len(lora) == len(other) == 1 and lora != other  # the catalogue's order: the started base first
+        assert health["models"]["terse"] == {"engines": sorted(lora), "healthy_engines": 1, "adapter_of": "lora-base"}
+        assert where["terse"] == where["long"] == where["lora-base"] == lora and where[fleet_model] == other
         r = gw.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})
         assert r.status_code == 404 and "served: " in r.json()["error"]["message"]
         t0 = time.time()  # the base's own SLO terms: 4 s + 0.3 s a predicted token
         r = gw.post("/v1/completions", json={"model": "lora-base", "prompt": "hi", "max_tokens": 4})
         assert float(r.headers["x-lengthwise-deadline"]) == pytest.approx(
             t0 + 4.0 + 0.3 * float(r.headers["x-lengthwise-pred-len"]), abs=2.0)
-        lora_engine = next(e for e in gw.get("/health").json()["engines"] if e["name"] == "engine-1")
+        lora_engine = next(e for e in health["engines"] if e["name"] in lora)
         port = int(lora_engine["url"].rsplit(":", 1)[1])
         import psutil
 
@@ -275,14 +279,18 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
                    if c.info["cmdline"] and "--port" in c.info["cmdline"] and str(port) in c.info["cmdline"])
         os.killpg(os.getpgid(pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # first a retry that finds the dead engine, then its probes take it out
             r = gw.post("/v1/completions", json={"model": "terse", "prompt": "hi", "max_tokens": 4})
-            if r.status_code == 503:
+            assert r.status_code == 503, r.text  # never answered by the other model's engine
+            if "no healthy engine serves 'terse'" in r.json()["error"]["message"]:
                 break
             time.sleep(0.5)
-        assert r.status_code == 503 and "no healthy engine serves 'terse'" in r.json()["error"]["message"], r.text
+        assert "no healthy engine serves 'terse'" in r.json()["error"]["message"], r.text
         r = gw.post("/v1/completions", json={"model": fleet_model, "prompt": "hi", "max_tokens": 4})
-        assert r.status_code == 200 and r.headers["x-lengthwise-engine"] == "engine-0"
+        assert r.status_code == 200 and {r.headers["x-lengthwise-engine"]} == other
+        health = gw.get("/health").json()
+        assert health["models"]["terse"]["healthy_engines"] == 0 and health["models"][fleet_model]["healthy_engines"] == 1
+        assert any("no healthy engine serves lora-base, terse, long" in reason for reason in health["reasons"])
     finally:
         gw.stop()
 

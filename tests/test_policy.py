@@ -25,8 +25,8 @@ from serving.policy.request import Phase, Prediction, Request
 pytestmark = pytest.mark.unit
 
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO",
-            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs"]
-VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs")
+            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm"]
+VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 
 

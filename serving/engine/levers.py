@@ -63,6 +63,12 @@ def is_aborted(request: VllmRequest) -> bool:
     return request.status == RequestStatus.FINISHED_ABORTED
 
 
+def service_of(request: VllmRequest) -> str:
+    """The service a request is for: its LoRA adapter's name, or "" for the base model."""
+    lora = getattr(request, "lora_request", None)
+    return str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+
+
 @dataclass(slots=True)
 class Levers:
     """What :func:`apply` changed in vLLM's scheduler for one step, for :func:`restore` and the counters."""

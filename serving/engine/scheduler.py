@@ -117,7 +117,7 @@ class LengthwiseScheduler(AsyncScheduler):
                            request.request_id, inputs.invalid)
         rid = next(self._ids)
         twin = Request(rid, request.arrival_time, request.num_prompt_tokens, inputs.prediction,
-                       deadline=inputs.deadline, max_tokens=request.max_tokens)
+                       deadline=inputs.deadline, max_tokens=request.max_tokens, service=vllm_levers.service_of(request))
         try:
             self.lw_policy.add(twin, time.time())
         except ValueError as exc:  # cannot ever fit the KV pool: fail it now rather than hold it forever
@@ -132,8 +132,9 @@ class LengthwiseScheduler(AsyncScheduler):
         rid = self._rid_of.pop(request.request_id, None)
         if rid is not None:
             del self._vreq_of[rid]
-            self.lw_policy.abort(rid, time.time())  # finished or aborted: either way it leaves every queue
-            self.lw_stats["aborted" if vllm_levers.is_aborted(request) else "finished"] += 1
+            aborted = vllm_levers.is_aborted(request)
+            self.lw_policy.abort(rid, time.time(), completed=not aborted)  # either way it leaves every queue
+            self.lw_stats["aborted" if aborted else "finished"] += 1
         return super()._free_request(request, delay_free_blocks)
 
     # -- the step --------------------------------------------------------------------------------

@@ -97,12 +97,15 @@ class Policy(ABC):
             req = self.requests.pop(rid)
             req.phase = Phase.FINISHED
             self._on_finish(req, now)
+            self._completed(req)
             self.kv.release(rid)
         self._after_step(plan, done, now)
         self.stats["sched_s"] += time.perf_counter() - t0
 
-    def abort(self, rid: int, now: float) -> bool:
+    def abort(self, rid: int, now: float, completed: bool = False) -> bool:
         """Drop a request wherever it is (client gone, engine abort); its blocks are freed, nobody else moves.
+        ``completed``: it left because its answer is whole (a host, like vLLM's, that frees every request one way), so
+        its length is known.
 
         Returns False for an unknown or already finished id, so a host may call it unconditionally.
         """
@@ -110,6 +113,8 @@ class Policy(ABC):
         if req is None:
             return False
         self._on_abort(req, now)
+        if completed:
+            self._completed(req)
         req.phase = Phase.FINISHED
         self.kv.release(rid)
         return True
@@ -158,6 +163,9 @@ class Policy(ABC):
     def _on_abort(self, req: Request, now: float) -> None:
         """Remove an aborted ``req`` from every queue it may be in (running or not)."""
         self._on_finish(req, now)
+
+    def _completed(self, req: Request) -> None:
+        """``req``'s whole answer came out (``generated`` is its length): for policies that learn from lengths."""
 
     def _on_host_preempt(self, req: Request, now: float) -> None:
         """Default for ``host_preempted``: out of every queue as on abort, KV gone, queued again as on arrival."""

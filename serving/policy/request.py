@@ -97,6 +97,7 @@ class Request:
     pauses: int = 0
     first_scheduled: float | None = None
     extra: dict = field(default_factory=dict)
+    service: str = ""  # the model or LoRA adapter it is for (several services in one engine); "" for the one model
 
     @property
     def seq_len(self) -> int:

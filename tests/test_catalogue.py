@@ -260,10 +260,16 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
             assert r.status_code == 200, r.text
             assert r.json()["model"] == model
             where.setdefault(model, set()).add(r.headers["x-lengthwise-engine"])
-        health = gw.get("/health").json()
+        for _ in range(60):  # the base's tokenizer loads in the background (estimates meanwhile)
+            health = gw.get("/health").json()
+            if health["models"]["terse"]["prompt_tokens"] == "tokenizer":
+                break
+            time.sleep(0.5)
         lora, other = set(health["models"]["lora-base"]["engines"]), set(health["models"][fleet_model]["engines"])
         assert len(lora) == len(other) == 1 and lora != other  # the catalogue's order: the started base first
-        assert health["models"]["terse"] == {"engines": sorted(lora), "healthy_engines": 1, "adapter_of": "lora-base"}
+        assert health["models"]["terse"] == {"engines": sorted(lora), "healthy_engines": 1, "adapter_of": "lora-base",
+                                             "prompt_tokens": "tokenizer"}  # its base's, started here from a directory
+        assert health["models"][fleet_model]["prompt_tokens"] == "estimate"  # attached: no tokenizer here
         assert where["terse"] == where["long"] == where["lora-base"] == lora and where[fleet_model] == other
         r = gw.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})
         assert r.status_code == 404 and "served: " in r.json()["error"]["message"]
@@ -298,8 +304,8 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
 @pytest.mark.unit
 def test_health_says_which_model_has_no_engine(two_models):
     gw = two_models
-    assert gw.health()["models"] == {"a": {"engines": ["engine-0"], "healthy_engines": 1},
-                                     "b": {"engines": ["engine-1"], "healthy_engines": 1}}
+    assert gw.health()["models"] == {"a": {"engines": ["engine-0"], "healthy_engines": 1, "prompt_tokens": "estimate"},
+                                     "b": {"engines": ["engine-1"], "healthy_engines": 1, "prompt_tokens": "estimate"}}
     gw.pool.take_out(gw.pool.engines[1])
     body = gw.health()
     assert body["status"] == "degraded" and gw.health_status(body) == 200  # a still serves
@@ -327,3 +333,21 @@ def test_metrics_count_each_models_answers_tokens_and_deadlines(two_models):
                  'lengthwise_gateway_model_request_latency_seconds_count{model="b"} 2.0'):
         assert line in text, line
     assert 'model="b",outcome="missed"' not in text  # a failed answer has no deadline outcome
+
+
+@pytest.mark.unit
+def test_a_started_base_counts_its_and_its_adapters_prompts_with_its_own_tokenizer(model_dir, tmp_path):
+    terse = _adapter(tmp_path / "terse")
+    f = _write(tmp_path / "m.yaml", f"""
+- {{name: base, model: {model_dir}}}
+- {{name: terse, adapter_of: base, adapter: {terse}}}
+- {{name: far, engine_urls: ["http://127.0.0.1:{free_port()}"]}}
+""")
+    gw = Gateway(GatewaySettings(models_file=f), engine_urls=[f"http://127.0.0.1:{free_port()}" for _ in range(2)])
+    try:
+        assert gw.counter("terse") is gw.counter("base") is not gw.counter("far") is gw.prompts
+        asyncio.run(gw.counter("base").load(str(model_dir)))
+        req = gw.validate("completion", _body("terse"))
+        assert gw.counter("terse").measure(req)[2] == "tokenizer" and gw.counter("far").measure(req)[2] == "estimate"
+    finally:
+        asyncio.run(gw.aclose())

@@ -122,6 +122,9 @@ class Gateway:
         # each catalogue model's own (TTFT, TPOT) terms, where it sets them (--models)
         self.model_terms = {m.name: m.slo.terms() for m in (settings.catalogue.models if settings.catalogue else [])}
         self.prompts = PromptCounter()
+        # with a catalogue, each base started here from a local directory counts its own prompts (its adapters share it)
+        cat = settings.catalogue
+        self.model_prompts = ({m.name: PromptCounter() for m in cat.models if m.starts_engines} if cat is not None else {})
         self.rids = itertools.count()
         self._tokenizer: asyncio.Task | None = None
         served = served_model(settings)
@@ -143,7 +146,10 @@ class Gateway:
         """Load the tokenizer and watch the predictor's target model in the background, and take in the engines (the
         CLI waited for their /health)."""
         s, hop = self.settings, self.hop
-        self._tokenizer = asyncio.get_running_loop().create_task(self.prompts.load(s.model))
+        loads = [self.prompts.load(s.model)]
+        if s.catalogue is not None:
+            loads += [counter.load(s.catalogue.entry(name).model) for name, counter in self.model_prompts.items()]
+        self._tokenizer = asyncio.ensure_future(asyncio.gather(*loads))
         if s.predictor_url:
             self._target_task = asyncio.get_running_loop().create_task(self._watch_target())
             self._sidecar_task = asyncio.get_running_loop().create_task(self._watch_sidecar())
@@ -196,7 +202,8 @@ class Gateway:
         for task in (self._tokenizer, self._target_task, self._sidecar_task):
             if task is not None:
                 task.cancel()
-        self.prompts.close()
+        for counter in (self.prompts, *self.model_prompts.values()):
+            counter.close()
         await self.feedback.aclose()
         await self.pool.aclose()
         await self.forwarder.aclose()
@@ -313,7 +320,7 @@ class Gateway:
         """Count the prompt's tokens (each prompt once, whatever ``n``; ``counted``: already counted, see :meth:`measured`)
         and refuse, before any prediction is asked for, a prompt the engines' context cannot hold (a 400, as the engine
         would answer, minus the sidecar call)."""
-        total, longest, method = counted or self.prompts.measure(req)
+        total, longest, method = counted or self.counter(req.model).measure(req)
         call.prompt_tokens, call.method = total, method
         context = self.pool.context(req.model)
         if context is not None and not fits_context(longest, method, req.max_tokens, context):
@@ -327,7 +334,13 @@ class Gateway:
 
     async def measured(self, call: Call, req: ClientRequest) -> None:
         """:meth:`measure`, with the tokenizer's work off the event loop."""
-        self.measure(call, req, await self.prompts.measure_off_loop(req))
+        self.measure(call, req, await self.counter(req.model).measure_off_loop(req))
+
+    def counter(self, model: str) -> PromptCounter:
+        """What counts ``model``'s prompts: its catalogue base's tokenizer where one was started here, else the gateway's
+        (``--model``'s, or the estimate)."""
+        cat = self.settings.catalogue
+        return self.model_prompts.get(cat.base_of(model), self.prompts) if cat is not None else self.prompts
 
     async def predict(self, call: Call, req: ClientRequest, headers: Mapping[str, str]) -> LengthPrediction:
         """The predicted length: a trusted client's header, else the sidecar's, else the fallback (never an error but
@@ -538,6 +551,7 @@ class Gateway:
         for name in cat.names:
             mine = [e for e in self.pool.engines if name in e.models]
             out[name] = {"engines": [e.name for e in mine], "healthy_engines": sum(e.healthy for e in mine),
+                         "prompt_tokens": self.counter(name).method,
                          **({"adapter_of": cat.base_of(name)} if cat.base_of(name) != name else {})}
         return out
 

@@ -369,3 +369,24 @@ def test_trace_request_is_frozen():
     r = TraceRequest(0, 0.0, 1, 1)
     with pytest.raises(AttributeError):
         r.arrival = 1.0  # type: ignore[misc]
+
+
+def test_several_alpaca_eval_generators_are_services_of_one_workload(data):
+    """Each generator's answers, shuffled together with a seed, each request tagged with the model that answered; the
+    simulator reports attainment per service beside the totals."""
+    from serving.sim.scenarios import SCENARIOS, build_setup
+    from serving.sim.sweep import run_point
+
+    path = data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+    w = load_workload(path, rate=1.0, generator="alpaca-7b,gpt4", max_requests=300)
+    again = load_workload(path, rate=1.0, generator="alpaca-7b,gpt4", max_requests=300)
+    assert [r.service for r in w.requests] == [r.service for r in again.requests]
+    assert {r.service for r in w.requests} == {"alpaca-7b", "gpt4"}
+    by = {s: np.mean([r.output_tokens for r in w.requests if r.service == s]) for s in ("alpaca-7b", "gpt4")}
+    assert by["gpt4"] > 2 * by["alpaca-7b"]  # their own answers' lengths, not one model's
+    assert all(r.service == "" for r in load_workload(path, rate=1.0, generator="gpt4", max_requests=20).requests)
+    setup = build_setup(SCENARIOS["seallm-services"], max_requests=200)
+    m = run_point(setup, "seallm", 4.0)
+    per = m.extra["per_service"]
+    assert set(per) == set(SCENARIOS["seallm-services"].generator.split(","))
+    assert sum(v["requests"] for v in per.values()) == m.requests_total == 200

@@ -133,4 +133,5 @@ def new_request(tr, pred, jct_limit: Callable[[float], float], max_tokens: int |
     deadline = tr.arrival + jct_limit(max(1.0, pred.length))
     if max_tokens is not None:
         pred = dataclasses.replace(pred, length=capped_length(pred.length, max_tokens))
-    return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=deadline, max_tokens=max_tokens)
+    return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=deadline, max_tokens=max_tokens,
+                   service=tr.service)

@@ -22,6 +22,9 @@ from serving.sim.predictions import LengthOracle, make_predictor
 from serving.sim.workload import TraceRequest, Workload, load_workload
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
+ALPACA_EVAL = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+# four 7-8B chat models as services of one engine, their mean answers 82 to 443 GPT-2 tokens on AlpacaEval's prompts
+SEALLM_SERVICES = "alpaca-7b_concise,vicuna-7b,llama-2-7b-chat-hf,Meta-Llama-3-8B-Instruct"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Scenario:
     predictor: str = "noise:0.55"  # our trained predictor's top-1 accuracy at 200-token buckets
     max_requests: int = 1500
     policy_overrides: dict = field(default_factory=dict)
+    generator: str | None = None  # AlpacaEval: whose answers (several, comma-separated: one service each)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -69,6 +73,17 @@ SCENARIOS: dict[str, Scenario] = {
             workload="traces/mooncake_conversation_trace.jsonl", arrival="trace", model="llama-3.1-8b", gpu="h100",
             latency="blis", block_size=16, max_model_len=131072, max_num_batched_tokens=8192, max_num_seqs=1024,
             start_rate=0.25, kv_blocks=29205, max_requests=1000),
+        Scenario(
+            name="seallm-services",
+            description="SeaLLM's setting inside one engine: four services of one size (7-8B chat models as LoRA "
+                        "fine-tunes of one base would be) answering AlpacaEval's instructions with their own lengths "
+                        f"({SEALLM_SERVICES.replace(',', ', ')}: means 82 to 443 GPT-2 tokens), shuffled together, Poisson "
+                        "arrivals; Llama-3.1-8B on an A100 (BLIS), 29,205 blocks of 16; SLO 5x the execution time "
+                        "(SeaLLM §5)",
+            workload=ALPACA_EVAL, generator=SEALLM_SERVICES, arrival="poisson", model="llama-3.1-8b", gpu="a100-80gb",
+            latency="blis", block_size=16, max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256,
+            start_rate=2.0, kv_blocks=29205, tokenizer="tokenizers/gpt2/tokenizer.json", max_requests=3220,
+            policy_overrides={"slo_scale": 5.0}),
     )
 }
 
@@ -152,7 +167,7 @@ def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: s
     w = load_workload(workload or data_path(scenario.workload), arrival=scenario.arrival,
                       rate=None if scenario.arrival == "trace" else scenario.start_rate,
                       max_requests=max_requests or scenario.max_requests, seed=seed,
-                      max_prompt_tokens=scenario.max_model_len, tokenizer=tok)
+                      max_prompt_tokens=scenario.max_model_len, tokenizer=tok, generator=scenario.generator)
     if scenario.kv_blocks:
         blocks = scenario.kv_blocks
     elif scenario.kv_bytes:

@@ -63,6 +63,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     turns: tuple | None = None
+    service: str = ""  # the model answering it, where a workload mixes several (AlpacaEval generators)
 
 
 @dataclass
@@ -277,15 +278,22 @@ def _load_mooncake(p: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ts - ts.min(), prompt, out
 
 
-def _load_examples(p: Path, kind: str, generator: str | None) -> tuple[list, str]:
-    """Prompt/response examples via the training loaders (the same turn extraction the predictor learnt on)."""
+def _load_examples(p: Path, kind: str, generator: str | None, seed: int = 0) -> tuple[list, str, list[str] | None]:
+    """Prompt/response examples via the training loaders (the same turn extraction the predictor learnt on), and each
+    one's service: with several AlpacaEval generators (``a,b,c``), every generator's answers, shuffled together (seeded),
+    each request served by the model that gave its answer."""
     try:
         if kind == "alpaca-eval":
             gen = generator or DEFAULT_GENERATOR
             if _compression(p) != ("xz" if p.suffix == ".xz" else ""):
                 raise WorkloadError(f"{p}: compression does not match the file name; "
                                     "AlpacaEval files must be plain JSONL or xz named *.xz")
-            return load_alpaca_eval(p, gen), gen
+            gens = [g.strip() for g in gen.split(",") if g.strip()]
+            if len(gens) == 1:
+                return load_alpaca_eval(p, gens[0]), gens[0], None
+            tagged = [(e, g) for g in gens for e in load_alpaca_eval(p, g)]
+            order = np.random.default_rng(seed).permutation(len(tagged))
+            return [tagged[i][0] for i in order], ",".join(gens), [tagged[i][1] for i in order]
         if _head(p, 4096).lstrip().startswith("["):
             try:
                 with _open_text(p) as f:
@@ -296,7 +304,7 @@ def _load_examples(p: Path, kind: str, generator: str | None) -> tuple[list, str
                 raise WorkloadError(f"{p}: not a ShareGPT file; expected a JSON list of {{'id', 'conversations'}} objects")
         else:
             records = [r for _, r in _jsonl_rows(p)]
-        return sharegpt_examples(records, first_turn_only=True), ""
+        return sharegpt_examples(records, first_turn_only=True), "", None
     except DataError as exc:
         raise WorkloadError(str(exc)) from None
 
@@ -305,7 +313,8 @@ def _count_examples(examples: list, counter, max_requests: int | None, max_total
                     chunk: int = 2048) -> tuple[list[tuple[int, int, tuple]], int]:
     """Token counts for examples in file order, stopping once ``max_requests`` are kept.
 
-    Prompt = all prompt turns joined by newlines (as training counts prompt length); output = the response.
+    Prompt = all prompt turns joined by newlines (as training counts prompt length); output = the response; each kept
+    entry ends with its example's index.
     """
     kept: list[tuple[int, int, tuple]] = []
     dropped = 0
@@ -315,13 +324,13 @@ def _count_examples(examples: list, counter, max_requests: int | None, max_total
         part = examples[i : i + need]
         i += len(part)
         counts = counter.count(["\n".join(t.text for t in e.turns) for e in part] + [e.response or "" for e in part])
-        for e, n_in, n_out in zip(part, counts[: len(part)], counts[len(part) :]):
+        for j, (e, n_in, n_out) in enumerate(zip(part, counts[: len(part)], counts[len(part) :])):
             if max_requests is not None and len(kept) >= max_requests:
                 break
             if n_in <= 0 or n_out <= 0 or (max_total is not None and n_in + n_out > max_total):
                 dropped += 1
                 continue
-            kept.append((int(n_in), int(n_out), tuple((t.role, t.text) for t in e.turns)))
+            kept.append((int(n_in), int(n_out), tuple((t.role, t.text) for t in e.turns), i - len(part) + j))
     return kept, dropped
 
 
@@ -421,7 +430,8 @@ def load_workload(path: str | os.PathLike, *, arrival: str = "auto", rate: float
         raise WorkloadError(f"generator applies only to AlpacaEval outputs, not to the {kind} file {p}")
 
     try:
-        prompt, out, times, turns, dropped, gen = _load_rows(p, kind, max_requests, tokenizer, max_prompt_tokens, generator)
+        prompt, out, times, turns, dropped, gen, services = _load_rows(p, kind, max_requests, tokenizer, max_prompt_tokens,
+                                                                       generator, seed)
     except _READ_ERRORS as exc:
         raise WorkloadError(f"{p}: unreadable or truncated {kind} file ({type(exc).__name__}: {exc}); "
                             "re-download or fix it") from None
@@ -435,7 +445,7 @@ def load_workload(path: str | os.PathLike, *, arrival: str = "auto", rate: float
         arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     requests = [
         TraceRequest(rid=i, arrival=float(arrivals[i]), prompt_tokens=int(prompt[i]), output_tokens=int(out[i]),
-                     turns=turns[i] if turns is not None else None)
+                     turns=turns[i] if turns is not None else None, service=services[i] if services is not None else "")
         for i in range(n)
     ]
     return Workload(name=_name(p, gen), kind=kind, requests=requests, has_timestamps=_HAS_TIMESTAMPS[kind],
@@ -443,10 +453,13 @@ def load_workload(path: str | os.PathLike, *, arrival: str = "auto", rate: float
 
 
 def _load_rows(p: Path, kind: str, max_requests: int | None, tokenizer: str | None, max_prompt_tokens: int | None,
-               generator: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, list[tuple] | None, int, str]:
-    """(prompt, output, times or None, turns or None, dropped, generator) after filtering and ``max_requests``."""
+               generator: str | None, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                              list[tuple] | None, int, str, list[str] | None]:
+    """(prompt, output, times or None, turns or None, dropped, generator, services or None) after filtering and
+    ``max_requests``."""
     times: np.ndarray | None = None
     turns: list[tuple] | None = None
+    services: list[str] | None = None
     gen = ""
     if kind in ("sharegpt", "alpaca-eval"):
         from predictor.common import default_tokenizer
@@ -457,11 +470,12 @@ def _load_rows(p: Path, kind: str, max_requests: int | None, tokenizer: str | No
             counter = load_counter(tokenizer or default_tokenizer())
         except DataError as exc:
             raise WorkloadError(str(exc)) from None
-        examples, gen = _load_examples(p, kind, generator)
+        examples, gen, tags = _load_examples(p, kind, generator, seed)
         kept, dropped = _count_examples(examples, counter, max_requests, max_prompt_tokens)
         prompt = np.array([k[0] for k in kept], dtype=np.int64)
         out = np.array([k[1] for k in kept], dtype=np.int64)
         turns = [k[2] for k in kept]
+        services = [tags[k[3]] for k in kept] if tags is not None else None
         if not kept:
             raise WorkloadError(f"{p}: no usable requests ({len(examples)} examples, {dropped} dropped for zero length or "
                                 f"max_prompt_tokens={max_prompt_tokens}); raise max_prompt_tokens or check the file")
@@ -486,4 +500,4 @@ def _load_rows(p: Path, kind: str, max_requests: int | None, tokenizer: str | No
         if times is not None:
             times = times[idx]
 
-    return prompt, out, times, turns, dropped, gen
+    return prompt, out, times, turns, dropped, gen, services

@@ -71,16 +71,20 @@ def test_no_test_instruction_is_in_training_for_any_model(answers):
     assert set(answers.split) == {"train", "val", "test"} and np.all(answers.lengths > 0)
 
 
-def test_the_conditioned_rows_for_train_predictor_leave_the_test_out(data, answers, tmp_path):
+def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, answers, tmp_path):
     out = tmp_path / "cond.jsonl"
     r = run_main(main, ["bench", "model-lengths", "--data", str(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
                         "--models", TWO, "--write-conditioned", str(out)])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == int((answers.split != "test").sum())
-    test = {g for g, s in zip(answers.groups, answers.split) if s == "test"}
-    assert not {row["group"] for row in rows} & test
+    assert len(rows) == len(answers.lengths)
     assert rows[0]["prompt"].startswith(("[alpaca-7b] ", "[gpt4] ")) and conditioned_text("m", "x") == "[m] x"
+    from training.config import TrainConfig
+    from training.pipeline import prepare
+
+    prep = prepare(TrainConfig(data=str(out), fmt="jsonl", max_samples=None))  # train-predictor's own split
+    test = {g for g, s in zip(answers.groups, answers.split) if s == "test"}
+    assert {e.group for e in prep.splits.test} == test and not {e.group for e in prep.splits.train} & test
 
 
 @pytest.mark.parametrize("args,said", [

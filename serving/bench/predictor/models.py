@@ -97,15 +97,14 @@ def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: in
 
 
 def write_conditioned(answers: Answers, path: Path) -> int:
-    """The training and validation rows as ``train-predictor --format jsonl`` reads them (prompt with its model's name,
-    response_tokens, group = instruction), so an encoder conditioned on the model learns on exactly the rows
-    ``tfidf-conditioned`` does; the test rows are left out. Returns the rows written."""
-    keep = answers.split != "test"
-    part = answers.take(keep)
+    """Every row as ``train-predictor --format jsonl`` reads it (prompt with its model's name, response_tokens, group =
+    the instruction). ``train-predictor`` splits by group with the same seed, so an encoder conditioned on the model
+    trains and validates on exactly the rows ``tfidf-conditioned`` does and never on a test instruction (its own report
+    scores those). Returns the rows written."""
     with open(path, "w") as f:
         f.writelines(json.dumps({"prompt": conditioned_text(m, t), "response_tokens": int(n), "group": g}) + "\n"
-                     for m, g, t, n in zip(part.models, part.groups, part.texts, part.lengths))
-    return int(keep.sum())
+                     for m, g, t, n in zip(answers.models, answers.groups, answers.texts, answers.lengths))
+    return len(answers.lengths)
 
 
 def _rows(texts: list[str], lengths: np.ndarray):
@@ -233,8 +232,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "--write-conditioned's rows, as encoder-conditioned")
     p.add_argument("--per-model-packages", type=Path, metavar="DIR", help="score DIR/<model>[/package] as each model's "
                    "own encoder")
-    p.add_argument("--write-conditioned", type=Path, metavar="FILE", help="write the training and validation rows, "
-                   "each prompt prefixed with its model, as JSONL for train-predictor, and stop")
+    p.add_argument("--write-conditioned", type=Path, metavar="FILE", help="write every row, each prompt prefixed with "
+                   "its model, as JSONL for train-predictor (which splits it by instruction as the bench does), and stop")
     p.add_argument("--json", type=Path, default=Path("bench-results/model-lengths/model_lengths.json"),
                    help="the report (default: %(default)s; the PNG beside it)")
     p.set_defaults(func=run_cli)
@@ -279,7 +278,8 @@ def run_cli(a: argparse.Namespace) -> int:
     chosen = sorted(set(answers.models))
     if a.write_conditioned is not None:
         n = write_conditioned(answers, a.write_conditioned)
-        console.print(f"wrote {n} training and validation rows of {len(chosen)} models to {a.write_conditioned}")
+        console.print(f"wrote {n} rows of {len(chosen)} models to {a.write_conditioned} (train-predictor splits them by "
+                      "instruction as this bench does)")
         return 0
     scheme = BucketScheme.equal_width(a.bucket_width, a.max_tokens)
     try:

@@ -469,16 +469,15 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
                          "first or raise --engine-start-timeout") from None
 
 
-def _catalogue_engines(settings: GatewaySettings) -> tuple[list[str], list]:
+def _catalogue_engines(settings: GatewaySettings, procs: list) -> list[str]:
     """The ``--models`` engines: those of entries with ``model`` started here (all at once, the cores shared out), those
     with ``engine_urls`` attached; then every engine must list the names its entry gives it (a base and its adapters),
-    or nothing would ever be placed on it. Returns (engine URLs, the processes started here); the processes are in the
-    list before anything can fail, so the caller stops them."""
+    or nothing would ever be placed on it. Returns the engine URLs; the processes started here go into the caller's
+    ``procs`` before anything can fail, so the caller stops them whatever happens next."""
     from serving.launch.engines import EngineStartError, start_engines, wait_healthy, wait_started
 
     cat = settings.catalogue
     assert cat is not None
-    procs: list = []
     groups = settings.engine_groups()
     if groups:
         log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
@@ -505,7 +504,7 @@ def _catalogue_engines(settings: GatewaySettings) -> tuple[list[str], list]:
             raise UsageError(f"--models: no attached engine answered /health within {settings.engine_start_timeout_s:g} s "
                              f"({', '.join(attached)})") from None
     _check_served_names(settings, serves)
-    return urls, procs
+    return urls
 
 
 def _check_served_names(settings: GatewaySettings, serves: dict[str, list[str]]) -> None:
@@ -578,7 +577,7 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
             # "--engine-api-key -x..." then reads as a missing value)
             settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_hex(32))})
         if settings.catalogue is not None:
-            urls, procs = _catalogue_engines(settings)
+            urls = _catalogue_engines(settings, procs)
             prefill_urls, plugin_metrics = [], {p.url: p.metrics_url for p in procs if p.metrics_url}
         elif settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))

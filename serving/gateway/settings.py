@@ -211,8 +211,8 @@ class GatewaySettings(BaseModel):
                 raise ValueError(f"--latency-profile is used by --placement {', '.join(limited[:-1])} or {limited[-1]} only, "
                                  f"not {self.placement}")
         if not self.engine_urls and not self.model and self.models_file is None:
-            raise ValueError("give --model to start engines, --engine-url to attach to running ones, or --models for "
-                             "several models")
+            raise ValueError("give --model to start engines, or --engine-url to attach to running ones (--models for "
+                             "several models)")
         if self.engine_urls and self.engines > 1:
             raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:

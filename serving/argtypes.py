@@ -1,4 +1,4 @@
-"""argparse value types shared by the ``lengthwise`` commands."""
+"""argparse value types, and checks of values that settings share, for the ``lengthwise`` commands."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ def comma_list(kind: Callable[[str], T], example: str = "1,2") -> Callable[[str]
             raise argparse.ArgumentTypeError(f"expected a comma-separated list like {example}, got {text!r}")
         return items
     return parse
+
+
+def http_url(url: str) -> str:
+    """A server's base URL as settings keep it (no trailing slash); ValueError, with an example, for one that is not
+    http(s)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{url!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
+    return url.rstrip("/")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from serving.policy.request import Prediction
+from serving.sim.workload import TraceRequest  # the simulator's own request type, which the hostile traces are
+
+__all__ = ["MODES", "TraceRequest", "hostile_prediction"]
 
 MODES = ("low10", "high10", "zero", "max", "noise16", "wrong_bucket")
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    rid: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
 
 
 def hostile_prediction(mode: str, true_len: int, rng: random.Random, max_len: int, edges: tuple[int, ...]) -> Prediction:

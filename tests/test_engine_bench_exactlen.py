@@ -22,6 +22,7 @@ from serving.engine.inputs import parse_inputs
 from serving.policy.hints import HINT_KEYS, SchedulingHints
 from serving.policy.request import Prediction
 from serving.sim.instance import new_request
+from serving.sim.workload import TraceRequest
 
 VOCAB = 4096
 
@@ -99,7 +100,7 @@ def test_the_processor_refuses_a_length_it_cannot_enforce(params, needle):
 @pytest.mark.parametrize("pred", [Prediction(80.0, hi=100.0, bucket=3), Prediction(5000.0), Prediction(0.2), Prediction(64)])
 def test_the_simulator_clamps_predictions_to_max_tokens_as_the_plugin_does(pred):
     cap = 1024
-    tr = SimpleNamespace(rid=7, arrival=2.0, prompt_tokens=30, output_tokens=37)
+    tr = TraceRequest(rid=7, arrival=2.0, prompt_tokens=30, output_tokens=37)
     sim = new_request(tr, pred, lambda rl: 3.0 * rl, max_tokens=cap)
     hints = SchedulingHints(pred_len=pred.length, pred_hi=pred.hi, pred_bucket=pred.bucket).xargs()
     plugin = parse_inputs(hints, arrival=tr.arrival, max_tokens=cap, default_pred_len=256).prediction

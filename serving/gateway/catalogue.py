@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serving.argtypes import http_url
+
 
 class CatalogueError(ValueError):
     """The catalogue file cannot be used; the message names the file, the entry and the key."""
@@ -62,10 +64,7 @@ class ServedModel(BaseModel):
     @field_validator("engine_urls")
     @classmethod
     def _http(cls, v: list[str]) -> list[str]:
-        for url in v:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
-        return [u.rstrip("/") for u in v]
+        return [http_url(u) for u in v]
 
     @model_validator(mode="after")
     def _kind(self) -> ServedModel:

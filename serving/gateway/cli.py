@@ -455,12 +455,13 @@ def _resolve(urls: list[str], flag: str = "--engine-url") -> None:
                              f"({getattr(exc, 'strerror', None) or exc})") from None
 
 
-def _attach(urls: list[str], timeout_s: float, prefill: bool = False) -> None:
-    """Engines given by URL (``--engine-url``, or ``--prefill-url`` with ``prefill``): their hosts resolve and at
-    least one answers /health."""
+def _attach(urls: list[str], timeout_s: float, prefill: bool = False, flag: str | None = None) -> None:
+    """Engines given by URL (``--engine-url``, or ``--prefill-url`` with ``prefill``; ``flag`` names where else they were
+    given): their hosts resolve and at least one answers /health."""
     from serving.launch.engines import EngineStartError, wait_healthy
 
-    flag, what = ("--prefill-url", "prefill engine") if prefill else ("--engine-url", "engine")
+    given, what = ("--prefill-url", "prefill engine") if prefill else ("--engine-url", "engine")
+    flag = flag or given
     _resolve(urls, flag)
     try:
         wait_healthy(urls, timeout_s, require_all=False, prefill=prefill)
@@ -474,7 +475,7 @@ def _catalogue_engines(settings: GatewaySettings, procs: list) -> list[str]:
     with ``engine_urls`` attached; then every engine must list the names its entry gives it (a base and its adapters),
     or nothing would ever be placed on it. Returns the engine URLs; the processes started here go into the caller's
     ``procs`` before anything can fail, so the caller stops them whatever happens next."""
-    from serving.launch.engines import EngineStartError, start_engines, wait_healthy, wait_started
+    from serving.launch.engines import start_engines, wait_started
 
     cat = settings.catalogue
     assert cat is not None
@@ -495,14 +496,8 @@ def _catalogue_engines(settings: GatewaySettings, procs: list) -> list[str]:
         names = [m.name, *(a.name for a in cat.adapters_of(m.name))]
         serves.update({u: names for u in mine})
         urls += mine
-    attached = cat.attached_urls()
-    if attached:
-        _resolve(attached, "--models engine_urls")
-        try:
-            wait_healthy(attached, settings.engine_start_timeout_s, require_all=False)
-        except EngineStartError:
-            raise UsageError(f"--models: no attached engine answered /health within {settings.engine_start_timeout_s:g} s "
-                             f"({', '.join(attached)})") from None
+    if attached := cat.attached_urls():
+        _attach(attached, settings.engine_start_timeout_s, flag="--models engine_urls")
     _check_served_names(settings, serves)
     return urls
 

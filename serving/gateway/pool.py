@@ -49,7 +49,6 @@ class Engine:
     failures: int = 0  # consecutive failed probes
     models: set[str] = field(default_factory=set)
     context: dict[str, int] = field(default_factory=dict)  # model -> its max_model_len, as /v1/models says
-    cards: list[dict] = field(default_factory=list)  # its /v1/models cards, as last listed (an adapter's names its parent)
     calls: set[asyncio.Task] = field(default_factory=set)  # in flight; cancelled when the engine is taken out
     last_error: str | None = None
     last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
@@ -136,7 +135,6 @@ class EnginePool:
                 parent = m.get("parent")
                 if m["id"] not in e.context and isinstance(parent, str) and parent in e.context:
                     e.context[m["id"]] = e.context[parent]
-            e.cards = [m for m in cards if isinstance(m, dict)]
             self.known_models |= e.models
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("%s (%s): could not list its models: %s", e.name, e.url, exc)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from serving.argtypes import http_url
 from serving.gateway.auth import read_key_file
 from serving.gateway.catalogue import Catalogue, CatalogueError, read_catalogue
 from serving.launch.engines import engine_args, flag_value
@@ -150,10 +151,7 @@ class GatewaySettings(BaseModel):
     @field_validator("engine_urls", "engine_metrics_urls", "prefill_urls", "predictor_url")
     @classmethod
     def _http_urls(cls, v):
-        for url in [v] if isinstance(v, str) else v or []:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} is not an http(s) URL, e.g. http://127.0.0.1:8001")
-        return [u.rstrip("/") for u in v] if isinstance(v, list) else (v.rstrip("/") if v else v)
+        return [http_url(u) for u in v] if isinstance(v, list) else (http_url(v) if isinstance(v, str) else v)
 
     @field_validator("placement")
     @classmethod

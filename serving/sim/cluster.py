@@ -202,7 +202,7 @@ class _ClusterRun:
         self.truth_jobs[i][tr.rid] = job
         self.jobs[tr.rid], self.where[tr.rid], self.owner[tr.rid] = job, i, g
         self.records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens,
-                                             slo.jct_limit(tr.output_tokens), service=getattr(tr, "service", ""))
+                                             slo.jct_limit(tr.output_tokens), service=tr.service)
         self.fleet[i].inbox.append(new_request(tr, pred, slo.jct_limit))
         self.dirty.add(i)
 

@@ -48,7 +48,7 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
             tr = order[nxt]
             inst.inbox.append(new_request(tr, preds[tr.rid], slo.jct_limit, max_tokens))
             records[tr.rid] = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, tr.output_tokens,
-                                            slo.jct_limit(tr.output_tokens), service=getattr(tr, "service", ""))
+                                            slo.jct_limit(tr.output_tokens), service=tr.service)
             nxt += 1
         if not inst.start(now):
             if nxt < len(order):

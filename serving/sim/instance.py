@@ -134,4 +134,4 @@ def new_request(tr, pred, jct_limit: Callable[[float], float], max_tokens: int |
     if max_tokens is not None:
         pred = dataclasses.replace(pred, length=capped_length(pred.length, max_tokens))
     return Request(tr.rid, tr.arrival, tr.prompt_tokens, pred, deadline=deadline, max_tokens=max_tokens,
-                   service=getattr(tr, "service", ""))  # hosts' own request types may carry none
+                   service=tr.service)

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from training.data.example import DataError
-from training.data.loaders import load_alpaca_eval, sharegpt_examples
+from training.data.loaders import alpaca_eval_by_generator, load_alpaca_eval, sharegpt_examples
 
 KINDS = ("azure", "mooncake", "sharegpt", "alpaca-eval", "lengths")
 ARRIVALS = ("auto", "trace", "poisson")
@@ -291,7 +291,7 @@ def _load_examples(p: Path, kind: str, generator: str | None, seed: int = 0) -> 
             gens = [g.strip() for g in gen.split(",") if g.strip()]
             if len(gens) == 1:
                 return load_alpaca_eval(p, gens[0]), gens[0], None
-            tagged = [(e, g) for g in gens for e in load_alpaca_eval(p, g)]
+            tagged = [(e, g) for g, examples in alpaca_eval_by_generator(p, gens).items() for e in examples]
             order = np.random.default_rng(seed).permutation(len(tagged))
             return [tagged[i][0] for i in order], ",".join(gens), [tagged[i][1] for i in order]
         if _head(p, 4096).lstrip().startswith("["):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import lzma
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -91,6 +91,15 @@ def alpaca_eval_generators(path: str | Path) -> list[str]:
 
 def load_alpaca_eval(path: str | Path, generator: str | None) -> list[Example]:
     """AlpacaEval outputs of one generator (the target model); group = instruction id."""
+    if generator is None:
+        gens = sorted(alpaca_eval_by_generator(path))
+        raise DataError(f"--generator is required for alpaca-eval; available: {', '.join(gens[:8])}, ... ({len(gens)} in all)")
+    return alpaca_eval_by_generator(path, [generator])[generator]
+
+
+def alpaca_eval_by_generator(path: str | Path, generators: Sequence[str] | None = None) -> dict[str, list[Example]]:
+    """The AlpacaEval outputs of ``generators`` (None: every one, in the file's order), read once: ``{generator:
+    examples}``, each group the instruction's id, so one instruction answered by several models falls in one split."""
     p = _check_file(path)
     try:
         rows = _read_jsonl(p)
@@ -99,16 +108,16 @@ def load_alpaca_eval(path: str | Path, generator: str | None) -> list[Example]:
     if rows and not {"instruction", "output", "generator"} <= set(rows[0]):
         raise DataError(f"{p} is not AlpacaEval model outputs: rows need instruction, output and generator")
     gens = sorted({r["generator"] for r in rows})
-    if generator is None:
-        raise DataError(f"--generator is required for alpaca-eval; available: {', '.join(gens[:8])}, ... ({len(gens)} in all)")
-    if generator not in gens:
-        raise DataError(f"generator {generator!r} not in {p.name}; available: {', '.join(gens[:8])}, ... ({len(gens)} in all)")
-    return [
-        Example(group=f"alpaca-{r.get('instruction_id', r['instruction'])}", turns=(Turn("user", r["instruction"]),),
-                response=r["output"])
-        for r in rows
-        if r["generator"] == generator and isinstance(r.get("output"), str) and r["instruction"].strip()
-    ]
+    for generator in generators or ():
+        if generator not in gens:
+            raise DataError(f"generator {generator!r} not in {p.name}; available: {', '.join(gens[:8])}, ... "
+                            f"({len(gens)} in all)")
+    out: dict[str, list[Example]] = {g: [] for g in (generators or dict.fromkeys(r["generator"] for r in rows))}
+    for r in rows:
+        if r["generator"] in out and isinstance(r.get("output"), str) and r["instruction"].strip():
+            out[r["generator"]].append(Example(group=f"alpaca-{r.get('instruction_id', r['instruction'])}",
+                                               turns=(Turn("user", r["instruction"]),), response=r["output"]))
+    return out
 
 
 def _row_turns(row: dict) -> tuple[Turn, ...] | None:

@@ -69,18 +69,16 @@ class Answers:
 def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: int = 0) -> Answers:
     """The AlpacaEval rows of ``models`` (None: every generator), their lengths counted by ``tokenizer``, each row's
     split by its instruction."""
-    from training.data.labels import load_counter
+    from training.data.example import DataError
+    from training.data.labels import attach_labels, labels_of, load_counter
+    from training.data.loaders import alpaca_eval_by_generator
     from training.split import split_of
 
     try:
-        opener = lzma.open if path.suffix == ".xz" else open
-        with opener(path, "rt") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, lzma.LZMAError, json.JSONDecodeError) as exc:
+        by_model = alpaca_eval_by_generator(path)  # train-predictor's own loader: the same rows and instruction groups
+    except (DataError, lzma.LZMAError, EOFError) as exc:
         raise ModelLengthsError(f"{path}: not readable AlpacaEval model outputs ({exc})") from None
-    rows = [r for r in rows if isinstance(r.get("output"), str) and isinstance(r.get("instruction"), str)
-            and r["instruction"].strip() and isinstance(r.get("generator"), str)]
-    known = sorted({r["generator"] for r in rows})
+    known = sorted(m for m, examples in by_model.items() if examples)
     if not known:
         raise ModelLengthsError(f"{path}: no rows with instruction, output and generator")
     if models is not None:
@@ -88,12 +86,11 @@ def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: in
         if unknown:
             raise ModelLengthsError(f"--models: {', '.join(unknown)} not in {path.name} (it has {len(known)}: "
                                     f"{', '.join(known[:6])}, ...)")
-        rows = [r for r in rows if r["generator"] in set(models)]
-    counter = load_counter(tokenizer)
-    lengths = np.array(counter.count([r["output"] for r in rows]), dtype=np.float64)
-    groups = [f"alpaca-{r.get('instruction_id', r['instruction'])}" for r in rows]  # as train-predictor's loader
-    return Answers(np.array([r["generator"] for r in rows], dtype=object), groups, [r["instruction"] for r in rows],
-                   lengths, np.array([split_of(g, seed=seed) for g in groups], dtype=object))
+    chosen = [(m, e) for m in by_model if models is None or m in models for e in by_model[m]]  # the file's order
+    examples = attach_labels([e for _, e in chosen], load_counter(tokenizer))
+    groups = [e.group for e in examples]
+    return Answers(np.array([m for m, _ in chosen], dtype=object), groups, [e.turns[-1].text for e in examples],
+                   labels_of(examples).astype(np.float64), np.array([split_of(g, seed=seed) for g in groups], dtype=object))
 
 
 def write_conditioned(answers: Answers, path: Path) -> int:
@@ -240,20 +237,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def pick_models(path: Path, tokenizer: Path, spec: str | None) -> list[str] | None:
-    """``--models``: None for all, the names given, or N models spread over the range of mean answer lengths (every
-    model's mean measured once over its answers)."""
+def selected_answers(path: Path, tokenizer: Path, spec: str | None) -> Answers:
+    """The answers ``--models`` asks for: every model's, the named ones', or those of N models spread over the range of
+    mean answer lengths (every model's answers read and counted once, then the N taken from them)."""
     if spec in (None, "", "all"):
-        return None
+        return load_answers(path, tokenizer, None)
     if not spec.isdigit():
-        return [m.strip() for m in spec.split(",") if m.strip()]
+        return load_answers(path, tokenizer, [m.strip() for m in spec.split(",") if m.strip()])
     n = int(spec)
     if n < 2:
         raise ModelLengthsError("--models N needs N >= 2 (one model ranks nothing across models)")
     every = load_answers(path, tokenizer, None)
     means = sorted((float(every.lengths[every.models == m].mean()), m) for m in set(every.models))
     idx = np.unique(np.round(np.linspace(0, len(means) - 1, min(n, len(means)))).astype(int))
-    return [means[i][1] for i in idx]
+    return every.take(np.isin(every.models, [means[i][1] for i in idx]))
 
 
 def run_cli(a: argparse.Namespace) -> int:
@@ -270,8 +267,7 @@ def run_cli(a: argparse.Namespace) -> int:
                 raise ModelLengthsError(f"{flag} {value}: not a directory")
         if a.bucket_width < 1 or a.max_tokens <= a.bucket_width:
             raise ModelLengthsError("--bucket-width must be >= 1 and below --max-tokens")
-        models = pick_models(Path(path), Path(tokenizer), a.models)
-        answers = load_answers(Path(path), Path(tokenizer), models)
+        answers = selected_answers(Path(path), Path(tokenizer), a.models)
     except ModelLengthsError as exc:
         print(f"lengthwise bench model-lengths: error: {exc}", file=sys.stderr)
         return 2

@@ -46,9 +46,9 @@ def test_cpu_smoke_runs_the_gpu_presets_path_on_the_real_engine(tmp_path):
     assert d["arms"]["lengthwise"]["predictor"].startswith("noise:")  # noise-tau: resolved to a noise level
     assert d["arms"]["lengthwise+oracle"]["quality"]["kendall_tau"] == pytest.approx(1.0)
     work = Path(d["work_dir"])
-    # three engines, one after another: stock (calibration and replay), the main policy, then sarathi
+    # four engines, one after another: stock (calibration and replay), the main arm, sarathi, then the oracle's
     assert sorted(p.name for p in work.glob("engine*.log")) == ["engine1-stock.log", "engine2-lengthwise.log",
-                                                               "engine3-sarathi.log"]
+                                                               "engine3-sarathi.log", "engine4-lengthwise.log"]
     assert len(list(work.glob("*.out.json"))) == 5  # calibration, stock, and the three arms
     cap = d["config"]["max_tokens"]
     for run in work.glob("*.out.json"):

@@ -259,23 +259,23 @@ class StandInSessions:
 
 
 @pytest.mark.parametrize("cut", [False, True])
-def test_sequential_runs_stock_then_the_main_policy_then_the_others_and_a_cut_keeps_what_finished(monkeypatch, tmp_path,
-                                                                                                  cut):
+def test_sequential_runs_stock_the_main_arm_the_baselines_then_the_oracle_and_a_cut_keeps_what_finished(monkeypatch,
+                                                                                                        tmp_path, cut):
     e = Engines()
-    sessions = StandInSessions(e, {"sarathi-r4-1"} if cut else set())
+    sessions = StandInSessions(e, {"lengthwise-r4-2"} if cut else set())
     monkeypatch.setattr(bench, "Sessions", sessions)
     con, _ = _console()
     result = run_bench(_cfg(tmp_path, rates=[2.0, 4.0], sequential=True, ablation=["sarathi"],
                             compare_predictors=["oracle"]), None, None, con)
     order = [(j["scheduler"], j["tag"]) for jobs in e.calls for j in jobs]
     expected = [("stock", "calibration0"), ("stock", "r2"), ("stock", "r4"), ("lengthwise", "r2-0"),
-                ("lengthwise", "r4-0"), ("lengthwise", "r2-2"), ("lengthwise", "r4-2"), ("sarathi", "r2-1"),
-                ("sarathi", "r4-1")]
+                ("lengthwise", "r4-0"), ("sarathi", "r2-1"), ("sarathi", "r4-1"), ("lengthwise", "r2-2"),
+                ("lengthwise", "r4-2")]
     assert order == (expected[:-1] if cut else expected) and sessions.closed
     for p in result["points"]:
         arms = p["arms"]
         stock = arms["lengthwise"]["stock"]  # one replay; its simulation differs by each arm's predictions
         assert all(a["shared_stock"] and a["stock"]["jct_mean_s"] == stock["jct_mean_s"] for a in arms.values())
-        assert set(arms) == ({"lengthwise", "lengthwise+oracle"} if cut and p["rate"] == 4.0
+        assert set(arms) == ({"lengthwise", "sarathi"} if cut and p["rate"] == 4.0
                              else {"lengthwise", "lengthwise+oracle", "sarathi"})
     assert (result["cut"] is not None) == cut and (result["cut"] or "").startswith("KeyboardInterrupt" if cut else "")

@@ -53,24 +53,50 @@ def bench_dtype() -> str:
 
 def dummy_model(shape: str, max_model_len: int, directory: str | Path | None = None,
                 tokenizer_json: str | Path | None = None) -> str:
-    """Write the model directory (a new temporary one unless ``directory``) and return its path."""
+    """Write the model directory and return its path. Without ``directory`` it is one shared temporary directory per
+    config: every engine of a bench (and of the next bench) loads the same path, so vLLM's compile cache, keyed by the
+    model's path among the rest, is filled by the first engine and read by the others (on a GPU, where each engine
+    compiles its model, that is about 15 s of each later start)."""
     from transformers import LlamaConfig
 
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; choose one of: {', '.join(SHAPES)}")
-    d = Path(directory) if directory else Path(tempfile.mkdtemp(prefix=f"lengthwise-bench-{shape}-"))
-    d.mkdir(parents=True, exist_ok=True)
     if tokenizer_json is None:
-        LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len, bos_token_id=1,
-                    eos_token_id=2, **{"vocab_size": 4096, **SHAPES[shape]}).save_pretrained(d)
-        return str(d)
-    shutil.copy(tokenizer_json, d / "tokenizer.json")
-    LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len, bos_token_id=GPT2_EOS,
-                eos_token_id=GPT2_EOS, **{**SHAPES[shape], "vocab_size": 50304}).save_pretrained(d)
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>", "model_max_length": max_model_len, "chat_template": CHAT_TEMPLATE}))
+        config = LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len, bos_token_id=1,
+                             eos_token_id=2, **{"vocab_size": 4096, **SHAPES[shape]})
+    else:
+        config = LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=max_model_len,
+                             bos_token_id=GPT2_EOS, eos_token_id=GPT2_EOS, **{**SHAPES[shape], "vocab_size": 50304})
+    if directory is None:
+        return _shared_model_dir(shape, config, tokenizer_json)
+    return _write_model(Path(directory), config, tokenizer_json, max_model_len)
+
+
+def _write_model(d: Path, config: Any, tokenizer_json: str | Path | None, max_model_len: int) -> str:
+    d.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(d)
+    if tokenizer_json is not None:
+        shutil.copy(tokenizer_json, d / "tokenizer.json")
+        (d / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>", "model_max_length": max_model_len, "chat_template": CHAT_TEMPLATE}))
     return str(d)
+
+
+def _shared_model_dir(shape: str, config: Any, tokenizer_json: str | Path | None) -> str:
+    """The directory named by what it holds, written once: into a fresh directory renamed into place, so that engines
+    starting side by side never read a half-written config (the loser of a race removes its copy)."""
+    digest = hashlib.sha256(config.to_json_string().encode()
+                            + (Path(tokenizer_json).read_bytes() if tokenizer_json else b"")).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / f"lengthwise-bench-{shape}-{digest}"
+    if not target.is_dir():
+        fresh = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        _write_model(fresh, config, tokenizer_json, config.max_position_embeddings)
+        try:
+            fresh.rename(target)
+        except OSError:  # another process put it there first
+            shutil.rmtree(fresh, ignore_errors=True)
+    return str(target)
 
 
 class Sampling(BaseModel):

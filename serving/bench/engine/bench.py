@@ -679,9 +679,10 @@ def _point(point: dict[str, Any], arms: list[Arm]) -> dict[str, Any]:
 def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None,
                        rates: list[float], run, console: Console) -> list[dict[str, Any]]:
     """2. Replay, one engine at a time (``sequential``): stock at every rate (on the engine that calibrated), then the
-    main policy's arms (its own predictor first), then the other policies', each arm at every rate and the arms of one
-    policy on one engine; every arm of a rate is set beside that rate's one stock replay, whose deadlines are the main
-    arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every replay that finished: the
+    main arm, then the prediction-free baselines (the other policies' arms), and last the main policy's other
+    predictors (the oracle: a ceiling, worth less than the baseline a gain must beat, so the one a time limit takes
+    first, although it costs one more engine start), each arm at every rate; every arm of a rate is set beside that
+    rate's one stock replay, whose deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every replay that finished: the
     points hold the arms measured at each rate, and the first point says what was cut. Returns the points as
     :func:`_replay_at` does."""
     served = prompts is not None
@@ -689,7 +690,7 @@ def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], pr
     tfs = setup.config.tfs
     stock_out: dict[float, dict[str, Any]] = {}
     arm_out: dict[tuple[int, float], dict[str, Any]] = {}
-    order = sorted(range(len(arms)), key=lambda i: (arms[i].policy != arms[0].policy, i))
+    order = sorted(range(len(arms)), key=lambda i: (i > 0, arms[i].policy == arms[0].policy, i))
     cut = None
     try:
         for rate in rates:

@@ -5,10 +5,11 @@
 #   bash serving/bench/gpu/run.sh OUT_DIR --dry-run  # anywhere: check the pack and print each step, run nothing
 #
 # Steps and their budgets (one command of at most 10 minutes in all):
-#   1. install the carried pack (.gpu-pack, built by `make gpu-pack`) into $LENGTHWISE_GPU_SITE   ~20-40 s
-#   2. check Python, torch, the GPU and every import the bench needs (serving.bench.gpu.check)     <= 60 s
-#   3. the bench: calibrate, simulate the knee, replay stock / lengthwise (noise, oracle) / sarathi  ~7-8 min, cut at
+#   1. install the carried pack (.gpu-pack, built by `make gpu-pack`) into $LENGTHWISE_GPU_SITE   5-7 s measured
+#   2. check Python, torch, the GPU and every import the bench needs (serving.bench.gpu.check)     ~31 s, cut at 60
+#   3. the bench: calibrate, simulate the knee, replay stock / lengthwise / sarathi / the oracle     ~9-10 min, cut at
 #      $LENGTHWISE_GPU_BENCH_S (default 500 s) so the outputs are always collected; a cut bench keeps what finished
+#      (four engine starts of ~60 s and eight replays of 33-41 s: the cut falls on the oracle, the last arm)
 #   4. collect into OUT_DIR: bench_engine.json (+ .png), bench.log, steps.log, install.log, check.log and work.tar.gz
 #      (every engine's log, step profile, job and output, so a cut run still has what it replayed)
 # Exit status: 2 for a missing pack, a wrong Python or torch, no GPU, or a failed install or import (one line each);

@@ -682,9 +682,9 @@ def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], pr
     main arm, then the prediction-free baselines (the other policies' arms), and last the main policy's other
     predictors (the oracle: a ceiling, worth less than the baseline a gain must beat, so the one a time limit takes
     first, although it costs one more engine start), each arm at every rate; every arm of a rate is set beside that
-    rate's one stock replay, whose deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every replay that finished: the
-    points hold the arms measured at each rate, and the first point says what was cut. Returns the points as
-    :func:`_replay_at` does."""
+    rate's one stock replay, whose deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an
+    engine that died) keeps every replay that finished: the points hold the arms measured at each rate, and the first
+    point says what was cut. Returns the points as :func:`_replay_at` does."""
     served = prompts is not None
     ats = {rate: setup.at_rate(rate) for rate in rates}
     tfs = setup.config.tfs

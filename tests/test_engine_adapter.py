@@ -78,6 +78,27 @@ def test_every_request_returns_exactly_its_tokens(monkeypatch, policy, blocks):
     assert s.lw_policy.kv.used == 0 and s.lw_stats["finished"] == 24 and s.lw_stats["fallback_predictions"] == 0
 
 
+@pytest.mark.parametrize("policy", ["vllm", "lengthwise", "ecoserve", "muxserve"])
+def test_no_plan_runs_more_adapters_than_the_engine_holds(monkeypatch, policy):
+    """An engine serving two LoRA adapters with one slot (``max_loras=1``) and base-model requests beside them: the
+    plug-in reads the slots from vLLM, its plans never put both adapters in one step (vLLM would skip one and the plan
+    would differ from the step; on running requests vLLM asserts it), and every request still ends exactly."""
+    _configure(monkeypatch, policy)
+    s = make_scheduler(num_blocks=60, max_num_seqs=8, max_num_batched_tokens=64, scheduler_cls=LengthwiseScheduler,
+                       max_loras=1)
+    assert s.lw_policy.cfg.max_loras == 1
+    rng = random.Random(4)
+    adapters = [None, ("terse", 1), ("long", 2)]
+    reqs = [make_request(f"r{i}", rng.randint(4, 40), rng.randint(1, 40), extra_args={"pred_len": 20},
+                         lora=adapters[i % 3]) for i in range(18)]
+    lora_of = {r.request_id: r.lora_request.lora_name for r in reqs if r.lora_request}
+    run = run_to_completion(s, reqs, arrivals={r.request_id: i // 6 for i, r in enumerate(reqs)}, max_steps=5000)
+    _assert_exact(run, reqs)
+    steps = [{lora_of[rid] for rid in st["num_scheduled_tokens"] if rid in lora_of} for st in run.steps]
+    assert all(len(x) <= 1 for x in steps) and {"terse", "long"} <= set().union(*steps)
+    assert s.lw_stats["plan_mismatch_steps"] == 0 and s.lw_stats["finished"] == 18
+
+
 @pytest.mark.parametrize("policy", ["lengthwise", "ecoserve"])
 def test_pipelined_async_scheduling(monkeypatch, policy):
     """GPU-style async scheduling: step N+1 is planned before step N's tokens arrive."""

@@ -25,8 +25,9 @@ from serving.policy.request import Phase, Prediction, Request
 pytestmark = pytest.mark.unit
 
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO",
-            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm"]
-VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm")
+            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm", "muxserve"]
+VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm",
+             "muxserve")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 
 
@@ -551,6 +552,7 @@ def workloads(draw):
         buffer=draw(st.sampled_from([0.0, 0.15, 0.4])), group_tokens=draw(st.sampled_from([8, 16, 32])),
         orca_batch_size=draw(st.integers(1, 8)), pipeline_depth=draw(st.integers(1, 4)), aging_s=50.0,
         deadline_bin_s=draw(st.sampled_from([1.0, 50.0])), kv_bin_tokens=draw(st.sampled_from([16, 128])),
+        max_loras=draw(st.sampled_from([0, 0, 1, 2])),
     )
     specs = _random_specs(random.Random(draw(st.integers(0, 2**32 - 1))), draw(st.integers(5, 40)), cap)
     return c, blocks, specs
@@ -582,7 +584,8 @@ def _materialize(specs):
     out = []
     for rid, t, prompt, pred, dist, deadline, truth in specs:
         p = Prediction(length=pred, edges=(32, 64, 128, 256), probs=(0.2,) * 5) if dist else Prediction(length=pred)
-        out.append((Request(rid, float(t), prompt, p, deadline=deadline), truth))
+        # three services (models or adapters of one engine): the policies that tell them apart see them all
+        out.append((Request(rid, float(t), prompt, p, deadline=deadline, service=("", "x", "y")[rid % 3]), truth))
     return out
 
 
@@ -602,6 +605,7 @@ def test_policy_properties(name, w):
     c, blocks, specs = w
     pol, reqs, run, bound = _run_workload(name, c, blocks, specs)  # drive checks the KV ledger and check() every step
     truth = {r.rid: t for r, t in reqs}
+    service = {r.rid: r.service for r, _ in reqs}
     # every request completes exactly once, with exactly its true output length, within the step bound
     assert set(run.done) == set(truth) and run.emitted == truth
     assert all(r.generated == truth[r.rid] and r.phase is Phase.FINISHED for r, _ in reqs)
@@ -615,7 +619,7 @@ def test_policy_properties(name, w):
     # step limits
     for s in run.trace:
         n = sum(s.tokens.values())
-        if name in ("vllm", "sjf", "fcfs-max-alloc"):
+        if name in ("vllm", "sjf", "fcfs-max-alloc", "seallm", "muxserve"):
             assert n <= c.max_num_batched_tokens
         elif name == "vllm-v0":
             assert n <= max(c.max_num_batched_tokens, c.max_model_len)
@@ -624,6 +628,8 @@ def test_policy_properties(name, w):
         elif name.startswith("ecoserve"):
             assert n <= max(c.tfs, len(s.tokens))
         assert len(s.tokens) <= (c.orca_batch_size if name == "orca" else c.max_num_seqs)
+        if c.max_loras:  # vLLM's LoRA rule: no step runs more distinct adapters than the engine holds
+            assert len({service[rid] for rid in s.tokens} - {""}) <= c.max_loras, (s.now, s.tokens)
     if name in MAX_ALLOC:
         assert pol.stats["preemptions"] == 0 and not any(s.preempted for s in run.trace)
     if name in VLLM_LIKE or name in MAX_ALLOC:

@@ -54,7 +54,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -168,6 +169,7 @@ def make_scheduler(
     use_v2_model_runner: bool | None = None,
     speculative_config=None,
     additional_config: dict | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     """Build a real vLLM scheduler over ``num_blocks`` KV blocks.
 
@@ -182,6 +184,7 @@ def make_scheduler(
     which makes AsyncScheduler write ``next_decode_eligible_step``).
     ``speculative_config``: a ``vllm.config.SpeculativeConfig`` (e.g. method "ngram", no draft model).
     ``additional_config``: vLLM's ``--additional-config`` (a scheduler plug-in's own settings).
+    ``max_loras``: an engine serving LoRA adapters, this many at once (the scheduler loads none: requests name them).
     """
     if async_scheduling is None:
         async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
@@ -218,6 +221,7 @@ def make_scheduler(
         cache_config=cache_config,
         speculative_config=speculative_config,
         additional_config=additional_config or {},
+        lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=8) if max_loras else None,
     )
     # The CPU platform hook resets async_scheduling to False; restore the
     # requested value so derived properties match a GPU deployment.
@@ -270,6 +274,7 @@ def make_request(
     prompt_token_ids: list[int] | None = None,
     priority: int = 0,
     block_size: int = 16,
+    lora: tuple[str, int] | None = None,
 ) -> Request:
     """A vLLM ``Request`` as EngineCore would build it (with a block hasher).
 
@@ -278,7 +283,7 @@ def make_request(
     deterministic per-process counter (0.0, 1.0, ...); it only matters for the
     "priority" policy -- FCFS queue order is ``add_request`` order.
     ``block_size`` must match the scheduler's (it sizes the prefix-cache block
-    hasher).
+    hasher). ``lora``: the adapter's name and id, for an engine serving adapters.
     """
     if prompt_token_ids is None:
         prompt_token_ids = _default_prompt(req_id, prompt_len)
@@ -294,6 +299,7 @@ def make_request(
         arrival_time=float(next(_ARRIVALS)) if arrival_time is None else arrival_time,
         priority=priority,
         block_hasher=_block_hasher(block_size),
+        lora_request=LoRARequest(lora[0], lora[1], f"/adapters/{lora[0]}") if lora else None,
     )
 
 

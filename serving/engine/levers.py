@@ -9,7 +9,7 @@ rename in any release. :class:`~serving.engine.scheduler.LengthwiseScheduler` to
   (``kv_holding_waiting`` in vLLM 0.32, ``skipped_waiting`` in 0.26), with ``remove_requests`` /
   ``prepend_requests``, and ``FCFSRequestQueue`` for the views a step is shown;
 - a step's budget ``max_num_scheduled_tokens``, ``current_step``, the scheduler's ``policy`` (FCFS or PRIORITY); at start
-  ``block_size``, ``max_num_running_reqs``, ``max_model_len`` and ``kv_cache_config.num_blocks``;
+  ``block_size``, ``max_num_running_reqs``, ``max_model_len``, ``kv_cache_config.num_blocks`` and ``lora_config``;
 - per request: ``next_decode_eligible_step`` (a held request skips the step), ``priority``, ``status``,
   ``num_computed_tokens``, ``num_output_tokens``, ``num_output_placeholders`` (async scheduling's in-flight token);
 - ``_preempt_request`` (a recompute preemption, as vLLM's own schedule() makes one) and ``reset_preempted_req_ids``
@@ -38,10 +38,12 @@ def kv_queue_name(scheduler: Any) -> str | None:
 
 
 def shape(scheduler: Any) -> tuple[dict[str, int], int]:
-    """The engine's batch as :class:`~serving.policy.config.PolicyConfig` fields, and its KV pool in blocks (less the
-    null block vLLM's pool keeps)."""
+    """The engine's batch as :class:`~serving.policy.config.PolicyConfig` fields (with its LoRA slots, ``max_loras``,
+    when it serves adapters), and its KV pool in blocks (less the null block vLLM's pool keeps)."""
+    lora = scheduler.lora_config
     return ({"block_size": scheduler.block_size, "max_num_seqs": scheduler.max_num_running_reqs,
-             "max_num_batched_tokens": scheduler.max_num_scheduled_tokens, "max_model_len": scheduler.max_model_len},
+             "max_num_batched_tokens": scheduler.max_num_scheduled_tokens, "max_model_len": scheduler.max_model_len,
+             "max_loras": lora.max_loras if lora else 0},
             scheduler.kv_cache_config.num_blocks - 1)
 
 

@@ -43,6 +43,9 @@ class PolicyError(ValueError):
     """Unknown policy name or bad policy configuration."""
 
 
+_SCHEDULED = (Phase.RUNNING, Phase.PREFILL)  # phases whose requests get tokens in the steps to come
+
+
 class Policy(ABC):
     """Base class: request bookkeeping shared by all policies; subclasses decide ``_schedule``."""
 
@@ -149,6 +152,15 @@ class Policy(ABC):
     def used_tokens(self) -> int:
         """KV tokens actually written (for utilization): computed tokens of every live request."""
         return sum(r.computed for r in self.requests.values())
+
+    def adapter_slot(self, req: Request) -> bool:
+        """vLLM's rule for LoRA adapters, kept by every policy's admission: the running requests span at most
+        ``max_loras`` distinct adapters (vLLM asserts it of every step's running requests and skips a waiting request
+        whose adapter would be one too many). A base-model request (service "") takes no slot."""
+        if not self.cfg.max_loras or not req.service:
+            return True
+        live = {r.service for r in self.requests.values() if r.phase in _SCHEDULED and r.service}
+        return req.service in live or len(live) < self.cfg.max_loras
 
     # -- subclass hooks --------------------------------------------------------------------------
     @abstractmethod

@@ -107,9 +107,13 @@ class VLLMPolicy(Policy):
             budget -= n
             i += 1
         if not plan.preempted:
+            no_slot: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting.peek()
                 if self._yields(req, now, budget):  # re-queued behind others: look at the new head
+                    continue
+                if not self.adapter_slot(req):  # vLLM skips it and admits the next one
+                    no_slot.append(self.waiting.pop())
                     continue
                 if blocks_for(req.seq_len, bs) - self.kv.of(req.rid) > self.kv.free or not self._admissible(req):
                     break
@@ -120,6 +124,8 @@ class VLLMPolicy(Policy):
                 self.running.append(req)
                 plan.tokens[req.rid] = n
                 budget -= n
+            for req in reversed(no_slot):  # back where they stood
+                self.waiting.push(self._key(req), req, front=True)
         return plan
 
     def _on_host_preempt(self, req: Request, now: float) -> None:
@@ -203,7 +209,7 @@ class VLLMV0Policy(VLLMPolicy):
             req = self.waiting.peek()
             n = req.uncomputed
             if n > budget or (blocks_for(req.computed + n, bs) - self.kv.of(req.rid)
-                              > self.kv.free - (watermark if self.running else 0)):
+                              > self.kv.free - (watermark if self.running else 0)) or not self.adapter_slot(req):
                 break
             self.kv.grow_to(req.rid, blocks_for(req.computed + n, bs))
             self.waiting.pop()
@@ -269,7 +275,7 @@ class MaxAllocPolicy(Policy):
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.batch_size:
             req = self.waiting.peek()
-            if not self.kv.grow_to(req.rid, self._max_blocks(req)):
+            if not self.adapter_slot(req) or not self.kv.grow_to(req.rid, self._max_blocks(req)):
                 break
             self.waiting.pop()
             req.phase = Phase.RUNNING

@@ -32,3 +32,5 @@ class PolicyConfig(BaseModel):
     group_tokens: int = Field(32, gt=0, description="time-synced batching: GTs whose remaining predicted RL rounds up to "
                                                     "the same multiple form one group")
     pipeline_depth: int = Field(4, ge=1, description="KVC pipelining: nesting levels (halves, quarters, ...)")
+    max_loras: int = Field(0, ge=0, description="LoRA adapters the engine holds at once (vLLM max_loras): no step runs "
+                                                "requests of more distinct adapters; 0: no adapters, no limit")

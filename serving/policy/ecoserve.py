@@ -124,7 +124,7 @@ class EcoServe(Policy):
     def _admit_gt(self, r: Request, avail: int) -> bool:
         """Give ``r`` its exact allocation if it fits in ``avail`` blocks; start it."""
         target = self._target(r, self._padded(self._remaining(r)))
-        if target - self.kv.of(r.rid) > avail:
+        if target - self.kv.of(r.rid) > avail or not self.adapter_slot(r):
             return False
         self._unqueue_gt(r)
         self.kv.grow_to(r.rid, target)
@@ -338,7 +338,7 @@ class EcoServe(Policy):
             r = self.pt_queue.peek(j)
             extra = 0 if self.D else self._padded(self._remaining(r))
             need = blocks_for(min(r.seq_len + extra, self.max_seq_len(r)), bs) - self.kv.of(r.rid)
-            if need > self._pt_room():
+            if need > self._pt_room() or not self.adapter_slot(r):
                 break
             self.pt_queue.pop(j)
             self.kv.grow_to(r.rid, self.kv.of(r.rid) + need)

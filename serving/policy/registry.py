@@ -16,6 +16,7 @@ from serving.policy.baselines import MaxAllocPolicy, SarathiPolicy, SJFPolicy, V
 from serving.policy.config import PolicyConfig
 from serving.policy.ecoserve import EcoServe
 from serving.policy.lengthwise import LengthwisePolicy
+from serving.policy.muxserve import MuxServePolicy
 from serving.policy.seallm import SeaLLMPolicy
 
 Factory = Callable[[PolicyConfig, int, Repredict | None], Policy]
@@ -35,6 +36,7 @@ FACTORIES: dict[str, Factory] = {
     "sarathi": SarathiPolicy,
     "sjf": SJFPolicy,
     "seallm": SeaLLMPolicy,
+    "muxserve": MuxServePolicy,
     "fcfs-max-alloc": MaxAllocPolicy,
     "ecoserve": EcoServe,
     "lengthwise": LengthwisePolicy,

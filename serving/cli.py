@@ -47,11 +47,24 @@ def _knobs(pairs: list[str]) -> dict:
     return out
 
 
+def _floats(text: str, flag: str) -> list[float]:
+    """``0,0.5,1`` into numbers, each >= 0; anything else a one-line error naming the flag."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated numbers, e.g. 0,0.5,1; got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"{flag}: a noise level is a standard deviation, never negative; got {text!r}")
+    return values
+
+
 def _setup(a: argparse.Namespace, scenario_name: str):
     from serving.sim.scenarios import SCENARIOS, build_setup
 
     if scenario_name not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario_name!r}; choose one of: {', '.join(SCENARIOS)}")
+    if a.length_noise < 0:
+        raise ValueError(f"--length-noise is a standard deviation, never negative; got {a.length_noise:g}")
     if getattr(a, "rate", None) is not None and not a.rate > 0:
         raise ValueError(f"--rate must be a positive number of requests per second, got {a.rate}")
     if a.max_requests is not None and a.max_requests < 1:
@@ -66,7 +79,7 @@ def _setup(a: argparse.Namespace, scenario_name: str):
     with Console(stderr=True).status("loading workload and pricing requests..."):
         return build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor, max_requests=a.max_requests,
                            latency=a.latency_model, seed=a.seed, arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
-                           overrides=_knobs(a.set), **hw)
+                           overrides=_knobs(a.set), length_noise=a.length_noise, **hw)
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -91,6 +104,19 @@ def _bench_sim(a: argparse.Namespace) -> int:
         make_policy(p, PolicyConfig(), 64)
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
+    if a.length_noises:
+        from serving.bench.sim import bench_length_noise
+
+        sigmas = _floats(a.length_noises, "--length-noises")
+        if a.scenario == "all" or len(sigmas) < 2:
+            raise ValueError("--length-noises needs one --scenario and at least two values, e.g. 0,1,4")
+        setups = {}
+        for sigma in sigmas:
+            a.length_noise = sigma
+            setups[sigma] = _setup(a, names[0])
+        json_path = Path(a.json) if a.json else out_dir / f"bench_length_noise_{names[0]}.json"
+        bench_length_noise(setups, policies, json_path, json_path.with_suffix(".png"), Console())
+        return 0
     if a.predictors:
         from serving.bench.sim import bench_quality
 
@@ -132,6 +158,9 @@ def _add_sim_options(p: argparse.ArgumentParser, workload_required: bool) -> Non
     g.add_argument("--max-model-len", type=int, help="context limit; longer requests are skipped and counted")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer for text workloads (tokenizer.json, tokenizer.model, HF dir)")
     g.add_argument("--seed", type=int, default=0, help="seed for Poisson arrivals and prediction noise (default: 0)")
+    g.add_argument("--length-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="move every output length by Gaussian noise of std SIGMA x the length after predictions are made "
+                        "(SeaLLM's figure 13: what neither a predictor nor a service's profile can know; default: 0)")
     g.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="policy knob, repeatable: padding, reserve, buffer, tfs, slo_scale, deadline_bin_s, max_num_seqs, ...")
     p.add_argument("--scenario", default="ecoserve-paper", choices=list(SCENARIOS) + (["all"] if not workload_required else []),
@@ -235,6 +264,10 @@ def _add_bench_sim(bsub) -> None:
     bs.add_argument("--predictors", metavar="SPEC,SPEC,...",
                     help="chart benefit against prediction quality instead: max rate of each policy under each predictor "
                          "(e.g. oracle,noise:0.85,noise:0.7,noise:0.55,noise:0.4); writes bench_quality_<scenario>.json/.png")
+    bs.add_argument("--length-noises", metavar="SIGMA,SIGMA,...",
+                    help="SeaLLM's figure 13 instead: max rate of each policy with every output length moved by Gaussian "
+                         "noise of each std (x the length; see --length-noise), e.g. 0,0.5,1,2; writes "
+                         "bench_length_noise_<scenario>.json/.png")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
 

@@ -73,7 +73,8 @@ def bad_trace(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", ["unknown-policy", "negative-rate", "malformed-row", "unknown-model", "bad-predictor",
-                                  "bad-knob", "missing-file", "unknown-scenario", "one-predictor"])
+                                  "bad-knob", "missing-file", "unknown-scenario", "one-predictor", "negative-noise",
+                                  "one-noise", "bad-noises"])
 def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
     wl = str(data / LENGTHS)
     args = {
@@ -86,6 +87,9 @@ def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
         "missing-file": ["simulate", "--workload", wl + ".nope", "--policy", "vllm"],
         "unknown-scenario": ["bench", "sim", "--scenario", "mars"],
         "one-predictor": ["bench", "sim", "--workload", wl, "--predictors", "oracle"],
+        "negative-noise": ["simulate", "--workload", wl, "--policy", "vllm", "--length-noise", "-1"],
+        "one-noise": ["bench", "sim", "--workload", wl, "--length-noises", "1"],
+        "bad-noises": ["bench", "sim", "--workload", wl, "--length-noises", "0,lots"],
     }[case]
     r = run_main(main, args)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -123,6 +127,20 @@ def test_bench_sim_sweep_and_notebook(data, tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 3
     assert "rows compared: 3" in "".join(o.get("text", "") for o in outputs)
+
+
+def test_bench_sim_length_noise_sweep(data, tmp_path):
+    """SeaLLM's figure 13: every policy's max rate as lengths get noisier than the predictions know."""
+    out = tmp_path / "noise.json"
+    r = lengthwise("bench", "sim", "--workload", str(data / LENGTHS), "--max-requests", "120", "--policies", "vllm,sjf",
+                   "--length-noises", "0,2", "--json", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert d["_meta"]["length_noises"] == [0.0, 2.0]
+    for p in ("vllm", "sjf"):
+        assert set(d["by_policy"][p]) == {"0", "2"}
+        assert all(v["max_rate_at_90_slo"] > 0 and v["curve"] for v in d["by_policy"][p].values())
+    assert out.with_suffix(".png").stat().st_size > 10_000
 
 
 def test_bench_sim_quality_sweep(data, tmp_path):

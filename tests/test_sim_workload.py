@@ -390,3 +390,19 @@ def test_several_alpaca_eval_generators_are_services_of_one_workload(data):
     per = m.extra["per_service"]
     assert set(per) == set(SCENARIOS["seallm-services"].generator.split(","))
     assert sum(v["requests"] for v in per.values()) == m.requests_total == 200
+
+
+@pytest.mark.unit
+def test_length_noise_moves_lengths_the_predictions_never_see():
+    """SeaLLM's figure 13: a Gaussian delta of std sigma x the length, within [1, the context left], the same for a seed;
+    the predictions are made before it."""
+    from serving.sim.scenarios import perturb_lengths
+
+    reqs = [TraceRequest(i, float(i), 50, 100) for i in range(2000)]
+    assert perturb_lengths(reqs, 0.0, 400) == reqs
+    moved = perturb_lengths(reqs, 0.2, 400)
+    assert moved == perturb_lengths(reqs, 0.2, 400) and moved != perturb_lengths(reqs, 0.2, 400, seed=1)
+    rel = np.array([r.output_tokens for r in moved]) / 100 - 1
+    assert abs(rel.mean()) < 0.02 and 0.18 < rel.std() < 0.22
+    wide = [r.output_tokens for r in perturb_lengths(reqs, 16.0, 400)]
+    assert min(wide) == 1 and max(wide) == 350  # clamped: at least a token, never past the context

@@ -150,11 +150,13 @@ class Setup:
 
 def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: str | None = None,
                 max_requests: int | None = None, latency: str | None = None, seed: int = 0, arrival: str | None = None,
-                tokenizer: str | None = None, overrides: dict | None = None, **hardware) -> Setup:
+                tokenizer: str | None = None, overrides: dict | None = None, length_noise: float = 0.0,
+                **hardware) -> Setup:
     """Load the workload, price it, size the KV pool and derive the SLOs for ``scenario``.
 
     ``workload``/``arrival``/``tokenizer``/``latency``/``predictor`` and ``hardware`` (any Scenario field, e.g.
     ``model``, ``gpu``, ``kv_blocks``) replace the scenario's; ``overrides`` sets PolicyConfig fields.
+    ``length_noise``: SeaLLM's figure 13 (§5), see :func:`perturb_lengths`.
     """
     if hardware:
         if "kv_bytes" in hardware and "kv_blocks" not in hardware:
@@ -179,6 +181,23 @@ def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: s
     cfg = PolicyConfig(**{"block_size": scenario.block_size, "max_num_seqs": scenario.max_num_seqs,
                           "max_num_batched_tokens": scenario.max_num_batched_tokens, "max_model_len": scenario.max_model_len,
                           "tfs": tfs, **scenario.policy_overrides, **(overrides or {})})
-    slo = derive_slo(lat, [r.prompt_tokens for r in w.requests], [r.output_tokens for r in w.requests], cfg.slo_scale)
     pred = make_predictor(predictor or scenario.predictor, seed=seed)
-    return Setup(scenario, w, lat, blocks, cfg, slo, pred, pred.predict(w.requests), seed)
+    predictions = pred.predict(w.requests)  # made before the noise: it is nothing a prompt tells
+    if length_noise:
+        w = dataclasses.replace(w, requests=perturb_lengths(w.requests, length_noise, scenario.max_model_len, seed))
+    slo = derive_slo(lat, [r.prompt_tokens for r in w.requests], [r.output_tokens for r in w.requests], cfg.slo_scale)
+    return Setup(scenario, w, lat, blocks, cfg, slo, pred, predictions, seed)
+
+
+def perturb_lengths(reqs: list[TraceRequest], sigma: float, max_model_len: int, seed: int = 0) -> list[TraceRequest]:
+    """SeaLLM's test of profiling accuracy (§5, figure 13): each request's output length moved by a Gaussian delta of
+    mean 0 and standard deviation ``sigma`` times that length, kept within [1, the context the prompt leaves]. The
+    predictions and the services' profiles describe the lengths before the move, so neither can know it."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 7919)
+    out = []
+    for r, z in zip(reqs, rng.standard_normal(len(reqs))):
+        n = round(r.output_tokens * (1 + sigma * z))
+        out.append(dataclasses.replace(r, output_tokens=int(min(max(n, 1), max_model_len - r.prompt_tokens))))
+    return out

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.common import available_cores
+from predictor.conditioning import META_KEY as CONDITIONED_KEY
 from predictor.optimize import fuse
 from predictor.prompt import Encoded, InputFormat, encode_turns
 from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
@@ -251,6 +252,8 @@ class OnnxLengthPredictor:
         if max_prompt_tokens is not None:
             self.input_format = input_budget(self.input_format, max_prompt_tokens)
         self.target = self._target(self.meta.get("target"))
+        # a predictor for several served models reads the model's name before the request (predictor.conditioning)
+        self.conditioned_models: list[str] | None = self.meta.get(CONDITIONED_KEY) or None
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()

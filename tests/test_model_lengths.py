@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from serving.bench.predictor.models import conditioned_text, load_answers
+from predictor.conditioning import conditioned_text
+from serving.bench.predictor.models import load_answers
 from serving.cli import main
 from tests.cli_inproc import run_main
 
@@ -78,13 +79,22 @@ def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, ans
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(answers.lengths)
-    assert rows[0]["prompt"].startswith(("[alpaca-7b] ", "[gpt4] ")) and conditioned_text("m", "x") == "[m] x"
+    assert {r["model"] for r in rows} == {"alpaca-7b", "gpt4"} and conditioned_text("m", "x") == "[m] x"
     from training.config import TrainConfig
+    from training.data import DataError
     from training.pipeline import prepare
 
-    prep = prepare(TrainConfig(data=str(out), fmt="jsonl", max_samples=None))  # train-predictor's own split
+    # train-predictor's own split, each request read after its model's name, as the bench's conditioned TF-IDF reads it
+    prep = prepare(TrainConfig(data=str(out), fmt="jsonl", max_samples=None, condition_on_model=True))
     test = {g for g, s in zip(answers.groups, answers.split) if s == "test"}
     assert {e.group for e in prep.splits.test} == test and not {e.group for e in prep.splits.train} & test
+    assert prep.models == ["alpaca-7b", "gpt4"]
+    assert all(e.latest.startswith(f"[{e.model}] ") for e in prep.splits.train)
+    with pytest.raises(DataError, match="--condition-on-model"):  # several models' lengths, not conditioned: refused
+        prepare(TrainConfig(data=str(out), fmt="jsonl", max_samples=None))
+    (tmp_path / "anon.jsonl").write_text(json.dumps({"prompt": "hi", "response_tokens": 3}) + "\n")
+    with pytest.raises(DataError, match="'model' column"):
+        prepare(TrainConfig(data=str(tmp_path / "anon.jsonl"), fmt="jsonl", condition_on_model=True))
 
 
 @pytest.mark.parametrize("args,said", [

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--generator", help=_help("generator", False))
     d.add_argument("--first-turn-only", action="store_true", default=_default("first_turn_only"),
                    help=_help("first_turn_only", False))
+    d.add_argument("--condition-on-model", action="store_true", default=_default("condition_on_model"),
+                   help=_help("condition_on_model", False))
     d.add_argument("--served-lengths", metavar="FILE", help=_help("served_lengths", False))
     d.add_argument("--label", choices=("single", "soft"), default=_default("label"),
                    help="with --served-lengths: single = one example per sample; soft = each prompt once, trained on the "
@@ -208,7 +210,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags ask for (a flag left out keeps the field's default)."""
     return TrainConfig(
         data=a.data, fmt=a.fmt, tokenizer=a.tokenizer, generator=a.generator, first_turn_only=a.first_turn_only,
-        served_lengths=a.served_lengths, label=a.label, rank_loss_weight=a.rank_loss_weight,
+        condition_on_model=a.condition_on_model, served_lengths=a.served_lengths, label=a.label,
+        rank_loss_weight=a.rank_loss_weight,
         bucket_width=a.bucket_width if a.bucket_width is not None else (None if a.edges else _default("bucket_width")),
         edges=a.edges, max_tokens=a.max_tokens,
         base_model=a.base_model, max_samples=a.max_samples or None, epochs=a.epochs, lr=a.lr, batch_size=a.batch_size,

@@ -29,6 +29,9 @@ class TrainConfig(BaseModel):
                                                     "tokenizer.model, or HF dir (None: GPT-2 from the data dir)")
     generator: str | None = Field(None, description="alpaca-eval: which model's answers to learn (the target model)")
     first_turn_only: bool = Field(False, description="sharegpt: only the first human turn of each conversation")
+    condition_on_model: bool = Field(False, description="one predictor for several served models: every row names the "
+                                     "model that answered (a 'model' column) and the predictor reads that name before the "
+                                     "request; the sidecar then needs each request's model")
     served_lengths: str | None = Field(None, description="labels from `lengthwise relabel --no-text`: the served model's "
                                        "lengths of these prompts, joined by prompt hash (None: count the data's responses)")
     label: Literal["single", "soft"] = Field("single", description="with served_lengths: single trains one example per "

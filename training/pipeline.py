@@ -23,7 +23,7 @@ import numpy as np
 from predictor.buckets import BucketScheme
 from predictor.common import compute_threads, default_tokenizer, silence_loggers
 from training.config import TrainConfig
-from training.data import DataError, Example, load_examples
+from training.data import DataError, Example, Turn, load_examples
 from training.data.labels import TokenCounter, attach_labels, censored_of, labels_of, load_counter
 from training.data.served import ServedLabels, group_samples, join_served_lengths, load_served, table_target
 from training.distill import describe, judge, package_dir, score, student_targets, teacher_probs
@@ -47,6 +47,7 @@ class Prepared:
     undecided: dict[str, int] | None = None  # cut answers left out of validation and test (no known bucket)
     pretrain: list[Example] | None = None  # with pretrain_epochs or aux_weight: the data's own answers, training
     # conversations only
+    models: list[str] | None = None  # with condition_on_model: the served models the predictor reads the names of
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -70,6 +71,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     counter = load_counter(cfg.tokenizer or default_tokenizer())
     kwargs = {"generator": cfg.generator, "first_turn_only": cfg.first_turn_only}
     examples = load_examples(cfg.data, cfg.fmt, **kwargs)
+    models = _condition(examples) if cfg.condition_on_model else None
     served = load_served(cfg.served_lengths) if cfg.served_lengths else None
     if served is not None:
         _check_censored(served, scheme)
@@ -83,7 +85,20 @@ def prepare(cfg: TrainConfig) -> Prepared:
     train_decided = scheme.decided(labels_of(splits.train), censored_of(splits.train))
     scheme = scheme.with_centers(labels_of(splits.train)[train_decided])
     pretrain = _pretrain_examples(cfg, counter) if cfg.pretrain_epochs or cfg.aux_weight else None
-    return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided, pretrain)
+    return Prepared(splits, scheme, counter, _target(cfg, served), served, undecided, pretrain, models)
+
+
+def _condition(examples: list[Example]) -> list[str]:
+    """Write each row's model before its request (in place) and return the models; a row without one is an error."""
+    from predictor.conditioning import conditioned_text
+
+    missing = sum(e.model is None for e in examples)
+    if missing:
+        raise DataError(f"--condition-on-model needs a 'model' column naming the served model that answered each row; "
+                        f"{missing} of {len(examples)} rows have none")
+    for e in examples:
+        e.turns = (*e.turns[:-1], Turn(e.turns[-1].role, conditioned_text(e.model, e.turns[-1].text)))
+    return sorted({e.model for e in examples})
 
 
 def _pretrain_examples(cfg: TrainConfig, counter: TokenCounter) -> list[Example]:
@@ -128,7 +143,9 @@ def _target(cfg: TrainConfig, served: ServedLabels | None) -> dict:
     the label tokenizer, up to ``max_tokens``)."""
     if served is not None:
         return served.target()
-    if cfg.fmt == "jsonl" and not cfg.served_lengths and (named := table_target(cfg.data)) is not None:
+    # rows naming several models are the conditioned predictor's data (meta.json lists them), not one relabel's
+    if (cfg.fmt == "jsonl" and not cfg.served_lengths and not cfg.condition_on_model
+            and (named := table_target(cfg.data)) is not None):
         return named
     return {"model": _dataset_answers(cfg),
             "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
@@ -397,6 +414,7 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
             out: Path | None = None, fused: bool = True) -> tuple[Path, Any, float]:
     """The ONNX package (``out``, default ``work/package``; ``extra_meta`` added to its meta.json), its predictor, and
     the largest logit difference from the torch model on test prompts: (package, ONNX predictor, parity)."""
+    from predictor.conditioning import META_KEY
     from predictor.runtime import OnnxLengthPredictor
     from training.export import export_package, parity_max_abs_diff
 
@@ -405,7 +423,7 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
         "backbone": str(base.name), "model_type": inputs.model_type,
         "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
         "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
-        "stages": _stages(cfg, prep), **(extra_meta or {}),
+        "stages": _stages(cfg, prep), **({META_KEY: prep.models} if prep.models else {}), **(extra_meta or {}),
     }, target=prep.target)
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]

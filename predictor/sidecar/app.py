@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from predictor.conditioning import condition_turns
 from predictor.sidecar.auth import BearerAuth, send_error
 from predictor.sidecar.batcher import Expired
 from predictor.sidecar.cache import ModelRef, ResolvedModel
@@ -220,11 +221,12 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
     passed are not run: the caller has fallen back already, and a sidecar slower than its arrivals would otherwise
     spend its CPU on answers nobody reads while its queue grows."""
     t0 = time.perf_counter()
-    _require_model(state)
-    convs = req.conversations()
+    served = _require_model(state)
+    convs = req.conversations()  # as the client sent them: what feedback and retraining keep
+    asked = _for_model(served, req.model, convs)
     expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
     try:
-        results = await state.batcher.submit([PredictItem(c, req.quantile) for c in convs], expires)
+        results = await state.batcher.submit([PredictItem(c, req.quantile) for c in asked], expires)
     except Expired:  # counted by the batcher, prompt by prompt
         raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
                                  "was free (the sidecar is saturated; the caller has its fallback)") from None
@@ -245,6 +247,22 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
         state.metrics.truncated.inc(truncated)
     last = results[-1][1]
     return JSONResponse({"predictions": preds, "model_name": last.name, "model_version": last.version, "latency_ms": ms})
+
+
+def _for_model(served: ServedModel, model: str | None, convs: list[list[tuple[str, str]]]) -> list[list[tuple[str, str]]]:
+    """The conversations as the served predictor reads them: a predictor conditioned on the model gets the request's
+    model before each request, and refuses a model it never learned (422: its lengths would be a guess). A predictor for
+    one model ignores ``model``; the gateway's target check says whether it is the right one."""
+    models = served.predictor.conditioned_models
+    if not models:
+        return convs
+    if model is None:
+        raise HTTPException(422, f"model {served.name} version {served.version} predicts lengths for several models: "
+                                 f"send the request's 'model' (one of {', '.join(models)})")
+    if model not in models:
+        raise HTTPException(422, f"model {served.name} version {served.version} was not trained on {model!r}'s lengths; "
+                                 f"it predicts for {', '.join(models)}")
+    return [condition_turns(c, model) for c in convs]
 
 
 def _feedback(state: SidecarState, req: FeedbackRequest) -> JSONResponse:

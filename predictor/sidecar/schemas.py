@@ -67,6 +67,10 @@ class PredictRequest(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256,
                                    description="your id for this request; becomes the prediction_id (with /<i> per prompt "
                                                "when several)")
+    model: str | SkipJsonSchema[None] = Field(None, min_length=1, max_length=256,
+                                              description="the served model the request is for (the `model` of its "
+                                                          "OpenAI request): needed by a predictor conditioned on the "
+                                                          "model, which answers only for the models it was trained on")
 
     @model_validator(mode="before")
     @classmethod

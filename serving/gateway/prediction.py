@@ -113,7 +113,8 @@ class Predictor:
             return self.fallback(req, "disabled")
         if req.predict_input is None:
             return self.fallback(req, req.no_predict_reason or "no_text")
-        body = {**req.predict_input, "request_id": request_id}
+        # the model the request is for: a predictor conditioned on the model reads it (one for one model ignores it)
+        body = {**req.predict_input, "request_id": request_id, **({"model": req.model} if req.model else {})}
         t0 = time.perf_counter()
         # The call is shielded from the timeout rather than cancelled by it: a call cancelled at the wrong moment (as its
         # answer arrives and its connection goes back to the pool) loses the socket, which httpx never closes; it sits

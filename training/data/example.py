@@ -34,6 +34,7 @@ class Example:
     response: str | None = None
     response_tokens: int | None = None
     censored: bool = False
+    model: str | None = None  # the served model that answered, where the data holds several (a ``model`` column)
 
     @property
     def latest(self) -> str:

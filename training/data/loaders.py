@@ -137,7 +137,8 @@ def _row_turns(row: dict) -> tuple[Turn, ...] | None:
 def table_examples(df: pd.DataFrame, source: str) -> list[Example]:
     """Rows with ``prompt`` (or ``messages``: a list of ``{"role", "content"}``) and ``response`` or ``response_tokens``;
     optional ``conversation_id``/``id``/``group``, and ``censored`` (true: the answer was cut, its length is a lower
-    bound) or ``finish_reason`` (``length``, ``abort``, ... mean the same, as the engine reports them)."""
+    bound) or ``finish_reason`` (``length``, ``abort``, ... mean the same, as the engine reports them); ``model``, the
+    served model that answered, where the rows mix several (``train-predictor --condition-on-model``)."""
     cols = set(df.columns)
     if not ({"prompt", "messages"} & cols) or not ({"response", "response_tokens"} & cols):
         raise DataError(
@@ -154,10 +155,12 @@ def table_examples(df: pd.DataFrame, source: str) -> list[Example]:
         resp = row.get("response")
         ntok = row.get("response_tokens")
         cut = _censored(row)
+        model = row.get("model")
+        model = str(model) if isinstance(model, str) and model.strip() else None
         if isinstance(resp, str):
-            out.append(Example(group, turns, response=resp, censored=cut))
+            out.append(Example(group, turns, response=resp, censored=cut, model=model))
         elif ntok is not None and not pd.isna(ntok) and int(ntok) >= 0:
-            out.append(Example(group, turns, response_tokens=int(ntok), censored=cut))
+            out.append(Example(group, turns, response_tokens=int(ntok), censored=cut, model=model))
     return out
 
 

@@ -161,7 +161,8 @@ def table_target(path: str | Path) -> dict[str, Any] | None:
         return None  # the loader has already said what is wrong with the file, or will
     if len(setups) != 1:
         if setups:
-            raise DataError(f"{p} mixes lengths of {len(setups)} set-ups (model, sampling, max_tokens): one per file")
+            raise DataError(f"{p} mixes lengths of {len(setups)} set-ups (model, sampling, max_tokens): one per file, "
+                            "or one predictor for several models with --condition-on-model")
         return None
     model, sampling, cap, source = json.loads(setups.pop())
     return {"model": model, "label_tokenizer": "served model's own output tokens", "sampling": sampling,

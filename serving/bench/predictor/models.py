@@ -10,9 +10,9 @@ seed 0, as ``train-predictor`` splits: no test instruction is in any training ro
 - ``tfidf``: TF-IDF + logistic regression fitted per model, on that model's answers only (one predictor per model);
 - ``tfidf-pooled``: one TF-IDF model on every model's answers, blind to which model answers;
 - ``tfidf-conditioned``: one TF-IDF model on every model's answers, each prompt prefixed with its model's name
-  (:func:`conditioned_text`), so the model is a feature (one predictor conditioned on the model);
+  (:func:`predictor.conditioning.conditioned_text`), so the model is a feature (one predictor conditioned on the model);
 - ``encoder-conditioned`` (``--conditioned-package``): the LoRA encoder trained the same way, by ``train-predictor``
-  on the JSONL that ``--write-conditioned`` writes;
+  on the JSONL that ``--write-conditioned`` writes (``--condition-on-model``);
 - ``encoder`` (``--per-model-packages DIR``): one LoRA encoder per model, ``DIR/<model>/`` trained by ``train-predictor
   --format alpaca-eval --generator <model>``.
 
@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from predictor.buckets import BucketScheme
+from predictor.conditioning import conditioned_text
 
 if TYPE_CHECKING:
     from training.evaluate import Predictions
@@ -44,11 +45,6 @@ DEFAULT_DATA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
 
 class ModelLengthsError(ValueError):
     """Bad input, said in one line (exit 2)."""
-
-
-def conditioned_text(model: str, text: str) -> str:
-    """A prompt as a predictor conditioned on the model reads it: the model's name first, as words of the prompt."""
-    return f"[{model}] {text}"
 
 
 @dataclass
@@ -94,12 +90,12 @@ def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: in
 
 
 def write_conditioned(answers: Answers, path: Path) -> int:
-    """Every row as ``train-predictor --format jsonl`` reads it (prompt with its model's name, response_tokens, group =
-    the instruction). ``train-predictor`` splits by group with the same seed, so an encoder conditioned on the model
-    trains and validates on exactly the rows ``tfidf-conditioned`` does and never on a test instruction (its own report
-    scores those). Returns the rows written."""
+    """Every row as ``train-predictor --format jsonl --condition-on-model`` reads it (prompt, the model that answered,
+    response_tokens, group = the instruction). ``train-predictor`` splits by group with the same seed, so an encoder
+    conditioned on the model trains and validates on exactly the rows ``tfidf-conditioned`` does and never on a test
+    instruction (its own report scores those). Returns the rows written."""
     with open(path, "w") as f:
-        f.writelines(json.dumps({"prompt": conditioned_text(m, t), "response_tokens": int(n), "group": g}) + "\n"
+        f.writelines(json.dumps({"prompt": t, "model": m, "response_tokens": int(n), "group": g}) + "\n"
                      for m, g, t, n in zip(answers.models, answers.groups, answers.texts, answers.lengths))
     return len(answers.lengths)
 

@@ -1,0 +1,108 @@
+"""One predictor for several served models (predictor/conditioning.py): the sidecar answers for the model a request
+names by reading its name before the request, refuses a request without one or for a model it never learned (422,
+naming the models it knows), and a predictor for one model ignores the name; the gateway sends each request's model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from predictor.conditioning import META_KEY, condition_turns, conditioned_text
+from predictor.runtime import OnnxLengthPredictor
+from predictor.sidecar.app import create_app
+from predictor.sidecar.cache import ResolvedModel, parse_uri
+from predictor.sidecar.settings import SidecarSettings
+from tests.sidecar_proc import wait_for
+from tests.tiny_package import tiny_packages
+
+MODELS = ["smol", "smol-terse"]
+
+
+@pytest.fixture(scope="module")
+def packages(data, tmp_path_factory) -> dict[str, Path]:
+    """A tiny package, and the same one conditioned on two models (its meta.json lists them)."""
+    work = tmp_path_factory.mktemp("tiny-models")
+    plain = tiny_packages(work, data / "tokenizers/gpt2/tokenizer.json", {"plain": None})["plain"]
+    cond = work / "conditioned"
+    shutil.copytree(plain, cond)
+    meta = json.loads((cond / "meta.json").read_text())
+    (cond / "meta.json").write_text(json.dumps({**meta, META_KEY: MODELS}))
+    return {"plain": plain, "conditioned": cond}
+
+
+def _client(package: Path, tmp: Path) -> TestClient:
+    s = SidecarSettings(model=str(package), feedback_db=str(tmp / "fb.db"), reload_interval=0)
+    client = TestClient(create_app(s, parse_uri(str(package)), ResolvedModel(package, "lp-models", "1", str(package))))
+    client.__enter__()
+    wait_for(lambda: client.get("/ready").status_code == 200, timeout=120, what="the model to load")
+    return client
+
+
+@pytest.mark.unit
+def test_the_model_goes_before_the_request_it_is_for():
+    assert conditioned_text("smol", "Hi") == "[smol] Hi"
+    turns = [("user", "Hi"), ("assistant", "Hello!"), ("user", "Tell me more")]
+    assert condition_turns(turns, "smol") == [("user", "Hi"), ("assistant", "Hello!"), ("user", "[smol] Tell me more")]
+
+
+def test_a_conditioned_predictor_answers_for_the_model_named_and_refuses_others(packages, tmp_path):
+    assert OnnxLengthPredictor(packages["conditioned"]).conditioned_models == MODELS
+    assert OnnxLengthPredictor(packages["plain"]).conditioned_models is None
+    reference = OnnxLengthPredictor(packages["conditioned"])
+    client = _client(packages["conditioned"], tmp_path)
+    try:
+        prompt = "Write a limerick about a cat who learns to code."
+        got = {}
+        for model in MODELS:
+            r = client.post("/v1/predict", json={"prompt": prompt, "model": model})
+            assert r.status_code == 200, r.text
+            got[model] = r.json()["predictions"][0]["probs"]
+            want = reference.predict([[("user", conditioned_text(model, prompt))]])
+            assert got[model] == pytest.approx(list(want.probs[0]), abs=1e-5)
+        assert got["smol"] != pytest.approx(got["smol-terse"], abs=1e-6)  # the name is read: two models, two answers
+        for body, said in [({"prompt": prompt}, "send the request's 'model' (one of smol, smol-terse)"),
+                           ({"prompt": prompt, "model": "gpt-9"}, "not trained on 'gpt-9'")]:
+            r = client.post("/v1/predict", json=body)
+            assert r.status_code == 422 and said in r.json()["detail"], r.text
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_a_predictor_for_one_model_ignores_the_name(packages, tmp_path):
+    client = _client(packages["plain"], tmp_path)
+    try:
+        a = client.post("/v1/predict", json={"prompt": "Hello there", "model": "anything"})
+        b = client.post("/v1/predict", json={"prompt": "Hello there"})
+        assert a.status_code == b.status_code == 200
+        assert a.json()["predictions"][0]["probs"] == b.json()["predictions"][0]["probs"]
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_the_gateway_sends_each_requests_model_to_the_sidecar():
+    import asyncio
+
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.gateway.prediction import Predictor
+    from serving.gateway.requests import validate
+    from tests.recording_sidecar import RecordingSidecar
+
+    sidecar = RecordingSidecar()
+
+    async def go() -> None:
+        p = Predictor(sidecar.url, 2000, 100, GatewayMetrics())
+        for model in ("smol", "smol-terse"):
+            req = validate("chat", {"model": model, "messages": [{"role": "user", "content": "Hi"}]}, set(MODELS))
+            assert (await p.predict(req, f"rid-{model}")).source == "sidecar"
+        await p.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        sidecar.stop()
+    bodies = [body for _, _, body in sidecar.paths("/v1/predict")]
+    assert [(b["model"], b["request_id"]) for b in bodies] == [("smol", "rid-smol"), ("smol-terse", "rid-smol-terse")]

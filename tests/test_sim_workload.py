@@ -406,3 +406,22 @@ def test_length_noise_moves_lengths_the_predictions_never_see():
     assert abs(rel.mean()) < 0.02 and 0.18 < rel.std() < 0.22
     wide = [r.output_tokens for r in perturb_lengths(reqs, 16.0, 400)]
     assert min(wide) == 1 and max(wide) == 350  # clamped: at least a token, never past the context
+
+
+@pytest.mark.unit
+def test_a_max_rate_the_search_never_failed_past_is_shown_as_a_lower_bound():
+    from serving.bench.sim import rate_text
+    from serving.sim.sweep import max_rate
+
+    class Met:  # what the walk reads of a run: a policy that meets every SLO at any rate it tries
+        slo_attainment = 1.0
+
+        def to_dict(self) -> dict:
+            return {"slo_attainment": 1.0, "throughput_rps": 1.0}
+
+    def always(rate: float) -> Met:
+        return Met()
+
+    r = max_rate(always, 2.0, max_points=3)
+    assert r["first_failing_rate"] is None and rate_text(r) == ">=3.91"
+    assert rate_text({"max_rate_at_90_slo": 35.38, "first_failing_rate": 36.38}) == "35.4"

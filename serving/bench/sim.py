@@ -84,7 +84,7 @@ def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path
         best = _point_at(r["curve"], r["max_rate_at_90_slo"])
         ratio = r["max_rate_at_90_slo"] / base if base else float("nan")
         r["ratio_vs_vllm"] = ratio
-        table.add_row(p, f"{r['max_rate_at_90_slo']:.3g}", f"{ratio:.2f}", f"{r['peak_throughput_rps']:.3g}",
+        table.add_row(p, rate_text(r), f"{ratio:.2f}", f"{r['peak_throughput_rps']:.3g}",
                       *(f"{best[k]:.3g}" if best else "-" for k in ("slo_attainment", "normalized_latency_s", "jct_p99_s")),
                       *(str(best[k]) if best else "-" for k in ("preemptions", "pauses", "hosted")),
                       *(f"{best[k]:.2f}" if best else "-" for k in ("kv_utilization", "kv_allocated")),
@@ -182,8 +182,9 @@ def bench_length_noise(setups: dict[float, Setup], policies: list[str], json_pat
             r = sweep_policy(setups[sigma], p, on_point=on_point)
             best = _point_at(r["curve"], r["max_rate_at_90_slo"]) or {}
             results.setdefault(p, {})[f"{sigma:g}"] = {
-                "max_rate_at_90_slo": r["max_rate_at_90_slo"], "normalized_latency_s": best.get("normalized_latency_s"),
-                "jct_p99_s": best.get("jct_p99_s"), "curve": r["curve"]}
+                "max_rate_at_90_slo": r["max_rate_at_90_slo"], "first_failing_rate": r["first_failing_rate"],
+                "normalized_latency_s": best.get("normalized_latency_s"), "jct_p99_s": best.get("jct_p99_s"),
+                "curve": r["curve"]}
     bar.close()
     table = Table(title=f"{setups[sigmas[0]].scenario.name}: max req/s at >= 90% SLO (normalised latency there, s/token) "
                         "by output-length noise (std x length)")
@@ -191,7 +192,7 @@ def bench_length_noise(setups: dict[float, Setup], policies: list[str], json_pat
     for sigma in sigmas:
         table.add_column(f"noise {sigma:g}", justify="right")
     for p, by in results.items():
-        table.add_row(p, *(f"{by[f'{s:g}']['max_rate_at_90_slo']:.3g} ({by[f'{s:g}']['normalized_latency_s'] or 0:.3f})"
+        table.add_row(p, *(f"{rate_text(by[f'{s:g}'])} ({by[f'{s:g}']['normalized_latency_s'] or 0:.3f})"
                            for s in sigmas))
     Console(width=max(console.width, 170)).print(table)
     meta = describe_setup(setups[sigmas[0]])
@@ -210,6 +211,12 @@ def bench_length_noise(setups: dict[float, Setup], policies: list[str], json_pat
     fig.savefig(png_path, dpi=110)
     console.print(f"JSON: {json_path}\nPNG:  {png_path}")
     return out
+
+
+def rate_text(r: dict) -> str:
+    """A max rate as a table shows it: with ">=" when no rate the search tried fell below the target (the search
+    stopped at its last point, so the knee is higher)."""
+    return f"{'>=' if r.get('first_failing_rate') is None else ''}{r['max_rate_at_90_slo']:.3g}"
 
 
 def _point_at(curve: list[dict], rate: float) -> dict | None:

@@ -106,3 +106,23 @@ def test_the_gateway_sends_each_requests_model_to_the_sidecar():
         sidecar.stop()
     bodies = [body for _, _, body in sidecar.paths("/v1/predict")]
     assert [(b["model"], b["request_id"]) for b in bodies] == [("smol", "rid-smol"), ("smol-terse", "rid-smol-terse")]
+
+
+@pytest.mark.unit
+def test_the_model_cache_keeps_the_newest_versions_and_what_aliases_point_at(tmp_path, monkeypatch):
+    """Each promoted version is a whole package in the sidecar's cache; older ones go, but never one an alias last
+    pointed at (the registry-down fallback) nor the one being served."""
+    from predictor.sidecar.cache import cache_root, prune, remember_alias
+
+    monkeypatch.setenv("LENGTHWISE_HOME", str(tmp_path))
+    for v in ("1", "2", "3", "9", "10", "11"):
+        d = cache_root() / "lp" / v
+        d.mkdir(parents=True)
+        for f in ("model.onnx", "tokenizer.json", "meta.json"):
+            (d / f).write_text("x")
+    (cache_root() / "lp" / ".download-tmp").mkdir()  # another process's download in flight: not a version
+    remember_alias("lp", "champion", "2")
+    assert prune("lp", keep=2, protect=("3",)) == ["9", "1"]  # numbers, not strings: 11 and 10 are the newest
+    assert sorted(p.name for p in (cache_root() / "lp").iterdir()) == [".download-tmp", "10", "11", "2", "3",
+                                                                         "aliases.json"]
+    assert prune("lp", keep=2) == ["3"] and prune("nothing-cached", keep=1) == []

@@ -177,6 +177,35 @@ def download_version(name: str, version: str) -> ResolvedModel:
     return ResolvedModel(target, name, str(version), f"models:/{name}/{version}", tags)
 
 
+def prune(name: str, keep: int, protect: tuple[str, ...] = ()) -> list[str]:
+    """Delete the cached versions of ``name`` older than its ``keep`` newest, except any version an alias last pointed
+    at (the registry-down fallback serves those) and ``protect`` (what this process serves). Every new version a
+    retraining loop promotes is another full package (about 110 MB with its fast tier): without this the cache only
+    grows. A version is moved aside before it is deleted, so a reader sees a whole package or none. Returns the
+    versions deleted."""
+    root = cache_root() / name
+    if not root.is_dir():
+        return []
+    guarded = set(protect) | {str(v) for v in _read_json(root / ALIASES_FILE).values()}
+    versions = sorted((d.name for d in root.iterdir() if not d.name.startswith(".") and is_package(d)),
+                      key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v), reverse=True)
+    removed = []
+    for v in versions[keep:]:
+        if v in guarded:
+            continue
+        aside = root / f".pruned-{v}-{os.getpid()}"
+        try:
+            os.replace(root / v, aside)
+        except OSError:  # another process pruned it first
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(v)
+    if removed:
+        log.info("cache: removed %s version(s) %s (keeping the %d newest and what aliases point at)", name,
+                 ", ".join(removed), keep)
+    return removed
+
+
 def _is_not_found(exc: BaseException) -> bool:
     code = getattr(exc, "error_code", "")
     return code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")

@@ -20,7 +20,7 @@ from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
 from predictor.sidecar.auth import TOKEN_ENV, TokenError, load_token
-from predictor.sidecar.cache import ModelResolveError, parse_uri, resolve
+from predictor.sidecar.cache import ModelResolveError, parse_uri, prune, resolve
 from predictor.sidecar.settings import SidecarSettings
 
 log = logging.getLogger("predictor.sidecar")
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ref = parse_uri(settings.model)
         resolved = resolve(ref)
+        if ref.name is not None:
+            prune(ref.name, settings.cache_versions, (resolved.version,))
     except ModelResolveError as exc:
         print(f"predictor-sidecar: error: {exc}", file=sys.stderr)
         sock.close()

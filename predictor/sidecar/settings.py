@@ -65,6 +65,10 @@ class SidecarSettings(BaseModel):
     lru_size: int = Field(100_000, ge=1, description="served predictions remembered for feedback")
     # registry and online monitoring
     reload_interval: float = Field(30.0, ge=0, description="seconds between polls of the alias; 0 disables hot reload")
+    cache_versions: int = Field(3, ge=1, description="model versions kept in the local cache "
+                                                     "($LENGTHWISE_HOME/cache/models): the newest this many and every "
+                                                     "version an alias last pointed at; older ones are deleted once a "
+                                                     "version has loaded")
     window_size: int = Field(100, ge=1, description="feedbacks per online-error window")
     window_seconds: float = Field(60.0, gt=0, description="or this age, whichever first")
     alarm_margin: float = Field(0.10, description="alarm when window accuracy < offline accuracy - margin")

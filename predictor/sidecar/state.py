@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from predictor.buckets import BucketScheme
 from predictor.features import is_first_turn
 from predictor.sidecar.batcher import MicroBatcher
-from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, registry_version, remember_alias
+from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, prune, registry_version, remember_alias
 from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_fast, predict_items
 from predictor.sidecar.metrics import SidecarMetrics
 from predictor.sidecar.settings import SidecarSettings
@@ -196,6 +196,7 @@ class SidecarState:
             self.load_error = self.reload_error = None
             self.metrics.reloads.labels("ok").inc()
             await asyncio.to_thread(remember_alias, self.ref.name, self.ref.alias, version)
+            await asyncio.to_thread(prune, self.ref.name, self.settings.cache_versions, (version,))
 
     # --- served predictions and feedback -------------------------------------------------------
     def remember(self, prediction_id: str, d: dict, model: ServedModel, turns: list[tuple[str, str]]) -> None:

@@ -18,9 +18,10 @@ In our code:
   is left of its service's quota (and in the pool). A request over quota waits without blocking other services'.
 - When the pool cannot grow a running request, the victim is the newest request of the service furthest over its
   quota (used blocks / quota), so a service that borrowed pays first.
-- Quotas start equal over the services seen and then follow each service's share of the arrivals (the rate
-  normalisation of MuxServe's token-block usage). Every ``QUOTA_PERIOD`` steps a service using less than half its
-  quota gives half its unused blocks to the services whose waiting requests its quota holds back.
+- Quotas are set in proportion to each service's arrivals so far whenever a service is first seen (the rate
+  normalisation of MuxServe's token-block usage), each at least one full-length request; after that they move only
+  by adaptation: every ``QUOTA_PERIOD`` steps a service using less than half its quota gives half its unused blocks to
+  the services whose waiting requests its quota held back.
 """
 
 from __future__ import annotations

@@ -359,3 +359,25 @@ def test_a_stream_that_did_not_start_passes_the_engines_answer_on_or_is_retried(
         assert isinstance(got, ApiError) and got.status == expect and got.message == "what happened" and not done
     else:
         assert isinstance(got, _Retry) and got.reason == expect and not done
+
+
+def test_a_connection_that_httpcore_loses_as_it_is_made_is_a_connect_error(monkeypatch):
+    """A killed engine's socket can close while httpcore makes the connection, and anyio then raises an AttributeError
+    (seen once under load). The engines' transport raises it as the connect error it is, so the probe takes the engine
+    out and the request is retried elsewhere, instead of the client getting a 500. The race cannot be timed in a test:
+    the transport below it raises what httpcore raised then."""
+    import httpx
+
+    from serving.gateway.pool import engine_client
+
+    async def lost(self, request):
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", lost)
+
+    async def go() -> None:
+        async with engine_client(GatewaySettings(engine_urls=["http://127.0.0.1:9"]), 1.0, httpx.Limits()) as client:
+            with pytest.raises(httpx.ConnectError, match="closed as it was made"):
+                await client.get("http://127.0.0.1:9/health")
+
+    asyncio.run(go())

@@ -36,7 +36,7 @@ from serving.gateway.concurrency import Served
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
-from serving.gateway.pool import Engine, EnginePool, engine_auth
+from serving.gateway.pool import Engine, EnginePool, engine_client
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
@@ -73,9 +73,9 @@ class Forwarder:
         self.pool, self.settings, self.metrics = pool, settings, metrics
         s = settings
         self.per_engine = s.outstanding_bounds(len(pool.engines))[0]
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None), headers=engine_auth(s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=s.keepalive_s))
+        self.client = engine_client(
+            s, httpx.Timeout(s.engine_timeout_s, connect=s.connect_timeout_s, pool=None),
+            httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=s.keepalive_s))
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -72,6 +72,24 @@ def engine_auth(settings: GatewaySettings) -> dict[str, str]:
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
 
 
+class EngineTransport(httpx.AsyncHTTPTransport):
+    """The engines' HTTP transport. A connection whose socket the engine closes while it is being made (an engine
+    killed under load) can surface from httpcore and anyio as ``AttributeError: 'NoneType' object has no attribute
+    'getpeername'`` instead of a connect error. It is one, and is raised as one here, so probes take the engine out and
+    requests are retried elsewhere (it reached a client as a 500 when the engine-killed-under-load test hit it)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as exc:
+            raise httpx.ConnectError(f"the connection closed as it was made ({exc})", request=request) from exc
+
+
+def engine_client(settings: GatewaySettings, timeout: httpx.Timeout | float, limits: httpx.Limits) -> httpx.AsyncClient:
+    """An HTTP client for the engines: their key (:func:`engine_auth`) and :class:`EngineTransport`."""
+    return httpx.AsyncClient(timeout=timeout, headers=engine_auth(settings), transport=EngineTransport(limits=limits))
+
+
 class EnginePool:
     def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
                  placer: GatewayPlacement | None = None, prefill: bool = False):
@@ -90,8 +108,7 @@ class EnginePool:
                 e.limit = EngineLimit(ceiling, *settings.slo_targets(), start=settings.engine_seqs,
                                       checkpoint=settings.engine_bound_checkpoint)
         self.known_models: set[str] = set()  # every model any engine ever served (kept while engines are down)
-        self.client = httpx.AsyncClient(timeout=settings.health_timeout_s, headers=engine_auth(settings),
-                                        limits=httpx.Limits(keepalive_expiry=settings.keepalive_s))
+        self.client = engine_client(settings, settings.health_timeout_s, httpx.Limits(keepalive_expiry=settings.keepalive_s))
         self._tasks: list[asyncio.Task] = []
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()

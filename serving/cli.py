@@ -110,10 +110,7 @@ def _bench_sim(a: argparse.Namespace) -> int:
         sigmas = _floats(a.length_noises, "--length-noises")
         if a.scenario == "all" or len(sigmas) < 2:
             raise ValueError("--length-noises needs one --scenario and at least two values, e.g. 0,1,4")
-        setups = {}
-        for sigma in sigmas:
-            a.length_noise = sigma
-            setups[sigma] = _setup(a, names[0])
+        setups = _setups_by(a, names[0], "length_noise", sigmas)
         json_path = Path(a.json) if a.json else out_dir / f"bench_length_noise_{names[0]}.json"
         bench_length_noise(setups, policies, json_path, json_path.with_suffix(".png"), Console())
         return 0
@@ -124,10 +121,7 @@ def _bench_sim(a: argparse.Namespace) -> int:
         if a.scenario == "all" or len(specs) < 2:
             raise ValueError("--predictors needs one --scenario and at least two predictor specs, "
                              "e.g. oracle,noise:0.7,noise:0.5")
-        setups = {}
-        for spec in specs:
-            a.predictor = spec
-            setups[spec] = _setup(a, names[0])
+        setups = _setups_by(a, names[0], "predictor", specs)
         json_path = Path(a.json) if a.json else out_dir / f"bench_quality_{names[0]}.json"
         bench_quality(setups, policies, json_path, json_path.with_suffix(".png"), Console())
         return 0
@@ -136,6 +130,15 @@ def _bench_sim(a: argparse.Namespace) -> int:
         json_path = Path(a.json) if a.json and len(names) == 1 else out_dir / f"bench_sim_{name}.json"
         bench_sim(setup, policies, json_path, json_path.with_suffix(".png"), Console())
     return 0
+
+
+def _setups_by(a: argparse.Namespace, scenario: str, option: str, values: list) -> dict:
+    """One setup of ``scenario`` per value of the sim option ``option`` (the rest as the flags say), by value."""
+    setups = {}
+    for v in values:
+        setattr(a, option, v)
+        setups[v] = _setup(a, scenario)
+    return setups
 
 
 def _add_sim_options(p: argparse.ArgumentParser, workload_required: bool) -> None:

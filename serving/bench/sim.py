@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -61,19 +63,28 @@ def _write_json(path: str | Path, obj: dict) -> None:
     p.write_text(json.dumps(obj, indent=1, default=float))
 
 
-def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path, console: Console) -> dict:
-    """Sweep every policy; print the table; write JSON (policy → max rate and curve) and the figure."""
+@contextmanager
+def sweep_progress(desc: str) -> Iterator[Callable[[str, float, RunMetrics], None]]:
+    """A progress bar over a sweep's runs; yields the ``on_point`` callback :func:`sweep_policy` reports each run to."""
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
-    bar = tqdm(desc=f"{setup.scenario.name}", unit="run", leave=False, disable=None)
+    bar = tqdm(desc=desc, unit="run", leave=False, disable=None)
 
     def on_point(policy: str, rate: float, m: RunMetrics) -> None:
         bar.update(1)
         bar.set_postfix_str(f"{policy} @ {rate:.3g}/s: SLO {m.slo_attainment:.2f}")
 
-    results = {p: sweep_policy(setup, p, on_point=on_point) for p in policies}
-    bar.close()
+    try:
+        yield on_point
+    finally:
+        bar.close()
+
+
+def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path, console: Console) -> dict:
+    """Sweep every policy; print the table; write JSON (policy → max rate and curve) and the figure."""
+    t0 = time.perf_counter()
+    with sweep_progress(setup.scenario.name) as on_point:
+        results = {p: sweep_policy(setup, p, on_point=on_point) for p in policies}
     base = results.get("vllm", {}).get("max_rate_at_90_slo") or None
     table = Table(title=f"{setup.scenario.name}: max rate at >= 90% SLO attainment ({len(setup.requests)} requests, "
                         f"predictor {setup.predictor.spec})")
@@ -115,22 +126,14 @@ def bench_quality(setups: dict[str, Setup], policies: list[str], json_path: Path
 
     Prediction-blind policies run once (under the first predictor) as the reference lines.
     """
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     specs = list(setups)
-    bar = tqdm(desc="quality sweep", unit="run", leave=False, disable=None)
-
-    def on_point(policy: str, rate: float, m: RunMetrics) -> None:
-        bar.update(1)
-        bar.set_postfix_str(f"{policy} @ {rate:.3g}/s: SLO {m.slo_attainment:.2f}")
-
     quality = {spec: prediction_quality(setups[spec]) for spec in specs}
     rates: dict[str, dict[str, float]] = {}
-    for p in policies:
-        for spec in specs[:1] if p in BLIND else specs:
-            rates.setdefault(p, {})[spec] = sweep_policy(setups[spec], p, on_point=on_point)["max_rate_at_90_slo"]
-    bar.close()
+    with sweep_progress("quality sweep") as on_point:
+        for p in policies:
+            for spec in specs[:1] if p in BLIND else specs:
+                rates.setdefault(p, {})[spec] = sweep_policy(setups[spec], p, on_point=on_point)["max_rate_at_90_slo"]
     table = Table(title=f"{setups[specs[0]].scenario.name}: max req/s at >= 90% SLO by predictor quality")
     table.add_column("policy")
     for spec in specs:
@@ -166,26 +169,18 @@ def bench_length_noise(setups: dict[float, Setup], policies: list[str], json_pat
                        console: Console) -> dict:
     """SeaLLM's figure 13 in the simulator: each policy's max rate at >= 90% SLO, and its normalised latency there, as
     output lengths get noisier than anything a prediction or a profile knows (each setup's ``length_noise``)."""
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     sigmas = list(setups)
-    bar = tqdm(desc="length-noise sweep", unit="run", leave=False, disable=None)
-
-    def on_point(policy: str, rate: float, m: RunMetrics) -> None:
-        bar.update(1)
-        bar.set_postfix_str(f"{policy} @ {rate:.3g}/s: SLO {m.slo_attainment:.2f}")
-
     results: dict[str, dict[str, dict]] = {}
-    for sigma in sigmas:
-        for p in policies:
-            r = sweep_policy(setups[sigma], p, on_point=on_point)
-            best = _point_at(r["curve"], r["max_rate_at_90_slo"]) or {}
-            results.setdefault(p, {})[f"{sigma:g}"] = {
-                "max_rate_at_90_slo": r["max_rate_at_90_slo"], "first_failing_rate": r["first_failing_rate"],
-                "normalized_latency_s": best.get("normalized_latency_s"), "jct_p99_s": best.get("jct_p99_s"),
-                "curve": r["curve"]}
-    bar.close()
+    with sweep_progress("length-noise sweep") as on_point:
+        for sigma in sigmas:
+            for p in policies:
+                r = sweep_policy(setups[sigma], p, on_point=on_point)
+                best = _point_at(r["curve"], r["max_rate_at_90_slo"]) or {}
+                results.setdefault(p, {})[f"{sigma:g}"] = {
+                    "max_rate_at_90_slo": r["max_rate_at_90_slo"], "first_failing_rate": r["first_failing_rate"],
+                    "normalized_latency_s": best.get("normalized_latency_s"), "jct_p99_s": best.get("jct_p99_s"),
+                    "curve": r["curve"]}
     table = Table(title=f"{setups[sigmas[0]].scenario.name}: max req/s at >= 90% SLO (normalised latency there, s/token) "
                         "by output-length noise (std x length)")
     table.add_column("policy")

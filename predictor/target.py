@@ -89,6 +89,17 @@ def model_id(model_dir: Path, name: str, load_format: str = "auto") -> str:
     return f"{name}@{h.hexdigest()[:12]}"
 
 
+def adapter_id(base: str, adapter_dir: Path, name: str) -> str:
+    """``name@hash`` of a LoRA adapter served on ``base`` (the base's identity, :func:`model_id`): the hash covers the
+    base and the adapter's config and weights, so the same adapter on another base, or a retrained one, is another
+    model. ``name`` is the adapter's served name (a catalogue entry, the adapter directory's name by default)."""
+    h = hashlib.sha256(f"base:{base}".encode())
+    if (adapter_dir / "adapter_config.json").is_file():
+        h.update(b"adapter_config.json\0" + _canonical(adapter_dir / "adapter_config.json"))
+    _weights_fingerprint(adapter_dir, h)
+    return f"{name}@{h.hexdigest()[:12]}"
+
+
 def served_model_id(model: str, load_format: str = "auto") -> str:
     """The identity of what an engine serves as ``--model``: ``name@hash`` for a local Hugging Face directory (named as
     ``lengthwise relabel`` names it: the directory's name); a GGUF file's name without its suffixes (its converted

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.relabel.run import add_parser as add_relabel
 
     add_relabel(sub)
+    from serving.launch.adapters import add_parser as add_train_adapter
+
+    add_train_adapter(sub)
     add_relabel_agreement(sub)
     add_relabel_ceiling(sub)
 

@@ -103,7 +103,37 @@ def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, ans
     (["--data", "/nowhere.jsonl.xz"], "/nowhere.jsonl.xz not found"),
     (["--conditioned-package", "/nowhere"], "--conditioned-package /nowhere: not a directory"),
     (["--bucket-width", "0"], "--bucket-width must be >= 1"),
+    (["--relabelled", "base=/nowhere.jsonl"], "--relabelled base: /nowhere.jsonl not found"),
+    (["--relabelled", "base"], "--relabelled 'base': give NAME=FILE"),
 ])
 def test_bad_input_exits_2_in_one_line(data, args, said):
     r = run_main(main, ["bench", "model-lengths", *args], env={"LENGTHWISE_DATA": str(data), "PATH": "/usr/bin"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+
+
+def _relabel_file(path, prompts, lengths) -> None:
+    """What ``lengthwise relabel`` writes (the fields the join reads): two samples of each prompt."""
+    path.write_text("".join(json.dumps({"prompt_hash": h, "sample": s, "response_tokens": n, "model": path.stem,
+                                        "sampling": None, "max_tokens": 512, "censored": n == 512}) + "\n"
+                            for h, (a, b) in zip(prompts, lengths) for s, n in enumerate((a, b))))
+
+
+def test_relabelled_files_give_a_row_per_model_and_prompt_they_all_labelled(tmp_path):
+    from serving.bench.predictor.models import load_relabelled, relabelled_files
+    from training.data.loaders import load_examples
+    from training.data.served import prompt_hash
+
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                               {"from": "gpt", "value": "an answer"}]} for i in range(40)]
+    (tmp_path / "p.json").write_text(json.dumps(convs))
+    hashes = [prompt_hash(e.turns) for e in load_examples(str(tmp_path / "p.json"), "sharegpt")]
+    _relabel_file(tmp_path / "base.jsonl", hashes, [(300 + i, 512) for i in range(40)])
+    _relabel_file(tmp_path / "terse.jsonl", hashes[:30], [(10, 20)] * 30)  # relabelled on the first 30 only
+    files = relabelled_files(f"base={tmp_path / 'base.jsonl'},terse={tmp_path / 'terse.jsonl'}")
+    a = load_relabelled(files, tmp_path / "p.json")
+    assert list(a.models) == ["base"] * 30 + ["terse"] * 30  # the prompts both labelled, once per model
+    assert a.lengths[0] == (300 + 512) / 2 and a.lengths[30] == 15  # each prompt's samples averaged
+    assert a.groups[:30] == a.groups[30:] == [f"c{i}" for i in range(30)]
+    assert all(a.split[a.models == "base"] == a.split[a.models == "terse"])  # a prompt's split is its conversation's
+    with pytest.raises(ValueError, match="two models or more"):
+        relabelled_files(f"base={tmp_path / 'base.jsonl'}")

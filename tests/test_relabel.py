@@ -162,12 +162,16 @@ def model_dir(tmp_path) -> Path:
     (["--out", "NOTJSONL"], "not a JSON line"),
     (["--out", "DIR"], "cannot read"),
     (["--out", "o.jsonl.xz"], "plain JSONL"),
+    (["--lora", "/nowhere"], "/nowhere is not a LoRA adapter directory"),
+    (["--lora", "DIR", "--export-jobs", "j.jsonl.gz"], "--lora runs on vLLM's engine here only"),
 ])
 def test_bad_input_exits_2_with_one_line(extra, needle, tmp_path, model_dir, capsys):
     data = _sharegpt(tmp_path / "d.json", 3)
     (tmp_path / "empty.json").write_text("[]")
     (tmp_path / "notjsonl.txt").write_text("model,length\nx,3\n")
     subs = {"EMPTY": str(tmp_path / "empty.json"), "NOTJSONL": str(tmp_path / "notjsonl.txt"), "DIR": str(tmp_path)}
+    if "--lora" in extra:  # an adapter that is one: the other error is the one to see
+        subs["DIR"] = str(_adapter(tmp_path / "adapter"))
     argv = ["relabel", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o.jsonl"),
             *[subs.get(x, x) for x in extra]]
     assert main(argv) == 2
@@ -223,6 +227,38 @@ def test_split_test_labels_exactly_the_prompts_train_predictor_holds_out(tmp_pat
     assert f"{len(prompts)} prompts, {2 * len(prompts)} samples" in capsys.readouterr().out
     assert len(prompts) == 2 * len(held_out)  # both turns of each held-out conversation
     assert "--split test --split-seed 0" in json.loads((tmp_path / "o.jsonl.summary.json").read_text())["command"]
+
+
+def _adapter(d: Path, weights: bytes = b"w" * 64) -> Path:
+    d.mkdir(parents=True)
+    (d / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "peft_type": "LORA"}))
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return d
+
+
+@pytest.mark.unit
+def test_an_adapters_labels_name_the_adapter_on_its_base(tmp_path, model_dir, capsys):
+    """``--lora``: the labels are the adapter's, not the base's; the identity changes with the adapter's weights and
+    with the base, so a predictor trained on one adapter's lengths is not taken for another's."""
+    from predictor.target import adapter_id
+
+    terse = _adapter(tmp_path / "terse")
+    base = model_id(model_dir, "model")
+    ident = adapter_id(base, terse, "terse")
+    assert ident.startswith("terse@") and ident == adapter_id(base, terse, "terse")
+    assert ident != adapter_id(base, _adapter(tmp_path / "b" / "terse", b"v" * 64), "terse")  # retrained
+    assert ident != adapter_id("other@0123456789ab", terse, "terse")  # the same adapter on another base
+    data = _sharegpt(tmp_path / "d.json", 2)
+    out = tmp_path / "o.jsonl"
+    settings = Settings(ident, SETTINGS.sampling, 16, 0, True)
+    _write(out, [record(p, s, sample_seed(0, p.hash, s), 9, 5, "stop", settings)
+                 for p in load_prompts(str(data), "sharegpt") for s in range(2)])
+    argv = ["relabel", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--max-tokens", "16"]
+    assert main([*argv, "--lora", str(terse)]) == 0  # all there: the adapter's file, no engine started
+    assert json.loads((tmp_path / "o.jsonl.summary.json").read_text())["model"] == ident
+    capsys.readouterr()
+    assert main(argv) == 2  # the base's run refuses the adapter's file
+    assert "holds labels of other settings (model terse@" in capsys.readouterr().err
 
 
 def _relabelled(prompts: list[Prompt], out: Path, text: bool) -> list[dict]:
@@ -346,3 +382,28 @@ def test_relabel_runs_the_engine_appends_nothing_twice_and_resumes(tmp_path, dat
     assert {(r["prompt_hash"], r["sample"], r["seed"]) for r in after} == {(r["prompt_hash"], r["sample"], r["seed"])
                                                                            for r in recs}
     assert json.loads((tmp_path / "out.jsonl.summary.json").read_text())["run"]["new_samples"] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_relabel_through_a_lora_adapter_on_the_engine(tmp_path, data):
+    """``--lora`` on vLLM's engine: a peft adapter of the micro model (random weights) is loaded and every sample runs
+    through it; its counterpart in ``make test`` checks the adapter's identity and errors without an engine."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from serving.launch.models import dummy_model
+
+    model = dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json")
+    torch.manual_seed(0)
+    lora = get_peft_model(LlamaForCausalLM(LlamaConfig.from_pretrained(model)),
+                          LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "terse")
+    out = tmp_path / "out.jsonl"
+    run = _relabel(["--model", model, "--lora", str(tmp_path / "terse"), "--data", str(_sharegpt(tmp_path / "d.json", 4)),
+                    "--out", str(out), "--samples", "2", "--max-tokens", "8", "--load-format", "dummy",
+                    "--kv-cache-gib", "0.25"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 8 and all(r["model"].startswith("terse@") and 1 <= r["response_tokens"] <= 8 for r in recs)

@@ -42,6 +42,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 GPT2_EOS = 50256
+DEFAULT_MODEL_CACHE = Path("~/.cache/lengthwise/models")  # where a GGUF is converted once, for every command
 
 
 def bench_dtype() -> str:

@@ -29,15 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from predictor.target import model_id  # the identity a predictor records as its target; the gateway computes it too
+from predictor.target import adapter_id, model_id  # identities a predictor records as its target
+from serving.launch.models import DEFAULT_MODEL_CACHE
 from serving.sim.workload import TraceRequest
 from training.data import FORMATS
 from training.data.example import DataError, Turn
 from training.data.loaders import alpaca_eval_generators, load_examples
 from training.data.served import prompt_hash, read_served, turn_index
 from training.split import split_of
-
-DEFAULT_MODEL_CACHE = Path("~/.cache/lengthwise/models")
 
 EPILOG = """\
 how long it takes: about 160 output tokens/s on a 2-core CPU with SmolLM2-135M (measured: 24 prompts x 2 samples at
@@ -184,15 +183,26 @@ def _engine(model_dir: Path, a: argparse.Namespace):
     from serving.launch.models import bench_dtype
 
     seeded.install()
+    lora = {}
+    if a.lora is not None:
+        from serving.gateway.catalogue import adapter_rank, vllm_rank
+
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_rank(adapter_rank(a.lora))}
     return LLM(model=str(model_dir), load_format=a.load_format, dtype=bench_dtype(), enforce_eager=True, seed=0,
-               max_model_len=a.max_model_len, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30))
+               max_model_len=a.max_model_len, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30), **lora)
 
 
 class _Run:
     """The run's loop: keep the engine fed with chunks of prompts, write each sample as it finishes."""
 
-    def __init__(self, llm, model_dir: Path, settings: Settings, samples: int, chunk: int, out, progress) -> None:
+    def __init__(self, llm, model_dir: Path, settings: Settings, samples: int, chunk: int, out, progress,
+                 lora: Path | None = None) -> None:
         self.llm, self.model_dir, self.settings, self.k, self.chunk = llm, model_dir, settings, samples, chunk
+        self.lora = None
+        if lora is not None:  # every request through the one adapter: vLLM applies it to those rows of the batch
+            from vllm.lora.request import LoRARequest
+
+            self.lora = LoRARequest(lora.name, 1, str(lora.resolve()))
         self.out, self.progress = out, progress
         self.inflight: dict[str, tuple[Prompt, int, int, int]] = {}  # request id -> prompt, sample, seed, prompt tokens
         self.left: dict[str, int] = {}  # prompt hash -> samples still running
@@ -227,7 +237,8 @@ class _Run:
                 rid = f"{p.hash}:{s}"
                 self.inflight[rid] = (p, s, seed, len(ids[i]))
                 self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=ids[i]), SamplingParams(
-                    max_tokens=self.settings.max_tokens, seed=seed, detokenize=False, **self.settings.sampling))
+                    max_tokens=self.settings.max_tokens, seed=seed, detokenize=False, **self.settings.sampling),
+                    lora_request=self.lora)
 
     def _finished(self, rid: str, out) -> None:
         p, s, seed, prompt_tokens = self.inflight.pop(rid)
@@ -342,6 +353,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("what to label")
     g.add_argument("--model", required=True, metavar="PATH",
                    help="the served model: a Hugging Face directory or a GGUF file (converted once into --model-cache)")
+    g.add_argument("--lora", type=Path, metavar="DIR",
+                   help="a LoRA adapter of --model (a peft directory, as vLLM's --lora-modules loads it): label what the "
+                        "adapter answers; its labels name the adapter (its directory's name and a hash of it and the base)")
     g.add_argument("--data", required=True, metavar="FILE", help="the prompt set, any file train-predictor reads")
     g.add_argument("--format", dest="fmt", default="sharegpt", choices=FORMATS, help="(default: %(default)s)")
     g.add_argument("--generator", metavar="NAME",
@@ -404,6 +418,9 @@ def check_args(a: argparse.Namespace) -> None:
     shard_of(a.shard)
     if a.export_jobs and a.import_results:
         raise ValueError("--export-jobs and --import-results are two steps: give one")
+    if a.lora is not None and (a.export_jobs or a.import_results):
+        raise ValueError("--lora runs on vLLM's engine here only; the transformers engine of --export-jobs does not load "
+                         "adapters")
     if a.out.suffix == ".xz":
         raise ValueError(f"--out {a.out}: relabel appends to plain JSONL; compress the file when it is complete")
 
@@ -457,7 +474,13 @@ def run(a: argparse.Namespace) -> int:
         model_dir = resolve_model(a.model, a.model_cache.expanduser())
         name = Path(a.model).name.split(".")[0] if model_dir != Path(a.model).expanduser() else model_dir.name
         sampling = {"temperature": a.temperature, "top_p": a.top_p, "repetition_penalty": a.repetition_penalty}
-        settings = Settings(model_id(model_dir, name, a.load_format), sampling, a.max_tokens, a.seed, a.text)
+        served = model_id(model_dir, name, a.load_format)
+        if a.lora is not None:
+            from serving.gateway.catalogue import adapter_rank
+
+            adapter_rank(a.lora)  # a CatalogueError (a ValueError) naming the directory when it is no adapter
+            served = adapter_id(served, a.lora, a.lora.name)
+        settings = Settings(served, sampling, a.max_tokens, a.seed, a.text)
         prompts = in_shard(load_prompts(a.data, a.fmt, a.generator, a.first_turns_only, a.max_prompts), shard_of(a.shard))
         if a.split is not None:
             prompts = [p for p in prompts if split_of(p.group, seed=a.split_seed) == a.split]
@@ -514,7 +537,7 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
                                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                             console=console) as bar:
         task = bar.add_task("", total=total, completed=total - len(todo), rate="")
-        run_ = _Run(llm, model_dir, settings, a.samples, a.chunk, out, (bar, task))
+        run_ = _Run(llm, model_dir, settings, a.samples, a.chunk, out, (bar, task), a.lora)
         run_.run(todo)
     return {"new_samples": len(run_.new), "output_tokens": run_.output_tokens, "skipped_too_long": run_.too_long,
             "engine_s": round(time.monotonic() - run_.t0, 1)}

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from training.evaluate import Predictions
 
 DEFAULT_DATA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+DEFAULT_PROMPTS = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 
 
 class ModelLengthsError(ValueError):
@@ -87,6 +88,39 @@ def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: in
     groups = [e.group for e in examples]
     return Answers(np.array([m for m, _ in chosen], dtype=object), groups, [e.turns[-1].text for e in examples],
                    labels_of(examples).astype(np.float64), np.array([split_of(g, seed=seed) for g in groups], dtype=object))
+
+
+def load_relabelled(files: dict[str, Path], prompts: Path, seed: int = 0) -> Answers:
+    """The served models' own lengths, from ``lengthwise relabel`` files of one prompt set (a base and its adapters,
+    each relabelled with the same prompts): one row per (model, prompt) that every model answered, its length the mean
+    of that model's samples (a censored sample counts at the cap), each row's split by its conversation, as
+    ``train-predictor`` splits."""
+    from training.data.example import DataError
+    from training.data.loaders import load_examples
+    from training.data.served import join_served_lengths, prompt_hash
+    from training.split import split_of
+
+    try:
+        examples = load_examples(str(prompts), "sharegpt")
+        per_model = {}
+        for name, f in files.items():
+            lengths: dict[str, list[int]] = {}
+            for e in join_served_lengths(examples, f):
+                lengths.setdefault(prompt_hash(e.turns), []).append(int(e.response_tokens))
+            per_model[name] = lengths
+    except (DataError, OSError, lzma.LZMAError) as exc:
+        raise ModelLengthsError(f"--relabelled: {' '.join(str(exc).split())}") from None
+    common = set.intersection(*(set(v) for v in per_model.values()))
+    if not common:
+        raise ModelLengthsError("--relabelled: the files share no prompt; relabel every model from the same prompt set")
+    first = {}
+    for e in examples:  # the prompt set's order, each prompt once
+        h = prompt_hash(e.turns)
+        if h in common and h not in first:
+            first[h] = e
+    rows = [(m, e.group, e.turns[-1].text, float(np.mean(per_model[m][h]))) for m in files for h, e in first.items()]
+    return Answers(np.array([r[0] for r in rows], dtype=object), [r[1] for r in rows], [r[2] for r in rows],
+                   np.array([r[3] for r in rows]), np.array([split_of(r[1], seed=seed) for r in rows], dtype=object))
 
 
 def write_conditioned(answers: Answers, path: Path) -> int:
@@ -217,6 +251,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, help=f"AlpacaEval model outputs (default: $LENGTHWISE_DATA/{DEFAULT_DATA})")
     p.add_argument("--models", help="all (default), N (the N models spread evenly over the range of mean lengths), or "
                                     "names separated by commas")
+    p.add_argument("--relabelled", metavar="NAME=FILE,...", help="instead of AlpacaEval: the served models' own lengths, "
+                   "each a `lengthwise relabel` file of the same prompt set (--prompts), e.g. a base and its LoRA "
+                   "adapters; rows are the prompts every file labelled")
+    p.add_argument("--prompts", type=Path, help="the prompt set --relabelled was labelled from (default: "
+                   f"$LENGTHWISE_DATA/{DEFAULT_PROMPTS})")
     p.add_argument("--tokenizer", type=Path, help="what counts answer tokens (default: GPT-2's from the data directory)")
     p.add_argument("--bucket-width", type=int, default=200, help="bucket width in tokens (default: %(default)s, "
                                                                   "train-predictor's)")
@@ -249,6 +288,21 @@ def selected_answers(path: Path, tokenizer: Path, spec: str | None) -> Answers:
     return every.take(np.isin(every.models, [means[i][1] for i in idx]))
 
 
+def relabelled_files(spec: str) -> dict[str, Path]:
+    """``NAME=FILE,NAME=FILE`` as a dict; ModelLengthsError naming what is wrong."""
+    out = {}
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, f = part.partition("=")
+        if not sep or not name or not f:
+            raise ModelLengthsError(f"--relabelled {part!r}: give NAME=FILE")
+        if not Path(f).is_file():
+            raise ModelLengthsError(f"--relabelled {name}: {f} not found")
+        out[name] = Path(f)
+    if len(out) < 2:
+        raise ModelLengthsError("--relabelled needs two models or more (one model ranks nothing across models)")
+    return out
+
+
 def run_cli(a: argparse.Namespace) -> int:
     from predictor.common import data_dir, default_tokenizer
 
@@ -263,7 +317,11 @@ def run_cli(a: argparse.Namespace) -> int:
                 raise ModelLengthsError(f"{flag} {value}: not a directory")
         if a.bucket_width < 1 or a.max_tokens <= a.bucket_width:
             raise ModelLengthsError("--bucket-width must be >= 1 and below --max-tokens")
-        answers = selected_answers(Path(path), Path(tokenizer), a.models)
+        if a.relabelled:
+            answers = load_relabelled(relabelled_files(a.relabelled), a.prompts or data_dir() / DEFAULT_PROMPTS)
+            path, tokenizer = a.relabelled, "each served model's own output tokens"
+        else:
+            answers = selected_answers(Path(path), Path(tokenizer), a.models)
     except ModelLengthsError as exc:
         print(f"lengthwise bench model-lengths: error: {exc}", file=sys.stderr)
         return 2
@@ -283,7 +341,7 @@ def run_cli(a: argparse.Namespace) -> int:
         return 2
     report = score(answers, points, scheme)
     report["config"] = {"data": str(path), "tokenizer": str(tokenizer), "models": chosen, "bucket_width": a.bucket_width,
-                        "max_tokens": a.max_tokens, "split": "by instruction, seed 0",
+                        "max_tokens": a.max_tokens, "split": "by conversation" if a.relabelled else "by instruction, seed 0",
                         "rows": {s: int((answers.split == s).sum()) for s in ("train", "val", "test")},
                         "conditioned_package": str(a.conditioned_package) if a.conditioned_package else None,
                         "per_model_packages": str(a.per_model_packages) if a.per_model_packages else None}

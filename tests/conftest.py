@@ -209,14 +209,14 @@ def make_gateway():
     asyncio.run(close())
 
 
-@pytest.fixture()
-def mlflow_server_proc(tmp_path):
-    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store (its own process group, so a fault test
-    can kill it whole); stopped after the test. ``.url`` is its tracking URI."""
+@contextlib.contextmanager
+def _mlflow_server(directory: Path):
+    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store in ``directory`` (its own process group,
+    so a fault test can kill it whole); stopped on exit. ``.url`` is its tracking URI."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "art"),
+         "--backend-store-uri", f"sqlite:///{directory / 'server.db'}", "--artifacts-destination", str(directory / "art"),
          "--workers", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
@@ -234,16 +234,33 @@ def mlflow_server_proc(tmp_path):
         proc.kill()
         pytest.fail("mlflow server did not start")
     proc.url = url
-    yield proc
-    with contextlib.suppress(ProcessLookupError):  # a fault test may have killed it already
-        os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a fault test may have killed it already
+            os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture()
+def mlflow_server_proc(tmp_path):
+    """A tracking server of the test's own: for a test that kills it."""
+    with _mlflow_server(tmp_path) as proc:
+        yield proc
 
 
 @pytest.fixture()
 def mlflow_server(mlflow_server_proc) -> str:
     """The tracking URI of :func:`mlflow_server_proc`."""
     return mlflow_server_proc.url
+
+
+@pytest.fixture(scope="session")
+def shared_mlflow_server(tmp_path_factory) -> str:
+    """One tracking server for the session's tests that only register and read through it, each under a registered
+    name of its own (a server takes 15 to 30 s to start here)."""
+    with _mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as proc:
+        yield proc.url
 
 
 # --- the fault matrix ------------------------------------------------------------------------------------------------

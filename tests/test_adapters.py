@@ -60,10 +60,12 @@ def _prompts(path: Path, n: int) -> Path:
 
 
 def test_a_trained_adapter_lowers_its_loss_and_loads_in_peft_and_vllm(tiny_base, tmp_path, capsys):
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from serving.gateway.catalogue import adapter_rank
+    from serving.launch.adapters import merged_model
 
     out = tmp_path / "terse"
     assert main(["train-adapter", "--style", "terse", "--model", str(tiny_base), "--data", str(_prompts(tmp_path / "d.json",
@@ -76,6 +78,14 @@ def test_a_trained_adapter_lowers_its_loss_and_loads_in_peft_and_vllm(tiny_base,
     assert "train-adapter: " in capsys.readouterr().out
     lora = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), out)
     assert any("lora_A" in name for name, _ in lora.named_parameters())
+    # merged into the base (what relabel draws from), it computes what base + adapter computes, and is made once
+    merged_dir = merged_model(tiny_base, out, tmp_path / "cache")
+    assert merged_dir == merged_model(tiny_base, out, tmp_path / "cache") and merged_dir.name.startswith("tiny+terse-")
+    ids = torch.tensor([[5, 17, 300, 42, 7]])
+    with torch.no_grad():
+        want, got = lora(input_ids=ids).logits, AutoModelForCausalLM.from_pretrained(merged_dir)(input_ids=ids).logits
+    base_logits = AutoModelForCausalLM.from_pretrained(tiny_base)(input_ids=ids).logits.detach()
+    assert torch.allclose(want, got, atol=1e-4) and not torch.allclose(want, base_logits, atol=1e-3)
     pytest.importorskip("vllm")
     from vllm.lora.peft_helper import PEFTHelper
 

@@ -36,7 +36,8 @@ def test_one_at_a_time_equals_stock_vllm_token_for_token(smollm2):
     assert all(len(t) > 1 for t in stock["tokens"]) and len({tuple(t) for t in stock["tokens"]}) == 3  # real, distinct answers
 
 
-@pytest.mark.parametrize("policy", ["ecoserve", "lengthwise"])
+# ecoserve's run is in make test-slow; lengthwise's, the same path, is its counterpart here
+@pytest.mark.parametrize("policy", [pytest.param("ecoserve", marks=pytest.mark.slow), "lengthwise"])
 def test_real_engine_exact_lengths_under_kv_pressure(policy):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

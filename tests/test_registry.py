@@ -67,10 +67,10 @@ def test_registry_cli(trained, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_real_mlflow_server(trained, mlflow_server, monkeypatch):
+def test_real_mlflow_server(trained, shared_mlflow_server, monkeypatch):
     """The same registration and alias loading against a real `mlflow server` over HTTP."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    assert store.configure() == mlflow_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_server)
+    assert store.configure() == shared_mlflow_server
     with mlflow.start_run(experiment_id=store.ensure_experiment("server-test")):
         from pathlib import Path
 

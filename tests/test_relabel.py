@@ -387,23 +387,28 @@ def test_relabel_runs_the_engine_appends_nothing_twice_and_resumes(tmp_path, dat
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_relabel_through_a_lora_adapter_on_the_engine(tmp_path, data):
-    """``--lora`` on vLLM's engine: a peft adapter of the micro model (random weights) is loaded and every sample runs
-    through it; its counterpart in ``make test`` checks the adapter's identity and errors without an engine."""
+    """``--lora`` on vLLM's engine: a peft adapter of the micro model (random weights, saved) is merged into the base
+    once, and every sample is drawn from the merged model under the adapter's identity; its counterpart in ``make test``
+    checks that identity and the errors without an engine."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from serving.launch.models import dummy_model
 
-    model = dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json")
+    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json"))
     torch.manual_seed(0)
-    lora = get_peft_model(LlamaForCausalLM(LlamaConfig.from_pretrained(model)),
-                          LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    base = LlamaForCausalLM(LlamaConfig.from_pretrained(model))
+    base.save_pretrained(model)
+    lora = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     lora.save_pretrained(tmp_path / "terse")
     out = tmp_path / "out.jsonl"
-    run = _relabel(["--model", model, "--lora", str(tmp_path / "terse"), "--data", str(_sharegpt(tmp_path / "d.json", 4)),
-                    "--out", str(out), "--samples", "2", "--max-tokens", "8", "--load-format", "dummy",
-                    "--kv-cache-gib", "0.25"])
+    run = _relabel(["--model", str(model), "--lora", str(tmp_path / "terse"), "--data", str(_sharegpt(tmp_path / "d.json", 4)),
+                    "--out", str(out), "--samples", "2", "--max-tokens", "8", "--kv-cache-gib", "0.25",
+                    "--model-cache", str(tmp_path / "cache")])
     assert run.returncode == 0, run.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(recs) == 8 and all(r["model"].startswith("terse@") and 1 <= r["response_tokens"] <= 8 for r in recs)
+    assert {r["engine"] for r in recs} == {"vllm, LoRA merged into the base"}
+    merged = list((tmp_path / "cache").iterdir())
+    assert len(merged) == 1 and merged[0].name.startswith("model+terse-") and (merged[0] / "tokenizer.json").is_file()

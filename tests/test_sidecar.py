@@ -375,7 +375,7 @@ def test_bench_sidecar_json_contract(trained, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("lengthwise bench sidecar: error:")
 
 
-def test_cache_follows_the_registry_it_was_resolved_from(trained, package, mlflow_server, monkeypatch):
+def test_cache_follows_the_registry_it_was_resolved_from(trained, package, shared_mlflow_server, monkeypatch):
     """Version N of a name on a real MLflow server is another model than version N in the embedded store: the
     cache notices (by run id) and downloads the server's copy instead of serving the stale one."""
     import json
@@ -383,7 +383,7 @@ def test_cache_follows_the_registry_it_was_resolved_from(trained, package, mlflo
     from predictor.sidecar.cache import REGISTRY_FILE, resolve
 
     local = resolve(f"models:/{NAME}/1")  # the embedded store's version 1
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_server)
     store.configure()
     with mlflow.start_run(experiment_id=store.ensure_experiment("server-cache")):
         reg = store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"])

@@ -26,6 +26,7 @@ import json
 import random
 import re
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -174,6 +175,33 @@ def train_adapter(model_dir: Path, pairs: list[Pair], out: Path, rank: int = 8, 
     return {"steps": sum(map(len, plan)), "train_s": round(time.monotonic() - t0, 1),
             "loss_first_epoch": sum(losses[0]) / len(losses[0]), "loss_last_epoch": sum(losses[-1]) / len(losses[-1]),
             "trainable_params": sum(p.numel() for p in lora.parameters() if p.requires_grad)}
+
+
+def merged_model(base_dir: Path, adapter: Path, cache: Path) -> Path:
+    """The base with ``adapter`` merged into its weights (W + B A x alpha / r), written once into ``cache`` beside the
+    base's tokenizer and chat template: a plain model that answers as the adapter does, for runs that only need its
+    answers (relabelling) at the base's speed. Keyed by the adapter's identity, so a retrained adapter is merged anew."""
+    from predictor.target import adapter_id, model_id
+
+    ident = adapter_id(model_id(base_dir, base_dir.name), adapter, adapter.name)
+    out = cache / f"{base_dir.name}+{ident.replace('@', '-')}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # what a killed merge left
+    merged.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(tmp)
+    for extra in ("chat_template.jinja", "generation_config.json"):
+        if (base_dir / extra).is_file() and not (tmp / extra).is_file():
+            (tmp / extra).write_bytes((base_dir / extra).read_bytes())
+    tmp.rename(out)  # whole or not at all: a killed merge is redone, never half read
+    return out
 
 
 # --- the command line ---------------------------------------------------------------------------------------------

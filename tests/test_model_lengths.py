@@ -105,6 +105,7 @@ def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, ans
     (["--bucket-width", "0"], "--bucket-width must be >= 1"),
     (["--relabelled", "base=/nowhere.jsonl"], "--relabelled base: /nowhere.jsonl not found"),
     (["--relabelled", "base"], "--relabelled 'base': give NAME=FILE"),
+    (["--folds", "2"], "--folds takes K >= 3"),
 ])
 def test_bad_input_exits_2_in_one_line(data, args, said):
     r = run_main(main, ["bench", "model-lengths", *args], env={"LENGTHWISE_DATA": str(data), "PATH": "/usr/bin"})
@@ -137,3 +138,30 @@ def test_relabelled_files_give_a_row_per_model_and_prompt_they_all_labelled(tmp_
     assert all(a.split[a.models == "base"] == a.split[a.models == "terse"])  # a prompt's split is its conversation's
     with pytest.raises(ValueError, match="two models or more"):
         relabelled_files(f"base={tmp_path / 'base.jsonl'}")
+
+
+def test_folds_score_every_relabelled_row_with_predictors_that_never_saw_its_prompt(tmp_path):
+    from training.data.loaders import load_examples
+    from training.data.served import prompt_hash
+
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"{'explain at length' if i % 2 else 'name'} "
+                                                                           f"thing {i}"},
+                                               {"from": "gpt", "value": "an answer"}]} for i in range(60)]
+    (tmp_path / "p.json").write_text(json.dumps(convs))
+    hashes = [prompt_hash(e.turns) for e in load_examples(str(tmp_path / "p.json"), "sharegpt")]
+    _relabel_file(tmp_path / "base.jsonl", hashes, [(400, 420) if i % 2 else (90, 110) for i in range(60)])
+    _relabel_file(tmp_path / "terse.jsonl", hashes, [(30, 40) if i % 2 else (10, 12) for i in range(60)])
+    out = tmp_path / "ml.json"
+    files = f"base={tmp_path / 'base.jsonl'},terse={tmp_path / 'terse.jsonl'}"
+    r = run_main(main, ["bench", "model-lengths", "--relabelled", files, "--prompts", str(tmp_path / "p.json"), "--folds", "5",
+                        "--bucket-width", "50", "--max-tokens", "600", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["split"] == "5 folds of conversations" and report["config"]["rows"]["test"] == 120
+    assert report["across_models"]["model-mean"]["n"] == 120  # every row, each predicted out of its fold
+    assert report["per_model"]["base"]["mean_length"] == 255 and report["per_model"]["terse"]["mean_length"] == 23
+    # the means rank the two models apart and nothing within one (beyond each fold's own mean); the prompt's words rank
+    # within each as well
+    assert abs(report["per_model"]["base"]["model-mean"]["kendall_tau"]) < 0.2
+    assert report["per_model"]["base"]["tfidf"]["kendall_tau"] > 0.5
+    assert report["across_models"]["tfidf-conditioned"]["kendall_tau"] > report["across_models"]["model-mean"]["kendall_tau"]

@@ -26,6 +26,7 @@ import argparse
 import json
 import lzma
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -190,6 +191,26 @@ def predict_all(answers: Answers, scheme: BucketScheme, conditioned_package: Pat
     return out
 
 
+def predict_folds(answers: Answers, scheme: BucketScheme, folds: int) -> tuple[Answers, dict[str, Predictions]]:
+    """Every row predicted by predictors that never saw its prompt group: the groups dealt into ``folds`` folds (by a
+    stable hash), each fold tested on with the next one as validation and the rest as training. For prompt sets too
+    small for one held-out split to rank on (a few hundred relabelled prompts). Returns the rows, all marked test, and
+    each predictor's predictions in their order."""
+    from training.evaluate import Predictions
+
+    fold = np.array([zlib.crc32(g.encode()) % folds for g in answers.groups])
+    out: dict[str, Predictions] = {}
+    for f in range(folds):
+        split = np.where(fold == f, "test", np.where(fold == (f + 1) % folds, "val", "train")).astype(object)
+        part = predict_all(Answers(answers.models, answers.groups, answers.texts, answers.lengths, split), scheme)
+        for name, pred in part.items():
+            into = out.setdefault(name, Predictions(np.zeros((len(fold), scheme.n)), np.zeros(len(fold))))
+            _put(into, fold == f, pred)
+    every = Answers(answers.models, answers.groups, answers.texts, answers.lengths,
+                    np.full(len(fold), "test", dtype=object))
+    return every, out
+
+
 def _put(into: Predictions, rows: np.ndarray, part: Predictions) -> None:
     into.probs[rows], into.point[rows] = part.probs, part.point
 
@@ -256,6 +277,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "adapters; rows are the prompts every file labelled")
     p.add_argument("--prompts", type=Path, help="the prompt set --relabelled was labelled from (default: "
                    f"$LENGTHWISE_DATA/{DEFAULT_PROMPTS})")
+    p.add_argument("--folds", type=int, metavar="K", help="score every row, each predicted by predictors fitted on the "
+                   "other K-1 folds of prompt groups (the TF-IDF rows and the means; for small sets such as --relabelled) "
+                   "instead of one 80/10/10 split")
     p.add_argument("--tokenizer", type=Path, help="what counts answer tokens (default: GPT-2's from the data directory)")
     p.add_argument("--bucket-width", type=int, default=200, help="bucket width in tokens (default: %(default)s, "
                                                                   "train-predictor's)")
@@ -315,6 +339,9 @@ def run_cli(a: argparse.Namespace) -> int:
         for flag, value in (("--conditioned-package", a.conditioned_package), ("--per-model-packages", a.per_model_packages)):
             if value is not None and not value.is_dir():
                 raise ModelLengthsError(f"{flag} {value}: not a directory")
+        if a.folds is not None and (a.folds < 3 or a.conditioned_package or a.per_model_packages):
+            raise ModelLengthsError("--folds takes K >= 3 (a test, a validation and a training fold) and scores the "
+                                    "TF-IDF rows and the means only, without --conditioned-package or --per-model-packages")
         if a.bucket_width < 1 or a.max_tokens <= a.bucket_width:
             raise ModelLengthsError("--bucket-width must be >= 1 and below --max-tokens")
         if a.relabelled:
@@ -334,14 +361,18 @@ def run_cli(a: argparse.Namespace) -> int:
     scheme = BucketScheme.equal_width(a.bucket_width, a.max_tokens)
     try:
         with console.status("fitting and predicting") as status:
-            points = predict_all(answers, scheme, a.conditioned_package, a.per_model_packages,
-                                 progress=lambda what: status.update(f"fitting {what}"))
+            if a.folds:
+                answers, points = predict_folds(answers, scheme, a.folds)
+            else:
+                points = predict_all(answers, scheme, a.conditioned_package, a.per_model_packages,
+                                     progress=lambda what: status.update(f"fitting {what}"))
     except ModelLengthsError as exc:
         print(f"lengthwise bench model-lengths: error: {exc}", file=sys.stderr)
         return 2
     report = score(answers, points, scheme)
     report["config"] = {"data": str(path), "tokenizer": str(tokenizer), "models": chosen, "bucket_width": a.bucket_width,
-                        "max_tokens": a.max_tokens, "split": "by conversation" if a.relabelled else "by instruction, seed 0",
+                        "max_tokens": a.max_tokens, "split": (f"{a.folds} folds of " if a.folds else "")
+                        + ("conversations" if a.relabelled else "instructions") + ("" if a.folds else ", seed 0"),
                         "rows": {s: int((answers.split == s).sum()) for s in ("train", "val", "test")},
                         "conditioned_package": str(a.conditioned_package) if a.conditioned_package else None,
                         "per_model_packages": str(a.per_model_packages) if a.per_model_packages else None}
@@ -355,7 +386,7 @@ def run_cli(a: argparse.Namespace) -> int:
 
 def _table(console: Console, report: dict) -> None:
     t = Table(title=f"{len(report['per_model'])} models, {report['config']['rows']['test']} test answers "
-                    "(instructions no predictor trained on)")
+                    "(prompts no predictor trained on)")
     for col in ("predictor", "tau within a model (mean / median)", "top-1 (mean over models)", "tau across models",
                 "top-1 across models"):
         t.add_column(col)

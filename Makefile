@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema gpu-pack
+.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema gpu-pack adapters
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -84,3 +84,11 @@ vllm-schema: setup
 gpu-pack: setup
 	$(VENV)/bin/python -m serving.bench.gpu.pack --out .gpu-pack
 	$(VENV)/bin/python -m serving.bench.engine.presets --out .gpu-pack/sharegpt-first-turns.llama3.csv
+
+# The two LoRA adapters of SmolLM2 that answer shorter and longer than it (serving/launch/lora/, committed with the
+# training.json of each), trained again from the ShareGPT slice into adapters/ (on 2 cores: 1,174 s beside a test
+# run, and 247 s alone).
+adapters: setup
+	$(VENV)/bin/lengthwise train-adapter --style terse --examples 192 --max-prompt-tokens 128 --out adapters/smollm2-terse
+	$(VENV)/bin/lengthwise train-adapter --style detailed --examples 64 --max-prompt-tokens 128 --batch-size 4 --lr 1e-3 \
+		--out adapters/smollm2-detailed

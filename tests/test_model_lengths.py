@@ -132,10 +132,12 @@ def test_relabelled_files_give_a_row_per_model_and_prompt_they_all_labelled(tmp_
     _relabel_file(tmp_path / "terse.jsonl", hashes[:30], [(10, 20)] * 30)  # relabelled on the first 30 only
     files = relabelled_files(f"base={tmp_path / 'base.jsonl'},terse={tmp_path / 'terse.jsonl'}")
     a = load_relabelled(files, tmp_path / "p.json")
-    assert list(a.models) == ["base"] * 30 + ["terse"] * 30  # the prompts both labelled, once per model
-    assert a.lengths[0] == (300 + 512) / 2 and a.lengths[30] == 15  # each prompt's samples averaged
-    assert a.groups[:30] == a.groups[30:] == [f"c{i}" for i in range(30)]
-    assert all(a.split[a.models == "base"] == a.split[a.models == "terse"])  # a prompt's split is its conversation's
+    assert list(a.models) == ["base"] * 40 + ["terse"] * 30  # every labelled prompt trains ...
+    assert a.scored.tolist() == [True] * 30 + [False] * 10 + [True] * 30  # ... those both labelled are scored
+    assert a.lengths[0] == (300 + 512) / 2 and a.lengths[40] == 15  # each prompt's samples averaged
+    assert a.groups[:40] == [f"c{i}" for i in range(40)] and a.groups[40:] == [f"c{i}" for i in range(30)]
+    assert a.split[:30].tolist() == a.split[40:].tolist()  # a prompt's split is its conversation's
+    assert "test" not in a.split[30:40].tolist()  # a prompt one model lacks is never a test row
     with pytest.raises(ValueError, match="two models or more"):
         relabelled_files(f"base={tmp_path / 'base.jsonl'}")
 

@@ -57,11 +57,13 @@ class Answers:
     groups: list[str]  # the instruction's id: what the split is by
     texts: list[str]  # the instruction
     lengths: np.ndarray  # [n] the answer's length in tokens
-    split: np.ndarray  # [n] train, val or test
+    split: np.ndarray  # [n] train, val, test, or skip (a held-out row that is not scored: see ``scored``)
+    scored: np.ndarray | None = None  # [n] rows a test may score (None: all); relabelled sets: prompts every model has
 
     def take(self, mask: np.ndarray) -> Answers:
         return Answers(self.models[mask], [g for g, m in zip(self.groups, mask) if m],
-                       [t for t, m in zip(self.texts, mask) if m], self.lengths[mask], self.split[mask])
+                       [t for t, m in zip(self.texts, mask) if m], self.lengths[mask], self.split[mask],
+                       None if self.scored is None else self.scored[mask])
 
 
 def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: int = 0) -> Answers:
@@ -93,9 +95,10 @@ def load_answers(path: Path, tokenizer: Path, models: list[str] | None, seed: in
 
 def load_relabelled(files: dict[str, Path], prompts: Path, seed: int = 0) -> Answers:
     """The served models' own lengths, from ``lengthwise relabel`` files of one prompt set (a base and its adapters,
-    each relabelled with the same prompts): one row per (model, prompt) that every model answered, its length the mean
-    of that model's samples (a censored sample counts at the cap), each row's split by its conversation, as
-    ``train-predictor`` splits."""
+    relabelled from the same prompts, some on more of them than others): one row per (model, prompt it labelled), its
+    length the mean of that model's samples (a censored sample counts at the cap), each row's split by its
+    conversation, as ``train-predictor`` splits. Every row trains; only prompts every model labelled are scored, so
+    each model is judged on the same prompts and one queue holds each of them once per model."""
     from training.data.example import DataError
     from training.data.loaders import load_examples
     from training.data.served import join_served_lengths, prompt_hash
@@ -116,12 +119,14 @@ def load_relabelled(files: dict[str, Path], prompts: Path, seed: int = 0) -> Ans
         raise ModelLengthsError("--relabelled: the files share no prompt; relabel every model from the same prompt set")
     first = {}
     for e in examples:  # the prompt set's order, each prompt once
-        h = prompt_hash(e.turns)
-        if h in common and h not in first:
-            first[h] = e
-    rows = [(m, e.group, e.turns[-1].text, float(np.mean(per_model[m][h]))) for m in files for h, e in first.items()]
+        first.setdefault(prompt_hash(e.turns), e)
+    rows = [(m, first[h].group, first[h].turns[-1].text, float(np.mean(per_model[m][h])), h in common)
+            for m in files for h in first if h in per_model[m]]
+    scored = np.array([r[4] for r in rows])
+    split = np.array([split_of(r[1], seed=seed) for r in rows], dtype=object)
+    split[(split == "test") & ~scored] = "skip"
     return Answers(np.array([r[0] for r in rows], dtype=object), [r[1] for r in rows], [r[2] for r in rows],
-                   np.array([r[3] for r in rows]), np.array([split_of(r[1], seed=seed) for r in rows], dtype=object))
+                   np.array([r[3] for r in rows]), split, scored)
 
 
 def write_conditioned(answers: Answers, path: Path) -> int:
@@ -199,16 +204,19 @@ def predict_folds(answers: Answers, scheme: BucketScheme, folds: int) -> tuple[A
     from training.evaluate import Predictions
 
     fold = np.array([zlib.crc32(g.encode()) % folds for g in answers.groups])
+    scored = np.ones(len(fold), dtype=bool) if answers.scored is None else answers.scored
     out: dict[str, Predictions] = {}
     for f in range(folds):
-        split = np.where(fold == f, "test", np.where(fold == (f + 1) % folds, "val", "train")).astype(object)
-        part = predict_all(Answers(answers.models, answers.groups, answers.texts, answers.lengths, split), scheme)
+        test = (fold == f) & scored
+        split = np.where(test, "test", np.where(fold == f, "skip", np.where(fold == (f + 1) % folds, "val", "train")))
+        part = predict_all(Answers(answers.models, answers.groups, answers.texts, answers.lengths, split.astype(object)),
+                           scheme)
         for name, pred in part.items():
             into = out.setdefault(name, Predictions(np.zeros((len(fold), scheme.n)), np.zeros(len(fold))))
-            _put(into, fold == f, pred)
-    every = Answers(answers.models, answers.groups, answers.texts, answers.lengths,
-                    np.full(len(fold), "test", dtype=object))
-    return every, out
+            _put(into, test, pred)
+    every = answers.take(scored)
+    every.split = np.full(int(scored.sum()), "test", dtype=object)
+    return every, {name: Predictions(p.probs[scored], p.point[scored]) for name, p in out.items()}
 
 
 def _put(into: Predictions, rows: np.ndarray, part: Predictions) -> None:

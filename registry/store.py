@@ -21,6 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,7 +339,16 @@ def promote(name: str, version: str, alias: str = CHAMPION, force: bool = False)
 
 
 def load_predictor(model_uri: str) -> OnnxLengthPredictor:
-    """Load ``models:/<name>@<alias>`` (or ``/<version>``, or a run URI) into an onnxruntime predictor."""
+    """Load ``models:/<name>@<alias>`` (or ``/<version>``, or a run URI) into an onnxruntime predictor.
+
+    The package is downloaded into a temporary directory that lives as long as the predictor: MLflow's own download
+    directory was never removed, about 110 MB in /tmp for every load (a retrain loads two)."""
     configure()
-    pyfunc = mlflow.pyfunc.load_model(model_uri)
-    return pyfunc.unwrap_python_model().predictor
+    download = tempfile.mkdtemp(prefix="lengthwise-predictor-")
+    try:
+        predictor = mlflow.pyfunc.load_model(model_uri, dst_path=download).unwrap_python_model().predictor
+    except BaseException:
+        shutil.rmtree(download, ignore_errors=True)
+        raise
+    weakref.finalize(predictor, shutil.rmtree, download, True)
+    return predictor

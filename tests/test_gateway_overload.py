@@ -225,8 +225,9 @@ def test_a_stream_already_missing_at_its_checkpoint_is_learnt_from_while_it_runs
             assert r.status_code == 200
             events = r.iter_lines()
             seen = 0
-            for line in events:
-                seen += line.startswith("data: {")
+            for line in events:  # tokens as the gateway counts them: an event whose text is empty (a random
+                # model's token that ends mid-character, held back by vLLM's detokenizer) is not one
+                seen += line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:])["choices"])
                 if seen > CHECKPOINT + 1:
                     break
             with _engine_frozen(owner):

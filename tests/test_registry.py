@@ -1,5 +1,7 @@
 """Registration, aliases, the promotion guard and loading by alias, on the embedded store and a real server."""
 
+from pathlib import Path
+
 import mlflow
 import pytest
 from mlflow import MlflowClient
@@ -20,9 +22,16 @@ def test_registered_with_signature_and_aliases(trained):
 
 
 def test_load_by_alias_predicts(trained):
+    import gc
+
     pred = store.load_predictor("models:/length-predictor@champion")
     out = pred.predict(["Explain quantum computing in simple terms."])
     assert out.probs.shape[1] == len(trained["buckets"]["edges"])
+    download = next(p for p in Path(pred.package_dir).parents if p.name.startswith("lengthwise-predictor-"))
+    assert download.is_dir()  # the package's download lives as long as the predictor ...
+    del pred, out
+    gc.collect()
+    assert not download.exists()  # ... and no longer (MLflow's own was left in /tmp, about 110 MB a load)
     pyfunc = mlflow.pyfunc.load_model("models:/length-predictor@champion")
     import pandas as pd
 

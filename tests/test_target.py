@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from predictor.target import check_target, compare_models, describe, make_target, model_id, served_model_id, split_id
+from predictor.target import (
+    adapter_id,
+    check_target,
+    compare_models,
+    describe,
+    make_target,
+    model_id,
+    served_model_id,
+    split_id,
+)
 
 TARGET = make_target("SmolLM2-135M-Instruct@0123456789ab", "served model's own output tokens",
                      "relabel of sharegpt by the served model", {"temperature": 0.7, "top_p": 0.9,
@@ -69,10 +78,15 @@ def test_a_fresh_conversion_of_the_gguf_is_the_model_the_committed_labels_name(s
     SmolLM2 labels record, so a predictor trained on them is found to be for the served model (``predictor_fit: same``)."""
     from serving.launch.models import predictor_fit
 
-    labels = Path(__file__).resolve().parents[1] / "training" / "labels"
-    for summary in sorted(labels.glob("smollm2-*.summary.json")):
-        assert json.loads(summary.read_text())["model"] == served_model_id(str(smollm2)), summary.name
-    fit = predictor_fit(smollm2, {"target": {"model": json.loads(summary.read_text())["model"]}})
+    root = Path(__file__).resolve().parents[1]
+    base = served_model_id(str(smollm2))
+    summaries = sorted((root / "training" / "labels").glob("smollm2-*.summary.json"))
+    adapters = {d.name: adapter_id(base, d, d.name) for d in (root / "serving" / "launch" / "lora").iterdir()}
+    for summary in summaries:  # the base's labels name it; an adapter's name the committed adapter on this base
+        adapter = next((a for a in adapters if summary.name.startswith(a + ".")), None)
+        assert json.loads(summary.read_text())["model"] == adapters.get(adapter, base), summary.name
+    assert len(summaries) == 3 + len(adapters) and len(adapters) == 2
+    fit = predictor_fit(smollm2, {"target": {"model": json.loads(summaries[0].read_text())["model"]}})
     assert fit["verdict"] == "same", fit
 
 

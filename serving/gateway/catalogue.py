@@ -145,13 +145,13 @@ class Catalogue(BaseModel):
             return []
         ranks = [adapter_rank(Path(a.adapter or "")) for a in adapters]
         return ["--enable-lora", "--lora-modules", *(f"{a.name}={a.adapter}" for a in adapters),
-                "--max-loras", str(len(adapters)), "--max-lora-rank", str(vllm_rank(max(ranks)))]
+                "--max-loras", str(len(adapters)), "--max-lora-rank", str(_vllm_rank(max(ranks)))]
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
 
 
-def vllm_rank(rank: int) -> int:
+def _vllm_rank(rank: int) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
 
 

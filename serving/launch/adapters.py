@@ -207,13 +207,14 @@ def merged_model(base_dir: Path, adapter: Path, cache: Path) -> Path:
 # --- the command line ---------------------------------------------------------------------------------------------
 EPILOG = """\
 examples:
-  # the two adapters the several-models bench serves beside SmolLM2 (make adapters): a few minutes each on 2 cores
-  lengthwise train-adapter --style terse --out adapters/smollm2-terse
-  lengthwise train-adapter --style detailed --out adapters/smollm2-detailed
-  # what each one answers, in tokens: the labels its length predictor trains on
+  # the two adapters committed in serving/launch/lora (make adapters): 247 s for detailed alone on 2 cores
+  lengthwise train-adapter --style terse --examples 192 --max-prompt-tokens 128 --out adapters/smollm2-terse
+  lengthwise train-adapter --style detailed --examples 64 --max-prompt-tokens 128 --batch-size 4 --lr 1e-3 \\
+      --out adapters/smollm2-detailed
+  # what each one answers, in tokens: the labels its length predictor trains on (as training/labels holds them)
   lengthwise relabel --model $LENGTHWISE_DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf --lora adapters/smollm2-terse \\
-      --data $LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz --first-turns-only \\
-      --max-prompts 300 --no-text --out terse.lengths.jsonl
+      --data $LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz --max-prompts 400 \\
+      --no-text --samples 2 --max-tokens 512 --max-model-len 2304 --out terse.lengths.jsonl
 
 styles:
 """ + "\n".join(f"  {s.name}: {s.describe}" for s in STYLES.values()) + """
@@ -250,11 +251,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _defaults(a: argparse.Namespace) -> tuple[str, str]:
-    import os
+    from predictor.common import data_dir, default_sharegpt
 
-    data_dir = Path(os.environ.get("LENGTHWISE_DATA", "../shared/data"))
-    return (a.model or str(data_dir / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-            a.data or str(data_dir / "prompts" / "sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"))
+    return a.model or str(data_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"), a.data or str(default_sharegpt())
 
 
 def run(a: argparse.Namespace) -> int:

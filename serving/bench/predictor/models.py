@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from training.evaluate import Predictions
 
 DEFAULT_DATA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
-DEFAULT_PROMPTS = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 
 
 class ModelLengthsError(ValueError):
@@ -282,9 +281,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                     "names separated by commas")
     p.add_argument("--relabelled", metavar="NAME=FILE,...", help="instead of AlpacaEval: the served models' own lengths, "
                    "each a `lengthwise relabel` file of the same prompt set (--prompts), e.g. a base and its LoRA "
-                   "adapters; rows are the prompts every file labelled")
+                   "adapters; every labelled prompt trains, those every file labelled are scored")
     p.add_argument("--prompts", type=Path, help="the prompt set --relabelled was labelled from (default: "
-                   f"$LENGTHWISE_DATA/{DEFAULT_PROMPTS})")
+                   "$LENGTHWISE_DATA's ShareGPT slice, as relabel's)")
     p.add_argument("--folds", type=int, metavar="K", help="score every row, each predicted by predictors fitted on the "
                    "other K-1 folds of prompt groups (the TF-IDF rows and the means; for small sets such as --relabelled) "
                    "instead of one 80/10/10 split")
@@ -336,7 +335,7 @@ def relabelled_files(spec: str) -> dict[str, Path]:
 
 
 def run_cli(a: argparse.Namespace) -> int:
-    from predictor.common import data_dir, default_tokenizer
+    from predictor.common import data_dir, default_sharegpt, default_tokenizer
 
     console = Console()
     try:
@@ -353,7 +352,7 @@ def run_cli(a: argparse.Namespace) -> int:
         if a.bucket_width < 1 or a.max_tokens <= a.bucket_width:
             raise ModelLengthsError("--bucket-width must be >= 1 and below --max-tokens")
         if a.relabelled:
-            answers = load_relabelled(relabelled_files(a.relabelled), a.prompts or data_dir() / DEFAULT_PROMPTS)
+            answers = load_relabelled(relabelled_files(a.relabelled), a.prompts or default_sharegpt())
             path, tokenizer = a.relabelled, "each served model's own output tokens"
         else:
             answers = selected_answers(Path(path), Path(tokenizer), a.models)

@@ -213,30 +213,23 @@ def test_a_model_whose_engines_are_down_gets_503_while_the_other_is_placed(two_m
 def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
     """Two real LoRA adapters (peft, rank 8 on q/v) of the tests' dummy-weight Llama, with random weights: what vLLM
     loads and applies is the same as for trained ones."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from serving.launch.adapters import random_adapters
 
-    out = tmp_path_factory.mktemp("adapters")
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
-    made = {}
-    for name in ("terse", "long"):
-        lora = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                               init_lora_weights=False))
-        lora.save_pretrained(out / name)
-        base = lora.unload()
-        made[name] = out / name
-    return made
+    return random_adapters(model_dir, ["terse", "long"], tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_fleet, model_dir, adapters, tmp_path):
+def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_fleet, model_dir, adapters, data,
+                                                                         tmp_path):
     """``serve --models``: one engine started here serves a base and two adapters; the session's engine-0 (another
-    served name) is attached. /v1/models lists all four, each request reaches only its model's engine, and once the
+    served name) is attached. /v1/models lists all four, each request reaches only its model's engine, the ``openai``
+    client and ``vllm bench serve --model NAME`` are answered for each name of the started engine, and once the
     adapters' engine is killed their requests get 503 while the other model is still answered."""
+    import openai
+
     from tests.gateway_proc import start_gateway
+    from tests.vllm_bench import bench_sharegpt
 
     fleet_model = engine_fleet.model
     f = _write(tmp_path / "models.yaml", json.dumps({"models": [
@@ -273,6 +266,15 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
         assert where["terse"] == where["long"] == where["lora-base"] == lora and where[fleet_model] == other
         r = gw.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})
         assert r.status_code == 404 and "served: " in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert {m.id for m in client.models.list()} == set(cards)
+        for model in ("lora-base", "terse", "long"):  # the official client, then vLLM's own load generator, per name
+            answer = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6)
+            assert answer.model == model and answer.usage.completion_tokens == 6
+            run = bench_sharegpt(gw.url, model, data, tmp_path, prompts=4, output_len=8, tokenizer=str(model_dir))
+            assert run["completed"] == 4 and run["total_output_tokens"] == 32, (model, run)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="hi", max_tokens=2)
         t0 = time.time()  # the base's own SLO terms: 4 s + 0.3 s a predicted token
         r = gw.post("/v1/completions", json={"model": "lora-base", "prompt": "hi", "max_tokens": 4})
         assert float(r.headers["x-lengthwise-deadline"]) == pytest.approx(

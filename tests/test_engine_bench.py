@@ -90,6 +90,11 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     (["--model", "/nonexistent/model"], "no such file"),  # the real-model mode and the arms
     (["--ablation", "nope"], "nope"),
     (["--compare-predictors", "noise:9"], "noise"),
+    (["--predictor", "folds:tfidf"], "give --services"),  # several services in one engine
+    (["--services", "nope"], "is not NAME=LABELS"),
+    (["--services", "base=a.jsonl"], "a base and at least one adapter"),
+    (["--services", "smollm2", "--predictor", "folds:nope"], "folds:tfidf, folds:tfidf-pooled"),
+    (["--services", "smollm2", "--model", "/nonexistent/model"], "leave out --model"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys, tmp_path):
     code = main(["bench", "engine", "--json", str(tmp_path / "x.json"), *argv])

@@ -178,6 +178,9 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert main(["--data", str(prompts), *tok, "--pretrain-epochs", "1"]) == 2
     assert capsys.readouterr().err.strip() == ("train-predictor: error: --pretrain-epochs needs --served-lengths: without "
                                                "them the data's answers are the labels already")
+    assert main(["--data", str(prompts), *tok, "--served-lengths", str(lengths), "--finetune-lr", "1e-4"]) == 2
+    assert capsys.readouterr().err.strip() == ("train-predictor: error: --finetune-lr is the second stage's learning "
+                                               "rate: it needs --pretrain-epochs (else use --lr)")
     assert load_served(lengths).censored > 0
     assert main(["--data", str(prompts), *tok, "--served-lengths", str(lengths), "--max-tokens", "1024"]) == 2
     err = capsys.readouterr().err.strip()
@@ -187,6 +190,7 @@ def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home)
     assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-epochs", "-1"])
     assert "not a whole number" in _fail_line(capsys, ["--data", str(prompts), "--pretrain-samples", "many"])
     assert "must be 0 or more" in _fail_line(capsys, ["--data", str(prompts), "--aux-weight", "-0.5"])
+    assert "must be above 0" in _fail_line(capsys, ["--data", str(prompts), "--finetune-lr", "0"])
     assert main(["--data", str(prompts), *tok, "--aux-weight", "1"]) == 2
     assert capsys.readouterr().err.strip() == ("train-predictor: error: --aux-weight needs --served-lengths: without "
                                                "them the data's answers are the labels already")
@@ -227,7 +231,7 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--rank-loss-weight", "0.5",
                "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens", "256", "--bucket-width", "64",
                "--max-samples", "300", "--epochs", "1", "--max-prompt-tokens", "24", "--experiment", "tests-served",
-               "--pretrain-epochs", "1", "--pretrain-samples", "120",
+               "--pretrain-epochs", "1", "--pretrain-samples", "120", "--finetune-lr", "5e-4",
                "--register", "served-predictor", "--work-dir", str(tmp_path / "work"), "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
@@ -255,6 +259,7 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     assert meta["target"] == want
     assert [s["labels"] for s in meta["stages"]] == ["dataset answers (sharegpt)", MODEL]
     assert [s["examples"] for s in meta["stages"]] == [pre["examples"], r["n_train"]]
+    assert [s["lr"] for s in meta["stages"]] == [2e-3, 5e-4]  # the second stage at its own learning rate
     assert store.version_target("served-predictor", r["registered_version"])["model"] == MODEL
     tags = store.MlflowClient().get_model_version("served-predictor", r["registered_version"]).tags
     assert tags[store.TAG_STAGES] == f"dataset answers (sharegpt) x {pre['examples']} > {MODEL} x {r['n_train']}"

@@ -21,10 +21,12 @@ def main() -> None:
     bench_serve(parser.parse_args())
 
 
-def bench_sharegpt(base_url: str, model: str, data: Path, work: Path, prompts: int = 6, output_len: int = 24) -> dict[str, Any]:
+def bench_sharegpt(base_url: str, model: str, data: Path, work: Path, prompts: int = 6, output_len: int = 24,
+                   tokenizer: str | None = None) -> dict[str, Any]:
     """Run ``vllm bench serve`` (this module, in a process of its own) against ``base_url``'s ``/v1/completions``: the
     first ``prompts`` of 200 real ShareGPT conversations at once, each asking for exactly ``output_len`` tokens
-    (``--ignore-eos``); returns its saved result, after asserting it exited 0."""
+    (``--ignore-eos``), for the served name ``model`` (``tokenizer``: its tokenizer's directory when ``model`` is
+    not one, as for an adapter); returns its saved result, after asserting it exited 0."""
     import json
     import lzma
     import subprocess
@@ -37,14 +39,14 @@ def bench_sharegpt(base_url: str, model: str, data: Path, work: Path, prompts: i
     sharegpt = work / "sharegpt-200.json"
     sharegpt.write_text(json.dumps(convs))
     r = subprocess.run([sys.executable, "-m", "tests.vllm_bench", "--backend", "openai", "--base-url", base_url,
-                        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
+                        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer or model,
                         "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", str(prompts),
                         "--sharegpt-output-len", str(output_len), "--ignore-eos", "--request-rate", "inf", "--seed", "0",
                         "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir", str(work),
-                        "--result-filename", "bench.json"],
+                        "--result-filename", f"bench-{Path(model).name}.json"],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    return json.loads((work / "bench.json").read_text())
+    return json.loads((work / f"bench-{Path(model).name}.json").read_text())
 
 
 if __name__ == "__main__":

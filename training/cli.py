@@ -66,6 +66,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -130,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_help("rank_loss_weight"))
     m.add_argument("--pretrain-epochs", type=_count, default=_default("pretrain_epochs"), metavar="N",
                    help=_help("pretrain_epochs"))
+    m.add_argument("--finetune-lr", type=_positive, default=_default("finetune_lr"), metavar="LR",
+                   help=_help("finetune_lr", False))
     m.add_argument("--pretrain-samples", type=_count, default=_default("pretrain_samples"), metavar="N",
                    help="cap on the pre-training (or --aux-weight) examples, whole conversations kept (default: "
                    "%(default)s; 0 = all)")
@@ -223,7 +232,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         route_slices=a.route_slices, route_max_top1_drop=a.route_max_top1_drop, route_max_tau_drop=a.route_max_tau_drop,
         distill_to=a.distill_to, distill_alpha=a.distill_alpha, distill_lr=a.distill_lr,
         distill_max_top1_drop=a.distill_max_top1_drop, distill_max_tau_drop=a.distill_max_tau_drop,
-        pretrain_epochs=a.pretrain_epochs, pretrain_samples=a.pretrain_samples or None, aux_weight=a.aux_weight,
+        pretrain_epochs=a.pretrain_epochs, finetune_lr=a.finetune_lr,
+        pretrain_samples=a.pretrain_samples or None, aux_weight=a.aux_weight,
     )
 
 

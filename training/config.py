@@ -59,6 +59,9 @@ class TrainConfig(BaseModel):
                                  "on the served validation split) on the data's own answers (ChatGPT's, for ShareGPT) of "
                                  "every training-split conversation of the slice, then train on the served model's labels "
                                  "from there (0: off)")
+    finetune_lr: float | None = Field(None, gt=0, description="with pretrain_epochs: the second stage's peak learning "
+                                      "rate (None: lr). Lower keeps more of the first stage's ranking and only adjusts its "
+                                      "scale to the served model's lengths")
     pretrain_samples: int | None = Field(20000, ge=1, description="cap on the pre-training examples, whole conversations "
                                          "kept (None: all); also the auxiliary head's examples")
     aux_weight: float = Field(0.0, ge=0.0, description="with served_lengths: train a second head at the same time on the "

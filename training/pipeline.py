@@ -65,6 +65,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
         raise DataError("--pretrain-epochs needs --served-lengths: without them the data's answers are the labels already")
     if cfg.aux_weight and not cfg.served_lengths:
         raise DataError("--aux-weight needs --served-lengths: without them the data's answers are the labels already")
+    if cfg.finetune_lr and not cfg.pretrain_epochs:
+        raise DataError("--finetune-lr is the second stage's learning rate: it needs --pretrain-epochs (else use --lr)")
     if cfg.aux_weight and cfg.pretrain_epochs:
         raise DataError("--aux-weight and --pretrain-epochs are two ways to learn from the data's answers (at the same "
                         "time, or first): choose one")
@@ -218,6 +220,8 @@ def run(cfg: TrainConfig) -> dict:
     with mlflow.start_run(experiment_id=exp_id) as run_:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         pretrained = _pretrain(cfg, inputs, module, val_dl, work, run_.info.run_id) if cfg.pretrain_epochs else None
+        if pretrained and cfg.finetune_lr:
+            module.lr = cfg.finetune_lr
         trained = _train(cfg, module, train_dl, val_dl, work, run_.info.run_id)
         model, distilled = trained.model, None
         if cfg.distill_to:  # a smaller student of the trained model; it replaces it only if as good (training.distill)
@@ -360,7 +364,8 @@ def _stages(cfg: TrainConfig, prep: Prepared) -> list[dict]:
                                "weight": cfg.aux_weight}
     if not cfg.pretrain_epochs:
         return [served]
-    return [{"labels": _dataset_answers(cfg), "data": str(cfg.data), "examples": len(prep.pretrain)}, served]
+    served["lr"] = cfg.finetune_lr or cfg.lr
+    return [{"labels": _dataset_answers(cfg), "data": str(cfg.data), "examples": len(prep.pretrain), "lr": cfg.lr}, served]
 
 
 def _dataset_answers(cfg: TrainConfig) -> str:

@@ -204,6 +204,27 @@ def merged_model(base_dir: Path, adapter: Path, cache: Path) -> Path:
     return out
 
 
+def random_adapters(model_dir: Path, names: list[str], out: Path, rank: int = 8, seed: int = 0) -> dict[str, Path]:
+    """A peft LoRA adapter (rank ``rank`` on the query and value projections, as the committed ones) with random weights
+    for each name, of the model in ``model_dir`` (a dummy-weight shape): what vLLM loads and applies is the same as for
+    trained ones, so a bench of random weights pays what serving adapters costs. Written once per directory."""
+    made = {n: out / n for n in names}
+    if all((d / "adapter_config.json").is_file() for d in made.values()):
+        return made
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    for d in made.values():
+        lora = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                                               init_lora_weights=False))
+        lora.save_pretrained(d)
+        base = lora.unload()
+    return made
+
+
 # --- the command line ---------------------------------------------------------------------------------------------
 EPILOG = """\
 examples:

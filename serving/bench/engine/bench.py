@@ -49,6 +49,14 @@ from rich.table import Table
 
 from predictor.common import usable_cores
 from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
+from serving.bench.engine.services import (
+    FOLDS,
+    GivenPredictions,
+    ServicesError,
+    ServicesTrace,
+    check_variant,
+    parse_services,
+)
 from serving.bench.engine.sessions import SessionError, Sessions
 from serving.launch.cores import parse_cores, pin_to
 from serving.launch.engines import is_cpu_build
@@ -69,6 +77,7 @@ SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this b
 DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
 MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
 REAL_MAX_TOKENS = 512  # the default cap with a real model, whose lengths are not known before it runs
+SERVICE_LORA_RANK = 8  # the random adapters' rank (serving.launch.adapters.random_adapters), as the committed ones
 MATCHED_NOISE = "noise:matched"  # noise at the main predictor's measured top-1 accuracy on this trace
 TAU_NOISE = "noise-tau:"  # noise-tau:T, noise whose Kendall tau on this trace comes closest to T
 
@@ -142,6 +151,24 @@ class EngineBenchConfig(BaseModel):
                                                                       "activations; the KV pool is kv_blocks)")
     cuda_graphs: bool = Field(False, description="vLLM's default compiled model and CUDA graphs instead of eager mode: "
                                                  "an eager 8B engine on an H200 measured about 28 ms a step, host-bound")
+    services: str | None = Field(None, description="several services in one engine: 'smollm2' (SmolLM2 and its two "
+                                 "committed adapters) or NAME=LABELS,... (the first the base, the others its adapters), "
+                                 "each request for one service with that service's own relabelled length; random "
+                                 "weights and a random rank-8 adapter per service")
+    service_adapters: dict[str, str] = Field(default_factory=dict, description="set by the bench: where each adapter "
+                                             "service's random LoRA was written")
+
+    @model_validator(mode="after")
+    def _services(self) -> EngineBenchConfig:
+        folds = [s for s in [self.predictor, *self.compare_predictors] if s.startswith(FOLDS)]
+        if folds and not self.services:
+            raise ValueError(f"predictor {folds[0]!r}: out-of-fold predictions are made from --services' labels; "
+                             "give --services")
+        if self.services and self.model:
+            raise ValueError("--services replays the services' relabelled lengths on random weights: leave out --model")
+        if self.services:
+            parse_services(self.services)  # a malformed spec is refused before anything starts
+        return self
 
     @model_validator(mode="after")
     def _pool_holds_a_request(self) -> EngineBenchConfig:
@@ -156,7 +183,12 @@ class EngineBenchConfig(BaseModel):
     def _specs(cls, v: str | list[str]) -> str | list[str]:
         """A malformed spec is refused here, not after minutes of calibration."""
         for spec in [v] if isinstance(v, str) else v:
-            if spec.startswith(TAU_NOISE):
+            if spec.startswith(FOLDS):
+                try:
+                    check_variant(spec)
+                except ServicesError as exc:
+                    raise ValueError(str(exc)) from None
+            elif spec.startswith(TAU_NOISE):
                 _tau_target(spec)
             elif spec != MATCHED_NOISE:
                 try:
@@ -202,6 +234,8 @@ def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
     args = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "kv_blocks": cfg.kv_blocks, "threads": cfg.threads, "model": cfg.model}
+    if cfg.service_adapters:
+        args.update(loras=dict(cfg.service_adapters), max_lora_rank=SERVICE_LORA_RANK)
     if not is_cpu_build():  # the CPU build keeps its jobs as they were; these only matter on a GPU
         args.update(async_scheduling=cfg.async_scheduling, gpu_memory_utilization=cfg.gpu_memory_utilization,
                     cuda_graphs=cfg.cuda_graphs)
@@ -304,7 +338,7 @@ def _records(out: dict[str, Any], reqs: list[TraceRequest], slo, served: bool) -
     for x in out["records"]:
         tr = by_id[x["id"]]
         n = max(1, int(x["tokens"])) if served else tr.output_tokens
-        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, n, slo.jct_limit(n),
+        rec = RequestRecord(tr.rid, tr.arrival, tr.prompt_tokens, n, slo.jct_limit(n), service=tr.service,
                             first_token=x["first"], last_token=x["finished"], finished=x["finished"], tokens=x["tokens"])
         recs.append(rec)
     return recs
@@ -347,13 +381,18 @@ def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds
             xargs["pred_probs"] = [float(q) for q in p.probs]
         items.append({"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                       "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, min(p.length, cfg.max_tokens))),
-                      **_real_fields(cfg, r, prompts)})
+                      **_real_fields(cfg, r, prompts), **_service_fields(cfg, r)})
     return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens, "requests": items,
             "plugin": {"tfs": tfs}, "sampling": cfg.sampling.model_dump()}
 
 
 def _real_fields(cfg: EngineBenchConfig, r: TraceRequest, prompts: dict[int, list[int]] | None) -> dict[str, Any]:
     return {} if prompts is None else {"prompt_ids": prompts[r.rid], "seed": request_seed(cfg.seed, r.rid)}
+
+
+def _service_fields(cfg: EngineBenchConfig, r: TraceRequest) -> dict[str, Any]:
+    """A request of an adapter service names its adapter (the base's requests none)."""
+    return {"lora": r.service} if r.service in cfg.service_adapters else {}
 
 
 @dataclasses.dataclass
@@ -376,14 +415,19 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
         # absolute: the engine processes run from the repository root, not necessarily from here
         cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models")).resolve()),
                                      "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
-    wl, prompts = _trace(cfg, console)
+    services = None
+    if cfg.services:
+        wl, services, cfg = _services(cfg, work, console)
+        prompts = None
+    else:
+        wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
     sessions = Sessions(work, console) if cfg.sequential else None
     try:
         run = ((lambda jobs: [sessions.run(j, f"{j['scheduler']}-{j['tag']}") for j in jobs]) if sessions
                else (lambda jobs: run_engines(jobs, work, console)))
         wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console, run)
-        setup, arms = _setup(cfg, wl, FittedLatency.from_csv(csv_path), console)
+        setup, arms = _setup(cfg, wl, FittedLatency.from_csv(csv_path), console, services)
         rates, sim_cap = _rates(cfg, setup, console)
         if sessions:
             points = _replay_sequential(cfg, setup, arms, prompts, rates, run, console)
@@ -399,8 +443,54 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     if not points:
         raise EngineBenchError(f"no rate has both a stock and a {cfg.policy} replay (cut short); what finished is in {work}")
     result = _result(cfg, setup, arms, csv_path, sim_cap, points, relabel, work, console)
+    if services is not None:
+        result["services"] = services.summary
+        _service_table(points, console)
     _write(result, json_path, png_path, console)
     return result
+
+
+def _services(cfg: EngineBenchConfig, work: Path, console: Console) -> tuple[Workload, ServicesTrace, EngineBenchConfig]:
+    """``--services``: the trace (each request a service's own length), every variant's out-of-fold predictions, and
+    ``cfg`` with a random LoRA adapter written for each adapter service."""
+    from serving.bench.engine.services import load_services
+    from serving.launch.adapters import random_adapters
+    from serving.launch.models import dummy_model
+
+    try:
+        files = parse_services(cfg.services or "")
+        with console.status("the services' lengths, and each labelled prompt predicted out of fold (TF-IDF)..."):
+            svc = load_services(files, data_path(cfg.workload), cfg.max_requests, cfg.seed, cfg.max_model_len,
+                                cfg.max_tokens)
+    except ServicesError as exc:
+        raise EngineBenchError(str(exc)) from None
+    adapters = [n for n in files if n != svc.base]
+    made = random_adapters(Path(dummy_model(cfg.shape, cfg.max_model_len)), adapters, work / "adapters")
+    cfg = cfg.model_copy(update={"service_adapters": {n: str(p) for n, p in made.items()}})
+    for name, row in svc.summary.items():
+        role = "base" if name == svc.base else "adapter"
+        console.print(f"service {name} ({role}): {row['requests']} requests, mean {row['mean_tokens']:.0f} tokens "
+                      f"({row['labelled_prompts']} prompts labelled)")
+    wl = Workload("services", "relabelled", svc.requests, has_timestamps=False, arrival="poisson", source=cfg.services or "")
+    return wl, svc, cfg
+
+
+def _service_table(points: list[dict], console: Console) -> None:
+    """Each arm's SLO attainment per service beside its stock run's, at every rate (SeaLLM reports per service: a
+    policy that serves one service by starving another shows here, not in the totals)."""
+    t = Table(title="attainment per service (stock -> arm)")
+    t.add_column("rate")
+    t.add_column("arm")
+    names = sorted({n for p in points for a in p["arms"].values() for n in a["run"].get("extra", {}).get("per_service", {})})
+    for n in names:
+        t.add_column(n or "base")
+    for p in points:
+        for label, a in p["arms"].items():
+            mine = a["run"].get("extra", {}).get("per_service", {})
+            theirs = a["stock"].get("extra", {}).get("per_service", {})
+            t.add_row(f"{p['rate']:g}", label, *(f"{theirs.get(n, {}).get('slo_attainment', float('nan')):.2f} -> "
+                                                f"{mine.get(n, {}).get('slo_attainment', float('nan')):.2f}" for n in names))
+    console.print(t)
 
 
 def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_path: Path | None,
@@ -412,6 +502,8 @@ def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_pat
     point."""
     if cfg.model:
         raise EngineBenchError("a prediction replays a length-only trace: leave out --model")
+    if cfg.services:
+        raise EngineBenchError("a prediction does not take --services yet: run the services on the engine")
     wl, _ = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
     lat = make_latency_model(latency, model=model, gpu=gpu)
@@ -504,7 +596,7 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
     jobs = []
     for i, part in enumerate(parts):
         items = [{"id": r.rid, "arrival": r.arrival, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-                  **_real_fields(cfg, r, prompts)} for r in part]
+                  **_real_fields(cfg, r, prompts), **_service_fields(cfg, r)} for r in part]
         jobs.append({"scheduler": "stock", "tag": f"calibration{i}", "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens,
                      "requests": items, "sampling": cfg.sampling.model_dump()})
     outs = run(jobs)
@@ -520,7 +612,8 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
     return dataclasses.replace(wl, requests=served), csv_path, relabel
 
 
-def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Console) -> tuple[Setup, list[Arm]]:
+def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Console,
+           services: ServicesTrace | None = None) -> tuple[Setup, list[Arm]]:
     """The step model (fitted to the calibration, or a prediction's), the SLO and TFS it gives, and every arm's
     predictions (made after the relabel, so that the oracle and the noise are the served model's)."""
     reqs = wl.requests
@@ -534,7 +627,7 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Con
             f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
             f"MAPE {lat.mape:.1%}, {lat.n_rows} steps)" if isinstance(lat, FittedLatency) else f"step model {lat.name}")
     console.print(f"{what}; SLO t_p {slo.t_p * 1e3:.1f} ms, t_g {slo.t_g * 1e3:.2f} ms, scale {scale}; TFS {tfs}")
-    arms = _arms(cfg, reqs, console)
+    arms = _arms(cfg, reqs, console, services)
     main = arms[0]
     setup = Setup(_scenario(cfg, alone_rate(lat, reqs)), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor,
                   main.predictions, cfg.seed)
@@ -575,7 +668,8 @@ def _matched_noise(top1: float, reqs: list[TraceRequest], cfg: EngineBenchConfig
     return best[1], best[2]
 
 
-def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) -> list[Arm]:
+def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console,
+          services: ServicesTrace | None = None) -> list[Arm]:
     """The main arm (``policy`` with ``predictor``), one per ``ablation`` policy (same predictor) and one per
     ``compare_predictors`` spec (same policy). Every predictor is scored against the trace's lengths (with a real
     model, the served ones, clamped to ``max_tokens`` as the plug-in clamps them)."""
@@ -589,6 +683,10 @@ def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console) ->
                                             reqs, cfg)
             elif spec.startswith(TAU_NOISE):
                 made[spec] = _matched_noise(_tau_target(spec), reqs, cfg, "kendall_tau", spec)
+            elif spec.startswith(FOLDS) and services is not None:
+                given = services.predictions[check_variant(spec)]
+                p = GivenPredictions(spec, {r.rid: q for r, q in zip(services.requests, given)})
+                made[spec] = (p, p.predict(reqs))
             else:
                 p = make_predictor(spec, seed=cfg.seed)
                 made[spec] = (p, p.predict(reqs))

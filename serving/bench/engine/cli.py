@@ -85,6 +85,15 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     real.add_argument("--top-p", type=float, default=served["top_p"].default, help="(default: %(default)s)")
     real.add_argument("--repetition-penalty", type=float, default=served["repetition_penalty"].default,
                       help="(default: %(default)s)")
+    svc = p.add_argument_group("several services in one engine (a base and LoRA adapters of it)")
+    svc.add_argument("--services", metavar="SPEC",
+                     help="'smollm2' (SmolLM2-135M-Instruct and its two committed adapters, terse and detailed) or "
+                          "NAME=LABELS,... (lengthwise relabel files; the first the base, the others its adapters): each "
+                          "request is for one service, drawn uniformly, with one of that service's own relabelled "
+                          "lengths; the engine runs random weights of --shape with a random rank-8 LoRA per adapter, "
+                          "all in one batch and one KV pool. Predictors: folds:tfidf (TF-IDF per service, each prompt "
+                          "predicted by folds that never saw it), folds:tfidf-pooled, folds:tfidf-conditioned, "
+                          "folds:model-mean (the service's mean, SeaLLM's profile), or the noise specs")
     arms = p.add_argument_group("more arms, each replayed beside a stock run of its own")
     arms.add_argument("--ablation", metavar="POLICY,...", type=comma_list(str, "sarathi,lengthwise-sjf"), default=[],
                       help="more plug-in policies with the main predictor (e.g. sarathi,lengthwise-fcfs,lengthwise-sjf)")
@@ -148,7 +157,7 @@ def run_cli(a: argparse.Namespace) -> int:
         for policy in (a.policy, *a.ablation):
             make_policy(policy, PolicyConfig(), 64)
         kw = {k: v for k, v in (("workload", a.workload), ("slo_scale", a.slo_scale), ("max_tokens", a.max_tokens),
-                                ("model", a.model)) if v is not None}
+                                ("model", a.model), ("services", a.services)) if v is not None}
         cfg = EngineBenchConfig(policy=a.policy, predictor=a.predictor, max_requests=a.max_requests, rates=a.rates,
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,

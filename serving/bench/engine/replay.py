@@ -72,6 +72,8 @@ def _engine(job: dict[str, Any]):
                    "load_format": "dummy", "skip_tokenizer_init": True, "logits_processors": [ExactLengthLogitsProcessor]}
     if e.get("async_scheduling") is not None:
         weights["async_scheduling"] = bool(e["async_scheduling"])
+    if e.get("loras"):  # several services: the base and these adapters, all in one batch and one KV pool
+        weights.update(enable_lora=True, max_loras=len(e["loras"]), max_lora_rank=int(e["max_lora_rank"]))
     llm = LLM(**weights, dtype=e.get("dtype") or bench_dtype(), enforce_eager=not e.get("cuda_graphs"), seed=0,
               gpu_memory_utilization=e.get("gpu_memory_utilization", 0.2), block_size=e["block_size"],
               max_model_len=e["max_model_len"], max_num_seqs=e["max_num_seqs"],
@@ -134,6 +136,16 @@ def _params(job: dict[str, Any], r: dict[str, Any], xargs: dict[str, Any]):
     return exact_length_params(r["output_tokens"], cap, xargs)
 
 
+def _lora(job: dict[str, Any], name: str | None):
+    """The request's adapter (None: the base model), numbered by its place in the engine's list as vLLM wants."""
+    if name is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    names = list(job["engine"]["loras"])
+    return LoRARequest(name, names.index(name) + 1, job["engine"]["loras"][name])
+
+
 def _request_prompt(r: dict[str, Any]):
     from vllm.inputs import TokensPrompt
 
@@ -172,7 +184,8 @@ def replay(job: dict[str, Any], progress: bool = True, engine=None, reuse: bool 
             xargs = dict(r.get("extra_args") or {})
             if r.get("slo_s") is not None:
                 xargs["deadline"] = t0 + r["arrival"] + r["slo_s"]  # the absolute deadline the gateway would set
-            iid = engine.add_request(str(r["id"]), _request_prompt(r), _params(job, r, xargs))
+            iid = engine.add_request(str(r["id"]), _request_prompt(r), _params(job, r, xargs),
+                                     lora_request=_lora(job, r.get("lora")))
             rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
                                  "tokens": 0, **_seen(sched, iid)}
             nxt += 1

@@ -32,6 +32,11 @@ conversation's first turn, or a later turn, whose previous answers make the leng
 logs top-1 and MAE per slice (``first_turn_accuracy``, ``later_turns_mae_tokens``, ... with their denominators), so
 online error reads per slice as the offline report does.
 
+A feedback whose request named a served model (``model`` of the prediction request: a catalogue serves several, and
+one predictor may answer for all of them) also counts in that model's part of the window: each logs its own top-1,
+MAE, bias and alarm (``model.<name>.accuracy``, ``model.<name>.accuracy_alarm``, ...), because a predictor that drifts
+on one service, an adapter retrained to answer longer, is hidden in the total while the others still fit.
+
 Logging never blocks serving: closed windows go to a bounded buffer that a background thread writes
 to MLflow, retrying with backoff while the tracking server is down (oldest windows are dropped, and
 counted, when the buffer is full).
@@ -40,6 +45,7 @@ counted, when the buffer is full).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -66,6 +72,14 @@ FINISH_REASONS = FINISHED + CUT
 # The slices every evaluation reports apart (training.evaluate's): a conversation's first turn and its later turns.
 SLICES = ("first_turn", "later_turns")
 SLICE_METRICS = ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens")
+MAX_SERVED_MODELS = 64  # served models a window keeps apart (the name comes with the request: the rest count in the total)
+MODEL_PREFIX = "model."  # a served model's metrics in a window: model.<name>.<metric>
+MODEL_METRICS = ("n", "censored", "accuracy", "accuracy_n", "mae_tokens", "bias_tokens", "error_n", "accuracy_alarm")
+
+
+def metric_name(served_model: str) -> str:
+    """A served model's name as an MLflow metric key may hold it (letters, digits, ``_-. /``; the rest become ``_``)."""
+    return re.sub(r"[^\w\-. /]", "_", served_model)
 
 
 @dataclass
@@ -83,6 +97,7 @@ class Feedback:
     n_buckets: int | None = None  # the scheme's bucket count: the last bucket is open, so an answer in it stays there
     first_turn: bool | None = None  # the prompt opened its conversation (None: prompt not known)
     client: str | None = None  # which client key the answer went to (None: not told): one key's share of a window is capped
+    served_model: str | None = None  # the served model the request named (None: not told)
 
     @property
     def slice(self) -> str | None:
@@ -129,13 +144,21 @@ class WindowStats:
     min_alarm_n: int = 20
     slices: dict[str, WindowStats] = field(default_factory=dict)  # the same sums per slice (SLICES)
     clients: dict[str, int] = field(default_factory=dict)  # feedbacks counted per client key
+    models: dict[str, WindowStats] = field(default_factory=dict)  # the same sums per served model, each with its alarm
 
     def add(self, fb: Feedback, padding: float) -> None:
         if fb.slice is not None:
             part = self.slices.get(fb.slice)
             if part is None:
                 part = self.slices[fb.slice] = WindowStats(self.model_name, self.model_version)
-            part.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None}), padding)
+            part.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None, "served_model": None}), padding)
+        if fb.served_model is not None and (fb.served_model in self.models or len(self.models) < MAX_SERVED_MODELS):
+            own = self.models.get(fb.served_model)
+            if own is None:
+                own = self.models[fb.served_model] = WindowStats(self.model_name, self.model_version,
+                                                                 offline_accuracy=self.offline_accuracy,
+                                                                 alarm_margin=self.alarm_margin, min_alarm_n=self.min_alarm_n)
+            own.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None, "served_model": None}), padding)
         if fb.client is not None:
             self.clients[fb.client] = self.clients.get(fb.client, 0) + 1
         self.n += 1
@@ -201,6 +224,9 @@ class WindowStats:
                 out[f"{name}_{RATES[k]}"] = m[RATES[k]]
                 if k in m:
                     out[f"{name}_{k}"] = m[k]
+        for served, part in self.models.items():
+            m = part.metrics()
+            out.update({f"{MODEL_PREFIX}{metric_name(served)}.{k}": m[k] for k in MODEL_METRICS if k in m})
         if self.offline_accuracy is not None:
             out["offline_accuracy"] = self.offline_accuracy
             out["alarm_margin"] = self.alarm_margin
@@ -273,6 +299,11 @@ class WindowAggregator:
                 log.warning("online accuracy alarm: %s version %s: %.3f on the last %d feedbacks (%d censored), offline %.3f "
                             "(margin %.2f)", win.model_name, win.model_version, win.accuracy, win.n, win.censored,
                             win.offline_accuracy, win.alarm_margin)
+            for served, part in win.models.items():
+                if part.alarm:
+                    log.warning("online accuracy alarm for the served model %s: %s version %s: %.3f on its %d feedbacks "
+                                "of the last window, offline %.3f (margin %.2f)", served, win.model_name, win.model_version,
+                                part.accuracy, part.n, win.offline_accuracy, win.alarm_margin)
         return closed
 
 
@@ -430,19 +461,38 @@ def merge_windows(rows: list[dict]) -> dict[str, float]:
             have = [(r[f"{name}_{k}"], r[f"{name}_{RATES[k]}"]) for r in rows if f"{name}_{k}" in r]
             if (w := sum(d for _, d in have)):
                 out[f"{name}_{k}"] = sum(v * d for v, d in have) / w
+    for served in served_models(rows):
+        p = f"{MODEL_PREFIX}{served}."
+        out[p + "n"] = float(sum(r.get(p + "n", 0.0) for r in rows))
+        out[p + "alarm_windows"] = float(sum(r.get(p + "accuracy_alarm", 0.0) for r in rows))
+        for k, denom in (("accuracy", "accuracy_n"), ("mae_tokens", "error_n"), ("bias_tokens", "error_n")):
+            have = [(r[p + k], r[p + denom]) for r in rows if p + k in r and p + denom in r]
+            if (w := sum(d for _, d in have)):
+                out[p + k] = sum(v * d for v, d in have) / w
     return out
+
+
+def served_models(rows: list[dict]) -> list[str]:
+    """The served models (as metric keys name them) that logged windows hold parts of."""
+    return sorted({k[len(MODEL_PREFIX):].rsplit(".", 1)[0] for r in rows for k in r if k.startswith(MODEL_PREFIX)})
 
 
 def drift_state(rows: list[dict]) -> dict:
     """The alarm as the logged windows leave it: ``{"alarm", "window_accuracy", "offline_accuracy", "margin",
-    "since"}`` from the last window; ``since`` (ms) is when the run of alarming windows that ends there began."""
+    "since", "models"}`` from the last window; ``since`` (ms) is when the run of alarming windows that ends there began;
+    ``models``: each served model's part of that window (its alarm, accuracy and feedback count)."""
     if not rows:
-        return {"alarm": False, "window_accuracy": None, "offline_accuracy": None, "margin": None, "since": None}
+        return {"alarm": False, "window_accuracy": None, "offline_accuracy": None, "margin": None, "since": None,
+                "models": {}}
     last = rows[-1]
     since = None
     for r in reversed(rows):
         if not r.get("accuracy_alarm"):
             break
         since = r["timestamp"]
+    models = {m: {"alarm": bool(last.get(f"{MODEL_PREFIX}{m}.accuracy_alarm")),
+                  "window_accuracy": last.get(f"{MODEL_PREFIX}{m}.accuracy"), "window_n": last.get(f"{MODEL_PREFIX}{m}.n")}
+              for m in served_models([last])}
     return {"alarm": bool(last.get("accuracy_alarm")), "window_accuracy": last.get("accuracy"),
-            "offline_accuracy": last.get("offline_accuracy"), "margin": last.get("alarm_margin"), "since": since}
+            "offline_accuracy": last.get("offline_accuracy"), "margin": last.get("alarm_margin"), "since": since,
+            "models": models}

@@ -66,7 +66,7 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
     if "accuracy" in total and "accuracy" in offline:
         console.print(f"online top-1 {total['accuracy']:.3f} vs offline {offline['accuracy']:.3f} "
                       f"({total['accuracy'] - offline['accuracy']:+.3f}) over {total['n']:.0f} feedbacks")
-    for line in slice_lines(total, mv.tags):
+    for line in slice_lines(total, mv.tags) + model_lines(total, drift, offline.get("accuracy")):
         console.print(line)
     console.print(drift_line(name, str(version), drift))
     return {"version": str(version), "run_id": run_id, "windows": rows, "total": total, "offline": offline,
@@ -87,6 +87,26 @@ def slice_lines(total: dict, tags: dict[str, str]) -> list[str]:
                 text += f", {label} {f.format(total[f'{part}_{k}'])}"
                 if f"{part}.{k}" in tags:
                     text += f" (offline {f.format(float(tags[f'{part}.{k}']))})"
+        lines.append(text)
+    return lines
+
+
+def model_lines(total: dict, drift: dict, offline_accuracy: float | None) -> list[str]:
+    """Per served model (a predictor answering for several), online top-1 and MAE over every window, and whether its
+    part of the last window raised the alarm: the total hides a predictor that fails one service and fits the rest."""
+    lines = []
+    for served in online.served_models([total]):
+        p = f"{online.MODEL_PREFIX}{served}."
+        text = f"served model {served}: {total.get(p + 'n', 0):.0f} feedbacks"
+        if p + "accuracy" in total:
+            text += f", top-1 {total[p + 'accuracy']:.3f}" + (f" (offline {offline_accuracy:.3f}, all models)"
+                                                              if offline_accuracy is not None else "")
+        if p + "mae_tokens" in total:
+            text += f", MAE {total[p + 'mae_tokens']:.1f}"
+        if drift.get("models", {}).get(served, {}).get("alarm"):
+            text += ", [red]its part of the last window is in ALARM[/red]"
+        if total.get(p + "alarm_windows"):
+            text += f" ({total[p + 'alarm_windows']:.0f} windows in alarm)"
         lines.append(text)
     return lines
 

@@ -108,6 +108,6 @@ def test_drift_state_from_logged_windows():
             {"step": 2, "timestamp": 3000, "accuracy": 0.4, "accuracy_alarm": 1.0, "offline_accuracy": 0.8,
              "alarm_margin": 0.1}]
     d = online.drift_state(rows)
-    assert d == {"alarm": True, "window_accuracy": 0.4, "offline_accuracy": 0.8, "margin": 0.1, "since": 2000}
+    assert d == {"alarm": True, "window_accuracy": 0.4, "offline_accuracy": 0.8, "margin": 0.1, "since": 2000, "models": {}}
     assert online.drift_state(rows[:1])["alarm"] is False and online.drift_state(rows[:1])["since"] is None
     assert online.drift_state([])["alarm"] is False

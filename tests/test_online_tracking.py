@@ -68,6 +68,42 @@ def test_alarm_when_online_accuracy_drops_below_offline(caplog):
     assert len(closed) == 1 and not closed[0].alarm
 
 
+def test_each_served_model_has_its_own_part_of_the_window_and_its_own_alarm(caplog):
+    """One predictor answering for two served models: it fits the base and fails the adapter that drifted. The total
+    stays above the alarm line; the adapter's part raises its own alarm, logged, merged and reported per model."""
+    from registry.report import model_lines
+
+    agg = online.WindowAggregator(window_size=120, window_seconds=3600, alarm_margin=0.1)
+    agg.set_offline_accuracy("lp-unit", "1", 0.8)
+    right = online.Feedback("lp-unit", "1", bucket=5, true_bucket=5, expected_tokens=1000.0, quantile_tokens=None,
+                            actual_tokens=1000, served_model="base")
+    wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None,
+                            actual_tokens=1000, served_model="org/terse:v2")
+    with caplog.at_level(logging.WARNING, logger="registry.online"):
+        closed = [w for i in range(120) for w in agg.add(wrong if i % 6 == 0 else right)]  # 20 of 120 wrong
+    (w,) = closed
+    assert w.accuracy == pytest.approx(100 / 120) and not w.alarm  # the total stays above 0.8 - 0.1
+    m = w.metrics()
+    assert m["model.base.accuracy"] == 1.0 and m["model.base.accuracy_alarm"] == 0.0 and m["model.base.n"] == 100
+    assert m["model.org/terse_v2.accuracy"] == 0.0 and m["model.org/terse_v2.accuracy_alarm"] == 1.0
+    assert "online accuracy alarm for the served model org/terse:v2" in caplog.text
+    assert online.served_models([m]) == ["base", "org/terse_v2"]
+    total = online.merge_windows([m, m])
+    assert total["model.org/terse_v2.n"] == 40 and total["model.org/terse_v2.alarm_windows"] == 2
+    assert "online accuracy alarm: lp-unit" not in caplog.text
+    assert total["model.base.accuracy"] == 1.0
+    drift = online.drift_state([{**m, "step": 0, "timestamp": 1}])
+    assert drift["models"]["org/terse_v2"] == {"alarm": True, "window_accuracy": 0.0, "window_n": 20.0}
+    lines = model_lines(total, drift, 0.8)
+    assert lines[0].startswith("served model base: 200 feedbacks, top-1 1.000") and "ALARM" not in lines[0]
+    assert "ALARM" in lines[1] and "(2 windows in alarm)" in lines[1]
+    # the served model comes with the request: past MAX_SERVED_MODELS names a window keeps no more parts
+    agg = online.WindowAggregator(window_size=10_000, window_seconds=3600)
+    for i in range(online.MAX_SERVED_MODELS + 5):
+        agg.add(online.Feedback("lp-unit", "1", 5, 5, 1000.0, None, 1000, served_model=f"m{i}"))
+    assert len(agg.totals[("lp-unit", "1")].models) == online.MAX_SERVED_MODELS
+
+
 def test_one_client_key_fills_at_most_its_share_of_a_window():
     """Wrong answers from one key cannot raise the alarm alone: at a share no larger than the alarm's margin, they move a
     window's accuracy by less than the margin; the window closes on everyone's feedback, and the totals count all."""

@@ -201,20 +201,28 @@ def test_drift_alarm_in_health_and_prometheus(package, tmp_path):
                          alarm_margin=0.1)
     try:
         assert client.get("/health").json()["drift"] == {}
-        preds = predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)]})
+        # the requests name the served model they are for (a gateway serving a catalogue says so): its part of the window
+        preds = predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)], "model": "smol-terse"})
         for p in preds:
             far = 0 if p["bucket"] > 0 else 30_000  # a bucket the prediction did not name (under --max-actual-tokens)
             assert client.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": far}).status_code == 200
         drift = client.get("/health").json()["drift"]["drift-1"]
         assert drift["alarm"] is True and drift["window_accuracy"] == 0.0 and drift["offline_accuracy"] == 0.99
         assert drift["margin"] == 0.1 and drift["since"] is not None and drift["window_n"] == 20
+        assert drift["models"] == {"smol-terse": {"alarm": True, "window_accuracy": 0.0, "window_n": 20}}
         assert metric(client, "lengthwise_predictor_drift_alarm", model=NAME, version="drift-1") == 1.0
-        for p in predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)]}):  # now answer as predicted
-            body = {"request_id": p["prediction_id"], "actual_tokens": p["range"][0]}
+        terse = {"model_version": "drift-1", "served_model": "smol-terse"}
+        assert metric(client, "lengthwise_online_model_accuracy_alarm", **terse) == 1.0
+        assert metric(client, "lengthwise_online_model_accuracy", **terse) == 0.0
+        for p in predict(client, {"prompts": [f"Say hello number {i}." for i in range(20)], "model": "smol"}):
+            body = {"request_id": p["prediction_id"], "actual_tokens": p["range"][0]}  # now answered as predicted
             assert client.post("/v1/feedback", json=body).status_code == 200
         drift = client.get("/health").json()["drift"]["drift-1"]
         assert drift["alarm"] is False and drift["window_accuracy"] == 1.0 and drift["since"] is None
+        assert drift["models"] == {"smol": {"alarm": False, "window_accuracy": 1.0, "window_n": 20}}
         assert metric(client, "lengthwise_predictor_drift_alarm", model=NAME, version="drift-1") == 0.0
+        assert metric(client, "lengthwise_online_model_feedback_n", model_version="drift-1", served_model="smol") == 20
+        assert metric(client, "lengthwise_online_model_feedback_n", **terse) == 20
     finally:
         client.__exit__(None, None, None)
 

@@ -239,7 +239,7 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
             pid = req.request_id if len(results) == 1 else f"{req.request_id}/{i}"
         d["prediction_id"] = pid
         d["latency_ms"] = ms
-        state.remember(pid, d, model, convs[i])
+        state.remember(pid, d, model, convs[i], req.model)
         truncated += d["truncated"]
         preds.append(d)
     state.metrics.predictions.inc(len(preds))

@@ -48,7 +48,8 @@ def take(state: SidecarState, req: FeedbackRequest) -> dict:
         name, version, scheme, bucket, expected, qtok = _inline(state, req)
     actual_bucket = int(scheme.assign(req.actual_tokens)[0])
     fb = Feedback(name, version, bucket, actual_bucket, expected, qtok, req.actual_tokens, req.finish_reason, scheme.n,
-                  first_turn=None if entry is None else entry.first_turn, client=req.client)
+                  first_turn=None if entry is None else entry.first_turn, client=req.client,
+                  served_model=None if entry is None else entry.served_model)
     duplicate = state.fed_back_before(req.request_id, entry)
     stored = False
     if duplicate:

@@ -9,6 +9,8 @@ series of older ones), never from a request, so a caller cannot grow the number 
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -73,6 +75,14 @@ class SidecarMetrics:
                                      "length, abort, ...): lower bounds on the true length", ["model_version"], registry=r)
         self.drift_alarm = Gauge("lengthwise_predictor_drift_alarm", "1 while the last closed window's top-1 accuracy is below "
                                  "the version's offline accuracy minus the alarm margin", ["model", "version"], registry=r)
+        self.model_accuracy = Gauge("lengthwise_online_model_accuracy", "online top-1 accuracy since start of the "
+                                    "requests for one served model", ["model_version", "served_model"], registry=r)
+        self.model_n = Gauge("lengthwise_online_model_feedback_n", "feedbacks counted for one served model",
+                             ["model_version", "served_model"], registry=r)
+        self.model_alarm = Gauge("lengthwise_online_model_accuracy_alarm", "1 when the last closed window's accuracy on one "
+                                 "served model's requests fell below offline accuracy minus the margin",
+                                 ["model_version", "served_model"], registry=r)
+        self._models: dict[str, set[str]] = {}  # version -> the served models it has series for
         self.store_rows = Counter(p + "feedback_store_rows", "feedback rows by what became of them in the local store: "
                                   "written, dropped (writer queue full), failed (write error), pruned (retention), "
                                   "skipped (no prompt known: the prediction was not served here)", ["outcome"], registry=r)
@@ -96,6 +106,15 @@ class SidecarMetrics:
             if k in metrics:
                 g.labels(version).set(metrics[k])
 
+    def set_online_models(self, version: str, per_model: dict[str, dict[str, float]]) -> None:
+        """Each served model's online accuracy and feedback count since start (the served models a window keeps apart,
+        so the series stay few)."""
+        for served, m in per_model.items():
+            self._models.setdefault(version, set()).add(served)
+            self.model_n.labels(version, served).set(m.get("n", 0.0))
+            if "accuracy" in m:
+                self.model_accuracy.labels(version, served).set(m["accuracy"])
+
     def count_unauthorized(self, path: str) -> None:
         self.unauthorized.labels(endpoint_label(path)).inc()
         if path == "/v1/feedback":
@@ -106,6 +125,10 @@ class SidecarMetrics:
         for g in (*self.online.values(), self.online_n, self.online_censored, self.online_alarm):
             g.remove(version)
         self.drift_alarm.remove(name, version)
+        for served in self._models.pop(version, set()):
+            for g in (self.model_accuracy, self.model_n, self.model_alarm):
+                with contextlib.suppress(KeyError):  # a series never set (no closed window yet)
+                    g.remove(version, served)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

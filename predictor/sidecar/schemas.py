@@ -180,6 +180,15 @@ class FeedbackResponse(BaseModel):
     stored: bool = Field(False, description="queued for the local feedback store (training data)")
 
 
+class ModelDrift(BaseModel):
+    """One served model's part of a closed online-error window."""
+
+    alarm: bool = Field(description="its part's top-1 accuracy fell below offline accuracy minus the margin (on at least "
+                                    "the alarm's minimum of decided feedback)")
+    window_accuracy: float | None = Field(description="its top-1 accuracy in that window (null: no decided feedback)")
+    window_n: int = Field(description="its feedbacks in that window")
+
+
 class Drift(BaseModel):
     """A version's drift alarm, from its last closed online-error window."""
 
@@ -193,6 +202,8 @@ class Drift(BaseModel):
     margin: float
     since: float | None = Field(description="unix time the current alarm began (null: no alarm)")
     closed_at: float = Field(description="unix time the window closed")
+    models: dict[str, ModelDrift] = Field(default_factory=dict, description="each served model's part of that window "
+                                          "(the requests named it): a predictor answering for several can drift on one")
 
 
 class Health(BaseModel):

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from predictor.buckets import BucketScheme
 from predictor.features import is_first_turn
@@ -55,6 +55,7 @@ class ServedPrediction:
     turns_json: str | None  # None: --no-store-prompts (or no store)
     used: bool = False
     first_turn: bool | None = None  # the prompt opened its conversation: its online error counts in that slice
+    served_model: str | None = None  # the served model the request named: its online error counts in that model's part
 
     @property
     def size(self) -> int:
@@ -76,6 +77,7 @@ class DriftState:
     margin: float
     since: float | None
     closed_at: float
+    models: dict[str, dict] = field(default_factory=dict)  # each served model's part of the window: alarm, accuracy, n
 
 
 class SidecarState:
@@ -199,14 +201,15 @@ class SidecarState:
             await asyncio.to_thread(prune, self.ref.name, self.settings.cache_versions, (version,))
 
     # --- served predictions and feedback -------------------------------------------------------
-    def remember(self, prediction_id: str, d: dict, model: ServedModel, turns: list[tuple[str, str]]) -> None:
+    def remember(self, prediction_id: str, d: dict, model: ServedModel, turns: list[tuple[str, str]],
+                 served_model: str | None = None) -> None:
         """Keep what feedback on ``prediction_id`` will need, within --lru-size entries and --lru-mb of prompts."""
         text = prompt_json(turns)
         keep_prompt = self.feedback_writer is not None and self.settings.store_prompts
         entry = ServedPrediction(model.name, model.version, d["bucket"], d["expected_tokens"], d["quantile_tokens"],
                                  model.predictor.scheme, d["probs"], d["target"], time.time(),
                                  hashlib.sha256(text.encode()).hexdigest(), text if keep_prompt else None,
-                                 first_turn=is_first_turn(turns))
+                                 first_turn=is_first_turn(turns), served_model=served_model)
         old = self.served.pop(prediction_id, None)
         if old is not None:
             self._served_bytes -= old.size
@@ -234,6 +237,8 @@ class SidecarState:
         total = self.aggregator.totals.get((fb.model_name, fb.model_version))
         if total is not None:
             self.metrics.set_online(fb.model_version, total.metrics())
+            if total.models:
+                self.metrics.set_online_models(fb.model_version, {m: p.metrics() for m, p in total.models.items()})
 
     def store(self, prediction_id: str, entry: ServedPrediction | None, fb: Feedback) -> bool:
         """Queue the feedback as a training row (never waits); False when there is no store or nothing to store
@@ -265,8 +270,12 @@ class SidecarState:
             self.metrics.drift_alarm.labels(w.model_name, w.model_version).set(float(w.alarm))
             before = self.drift.get(key)
             since = (before.since if before is not None and before.alarm else now) if w.alarm else None
+            for served, part in w.models.items():
+                self.metrics.model_alarm.labels(w.model_version, served).set(float(part.alarm))
             self.drift[key] = DriftState(w.model_name, w.model_version, w.alarm, w.accuracy, w.n, w.censored,
-                                         w.offline_accuracy, w.alarm_margin, since, now)
+                                         w.offline_accuracy, w.alarm_margin, since, now,
+                                         {m: {"alarm": p.alarm, "window_accuracy": p.accuracy, "window_n": p.n}
+                                          for m, p in w.models.items()})
         self.window_logger.submit(closed)
 
     async def housekeeping(self) -> None:

@@ -198,7 +198,8 @@ def test_no_store_prompts_keeps_only_the_hash(package, tmp_path):
 def test_drift_alarm_in_health_and_prometheus(package, tmp_path):
     """Offline accuracy 0.99 and answers far from every prediction: the first closed window raises the alarm."""
     client = open_client(package, tmp_path / "fb.db", version="drift-1", offline_accuracy=0.99, window_size=20,
-                         alarm_margin=0.1)
+                         alarm_margin=0.1, token=TOKEN)  # called by the gateway: the model it names counts apart
+    client.headers.update(AUTH)
     try:
         assert client.get("/health").json()["drift"] == {}
         # the requests name the served model they are for (a gateway serving a catalogue says so): its part of the window
@@ -225,6 +226,23 @@ def test_drift_alarm_in_health_and_prometheus(package, tmp_path):
         assert metric(client, "lengthwise_online_model_feedback_n", **terse) == 20
     finally:
         client.__exit__(None, None, None)
+
+
+def test_a_served_model_counts_apart_only_when_it_is_known_good():
+    """A request's ``model`` gets its own part of the online windows (and Prometheus series) only from a caller the
+    sidecar trusts (its token: the gateway names a model of its catalogue) or when a conditioned predictor accepted it;
+    an anonymous caller's names count in the total only."""
+    from types import SimpleNamespace
+
+    from predictor.sidecar.app import _served_model
+
+    one = SimpleNamespace(predictor=SimpleNamespace(conditioned_models=[]))
+    conditioned = SimpleNamespace(predictor=SimpleNamespace(conditioned_models=["smol", "smol-terse"]))
+    anonymous, gateway = SimpleNamespace(trusted=False), SimpleNamespace(trusted=True)
+    assert _served_model(anonymous, one, "any-name") is None
+    assert _served_model(gateway, one, "smol-terse") == "smol-terse"
+    assert _served_model(anonymous, conditioned, "smol") == "smol"
+    assert _served_model(gateway, one, None) is None
 
 
 # --- forged, repeated and impossible feedback changes nothing, and is counted ---------------------------------------

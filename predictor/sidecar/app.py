@@ -239,7 +239,7 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
             pid = req.request_id if len(results) == 1 else f"{req.request_id}/{i}"
         d["prediction_id"] = pid
         d["latency_ms"] = ms
-        state.remember(pid, d, model, convs[i], req.model)
+        state.remember(pid, d, model, convs[i], _served_model(state, served, req.model))
         truncated += d["truncated"]
         preds.append(d)
     state.metrics.predictions.inc(len(preds))
@@ -263,6 +263,16 @@ def _for_model(served: ServedModel, model: str | None, convs: list[list[tuple[st
         raise HTTPException(422, f"model {served.name} version {served.version} was not trained on {model!r}'s lengths; "
                                  f"it predicts for {', '.join(models)}")
     return [condition_turns(c, model) for c in convs]
+
+
+def _served_model(state: SidecarState, served: ServedModel, model: str | None) -> str | None:
+    """The served model whose part of the online windows this prediction's feedback counts in: the request's ``model``
+    when it is known good (a conditioned predictor took only one it learned; a sidecar with a token is called by the
+    gateway, which named a model of its catalogue), else none, so no caller can fill the windows and the Prometheus
+    series with names of its own."""
+    if model is None or not (served.predictor.conditioned_models or state.trusted):
+        return None
+    return model
 
 
 def _feedback(state: SidecarState, req: FeedbackRequest) -> JSONResponse:

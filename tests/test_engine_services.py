@@ -82,14 +82,15 @@ def test_each_request_is_one_of_its_services_own_answers_predicted_by_folds_that
     assert again.requests == reqs and again.predictions["tfidf"] == trace.predictions["tfidf"]
     given = GivenPredictions("folds:tfidf", {r.rid: p for r, p in zip(reqs, trace.predictions["tfidf"])})
     assert given.predict(reqs[::-1]) == trace.predictions["tfidf"][::-1]
+    not_sharegpt = tmp_path / "lines.jsonl"
+    not_sharegpt.write_text('{"a": 1}\n{"a": 2}\n')
     with pytest.raises(ServicesError, match="is not a ShareGPT JSON file"):  # one line, as the CLI prints it
-        load_services(small_services, data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz", 10, 0, 2048,
-                      cache=tmp_path / "cache")
-    other = tmp_path / "other.jsonl"  # labels of prompts that are not in the prompt set
-    other.write_text(json.dumps({"prompt_hash": "0" * 64, "sample": 0, "response_tokens": 5, "prompt_tokens": 9,
-                                 "max_tokens": 512}) + "\n")
+        load_services(small_services, not_sharegpt, 10, 0, 2048, cache=tmp_path / "cache")
+    few = tmp_path / "few.json"  # a prompt set none of the labels' prompts is in
+    few.write_text(json.dumps([{"id": "x", "conversations": [{"from": "human", "value": "Hi there"},
+                                                              {"from": "gpt", "value": "Hello"}]}]))
     with pytest.raises(ServicesError, match="no labelled prompt"):
-        load_services({"a": other, "b": other}, data / SHAREGPT, 10, 0, 2048, cache=tmp_path / "cache")
+        load_services(small_services, few, 10, 0, 2048, cache=tmp_path / "cache")
 
 
 @pytest.mark.slow  # the default tier's counterparts: the trace above and test_bench_engine_runs_one_pair_on_the_real_engine

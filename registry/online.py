@@ -147,18 +147,20 @@ class WindowStats:
     models: dict[str, WindowStats] = field(default_factory=dict)  # the same sums per served model, each with its alarm
 
     def add(self, fb: Feedback, padding: float) -> None:
+        # what a part (a slice, a served model) counts: the feedback without what splits it into parts
+        bare = Feedback(**{**fb.__dict__, "first_turn": None, "client": None, "served_model": None})
         if fb.slice is not None:
             part = self.slices.get(fb.slice)
             if part is None:
                 part = self.slices[fb.slice] = WindowStats(self.model_name, self.model_version)
-            part.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None, "served_model": None}), padding)
+            part.add(bare, padding)
         if fb.served_model is not None and (fb.served_model in self.models or len(self.models) < MAX_SERVED_MODELS):
             own = self.models.get(fb.served_model)
             if own is None:
                 own = self.models[fb.served_model] = WindowStats(self.model_name, self.model_version,
                                                                  offline_accuracy=self.offline_accuracy,
                                                                  alarm_margin=self.alarm_margin, min_alarm_n=self.min_alarm_n)
-            own.add(Feedback(**{**fb.__dict__, "first_turn": None, "client": None, "served_model": None}), padding)
+            own.add(bare, padding)
         if fb.client is not None:
             self.clients[fb.client] = self.clients.get(fb.client, 0) + 1
         self.n += 1

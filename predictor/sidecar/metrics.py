@@ -106,14 +106,14 @@ class SidecarMetrics:
             if k in metrics:
                 g.labels(version).set(metrics[k])
 
-    def set_online_models(self, version: str, per_model: dict[str, dict[str, float]]) -> None:
-        """Each served model's online accuracy and feedback count since start (the served models a window keeps apart,
-        so the series stay few)."""
-        for served, m in per_model.items():
+    def set_online_models(self, version: str, per_model: dict[str, tuple[int, float | None]]) -> None:
+        """Each served model's feedback count and online accuracy since start (None: nothing decided yet), for the
+        served models a window keeps apart, so the series stay few."""
+        for served, (n, accuracy) in per_model.items():
             self._models.setdefault(version, set()).add(served)
-            self.model_n.labels(version, served).set(m.get("n", 0.0))
-            if "accuracy" in m:
-                self.model_accuracy.labels(version, served).set(m["accuracy"])
+            self.model_n.labels(version, served).set(n)
+            if accuracy is not None:
+                self.model_accuracy.labels(version, served).set(accuracy)
 
     def count_unauthorized(self, path: str) -> None:
         self.unauthorized.labels(endpoint_label(path)).inc()

@@ -237,8 +237,7 @@ class SidecarState:
         total = self.aggregator.totals.get((fb.model_name, fb.model_version))
         if total is not None:
             self.metrics.set_online(fb.model_version, total.metrics())
-            if total.models:
-                self.metrics.set_online_models(fb.model_version, {m: p.metrics() for m, p in total.models.items()})
+            self.metrics.set_online_models(fb.model_version, {m: (p.n, p.accuracy) for m, p in total.models.items()})
 
     def store(self, prediction_id: str, entry: ServedPrediction | None, fb: Feedback) -> bool:
         """Queue the feedback as a training row (never waits); False when there is no store or nothing to store

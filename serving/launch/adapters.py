@@ -36,6 +36,7 @@ from typing import Any
 
 from serving.launch.models import DEFAULT_MODEL_CACHE
 
+LORA_RANK = 8  # the adapters' rank on the query and value projections: the committed ones, the benches' random ones
 TERSE_MAX_WORDS = 40
 DETAILED_TOKENS = (150, 400)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
@@ -138,7 +139,7 @@ def _tensors(batch: list[Pair], pad: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def train_adapter(model_dir: Path, pairs: list[Pair], out: Path, rank: int = 8, alpha: int = 16, epochs: int = 2,
+def train_adapter(model_dir: Path, pairs: list[Pair], out: Path, rank: int = LORA_RANK, alpha: int = 16, epochs: int = 2,
                   lr: float = 5e-4, batch_size: int = 8, seed: int = 0) -> dict[str, Any]:
     """Train a LoRA adapter on ``pairs`` and save it in ``out`` (peft's format, which vLLM loads); the run's losses
     and time. The loss is the answer tokens' mean cross-entropy, per step; its first and last epochs are reported."""
@@ -204,7 +205,7 @@ def merged_model(base_dir: Path, adapter: Path, cache: Path) -> Path:
     return out
 
 
-def random_adapters(model_dir: Path, names: list[str], out: Path, rank: int = 8, seed: int = 0) -> dict[str, Path]:
+def random_adapters(model_dir: Path, names: list[str], out: Path, rank: int = LORA_RANK, seed: int = 0) -> dict[str, Path]:
     """A peft LoRA adapter (rank ``rank`` on the query and value projections, as the committed ones) with random weights
     for each name, of the model in ``model_dir`` (a dummy-weight shape): what vLLM loads and applies is the same as for
     trained ones, so a bench of random weights pays what serving adapters costs. Written once per directory."""
@@ -261,7 +262,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=160, metavar="N",
                    help="skip longer prompts: training time grows with them (default: %(default)s)")
     p.add_argument("--epochs", type=int, default=2, help="(default: %(default)s)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    p.add_argument("--rank", type=int, default=LORA_RANK, help="LoRA rank (default: %(default)s)")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="which examples, their order and the adapter's init")

@@ -124,6 +124,16 @@ def calibrate_sigma(truth: np.ndarray, z: np.ndarray, accuracy: float, scheme: B
     return lo if abs(acc(lo) - accuracy) < abs(acc(hi) - accuracy) else hi
 
 
+def bucket_predictions(scheme: BucketScheme, buckets: np.ndarray, probs: np.ndarray,
+                       lengths: np.ndarray) -> list[Prediction]:
+    """A bucket predictor's output as :class:`Prediction` objects: each length (at least one token), its bucket with that
+    bucket's top as ``hi``, and the bucket distribution the engine re-predicts from."""
+    upper = scheme.upper()
+    inner = tuple(int(e) for e in scheme.edges[1:])  # Prediction.edges: bucket tops but the last (open) one
+    return [Prediction(length=float(max(1.0, n)), hi=float(upper[int(b)]), bucket=int(b), edges=inner,
+                       probs=tuple(float(x) for x in p)) for b, p, n in zip(buckets, probs, lengths)]
+
+
 def _point(length: float) -> Prediction:
     """A point prediction with its bucket under :data:`ACCURACY_SCHEME` (``hi`` = that bucket's top)."""
     b = int(ACCURACY_SCHEME.assign(length)[0])
@@ -244,14 +254,7 @@ class ModelPredictor:
                 probs.append(np.asarray(out.probs))
                 lengths.append(np.asarray(out.quantile if self.quantile is not None else out.expected))
                 bar.update(len(prompts[i : i + chunk]))
-        b_all, p_all, l_all = np.concatenate(buckets), np.concatenate(probs), np.concatenate(lengths)
-        upper = scheme.upper()
-        inner = tuple(int(e) for e in scheme.edges[1:])  # Prediction.edges: bucket tops but the last (open) one
-        return [
-            Prediction(length=float(max(1.0, l_all[i])), hi=float(upper[int(b_all[i])]), bucket=int(b_all[i]),
-                       edges=inner, probs=tuple(float(x) for x in p_all[i]))
-            for i in range(len(requests))
-        ]
+        return bucket_predictions(scheme, np.concatenate(buckets), np.concatenate(probs), np.concatenate(lengths))
 
     def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
         return _as_the_engine_does(prediction, generated)

@@ -58,6 +58,7 @@ from serving.bench.engine.services import (
     parse_services,
 )
 from serving.bench.engine.sessions import SessionError, Sessions
+from serving.launch.adapters import LORA_RANK
 from serving.launch.cores import parse_cores, pin_to
 from serving.launch.engines import is_cpu_build
 from serving.launch.malloc import engine_malloc, with_tcmalloc
@@ -77,7 +78,6 @@ SLO_TARGET = 0.9  # the attainment a deployment must keep (EcoServe's and this b
 DEFAULT_RATE_FACTORS = (1.0, 1.25, 1.5, 2.0)  # x the rate the calibrated simulator says stock sustains at 90%
 MAX_TOKENS_STEP = 256  # the default cap: the trace's longest response rounded up to a multiple of this
 REAL_MAX_TOKENS = 512  # the default cap with a real model, whose lengths are not known before it runs
-SERVICE_LORA_RANK = 8  # the random adapters' rank (serving.launch.adapters.random_adapters), as the committed ones
 MATCHED_NOISE = "noise:matched"  # noise at the main predictor's measured top-1 accuracy on this trace
 TAU_NOISE = "noise-tau:"  # noise-tau:T, noise whose Kendall tau on this trace comes closest to T
 
@@ -235,7 +235,7 @@ def _engine_args(cfg: EngineBenchConfig) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "kv_blocks": cfg.kv_blocks, "threads": cfg.threads, "model": cfg.model}
     if cfg.service_adapters:
-        args.update(loras=dict(cfg.service_adapters), max_lora_rank=SERVICE_LORA_RANK)
+        args.update(loras=dict(cfg.service_adapters), max_lora_rank=LORA_RANK)  # random_adapters' rank
     if not is_cpu_build():  # the CPU build keeps its jobs as they were; these only matter on a GPU
         args.update(async_scheduling=cfg.async_scheduling, gpu_memory_utilization=cfg.gpu_memory_utilization,
                     cuda_graphs=cfg.cuda_graphs)

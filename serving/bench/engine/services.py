@@ -24,6 +24,7 @@ import numpy as np
 
 from predictor.buckets import BucketScheme
 from serving.policy.request import Prediction
+from serving.sim.predictions import bucket_predictions
 from serving.sim.workload import TraceRequest
 
 LABELS = Path(__file__).resolve().parents[3] / "training" / "labels"
@@ -149,14 +150,8 @@ def load_services(files: dict[str, Path], prompts: Path, max_requests: int, seed
         out = min(cap, max(1, rng.choice(samples)))
         reqs.append(TraceRequest(len(reqs), 0.0, prompt_tokens, out, service=m))
         picked.append(i)
-    inner = tuple(int(e) for e in scheme.edges[1:])
-    upper = scheme.upper()
-    preds = {}
-    for v in VARIANTS:
-        p = made[v]
-        preds[v] = [Prediction(length=float(max(1.0, min(cap, p.point[i]))), hi=float(upper[int(np.argmax(p.probs[i]))]),
-                               bucket=int(np.argmax(p.probs[i])), edges=inner, probs=tuple(float(x) for x in p.probs[i]))
-                    for i in picked]
+    preds = {v: bucket_predictions(scheme, made[v].probs[picked].argmax(axis=1), made[v].probs[picked],
+                                   np.minimum(cap, made[v].point[picked])) for v in VARIANTS}
     summary = {m: {"labelled_prompts": len(labelled[m]), "requests": sum(r.service == m for r in reqs),
                    "mean_tokens": float(np.mean([r.output_tokens for r in reqs if r.service == m] or [0]))}
                for m in names}

@@ -36,8 +36,8 @@ LANE_A = frozenset({
     "test_engine_real", "test_target",  # the session's SmolLM2 conversion
     "test_engine_bench", "test_engine_bench_exactlen", "test_engine_bench_steps", "test_relabel",
     "test_relabel_torch", "test_relabel_ceiling", "test_slice_routing", "test_loop", "test_demo_steps", "test_bench_sidecar",
-    "test_policy", "test_policy_hostile", "test_policy_host_preempt", "test_placement_hostile", "test_sim_workload",
-    "test_data", "test_baselines_sliced", "test_buckets", "test_evaluate_slices", "test_feedback_store", "test_architecture",
+    "test_policy", "test_policy_hostile", "test_policy_host_preempt", "test_placement_hostile",
+    "test_baselines_sliced", "test_buckets", "test_evaluate_slices", "test_feedback_store", "test_architecture",
     "test_serve_flags", "test_sidecar_settings", "test_train_config", "test_catalogue",  # the fleet, in its slow test
 })
 

@@ -62,6 +62,8 @@ def test_an_unreachable_tracking_server_is_one_line_before_any_training(data, ho
     assert time.monotonic() - t0 < 120  # the imports' time, not MLflow's retries
 
 
+# slow (75 s: its own tracking server and a training run); the default tier's counterpart: the unreachable server above
+@pytest.mark.slow
 @pytest.mark.fault("MLflow killed in the middle of a train-predictor run",
                    saw="exit 2 and, as its last line, one naming the server that stopped answering; no traceback",
                    lost="the run (not registered; the alias and earlier versions untouched)")

@@ -691,6 +691,9 @@ def test_hung_engine_is_taken_out_and_comes_back(fleet, gw_aladdin):
     assert sorted(r[3] for r in results) == ["engine-0"] * MAX_NUM_SEQS + ["engine-1"] * (6 - MAX_NUM_SEQS)
 
 
+# slow (50 s: a 1,900-token stream paced at 16 ms an event); the default tier's counterpart: the hung engine above, on
+# the same health probes
+@pytest.mark.slow
 def test_busy_engine_with_a_slow_health_keeps_its_streams(fleet, logs):
     """An engine whose /health is slower than --health-timeout while its answers stream is busy, not hung: it stays
     in placement and its streams run to the end. Once nothing flows, the same slow probes take it out."""

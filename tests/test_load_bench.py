@@ -370,10 +370,13 @@ def _overload_at(multiples: list[int], calibration: list[str], tmp_path: Path) -
     return res
 
 
+# slow (100 s: a stack of its own); the default tier's counterpart: tests/test_gateway_overload.py, a request past
+# --max-outstanding gets its 429 at once on the real gateway and engines, and the step profile's refusals below
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_one_overload_point_a_tiny_bound_refuses_and_unbounded_does_not(soak, tmp_path):
-    """The default tier's overload run: one point, 3 x R, both arms, on the soak's step profile (no burst of its own;
-    the slow tier runs 1 x R too, after its own calibration burst)."""
+    """One point, 3 x R, both arms, on the soak's step profile (no burst of its own; the other slow run takes 1 x R
+    too, after its own calibration burst)."""
     profile = json.loads(soak[1].read_text())["calibration"]["profile_csv"]
     res = _overload_at([3], ["--step-profile", profile], tmp_path)
     assert res["calibration"]["reused_from"] == profile and res["calibration"]["latency_model"]["n_rows"] > 4

@@ -260,6 +260,9 @@ def test_sidecar_down_requests_run_on_the_fallback_and_health_says_why(ray_app, 
     assert unary(url, model, "the sidecar is back", 5)[1:4:2] == (5, "sidecar")
 
 
+# slow (72 s with its replacement's start); the default tier's counterpart: tests/test_gateway.py, an engine killed
+# under load (the same cut streams on the gateway backend)
+@pytest.mark.slow
 @pytest.mark.fault("Ray Serve: an engine replica killed under streams",
                    saw="streams on it end with an error event and [DONE]; new requests answered; Ray starts a replacement",
                    lost="the rest of the streams on the dead replica")

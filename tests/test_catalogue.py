@@ -119,6 +119,13 @@ BAD = [
     ("models.json", "{}", "a catalogue is a .yaml, .yml or .toml file"),
     ("adapter.yaml", "- {name: a, model: ./m}\n- {name: t, adapter_of: a, adapter: /nowhere}\n", ("entry 't', key "
      "'adapter': /nowhere is not a LoRA adapter directory")),
+    ("predictor.yaml", "- {name: a, model: ./m, predictor: magic}\n", ("entry 'a' (models[0]), key 'predictor': 'magic' "
+     "is none of 'sidecar', 'profile', 'none' or a registry URI")),
+    ("registry.yaml", "- {name: a, model: ./m, predictor: 'models:/lp'}\n", "key 'predictor': 'models:/lp' is none of"),
+    ("own-url.yaml", '- {name: a, model: ./m, predictor: profile, predictor_url: "http://h:2"}\n', ("entry 'a' "
+     "(models[0]): predictor_url is a sidecar's, and predictor 'profile' asks none")),
+    ("priority.yaml", "- {name: a, model: ./m, priority: 5000}\n", ("entry 'a' (models[0]), key 'priority': Input should "
+     "be less than or equal to 1000")),
 ]
 
 
@@ -206,6 +213,54 @@ def test_a_model_whose_engines_are_down_gets_503_while_the_other_is_placed(two_m
                                                              "models are served; retry later")
     chosen = gw.pool.place(Job(rid=2, prompt_len=10, pred_len=50), gw.pool.not_serving("b"))
     assert chosen is not None and chosen.name == "engine-1"
+
+
+def test_each_name_is_predicted_as_its_entry_says_and_its_feedback_goes_back_there(tmp_path):
+    """Four names, four ways: the gateway's sidecar, a sidecar of the name's own, SeaLLM's profile learnt from the name's
+    own answers, and none. Each sidecar (a real HTTP server that records its calls) hears only of its names."""
+    from serving.gateway.forward import Outcome
+    from tests.recording_sidecar import RecordingSidecar
+
+    shared, own = RecordingSidecar(), RecordingSidecar()
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(4)]
+    f = _write(tmp_path / "m.yaml", f"""
+- {{name: a, engine_urls: ["{urls[0]}"]}}
+- {{name: b, engine_urls: ["{urls[1]}"], predictor_url: "{own.url}", priority: -1}}
+- {{name: c, engine_urls: ["{urls[2]}"], predictor: profile}}
+- {{name: d, engine_urls: ["{urls[3]}"], predictor: none}}
+""")
+
+    async def go() -> tuple[dict, list, dict]:
+        gw = Gateway(GatewaySettings(models_file=f, predictor_url=shared.url, fallback_tokens=100), engine_urls=urls)
+        first, profile = {}, []
+        for name, tokens in (("a", 30), ("b", 30), ("c", 40), ("d", 30), ("c", 60), ("c", 1)):
+            req, call = gw.validate("completion", _body(name)), Call("completion")
+            pred = await gw.predict(call, req, {})
+            first.setdefault(name, pred)
+            if name == "c":
+                profile.append(pred)
+            gw.finished(call, req, Outcome(200, "engine-0", completion_tokens=tokens))
+        await asyncio.sleep(0.5)  # the feedback posts
+        health = gw.health()["models"]
+        await gw.aclose()
+        return first, profile, health
+
+    try:
+        first, profile, health = asyncio.run(go())
+    finally:
+        shared.stop()
+        own.stop()
+    assert [b["model"] for _, _, b in shared.paths("/v1/predict")] == ["a"]
+    assert [b["model"] for _, _, b in own.paths("/v1/predict")] == ["b"]
+    assert len(shared.paths("/v1/feedback")) == len(own.paths("/v1/feedback")) == 1
+    assert first["a"].source == first["b"].source == "sidecar"
+    assert (first["d"].source, first["d"].reason, first["d"].tokens) == ("fallback", "disabled", 100)
+    # c: the fallback until its first answer (40 tokens), then the mean of its answers (40, then 40 and 60)
+    assert [(p.source, p.tokens) for p in profile] == [("fallback", 100), ("profile", 40), ("profile", 50)]
+    assert profile[2].hi == round(50 + 2 ** 0.5 * 10)
+    assert health["c"]["predictor"] == {"predictor": "profile", "answers": 3, "mean_tokens": 33.7, "std_tokens": 30.0}
+    assert health["b"]["predictor"]["url"] == own.url and health["b"]["priority"] == -1
+    assert health["d"]["predictor"] == {"predictor": "none"}
 
 
 # --- end to end: a base with two LoRA adapters started here, beside an attached engine of another model --------------
@@ -306,8 +361,10 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
 @pytest.mark.unit
 def test_health_says_which_model_has_no_engine(two_models):
     gw = two_models
-    assert gw.health()["models"] == {"a": {"engines": ["engine-0"], "healthy_engines": 1, "prompt_tokens": "estimate"},
-                                     "b": {"engines": ["engine-1"], "healthy_engines": 1, "prompt_tokens": "estimate"}}
+    parts = ("engines", "healthy_engines", "prompt_tokens", "priority")
+    assert {name: {k: m[k] for k in parts} for name, m in gw.health()["models"].items()} == {
+        "a": {"engines": ["engine-0"], "healthy_engines": 1, "prompt_tokens": "estimate", "priority": 0},
+        "b": {"engines": ["engine-1"], "healthy_engines": 1, "prompt_tokens": "estimate", "priority": 0}}
     gw.pool.take_out(gw.pool.engines[1])
     body = gw.health()
     assert body["status"] == "degraded" and gw.health_status(body) == 200  # a still serves

@@ -126,3 +126,62 @@ def test_the_model_cache_keeps_the_newest_versions_and_what_aliases_point_at(tmp
     assert sorted(p.name for p in (cache_root() / "lp").iterdir()) == [".download-tmp", "10", "11", "2", "3",
                                                                          "aliases.json"]
     assert prune("lp", keep=2) == ["3"] and prune("nothing-cached", keep=1) == []
+
+
+def test_each_catalogue_name_is_checked_against_what_its_sidecar_serves(packages, home, tmp_path):
+    """A real sidecar serving the conditioned predictor, three catalogue names: one it learnt, one it did not (it would
+    refuse its every request) and one pinned to a registry URI it does not serve. ``serve --models`` refuses at start
+    in one line naming the entry; a gateway given the verdicts asks the sidecar only for the name it answers."""
+    import asyncio
+
+    import httpx
+
+    from serving.cli import main
+    from serving.gateway.gateway import Call, Gateway
+    from serving.gateway.model_predictors import check_entries, identities
+    from serving.gateway.settings import GatewaySettings
+    from serving.launch.process import free_port
+    from tests.cli_inproc import run_main
+    from tests.sidecar_proc import start_sidecar
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    sc = start_sidecar(tmp_path, "--model", str(packages["conditioned"]), "--reload-interval", "0")
+    try:
+        assert sc.get("/ready").json()["conditioned_on_models"] == MODELS
+        f = tmp_path / "m.yaml"
+        f.write_text(f'- {{name: smol, engine_urls: ["{urls[0]}"]}}\n- {{name: gpt-9, engine_urls: ["{urls[1]}"]}}\n'
+                     f'- {{name: pinned, engine_urls: ["{urls[2]}"], predictor: "models:/lp@champion"}}\n')
+        settings = GatewaySettings(models_file=f, predictor_url=sc.url)
+        cat = settings.catalogue
+
+        async def verdicts() -> dict:
+            async with httpx.AsyncClient(timeout=10) as client:
+                return await check_entries(cat, settings, identities(cat, settings), client)
+
+        found = asyncio.run(verdicts())
+        assert {n: v.state for n, v in found.items()} == {"smol": "match", "gpt-9": "mismatch", "pinned": "mismatch"}
+        assert "does not include 'gpt-9'" in found["gpt-9"].detail
+        assert found["pinned"].detail == (f"the sidecar serves {packages['conditioned']}, not the models:/lp@champion the "
+                                          "catalogue names for 'pinned'")
+
+        r = run_main(main, ["serve", "--models", str(f), "--predictor-url", sc.url])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("lengthwise serve: error: catalogue entry 'gpt-9': the predictor at " + sc.url)
+
+        async def predictions() -> dict:
+            gw = Gateway(settings, engine_urls=urls, model_targets=found)
+            out = {}
+            for name in ("smol", "gpt-9", "pinned"):
+                req = gw.validate("chat", json.dumps({"model": name, "messages": [{"role": "user", "content": "Hi"}]})
+                                  .encode())
+                out[name] = (await gw.predict(Call("chat"), req, {})).label
+            body = gw.health()
+            await gw.aclose()
+            return out, body
+
+        got, body = asyncio.run(predictions())
+        assert got == {"smol": "sidecar", "gpt-9": "fallback:other_model", "pinned": "fallback:other_model"}
+        assert body["models"]["gpt-9"]["predictor"]["target"]["state"] == "mismatch"
+        assert any("gpt-9, pinned" in reason for reason in body["reasons"]), body["reasons"]
+    finally:
+        sc.stop()

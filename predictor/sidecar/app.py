@@ -200,7 +200,8 @@ def _add_routes(app: FastAPI, state: SidecarState) -> None:
     async def ready():
         m = _require_model(state)
         return {"status": "ready", "model_name": m.name, "model_version": m.version, "model_uri": state.ref.uri,
-                "target": m.target, "from_cache_only": m.resolved.from_cache_only}
+                "target": m.target, "from_cache_only": m.resolved.from_cache_only,
+                "conditioned_on_models": m.predictor.conditioned_models}
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def prometheus():

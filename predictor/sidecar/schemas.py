@@ -223,6 +223,9 @@ class Ready(BaseModel):
     model_uri: str
     target: dict[str, Any] | str = Field(description="the model the served version predicts lengths for, or why unknown")
     from_cache_only: bool = Field(description="the registry was unreachable when this version was resolved")
+    conditioned_on_models: list[str] | None = Field(None, description="the served models a predictor conditioned on "
+                                                    "the model learnt (a request names one); null: a predictor for one "
+                                                    "model")
 
 
 class ErrorResponse(BaseModel):

@@ -30,6 +30,7 @@ class RequestInputs:
     deadline: float
     fallback_prediction: bool
     invalid: str | None = None
+    priority: int = 0
 
 
 def parse_inputs(extra_args: dict[str, Any] | None, *, arrival: float, max_tokens: int | None,
@@ -55,4 +56,4 @@ def parse_inputs(extra_args: dict[str, Any] | None, *, arrival: float, max_token
         deadline = arrival + x.slo_s
     else:
         deadline = math.inf
-    return RequestInputs(pred, deadline, fallback, invalid)
+    return RequestInputs(pred, deadline, fallback, invalid, x.priority or 0)

@@ -117,7 +117,8 @@ class LengthwiseScheduler(AsyncScheduler):
                            request.request_id, inputs.invalid)
         rid = next(self._ids)
         twin = Request(rid, request.arrival_time, request.num_prompt_tokens, inputs.prediction,
-                       deadline=inputs.deadline, max_tokens=request.max_tokens, service=vllm_levers.service_of(request))
+                       deadline=inputs.deadline, max_tokens=request.max_tokens, service=vllm_levers.service_of(request),
+                       priority=inputs.priority)
         try:
             self.lw_policy.add(twin, time.time())
         except ValueError as exc:  # cannot ever fit the KV pool: fail it now rather than hold it forever

@@ -6,7 +6,10 @@ base's engines in one batch and one KV pool. The catalogue is the operator's lis
 whose engines are attached by URL (``engine_urls``) or started by ``serve`` from a model directory (``model``), or an
 **adapter** (``adapter_of``: the base entry whose engines load it with ``--lora-modules``). A request names one of
 them in ``model``; the gateway places it only on the engines that serve that name, and deadlines it by that entry's
-SLO. The single-model flags (``--model``/``--engine-url``) stay the shorthand for a one-entry catalogue.
+SLO. An entry also says where its predicted lengths come from (``predictor``: a sidecar, a registry URI a sidecar must
+serve, SeaLLM's profile of its own answers, or none; :mod:`serving.gateway.model_predictors`) and its priority class
+inside an engine (``priority``, lower first). The single-model flags (``--model``/``--engine-url``) stay the
+shorthand for a one-entry catalogue.
 
 The file is YAML (``.yaml``/``.yml``) or TOML (``.toml``), read into :class:`Catalogue`; a mistake is one line that
 names the file, the entry and the key (:class:`CatalogueError`).
@@ -15,6 +18,7 @@ names the file, the entry and the key (:class:`CatalogueError`).
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from serving.argtypes import http_url
+
+PREDICTOR_KINDS = ("sidecar", "profile", "none")
+REGISTRY_URI = re.compile(r"^models:/[^/@\s]+(@[^/@\s]+|/[^/@\s]+)$")  # as the sidecar's --model takes them
 
 
 class CatalogueError(ValueError):
@@ -60,11 +67,43 @@ class ServedModel(BaseModel):
     adapter: str | None = Field(None, description="with adapter_of and a started base: the adapter's directory (peft's "
                                 "adapter_config.json and weights)")
     slo: ModelSlo = Field(default_factory=ModelSlo)
+    predictor: str = Field("sidecar", description="where this name's predicted lengths come from: 'sidecar' (the "
+                           "sidecar asked with this name: a predictor for this model, or one conditioned on several), "
+                           "a registry URI 'models:/NAME@ALIAS' or 'models:/NAME/VERSION' (the sidecar must serve "
+                           "exactly that, checked at start), 'profile' (SeaLLM's service profile: the mean of this "
+                           "name's own finished answers, learnt by the gateway, no sidecar) or 'none' (the fallback "
+                           "length)")
+    predictor_url: str | None = Field(None, description="this name's own sidecar (default: --predictor-url)")
+    priority: int = Field(0, ge=-1000, le=1000, description="inside an engine, a request of a lower priority runs before "
+                          "any of a higher one (vLLM's convention); the policy orders requests of one priority")
 
     @field_validator("engine_urls")
     @classmethod
     def _http(cls, v: list[str]) -> list[str]:
         return [http_url(u) for u in v]
+
+    @field_validator("predictor_url")
+    @classmethod
+    def _http_one(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
+
+    @field_validator("predictor")
+    @classmethod
+    def _predictor(cls, v: str) -> str:
+        if v in PREDICTOR_KINDS or REGISTRY_URI.match(v):
+            return v
+        raise ValueError(f"{v!r} is none of {', '.join(map(repr, PREDICTOR_KINDS))} or a registry URI "
+                         "'models:/NAME@ALIAS' / 'models:/NAME/VERSION'")
+
+    @property
+    def predictor_kind(self) -> str:
+        """``sidecar`` (a registry URI too: it is a sidecar's), ``profile`` or ``none``."""
+        return "sidecar" if REGISTRY_URI.match(self.predictor) else self.predictor
+
+    @property
+    def predictor_uri(self) -> str | None:
+        """The registry URI the sidecar must serve, where the entry names one."""
+        return self.predictor if REGISTRY_URI.match(self.predictor) else None
 
     @model_validator(mode="after")
     def _kind(self) -> ServedModel:
@@ -76,6 +115,13 @@ class ServedModel(BaseModel):
             raise ValueError("adapter needs adapter_of, the base entry that serves it")
         if bool(self.engine_urls) == bool(self.model):
             raise ValueError("give engine_urls (attach to running engines) or model (start them here), one of the two")
+        return self
+
+    @model_validator(mode="after")
+    def _its_sidecar(self) -> ServedModel:
+        if self.predictor_url is not None and self.predictor_kind != "sidecar":
+            raise ValueError(f"predictor_url is a sidecar's, and predictor {self.predictor!r} asks none: drop it or "
+                             "set predictor to 'sidecar' or a registry URI")
         return self
 
     @property

@@ -88,12 +88,16 @@ random key of their own. Past --max-outstanding requests in flight a request get
 
 several models (--models FILE): a request is placed only on the engines that serve the model it names; a model
 whose engines are all down gets 503 while the others keep serving; /v1/models lists every served name (an
-adapter's card names its parent); an unknown model gets 404 with the served names. Example catalogue:
+adapter's card names its parent); an unknown model gets 404 with the served names. Each name's lengths come from
+its 'predictor': 'sidecar' (default; its own predictor_url or --predictor-url, asked with the name), a registry URI
+that sidecar must serve, 'profile' (the mean of the name's own answers, SeaLLM's profile) or 'none'; each sidecar
+is checked per name at start. 'priority': lower runs first inside an engine. Example catalogue:
   models:
     - {name: smol, model: ./SmolLM2-135M-Instruct, engine_args: ["--max-model-len 2048"],
        slo: {ttft_ms: 2000, tpot_ms: 150}}
-    - {name: smol-terse, adapter_of: smol, adapter: ./adapters/terse}
-    - {name: llama-8b, engine_urls: ["http://10.0.0.7:8001"], slo: {ttft_ms: 500, tpot_ms: 50}}
+    - {name: smol-terse, adapter_of: smol, adapter: ./adapters/terse, predictor: profile, priority: -1}
+    - {name: llama-8b, engine_urls: ["http://10.0.0.7:8001"], slo: {ttft_ms: 500, tpot_ms: 50},
+       predictor: "models:/length-llama-8b@champion", predictor_url: "http://10.0.0.7:8100"}
 
 endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics
 """
@@ -393,7 +397,10 @@ def _check_predictor(settings: GatewaySettings) -> TargetCheck:
     model's is a UsageError unless allowed; any other verdict is logged and returned for the gateway to keep."""
     import httpx
 
-    from serving.gateway.target import announce, check, refusal, served_model
+    from serving.gateway.target import TargetCheck, announce, check, refusal, served_model
+
+    if settings.catalogue is not None:
+        return TargetCheck("unchecked", None, detail="with --models each name is checked on its own (/health models)")
 
     async def ask() -> TargetCheck:
         token = settings.predictor_token
@@ -406,6 +413,34 @@ def _check_predictor(settings: GatewaySettings) -> TargetCheck:
         raise UsageError(refusal(found, settings.predictor_url))
     if settings.predictor_url:
         announce(found, settings.allow_predictor_for_other_model)
+    return found
+
+
+def _check_model_predictors(settings: GatewaySettings) -> dict[str, TargetCheck]:
+    """With a catalogue, each sidecar-predicted name's verdict (:mod:`serving.gateway.model_predictors`): a sidecar not
+    for its name is a UsageError naming the entry unless allowed; the rest is logged and returned for the gateway."""
+    import httpx
+
+    from serving.gateway.model_predictors import check_entries, entry_refusal, identities
+    from serving.gateway.target import announce
+
+    cat = settings.catalogue
+    if cat is None:
+        return {}
+
+    async def ask() -> dict[str, TargetCheck]:
+        token = settings.predictor_token
+        auth = {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=auth) as client:
+            return await check_entries(cat, settings, identities(cat, settings), client)
+
+    found = asyncio.run(ask())
+    for name, verdict in found.items():
+        entry = cat.entry(name)
+        assert entry is not None
+        if verdict.state == "mismatch" and not settings.allow_predictor_for_other_model:
+            raise UsageError(entry_refusal(entry, verdict, entry.predictor_url or settings.predictor_url))
+        announce(verdict, settings.allow_predictor_for_other_model)
     return found
 
 
@@ -548,6 +583,7 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
     logging.getLogger("httpcore").setLevel(logging.WARNING)  # its debug lines are per-connection noise
     try:
         target = _check_predictor(settings)  # before minutes of engine start-up: a predictor for another model fails now
+        model_targets = _check_model_predictors(settings)
     except UsageError as exc:
         print(f"lengthwise serve: error: {exc}", file=sys.stderr)
         return 2
@@ -592,11 +628,13 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
                 _attach(prefill_urls, settings.engine_start_timeout_s, prefill=True)
         if target.pending:  # the sidecar was not up or still loading: it may be by now
             target = _check_predictor(settings)
+        if any(t.pending for t in model_targets.values()):
+            model_targets = _check_model_predictors(settings)
         import uvicorn
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls, plugin_metrics, prefill_urls, target)
+        app = create_app(settings, urls, plugin_metrics, prefill_urls, target, model_targets)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=settings.shutdown_grace_s,
                                 timeout_keep_alive=settings.client_keepalive_s)

@@ -40,6 +40,7 @@ from serving.gateway.feedback import FeedbackPoster
 from serving.gateway.forward import Forwarder, Outcome
 from serving.gateway.hints import engine_body
 from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.model_predictors import ModelPredictors
 from serving.gateway.pool import EnginePool
 from serving.gateway.prediction import LengthPrediction, Predictor
 from serving.gateway.prefill import Prefilled, PrefillHop
@@ -99,7 +100,8 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, engine_urls: list[str] | None = None,
                  plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
-                 predictor_target: TargetCheck | None = None) -> None:
+                 predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None
+                 ) -> None:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
         self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
@@ -107,11 +109,13 @@ class Gateway:
                                    settings.keepalive_s)
         self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics,
                                       keepalive_s=settings.keepalive_s)
-        if settings.predictor_token is not None:  # the sidecar's token on every call to it, predictions and feedback
-            bearer = f"Bearer {settings.predictor_token.get_secret_value()}"
-            for client in (self.predictor.client, self.feedback.client):
-                if client is not None:
-                    client.headers["Authorization"] = bearer
+        for client in (self.predictor.client, self.feedback.client):
+            if client is not None:
+                self._sidecar_client(client)
+        cat = settings.catalogue
+        # with a catalogue, each name's own predictor: a sidecar's (checked per name), its profile, or none
+        self.model_predictors = (ModelPredictors(cat, settings, metrics, self.predictor, self.feedback, model_targets,
+                                                 self._sidecar_client) if cat is not None else None)
         self.forwarder = Forwarder(self.pool, settings, metrics)
         prefill_urls = prefill_urls or settings.prefill_urls
         self.hop = (PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls
@@ -123,13 +127,15 @@ class Gateway:
         self.model_terms = {m.name: m.slo.terms() for m in (settings.catalogue.models if settings.catalogue else [])}
         self.prompts = PromptCounter()
         # with a catalogue, each base started here from a local directory counts its own prompts (its adapters share it)
-        cat = settings.catalogue
         self.model_prompts = ({m.name: PromptCounter() for m in cat.models if m.starts_engines} if cat is not None else {})
         self.rids = itertools.count()
         self._tokenizer: asyncio.Task | None = None
         served = served_model(settings)
         if predictor_target is None and not settings.predictor_url:
             predictor_target = TargetCheck("unchecked", served, detail="no --predictor-url: no predictor to check")
+        elif predictor_target is None and cat is not None:
+            predictor_target = TargetCheck("unchecked", None, detail="with --models each name is checked on its own "
+                                           "(/health models)")
         self.target = TargetWatch(served, settings.allow_predictor_for_other_model, metrics.predictor_target_mismatch.set,
                                   predictor_target)
         self._target_task: asyncio.Task | None = None
@@ -150,8 +156,9 @@ class Gateway:
         if s.catalogue is not None:
             loads += [counter.load(s.catalogue.entry(name).model) for name, counter in self.model_prompts.items()]
         self._tokenizer = asyncio.ensure_future(asyncio.gather(*loads))
-        if s.predictor_url:
+        if s.predictor_url or (self.model_predictors is not None and self.model_predictors.checked):
             self._target_task = asyncio.get_running_loop().create_task(self._watch_target())
+        if s.predictor_url:
             self._sidecar_task = asyncio.get_running_loop().create_task(self._watch_sidecar())
         await asyncio.gather(self.pool.start(), *([hop.pool.start()] if hop else []))
         if s.model and self.pool.models and s.model not in self.pool.models:
@@ -163,14 +170,20 @@ class Gateway:
     async def _watch_target(self) -> None:
         """Check which model the sidecar's predictor is for now (unless the command line just did), then every
         ``predictor_check_interval_s``: a sidecar that was down at start, or whose alias moved, is judged when it
-        answers."""
+        answers. With a catalogue, each sidecar-predicted name's verdict too."""
         checked = self.target.current.state != "unchecked" and not self.target.current.pending
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self._sidecar_auth()) as client:
             while True:
-                if not checked:
+                if not checked and self.settings.predictor_url and self.model_predictors is None:
                     self.target.update(await check_target(self.settings.predictor_url, self.target.served, client))
+                if self.model_predictors is not None:
+                    await self.model_predictors.recheck(client)
                 checked = False
                 await asyncio.sleep(self.settings.predictor_check_interval_s)
+
+    def _sidecar_client(self, client: httpx.AsyncClient) -> None:
+        """The sidecar's token on every call to it, predictions and feedback (``--predictor-token``)."""
+        client.headers.update(self._sidecar_auth())
 
     def _sidecar_auth(self) -> dict[str, str]:
         token = self.settings.predictor_token
@@ -192,6 +205,13 @@ class Gateway:
                 self._sidecar_seen(*found)
                 await asyncio.sleep(s.health_interval_s)
 
+    def _seen_by(self, pred: LengthPrediction) -> None:
+        """What one prediction says of ``--predictor-url``'s sidecar: it answers, or why not."""
+        if pred.source == "sidecar":
+            self._sidecar_seen("ok", "the sidecar answers predictions")
+        elif pred.reason in SIDECAR_DOWN:
+            self._sidecar_seen(SIDECAR_DOWN[pred.reason], f"a prediction fell back: {pred.reason}")
+
     def _sidecar_seen(self, state: str, detail: str) -> None:
         if state != self.predictor_state[0]:
             (log.info if state == "ok" else log.warning)("predictor sidecar %s: %s", state, detail)
@@ -210,6 +230,8 @@ class Gateway:
         if self.hop:
             await self.hop.aclose()
         await self.predictor.aclose()
+        if self.model_predictors is not None:
+            await self.model_predictors.aclose()
 
     def count(self, endpoint: str, status: int) -> None:
         """One answered HTTP request, by endpoint (``other`` for unknown paths) and status."""
@@ -347,18 +369,24 @@ class Gateway:
         a malformed trusted header). A sidecar whose predictor is for another model is not asked, unless the operator
         allowed it (then each of its predictions is counted)."""
         hint = headers.get(PRED_LEN_HEADER) if self.settings.trust_client_predictions else None
+        route = self.model_predictors.route(req.model) if self.model_predictors is not None else None
+        predictor, target = (route.predictor, route.target) if route and route.kind == "sidecar" else (self.predictor,
+                                                                                                      self.target)
+        assert predictor is not None and target is not None
         if hint is not None:
             pred = self.predictor.from_client(req, hint)
-        elif self.target.refuses:
+        elif route is not None and route.kind == "profile":
+            pred = self.model_predictors.profile.predict(req)
+        elif route is not None and route.kind == "none":
+            pred = self.predictor.fallback(req, "disabled")
+        elif target.refuses:
             pred = self.predictor.fallback(req, "other_model")
         else:
-            pred = await self.predictor.predict(req, call.rid)
-            if pred.source == "sidecar" and self.target.other_model:
+            pred = await predictor.predict(req, call.rid)
+            if pred.source == "sidecar" and target.other_model:
                 self.metrics.other_model_predictions.inc()
-            if pred.source == "sidecar":
-                self._sidecar_seen("ok", "the sidecar answers predictions")
-            elif pred.reason in SIDECAR_DOWN:
-                self._sidecar_seen(SIDECAR_DOWN[pred.reason], f"a prediction fell back: {pred.reason}")
+            if predictor is self.predictor:  # a name's own sidecar shows in its verdict (/health models[...])
+                self._seen_by(pred)
         context = self.pool.context(req.model)
         if req.max_tokens is None and context is not None and pred.tokens > context:
             pred = dataclasses.replace(pred, tokens=context)  # no answer is longer than the context
@@ -374,7 +402,8 @@ class Gateway:
     def hints(self, call: Call, req: ClientRequest, pred: LengthPrediction, dl: float) -> dict[str, Any]:
         """The engine's body: the client's, with the prediction and the deadline in ``vllm_xargs`` over any the client
         set for the same keys (those are counted and logged)."""
-        body, dropped = engine_body(req, pred, dl)
+        entry = self.settings.catalogue.entry(req.model) if self.settings.catalogue is not None else None
+        body, dropped = engine_body(req, pred, dl, entry.priority if entry is not None else 0)
         if dropped:
             self.metrics.client_hints_dropped.inc(len(dropped))
             log.debug("request %s: client vllm_xargs %s replaced by the gateway's", call.rid, dropped)
@@ -441,12 +470,17 @@ class Gateway:
             m.output_tokens.inc(out.completion_tokens)
             m.model_output_tokens.labels(req.model).inc(out.completion_tokens)
             assert call.pred is not None
-            target = self.target.current.target or {}
+            route = self.model_predictors.route(req.model) if self.model_predictors is not None else None
+            watch = route.target if route is not None and route.target is not None else self.target
+            target = watch.current.target or {}
             reason = shaped_by(req.body, target.get("sampling"))
             if reason is not None:  # the client decided the length, not the model: no truth about the predictor
                 self.metrics.feedback_withheld.labels(reason).inc()
                 return
-            self.feedback.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason, call.client)
+            if route is not None and route.kind == "profile":
+                self.model_predictors.profile.learn(req.model, out.completion_tokens, req.outputs)
+            poster = route.feedback if route is not None and route.feedback is not None else self.feedback
+            poster.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason, call.client)
 
     def decorate(self, call: Call, resp: Response) -> Response:
         """The engine's response with the headers that say what the gateway decided."""
@@ -520,6 +554,11 @@ class Gateway:
         if self.target.refuses:
             reasons.append(f"predictor for another model: {self.target.current.detail}; requests run on the fallback length")
         models = self.model_health()
+        refused = [name for name, m in models.items() if m.get("predictor", {}).get("target", {}).get("state") == "mismatch"
+                   and not s.allow_predictor_for_other_model]
+        if refused:
+            reasons.append(f"predictor for another model for {', '.join(refused)}: their requests run on the fallback "
+                           "length (/health models[...].predictor says why)")
         down = [name for name, m in models.items() if not m["healthy_engines"]]
         if down and up:
             reasons.append(f"no healthy engine serves {', '.join(down)} (their requests get 503; the other models are "
@@ -548,10 +587,12 @@ class Gateway:
         if cat is None:
             return {}
         out = {}
+        predictors = self.model_predictors.health() if self.model_predictors is not None else {}
         for name in cat.names:
             mine = [e for e in self.pool.engines if name in e.models]
             out[name] = {"engines": [e.name for e in mine], "healthy_engines": sum(e.healthy for e in mine),
-                         "prompt_tokens": self.counter(name).method,
+                         "prompt_tokens": self.counter(name).method, "predictor": predictors[name],
+                         "priority": cat.entry(name).priority,
                          **({"adapter_of": cat.base_of(name)} if cat.base_of(name) != name else {})}
         return out
 

@@ -22,16 +22,19 @@ from serving.gateway.requests import ClientRequest
 from serving.policy.hints import HINT_KEYS, SchedulingHints
 
 
-def our_xargs(pred: LengthPrediction, deadline: float) -> dict[str, Any]:
+def our_xargs(pred: LengthPrediction, deadline: float, priority: int = 0) -> dict[str, Any]:
+    """The hints; a priority class only where the request's catalogue entry sets one other than 0."""
     return SchedulingHints(pred_len=pred.tokens, pred_hi=pred.hi, pred_bucket=pred.bucket, pred_edges=pred.edges,
-                           pred_probs=pred.probs, deadline=round(deadline, 3)).xargs()
+                           pred_probs=pred.probs, deadline=round(deadline, 3), priority=priority or None).xargs()
 
 
-def engine_body(req: ClientRequest, pred: LengthPrediction, deadline: float) -> tuple[dict[str, Any], list[str]]:
+def engine_body(req: ClientRequest, pred: LengthPrediction, deadline: float, priority: int = 0
+                ) -> tuple[dict[str, Any], list[str]]:
     """The body to forward, and the client's xargs keys we overrode (for the log)."""
     client = dict(req.body.get("vllm_xargs") or {})
     dropped = sorted(k for k in client if k in HINT_KEYS)
-    body = {**req.body, "vllm_xargs": {**{k: v for k, v in client.items() if k not in HINT_KEYS}, **our_xargs(pred, deadline)}}
+    ours = our_xargs(pred, deadline, priority)
+    body = {**req.body, "vllm_xargs": {**{k: v for k, v in client.items() if k not in HINT_KEYS}, **ours}}
     if req.stream:
         body["stream_options"] = {**(req.body.get("stream_options") or {}), "include_usage": True}
     return body, dropped

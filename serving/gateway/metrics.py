@@ -69,6 +69,9 @@ class GatewayMetrics:
         self.predictor_target_mismatch = Gauge(p + "predictor_target_mismatch", "1 while the sidecar's predictor was "
                                                "made for another model than the one served (see /health predictor_target)",
                                                registry=r)
+        self.model_predictor_target_mismatch = Gauge(p + "model_predictor_target_mismatch", "1 while a catalogue "
+                                                     "model's predictor is not for it (see /health models[...].predictor)",
+                                                     ["model"], registry=r)
         self.other_model_predictions = Counter(p + "predictions_for_other_model", "requests scheduled by a predictor made "
                                                "for another model (--allow-predictor-for-other-model)", registry=r)
         self.rejected = Counter(p + "rejected", "requests refused before any work, by reason: overload (past "

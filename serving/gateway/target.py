@@ -30,6 +30,7 @@ The verdicts (:data:`STATES`), and what each does:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ from typing import Any
 import httpx
 
 from predictor.target import compare_models, describe, served_model_id
+from serving.gateway.catalogue import ServedModel
 from serving.gateway.settings import GatewaySettings
+from serving.launch.engines import engine_args, flag_value
 
 log = logging.getLogger("serving.gateway")
 STATES = ("match", "mismatch", "unknown", "loading", "unreachable", "unchecked")
@@ -56,6 +59,8 @@ class TargetCheck:
     target: dict[str, Any] | None = None  # the predictor's whole target description
     predictor_version: str | None = None  # "name version" of the sidecar's model, when it said
     by_name: bool = False  # only names could be compared (no hash on one side)
+    conditioned: tuple[str, ...] | None = None  # the served models a conditioned predictor learnt, as its sidecar said
+    uri: str | None = None  # what the sidecar serves (models:/NAME@ALIAS, models:/NAME/VERSION or a directory)
 
     @property
     def pending(self) -> bool:
@@ -73,6 +78,16 @@ def served_model(settings: GatewaySettings) -> str | None:
     """The gateway's identity of the model it serves (None without ``--model``); dummy weights (``--load-format`` in an
     ``--engine-arg``) are another model, as ``lengthwise relabel`` counts them."""
     return served_model_id(settings.model, settings.engine_arg("--load-format") or "auto") if settings.model else None
+
+
+def served_model_of_entry(entry: ServedModel, settings: GatewaySettings) -> str | None:
+    """A catalogue base started here: its identity, as :func:`served_model` gives ``--model``'s (its own
+    ``engine_args`` after ``--engine-arg``'s); None for attached engines and adapters, which leave nothing local to
+    compare with."""
+    if entry.is_adapter or entry.model is None:
+        return None
+    load_format = flag_value([*engine_args(settings), *entry.engine_args], "--load-format") or "auto"
+    return served_model_id(entry.model, load_format)
 
 
 def judge(served: str | None, health: dict[str, Any], version: str | None = None) -> TargetCheck:
@@ -125,7 +140,10 @@ async def check(url: str | None, served: str | None, client: httpx.AsyncClient) 
     info = info if isinstance(info, dict) else {}
     version = (f"{info['model_name']} version {info['model_version']}" if {"model_name", "model_version"} <= set(info)
                else None)
-    return judge(served, body, version)
+    models = info.get("conditioned_on_models")
+    conditioned = tuple(models) if isinstance(models, list) and all(isinstance(m, str) for m in models) else None
+    uri = info.get("model_uri") if isinstance(info.get("model_uri"), str) else None
+    return dataclasses.replace(judge(served, body, version), conditioned=conditioned, uri=uri)
 
 
 def refusal(found: TargetCheck, url: str | None) -> str:

@@ -35,6 +35,7 @@ class VLLMPolicy(Policy):
         super().__init__(*args, **kwargs)
         self.running: list[Request] = []
         self.waiting = SortedQueue()
+        self.prioritised = False  # a request of a priority class other than 0 came: victims are chosen by class
 
     @property
     def budget(self) -> int:
@@ -43,12 +44,21 @@ class VLLMPolicy(Policy):
     def _key(self, req: Request) -> tuple:
         return ()
 
+    def _rank(self, req: Request) -> tuple:
+        """The waiting order: the request's priority class first (a catalogue's ``priority``, lower first, as vLLM's
+        priority policy takes it), then the policy's own key within the class."""
+        return (req.priority, *self._key(req))
+
     def _enqueue_new(self, req: Request, now: float) -> None:
-        self.waiting.push(self._key(req), req)
+        self.prioritised = self.prioritised or req.priority != 0
+        self.waiting.push(self._rank(req), req)
 
     def _victim(self) -> Request:
         if self.priority:
-            return max(self.running, key=lambda r: (self._key(r), r.arrival))
+            return max(self.running, key=lambda r: (self._rank(r), r.arrival))
+        if self.prioritised:  # the newest of the worst class goes, as vLLM's newest goes
+            worst = max(r.priority for r in self.running)
+            return next(r for r in reversed(self.running) if r.priority == worst)
         return self.running[-1]
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
@@ -58,7 +68,7 @@ class VLLMPolicy(Policy):
         victim.preemptions += 1
         self.stats["preemptions"] += 1
         plan.preempted.append(victim.rid)
-        self.waiting.push(self._key(victim), victim, front=not self.priority)
+        self.waiting.push(self._rank(victim), victim, front=not self.priority)
 
     def _schedule(self, now: float) -> StepPlan:
         plan = StepPlan()
@@ -90,7 +100,7 @@ class VLLMPolicy(Policy):
             scheduled = True
             while need > held.get(req.rid, 0) and not self.kv.grow_to(req.rid, need):
                 victim = self._victim()
-                idx = self.running.index(victim) if self.priority else len(self.running) - 1
+                idx = self.running.index(victim) if self.priority or self.prioritised else len(self.running) - 1
                 del self.running[idx]
                 if idx < i:
                     i -= 1
@@ -125,7 +135,7 @@ class VLLMPolicy(Policy):
                 plan.tokens[req.rid] = n
                 budget -= n
             for req in reversed(no_slot):  # back where they stood
-                self.waiting.push(self._key(req), req, front=True)
+                self.waiting.push(self._rank(req), req, front=True)
         return plan
 
     def _on_host_preempt(self, req: Request, now: float) -> None:

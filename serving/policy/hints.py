@@ -13,6 +13,7 @@ writes them (``serving/gateway/hints.py``) and the plug-in reads them (``serving
                 with ``pred_edges`` the distribution a request that outlived ``pred_len`` is re-predicted by
 ``deadline``    absolute deadline, Unix seconds (``time.time()`` clock, as vLLM's ``arrival_time``)
 ``slo_s``       alternatively, the deadline relative to arrival, seconds
+``priority``    the request's priority class, from its model's catalogue entry: lower runs first (vLLM's convention)
 =============== ======================================================================================
 """
 
@@ -41,6 +42,7 @@ class SchedulingHints(BaseModel):
     pred_probs: tuple[_Prob, ...] | None = None
     deadline: float | None = Field(None, allow_inf_nan=False)
     slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    priority: int | None = Field(None, ge=-1000, le=1000)
 
     @model_validator(mode="after")
     def _distribution(self) -> SchedulingHints:

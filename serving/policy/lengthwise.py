@@ -65,7 +65,7 @@ class LengthwisePolicy(SJFPolicy):
             return False
         self.waiting.pop()
         tier.demote(req)
-        self.waiting.push(self._key(req), req)
+        self.waiting.push(self._rank(req), req)
         self.stats["late"] += 1
         return True
 
@@ -94,7 +94,7 @@ class LengthwisePolicy(SJFPolicy):
                 req = self.requests.get(rid)
                 if req is not None and req in self.waiting:
                     self.waiting.remove(req)
-                    self.waiting.push(self._key(req), req)
+                    self.waiting.push(self._rank(req), req)
         plan = super()._schedule(now)
         self._busy = bool(plan.tokens)
         return plan

@@ -98,6 +98,7 @@ class Request:
     first_scheduled: float | None = None
     extra: dict = field(default_factory=dict)
     service: str = ""  # the model or LoRA adapter it is for (several services in one engine); "" for the one model
+    priority: int = 0  # its priority class (a catalogue's priority): lower runs first in the vLLM-loop policies
 
     @property
     def seq_len(self) -> int:

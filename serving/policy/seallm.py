@@ -99,7 +99,7 @@ class SeaLLMPolicy(VLLMPolicy):
         if self.waiting:  # keys move with the profiles, the budgets and the clock: order the queue afresh each step
             requeued = SortedQueue()
             for req in self.waiting:
-                requeued.push(self._key(req), req)
+                requeued.push(self._rank(req), req)
             self.waiting = requeued
         return super()._schedule(now)
 

@@ -290,7 +290,8 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
     f = _write(tmp_path / "models.yaml", json.dumps({"models": [
         {"name": "lora-base", "model": str(model_dir), "slo": {"ttft_ms": 4000, "tpot_ms": 300},
          "engine_args": ["--load-format dummy", "--enforce-eager", "--max-model-len 1024", "--max-num-seqs 4"]},
-        {"name": "terse", "adapter_of": "lora-base", "adapter": str(adapters["terse"])},
+        {"name": "terse", "adapter_of": "lora-base", "adapter": str(adapters["terse"]), "predictor": "profile",
+         "priority": -1},
         {"name": "long", "adapter_of": "lora-base", "adapter": str(adapters["long"])},
         {"name": fleet_model, "engine_urls": [engine_fleet.engines[0]]},
     ]}))  # JSON is YAML too
@@ -315,8 +316,15 @@ def test_a_base_with_two_adapters_and_another_model_behind_one_endpoint(engine_f
             time.sleep(0.5)
         lora, other = set(health["models"]["lora-base"]["engines"]), set(health["models"][fleet_model]["engines"])
         assert len(lora) == len(other) == 1 and lora != other  # the catalogue's order: the started base first
-        assert health["models"]["terse"] == {"engines": sorted(lora), "healthy_engines": 1, "adapter_of": "lora-base",
-                                             "prompt_tokens": "tokenizer"}  # its base's, started here from a directory
+        terse = health["models"]["terse"]
+        assert {k: terse[k] for k in ("engines", "healthy_engines", "adapter_of", "prompt_tokens", "priority")} == {
+            "engines": sorted(lora), "healthy_engines": 1, "adapter_of": "lora-base", "prompt_tokens": "tokenizer",
+            "priority": -1}  # the tokenizer: its base's, started here from a directory
+        # its profile learnt from its own two answers (of at most 8 tokens); the next request is predicted by it
+        assert terse["predictor"]["predictor"] == "profile" and terse["predictor"]["answers"] == 2
+        assert 1 <= terse["predictor"]["mean_tokens"] <= 8
+        r = gw.post("/v1/completions", json={"model": "terse", "prompt": "Once upon a time", "max_tokens": 8})
+        assert r.status_code == 200 and r.headers["x-lengthwise-prediction"] == "profile", r.headers
         assert health["models"][fleet_model]["prompt_tokens"] == "estimate"  # attached: no tokenizer here
         assert where["terse"] == where["long"] == where["lora-base"] == lora and where[fleet_model] == other
         r = gw.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 4})

@@ -8,8 +8,8 @@ Per request (docs/architecture.md): validate → predict (sidecar or fallback) �
 count the prompt's tokens → place on an engine (the placement core over each engine's view) → forward (streaming or not,
 retried while nothing was sent) → feedback in the background. The response carries the engine's body unchanged plus headers
 saying what the gateway decided: ``x-lengthwise-request-id`` (also the engine's request id), ``x-lengthwise-engine``,
-``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar``, ``sidecar:fast-tier`` or ``fallback:<reason>``),
-``x-lengthwise-deadline`` (Unix seconds) and ``x-lengthwise-prompt-tokens`` (``<count>:<method>``, what
+``x-lengthwise-pred-len``, ``x-lengthwise-prediction`` (``sidecar``, ``sidecar:fast-tier``, ``profile`` or
+``fallback:<reason>``), ``x-lengthwise-deadline`` (Unix seconds) and ``x-lengthwise-prompt-tokens`` (``<count>:<method>``, what
 placement used). With ``--prefill-url`` a prefill engine computes the prompt's KV first (:mod:`serving.gateway.prefill`)
 and ``x-lengthwise-prefill-engine`` / ``x-lengthwise-prefill-ms`` say where and how long.
 """

@@ -39,7 +39,7 @@ class LengthPrediction:
     """What the scheduler plug-in receives (``tokens``, ``hi``, ``bucket``, ``edges``, ``probs``) and what feedback needs."""
 
     tokens: int  # predicted output tokens, clamped to [1, max_tokens]
-    source: str  # "sidecar", "fallback" or "client" (--trust-client-predictions)
+    source: str  # "sidecar", "profile" (a catalogue name's own profile), "fallback" or "client" (--trust-client-predictions)
     reason: str | None = None  # why the fallback was used
     hi: int | None = None  # upper edge of the predicted bucket
     bucket: int | None = None

@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_engine(bsub)
     add_bench_placement(bsub)
     add_fleet_parser(bsub)
+    from serving.bench.models.cli import add_parser as add_bench_models
+
+    add_bench_models(bsub)
 
     add_overload_parser(bsub)
     add_soak_parser(bsub)

@@ -106,6 +106,16 @@ MODELS: dict[str, ModelSpec] = {
         # microsoft/phi-4.
         ModelSpec(name="phi-4", n_layers=40, hidden=5120, n_heads=40, n_kv_heads=10, head_dim=128, intermediate=17920,
                   vocab=100352, params=14.66e9, max_model_len=16384),
+        # LLaMA (the first; huggyllama/llama-7b, -13b, -30b, -65b): MuxServe's sixteen-model fleet. Multi-head
+        # attention, 2,048-token context, untied LM head; parameters from the papers' model cards.
+        ModelSpec(name="llama-7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=32, head_dim=128, intermediate=11008,
+                  vocab=32000, params=6.74e9, max_model_len=2048),
+        ModelSpec(name="llama-13b", n_layers=40, hidden=5120, n_heads=40, n_kv_heads=40, head_dim=128, intermediate=13824,
+                  vocab=32000, params=13.02e9, max_model_len=2048),
+        ModelSpec(name="llama-30b", n_layers=60, hidden=6656, n_heads=52, n_kv_heads=52, head_dim=128, intermediate=17920,
+                  vocab=32000, params=32.53e9, max_model_len=2048),
+        ModelSpec(name="llama-65b", n_layers=80, hidden=8192, n_heads=64, n_kv_heads=64, head_dim=128, intermediate=22016,
+                  vocab=32000, params=65.29e9, max_model_len=2048),
         # HuggingFaceTB/SmolLM2-135M(-Instruct): the model our CPU engine runs.
         ModelSpec(name="smollm2-135m", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate=1536,
                   vocab=49152, params=134.5e6, max_model_len=8192, tied_embeddings=True),

@@ -164,12 +164,18 @@ class RooflineLatency(LatencyModel):
     attention FLOPs (use ``StepShape.of`` to fill it).
     """
 
-    def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1, overhead_s: float = DEFAULT_OVERHEAD_S) -> None:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tp: int = 1, overhead_s: float = DEFAULT_OVERHEAD_S,
+                 tp_overhead_s: float = 0.0) -> None:
+        """``tp_overhead_s``: what tensor parallelism adds to every step when ``tp`` > 1 (its all-reduces and the
+        dispatch to its workers), which the roofline itself leaves out; 0 unless calibrated."""
         if tp <= 0:
             raise LatencyError(f"tp must be positive, got {tp}")
-        if not (math.isfinite(overhead_s) and overhead_s >= 0):
-            raise LatencyError(f"overhead_s must be finite and non-negative, got {overhead_s}")
-        self.model, self.gpu, self.tp, self.overhead_s = model, gpu, tp, float(overhead_s)
+        for name, v in (("overhead_s", overhead_s), ("tp_overhead_s", tp_overhead_s)):
+            if not (math.isfinite(v) and v >= 0):
+                raise LatencyError(f"{name} must be finite and non-negative, got {v}")
+        self.model, self.gpu, self.tp = model, gpu, tp
+        self.overhead_s = float(overhead_s) + (float(tp_overhead_s) if tp > 1 else 0.0)
+        self.tp_overhead_s = float(tp_overhead_s)
         self.name = f"roofline:{model.name}@{gpu.name}x{tp}"
         self._flops_s = gpu.flops * gpu.mfu * tp
         self._bw = gpu.mem_bw * gpu.mbu * tp
@@ -194,7 +200,7 @@ class RooflineLatency(LatencyModel):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "roofline", "name": self.name, "model": self.model.name, "gpu": self.gpu.name, "tp": self.tp,
-                "mfu": self.gpu.mfu, "mbu": self.gpu.mbu, "overhead_s": self.overhead_s,
+                "mfu": self.gpu.mfu, "mbu": self.gpu.mbu, "overhead_s": self.overhead_s, "tp_overhead_s": self.tp_overhead_s,
                 "weight_bytes": self.model.weight_bytes(), "kv_bytes_per_token": self.model.kv_bytes_per_token()}
 
 

@@ -31,14 +31,16 @@ class SimulationError(RuntimeError):
 def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name: str, config: PolicyConfig,
              kv_blocks: int, latency: LatencyModel, slo: SLO,
              repredict: Callable[[object, int, Prediction], float] | None = None,
-             check: bool = False, max_steps: int = 50_000_000, max_tokens: int | None = None) -> RunMetrics:
+             check: bool = False, max_steps: int = 50_000_000, max_tokens: int | None = None,
+             records: dict[int, RequestRecord] | None = None) -> RunMetrics:
     """Run ``requests`` (objects with rid, arrival, prompt_tokens, output_tokens) through one policy; ``max_tokens``
-    is every request's cap, as an engine would get it (see :func:`~serving.sim.instance.new_request`)."""
+    is every request's cap, as an engine would get it (see :func:`~serving.sim.instance.new_request`). ``records``,
+    when given, receives each request's record (a bench that reports means the summary leaves out)."""
     by_rid = {r.rid: r for r in requests}
     preds = {r.rid: p for r, p in zip(requests, predictions)}
     policy = make_policy(policy_name, config, kv_blocks, repredict_hook(repredict, by_rid, preds))
     order = sorted(requests, key=lambda r: (r.arrival, r.rid))
-    records: dict[int, RequestRecord] = {}
+    records = {} if records is None else records
     inst = SimInstance("instance-0", policy, latency, {r.rid: r.output_tokens for r in requests}, records, check)
     now = 0.0
     nxt = 0

@@ -1,0 +1,200 @@
+"""``lengthwise bench models``: several models of several sizes on a fleet of GPUs, in MuxServe's ChatLMSYS setting.
+
+Fidelity comes first (``--fidelity``): our simulator runs the placements MuxServe ran and is compared with what
+MuxServe measured, per model and per load level, with the roofline's step times and with step times calibrated on one
+level and judged on the others. The placement comparison (GPUs needed per placement) is built on this check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from serving.argtypes import comma_list
+
+DEFAULT_GRID = {"mbu": [0.8, 0.5, 0.35, 0.25], "overhead_s": [0.0015, 0.005, 0.01],
+                "tp_overhead_s": [0.0, 0.01, 0.02, 0.04]}
+
+
+def add_parser(bench_sub) -> argparse.ArgumentParser:
+    p = bench_sub.add_parser(
+        "models", help="several models on a GPU fleet (MuxServe's 16 LLaMA models on 32 A100s): the simulator against "
+                       "MuxServe's own measurements", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MuxServe's ChatLMSYS setting (16 LLaMA models, 7B to 65B, on 4 x 8 A100s, five load levels). "
+                    "--fidelity simulates the placements MuxServe ran (its spatial partitioning: one model per GPU "
+                    "mesh) on the workload it ran them on, and compares per model and level with MuxServe's measured "
+                    "throughput, p90/p99 latency, mean TTFT and mean TPOT: first with the roofline's step times, then "
+                    "with step times calibrated on one level (--calibrate-on) and judged on the other four. Prints "
+                    "the tables, writes JSON and a PNG (simulated against measured throughput).",
+        epilog="examples:\n  lengthwise bench models --fidelity\n"
+               "  lengthwise bench models --fidelity --levels condense500,condense2000 --calibrate-on none\n"
+               "  lengthwise bench models --fidelity --lengths sharegpt\n\n"
+               "JSON: levels -> LEVEL -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, simulated, error; "
+               "summary}; calibration -> {level, engine, fit_error, tried}.")
+    p.add_argument("--fidelity", action="store_true", required=True,
+                   help="simulate MuxServe's own placements and compare with its measurements (required: the "
+                        "placement comparison is not built yet)")
+    p.add_argument("--levels", type=comma_list(str.strip, "condense500,condense2000"), default=None, metavar="L,L",
+                   help="load levels (default: all five)")
+    p.add_argument("--calibrate-on", default="condense800", metavar="LEVEL",
+                   help="the level whose measurements fit the step-time model ('none': the roofline only; default: "
+                        "%(default)s)")
+    p.add_argument("--lengths", choices=["muxserve-mean", "sharegpt"], default="muxserve-mean",
+                   help="output lengths: ShareGPT's first turns scaled to the mean MuxServe reports for the level "
+                        "(261 tokens), or as ShareGPT has them (366 after MuxServe's filter) (default: %(default)s)")
+    p.add_argument("--first-turns", type=int, default=None, metavar="N",
+                   help="draw lengths from the first N ShareGPT first turns (default: all 14,736; counting them with "
+                        "the LLaMA tokenizer takes about 16 s, fewer make a quick run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench-results/models", help="(default: %(default)s)")
+    p.add_argument("--json", help="write results here (default: OUT_DIR/bench_models_fidelity.json; the PNG beside it)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from serving.bench.models.muxserve import MuxServeDataError, load_levels
+
+    console = Console()
+    try:
+        levels = load_levels()
+    except MuxServeDataError as exc:
+        print(f"lengthwise bench models: error: {exc}", file=sys.stderr)
+        return 2
+    chosen = a.levels or list(levels)
+    unknown = [name for name in [*chosen, *([] if a.calibrate_on == "none" else [a.calibrate_on])] if name not in levels]
+    if unknown:
+        print(f"lengthwise bench models: error: unknown level {unknown[0]!r}; levels: {', '.join(levels)}",
+              file=sys.stderr)
+        return 2
+    out = Path(a.json) if a.json else Path(a.out_dir) / "bench_models_fidelity.json"
+    if a.first_turns is not None and a.first_turns < 100:
+        print("lengthwise bench models: error: --first-turns needs at least 100 first turns to draw lengths from",
+              file=sys.stderr)
+        return 2
+    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=_plain))
+    png = plot_fidelity(res, out.with_suffix(".png"))
+    console.print(f"JSON: {out}\nplot: {png}")
+    return 0
+
+
+def _plain(x: object) -> object:
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
+def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: str, seed: int, console,
+                 first_turns: int | None = None) -> dict:
+    """Both engines over the chosen levels (the calibration level's rows are marked: it is not a test of itself)."""
+    import dataclasses
+
+    from rich.progress import Progress
+
+    from serving.bench.models.fidelity import Engine, FidelityConfig, calibrate, fidelity, summary
+
+    def config(level) -> FidelityConfig:
+        return FidelityConfig(output_mean=level.avg_output_len if lengths == "muxserve-mean" else None, seed=seed,
+                              lengths_limit=first_turns)
+
+    engines = {"roofline": Engine()}
+    res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed,
+                             "policy": FidelityConfig.policy, "gpu": "a100-80gb",
+                             "simulated": "spatial (one model per mesh); meshes several models share are not modelled yet"},
+                 "levels": {}}
+    with Progress(console=console, transient=True) as progress:
+        if calibrate_on != "none":
+            grid_size = math.prod(len(v) for v in DEFAULT_GRID.values())
+            task = progress.add_task(f"calibrating on {calibrate_on}", total=grid_size)
+            tried = []
+
+            def on_try(engine: Engine, err: float) -> None:
+                tried.append({**dataclasses.asdict(engine), "fit_error": err})
+                progress.advance(task)
+
+            best, err = calibrate(levels[calibrate_on], config(levels[calibrate_on]), DEFAULT_GRID, on_try)
+            engines["calibrated"] = best
+            res["calibration"] = {"level": calibrate_on, "engine": dataclasses.asdict(best), "fit_error": err,
+                                  "grid": DEFAULT_GRID, "tried": tried}
+        task = progress.add_task("simulating", total=len(chosen) * len(engines) * 16)
+        for name in chosen:
+            level = levels[name]
+            res["levels"][name] = {}
+            for label, engine in engines.items():
+                rows = fidelity(level, "spatial", dataclasses.replace(config(level), engine=engine),
+                                on_model=lambda _: progress.advance(task))
+                res["levels"][name][label] = {"models": rows, "summary": summary(rows),
+                                              "held_out": not (label == "calibrated" and name == calibrate_on)}
+    print_fidelity(res, console)
+    return res
+
+
+def print_fidelity(res: dict, console) -> None:
+    from rich.table import Table
+
+    for name, engines in res["levels"].items():
+        t = Table(title=f"{name}: spatial, simulated / MuxServe's measured (error)")
+        for col in ("model", "size", "GPUs", "req/s", "engine", "throughput", "p99 latency s", "mean TTFT s",
+                    "mean TPOT s"):
+            t.add_column(col, justify="left" if col in ("model", "size", "engine") else "right")
+        for label, run in engines.items():
+            for model, r in run["models"].items():
+                s, m, e = r["simulated"], r["measured"], r.get("error")
+                if s is None:
+                    continue
+                cells = [f"{s[k]:.3g} / {m[k]:.3g} ({e[k]:+.0%})" for k in ("throughput_rps", "jct_p99_s", "ttft_mean_s",
+                                                                              "tpot_mean_s")]
+                t.add_row(model, r["size"], str(r["gpus"]), f"{r['rate']:.1f}", label, *cells)
+        console.print(t)
+    t = Table(title="summary: median |error| and the share of models within 15%")
+    for col in ("level", "engine", "held out", "throughput", "p90 latency", "p99 latency", "mean TTFT", "mean TPOT"):
+        t.add_column(col)
+    for name, engines in res["levels"].items():
+        for label, run in engines.items():
+            sm = run["summary"]
+            t.add_row(name, label, "yes" if run["held_out"] else "no (fitted here)",
+                      *(f"{sm[k]['median_abs_error']:.0%}, {sm[k]['within']:.0%}" for k in
+                        ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")))
+    console.print(t)
+
+
+def plot_fidelity(res: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, key, title in ((axes[0], "throughput_rps", "throughput (req/s)"), (axes[1], "tpot_mean_s", "mean TPOT (s)")):
+        lo, hi = math.inf, 0.0
+        for label, marker in (("roofline", "o"), ("calibrated", "^")):
+            xs, ys = [], []
+            for engines in res["levels"].values():
+                run = engines.get(label)
+                for r in (run or {}).get("models", {}).values():
+                    if r["simulated"] is not None:
+                        xs.append(r["measured"][key])
+                        ys.append(r["simulated"][key])
+            if xs:
+                ax.scatter(xs, ys, marker=marker, alpha=0.6, label=label)
+                lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        if hi > 0:
+            line = [lo * 0.8, hi * 1.25]
+            ax.plot(line, line, "k-", lw=0.8)
+            ax.fill_between(line, [v * 0.85 for v in line], [v * 1.15 for v in line], color="grey", alpha=0.2,
+                            label="within 15%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"MuxServe measured {title}")
+        ax.set_ylabel(f"simulated {title}")
+        ax.legend()
+    fig.suptitle("spatial partitioning, MuxServe's ChatLMSYS setting: our simulator against MuxServe's measurements")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

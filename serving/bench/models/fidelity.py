@@ -1,0 +1,164 @@
+"""Our simulator against MuxServe's own measurements, before any placement of ours is compared with theirs.
+
+Each arm simulates what MuxServe ran (``muxserve_placements.json``) on the workload it ran it on: per model, as many
+Poisson arrivals at its rate as MuxServe's run sent it, lengths from :mod:`serving.bench.models.lengths`, and the
+engine MuxServe's runs used, vLLM's first scheduler (``vllm-v0``: whole prompts first, no chunked prefill) with
+the unit's ``max_num_seqs``, 16-token blocks and the KV share of the mesh. Step times come from the roofline model
+of the LLaMA size on A100s at the unit's tensor-parallel size (communication not modelled). The figures compared
+are MuxServe's: throughput (requests over the run's span), p90/p99 request latency, mean TTFT and mean TPOT.
+
+``spatial`` (one model per mesh) is simulated. A unit that several models share (``flexsm``, ``temporal``) needs
+the shared-mesh model and is reported as not simulated yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.bench.models.lengths import sample_lengths
+from serving.bench.models.muxserve import Level, Unit, load_placement
+from serving.perf.hardware import get_gpu, get_model, kv_blocks
+from serving.perf.latency import RooflineLatency
+from serving.perf.slo import derive_slo
+from serving.policy.config import PolicyConfig
+from serving.policy.request import Prediction
+from serving.sim.engine import poisson_arrivals, simulate
+from serving.sim.metrics import RequestRecord
+from serving.sim.workload import TraceRequest
+
+GPU = "a100-80gb"  # MuxServe §4.1: 4 nodes of 8 A100 (80GB)
+BLOCK = 16  # vLLM's default block size
+V0_BUDGET = 2048  # vLLM v0's max_num_batched_tokens for a 2,048-token context: max(max_model_len, 2048)
+SLO_SCALE = 8.0  # MuxServe §4.3's SLO scale
+COMPARED = ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How fast MuxServe's engines run against the roofline: the achievable share of HBM bandwidth (``mbu``) and of
+    peak FLOP/s (``mfu``), the per-step overhead, and what tensor parallelism adds to a step. The defaults are the
+    roofline's own; :func:`calibrate` fits them to one level's measurements."""
+
+    mbu: float = 0.8
+    mfu: float = 0.6
+    overhead_s: float = 1.5e-3
+    tp_overhead_s: float = 0.0
+
+    def latency(self, size: str, tp: int) -> RooflineLatency:
+        gpu = get_gpu(GPU).model_copy(update={"mbu": self.mbu, "mfu": self.mfu})
+        return RooflineLatency(get_model(size), gpu, tp, self.overhead_s, self.tp_overhead_s)
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """``output_mean``: scale sampled output lengths to this mean (MuxServe's reported average), None to keep
+    ShareGPT's; ``seed``: arrivals and lengths; ``engine``: the step-time model."""
+
+    output_mean: float | None = None
+    seed: int = 0
+    policy: str = "vllm-v0"
+    engine: Engine = Engine()
+    lengths_limit: int | None = None  # draw lengths from the first this many ShareGPT first turns only (tests)
+
+
+def unit_of(units: tuple[Unit, ...], model: str) -> Unit:
+    return next(u for u in units if any(m.name == model for m in u.models))
+
+
+def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int) -> list[TraceRequest]:
+    """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' draws apart)."""
+    prompt, out = sample_lengths(n, cfg.seed * 1000 + salt, limit=cfg.lengths_limit)
+    if cfg.output_mean is not None:
+        out = np.maximum(1, np.rint(out * (cfg.output_mean / out.mean()))).astype(np.int64)
+    times = poisson_arrivals(n, rate, cfg.seed * 1000 + salt)
+    return [TraceRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompt, out))]
+
+
+def simulate_alone(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig) -> dict[str, float]:
+    """One model alone on its mesh (a spatial unit): the compared figures and the run's facts."""
+    (m,) = unit.models
+    spec, gpu = get_model(m.size), get_gpu(GPU)
+    latency = cfg.engine.latency(m.size, m.tp)
+    blocks = kv_blocks(spec, unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
+    config = PolicyConfig(block_size=BLOCK, max_num_seqs=m.max_num_seqs, max_num_batched_tokens=V0_BUDGET,
+                          max_model_len=spec.max_model_len, tfs=V0_BUDGET)
+    slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], SLO_SCALE)
+    mean_out = float(np.mean([r.output_tokens for r in requests]))
+    records: dict[int, RequestRecord] = {}
+    run = simulate(requests, [Prediction(length=mean_out)] * len(requests), cfg.policy, config, blocks, latency, slo,
+                   records=records)
+    done = [r for r in records.values() if r.finished is not None]
+    tpot = [(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1]
+    return {"throughput_rps": run.throughput_rps, "jct_p90_s": run.jct_p90_s, "jct_p99_s": run.jct_p99_s,
+            "ttft_mean_s": float(np.mean([r.first_token - r.arrival for r in done])),
+            "tpot_mean_s": float(np.mean(tpot)) if tpot else float("nan"), "slo_attainment": run.slo_attainment,
+            "requests": len(requests), "completed": run.requests_completed, "kv_blocks": blocks,
+            "preemptions": run.preemptions, "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in requests])),
+            "mean_output_tokens": mean_out}
+
+
+def fidelity(level: Level, system: str, cfg: FidelityConfig,
+             on_model: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """Per model of ``level``: MuxServe's measured figures under ``system``, ours, and ours / theirs - 1."""
+    units = load_placement(level.name, system)
+    out: dict[str, dict] = {}
+    for salt, model in enumerate(level.models):
+        unit = unit_of(units, model.name)
+        measured = level.measured_row(system, model.name)
+        row: dict = {"size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
+                     "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured}
+        if len(unit.models) == 1:
+            sim = simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt), cfg)
+            row["simulated"] = sim
+            row["error"] = {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED}
+        else:
+            row["simulated"] = None
+            row["why_not"] = "a mesh several models share: not modelled yet"
+        out[model.name] = row
+        if on_model is not None:
+            on_model(model.name)
+    return out
+
+
+def summary(rows: dict[str, dict], within: float = 0.15) -> dict[str, dict[str, float]]:
+    """Per compared figure: the median absolute error and the share of models within ``within``, over simulated
+    models."""
+    out = {}
+    for k in COMPARED:
+        errs = np.array([abs(r["error"][k]) for r in rows.values() if r.get("error") and np.isfinite(r["error"][k])])
+        out[k] = {"median_abs_error": float(np.median(errs)) if errs.size else float("nan"),
+                  "within": float(np.mean(errs <= within)) if errs.size else float("nan"), "models": int(errs.size)}
+    return out
+
+
+FITTED = ("throughput_rps", "tpot_mean_s")  # what calibration matches: the capacity, and the step time under load
+
+
+def fit_error(rows: dict[str, dict]) -> float:
+    """Mean squared log ratio of ours to theirs over :data:`FITTED` and the simulated models."""
+    errs = [math.log(r["simulated"][k] / r["measured"][k]) ** 2 for r in rows.values() if r.get("error")
+            for k in FITTED if r["measured"][k] > 0 and r["simulated"][k] > 0]
+    return float(np.mean(errs)) if errs else float("inf")
+
+
+def calibrate(level: Level, cfg: FidelityConfig, grid: dict[str, Sequence[float]],
+              on_try: Callable[[Engine, float], None] | None = None) -> tuple[Engine, float]:
+    """The :class:`Engine` of ``grid`` (field -> values tried) whose spatial run of ``level`` errs least
+    (:func:`fit_error`). Fitted on one level, judged on the others: the levels share the engines, not the loads."""
+    best: tuple[Engine, float] | None = None
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        engine = dataclasses.replace(cfg.engine, **dict(zip(keys, values)))
+        err = fit_error(fidelity(level, "spatial", dataclasses.replace(cfg, engine=engine)))
+        if on_try is not None:
+            on_try(engine, err)
+        if best is None or err < best[1]:
+            best = (engine, err)
+    assert best is not None
+    return best

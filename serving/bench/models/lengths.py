@@ -1,0 +1,40 @@
+"""Request lengths for MuxServe's fleet: ShareGPT's first turns, kept as MuxServe keeps its ChatLMSYS conversations.
+
+MuxServe's benchmark keeps a conversation's first request and answer, counted with the LLaMA tokenizer, when the
+prompt has 4 to 1,024 tokens, the answer at least 4 and both together at most 2,048 (the models' context). Its
+ChatLMSYS requests are not in our data; ShareGPT's first turns, filtered the same way, stand in (MuxServe's own
+synthetic workloads draw from ShareGPT), and the bench reports both means beside each other.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from serving.sim.scenarios import SHAREGPT, data_path
+
+LLAMA_TOKENIZER = "tokenizers/llama2/tokenizer.model"  # LLaMA and Llama 2 share this 32,000-piece SentencePiece model
+MIN_TOKENS, MAX_PROMPT, MAX_TOTAL = 4, 1024, 2048
+
+
+@lru_cache(maxsize=2)
+def muxserve_lengths(source: str = SHAREGPT, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, output tokens) of every kept first turn, in the file's order; ``limit``: of the first that many
+    first turns only (counting all 14,736 takes about 16 s here)."""
+    from training.data.labels import load_counter
+    from training.data.loaders import load_sharegpt
+
+    examples = [e for e in load_sharegpt(data_path(source), first_turn_only=True) if e.response][:limit]
+    counter = load_counter(data_path(LLAMA_TOKENIZER))
+    prompt = counter.count([e.latest for e in examples])
+    out = counter.count([e.response for e in examples])
+    keep = (prompt >= MIN_TOKENS) & (out >= MIN_TOKENS) & (prompt <= MAX_PROMPT) & (prompt + out <= MAX_TOTAL)
+    return prompt[keep].astype(np.int64), out[keep].astype(np.int64)
+
+
+def sample_lengths(n: int, seed: int, source: str = SHAREGPT, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (prompt, output) pairs drawn with replacement from :func:`muxserve_lengths`."""
+    prompt, out = muxserve_lengths(source, limit)
+    idx = np.random.default_rng(seed).integers(0, len(prompt), size=n)
+    return prompt[idx], out[idx]

@@ -1,0 +1,77 @@
+"""``lengthwise bench models --fidelity``: MuxServe's placements and measurements read as published, our simulator run
+on them, and the comparison's contract (every model of every chosen level, its error against the measured figure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.bench.models.fidelity import COMPARED, Engine, FidelityConfig, fidelity, summary
+from serving.bench.models.muxserve import SYSTEMS, load_levels, load_placement
+from serving.cli import main
+from serving.perf.hardware import get_model
+from tests.cli_inproc import run_main
+
+
+def test_each_level_places_its_sixteen_models_once_per_system_within_the_cluster(data):
+    levels = load_levels()
+    assert list(levels) == ["condense500", "condense800", "condense1200", "condense1600", "condense2000"]
+    for name, level in levels.items():
+        assert len(level.models) == 16 and level.cluster_gpus == 32
+        sizes = {m.name: m.size for m in level.models}
+        for system in SYSTEMS:
+            units = load_placement(name, system)
+            placed = [m for u in units for m in u.models]
+            assert sorted(m.name for m in placed) == sorted(sizes), (name, system)
+            assert all(m.size == sizes[m.name] and m.tp == u.gpus for u in units for m in u.models)
+            assert sum(u.gpus for u in units) <= 32
+            for u in units:  # the KV share of the mesh and every model's weights fit its memory (MuxServe's reading)
+                weights = sum(get_model(m.size).weight_bytes() for m in u.models)
+                assert weights + u.kv_fraction * u.gpus * 80 * 2**30 <= u.gpus * 80 * 2**30, (name, system, u)
+    assert levels["condense500"].total_rate == pytest.approx(47.5, abs=0.5)
+    assert levels["condense2000"].total_rate == pytest.approx(190, abs=1)
+
+
+def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(data):
+    level = load_levels()["condense500"]
+    cfg = FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500)
+    rows = fidelity(level, "spatial", cfg)
+    assert len(rows) == 16
+    for name, r in rows.items():
+        sim, measured = r["simulated"], r["measured"]
+        assert sim["requests"] == measured["requests"] == sim["completed"], name
+        assert sim["mean_output_tokens"] == pytest.approx(level.avg_output_len, rel=0.02)
+        for k in COMPARED:
+            assert r["error"][k] == pytest.approx(sim[k] / measured[k] - 1)
+    # a slower engine (a third of the bandwidth, a TP cost) decodes slower: every model's mean TPOT rises
+    slow = fidelity(level, "spatial", FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500,
+                                                     engine=Engine(mbu=0.27, tp_overhead_s=0.02)))
+    assert all(slow[n]["simulated"]["tpot_mean_s"] > rows[n]["simulated"]["tpot_mean_s"] for n in rows)
+    s = summary(rows)
+    assert set(s) == set(COMPARED) and all(v["models"] == 16 and 0 <= v["within"] <= 1 for v in s.values())
+    # MuxServe's shared meshes are not simulated yet, and say so
+    flex = fidelity(level, "flexsm", cfg)
+    shared = [r for r in flex.values() if r["shares_mesh_with"]]
+    assert shared and all(r["simulated"] is None and "not modelled" in r["why_not"] for r in shared)
+
+
+def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
+    out = tmp_path / "fid.json"
+    r = run_main(main, ["bench", "models", "--fidelity", "--levels", "condense500", "--calibrate-on", "none",
+                        "--first-turns", "1500", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    run = res["levels"]["condense500"]["roofline"]
+    assert len(run["models"]) == 16 and run["held_out"] and "calibration" not in res
+    assert out.with_suffix(".png").stat().st_size > 10_000 and "summary: median |error|" in r.stdout
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--levels", "condense9"], "unknown level 'condense9'"),
+    (["--calibrate-on", "nope"], "unknown level 'nope'"),
+    (["--first-turns", "5"], "--first-turns needs at least 100"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, said):
+    r = run_main(main, ["bench", "models", "--fidelity", *argv])
+    assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -35,7 +35,7 @@ def test_each_level_places_its_sixteen_models_once_per_system_within_the_cluster
 
 def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(data):
     level = load_levels()["condense500"]
-    cfg = FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500)
+    cfg = FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500, replays=1)
     rows = fidelity(level, "spatial", cfg)
     assert len(rows) == 16
     for name, r in rows.items():
@@ -45,11 +45,15 @@ def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(dat
         for k in COMPARED:
             assert r["error"][k] == pytest.approx(sim[k] / measured[k] - 1)
     # a slower engine (a third of the bandwidth, a TP cost) decodes slower: every model's mean TPOT rises
-    slow = fidelity(level, "spatial", FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500,
+    slow = fidelity(level, "spatial", FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500, replays=1,
                                                      engine=Engine(mbu=0.27, tp_overhead_s=0.02)))
     assert all(slow[n]["simulated"]["tpot_mean_s"] > rows[n]["simulated"]["tpot_mean_s"] for n in rows)
     s = summary(rows)
     assert set(s) == set(COMPARED) and all(v["models"] == 16 and 0 <= v["within"] <= 1 for v in s.values())
+    assert s["throughput_rps"]["within_noise"] >= s["throughput_rps"]["within"]
+    total = sum(r["simulated"]["throughput_rps"] for r in rows.values()) / sum(r["measured"]["throughput_rps"]
+                                                                                for r in rows.values())
+    assert s["throughput_rps"]["total_error"] == pytest.approx(total - 1)
     # MuxServe's shared meshes are not simulated yet, and say so
     flex = fidelity(level, "flexsm", cfg)
     shared = [r for r in flex.values() if r["shares_mesh_with"]]
@@ -59,7 +63,7 @@ def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(dat
 def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
     out = tmp_path / "fid.json"
     r = run_main(main, ["bench", "models", "--fidelity", "--levels", "condense500", "--calibrate-on", "none",
-                        "--first-turns", "1500", "--json", str(out)])
+                        "--first-turns", "1500", "--replays", "1", "--json", str(out)])
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     run = res["levels"]["condense500"]["roofline"]
@@ -71,6 +75,7 @@ def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
     (["--levels", "condense9"], "unknown level 'condense9'"),
     (["--calibrate-on", "nope"], "unknown level 'nope'"),
     (["--first-turns", "5"], "--first-turns needs at least 100"),
+    (["--replays", "0"], "--replays must be at least 1"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, said):
     r = run_main(main, ["bench", "models", "--fidelity", *argv])

@@ -48,6 +48,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--first-turns", type=int, default=None, metavar="N",
                    help="draw lengths from the first N ShareGPT first turns (default: all 14,736; counting them with "
                         "the LLaMA tokenizer takes about 16 s, fewer make a quick run)")
+    p.add_argument("--replays", type=int, default=3, metavar="N",
+                   help="arrival and length draws per model, averaged (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench-results/models", help="(default: %(default)s)")
     p.add_argument("--json", help="write results here (default: OUT_DIR/bench_models_fidelity.json; the PNG beside it)")
@@ -73,11 +75,14 @@ def run_cli(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     out = Path(a.json) if a.json else Path(a.out_dir) / "bench_models_fidelity.json"
+    if a.replays < 1:
+        print("lengthwise bench models: error: --replays must be at least 1", file=sys.stderr)
+        return 2
     if a.first_turns is not None and a.first_turns < 100:
         print("lengthwise bench models: error: --first-turns needs at least 100 first turns to draw lengths from",
               file=sys.stderr)
         return 2
-    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns)
+    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=_plain))
     png = plot_fidelity(res, out.with_suffix(".png"))
@@ -90,7 +95,7 @@ def _plain(x: object) -> object:
 
 
 def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: str, seed: int, console,
-                 first_turns: int | None = None) -> dict:
+                 first_turns: int | None = None, replays: int = 3) -> dict:
     """Both engines over the chosen levels (the calibration level's rows are marked: it is not a test of itself)."""
     import dataclasses
 
@@ -100,10 +105,10 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
 
     def config(level) -> FidelityConfig:
         return FidelityConfig(output_mean=level.avg_output_len if lengths == "muxserve-mean" else None, seed=seed,
-                              lengths_limit=first_turns)
+                              lengths_limit=first_turns, replays=replays)
 
     engines = {"roofline": Engine()}
-    res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed,
+    res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed, "replays": replays,
                              "policy": FidelityConfig.policy, "gpu": "a100-80gb",
                              "simulated": "spatial (one model per mesh); meshes several models share are not modelled yet"},
                  "levels": {}}
@@ -151,15 +156,20 @@ def print_fidelity(res: dict, console) -> None:
                                                                               "tpot_mean_s")]
                 t.add_row(model, r["size"], str(r["gpus"]), f"{r['rate']:.1f}", label, *cells)
         console.print(t)
-    t = Table(title="summary: median |error| and the share of models within 15%")
-    for col in ("level", "engine", "held out", "throughput", "p90 latency", "p99 latency", "mean TTFT", "mean TPOT"):
+    t = Table(title="summary: median |error| and the share of models within 15% (throughput: also within twice its "
+                    "arrival noise, and the level's total)")
+    for col in ("level", "engine", "held out", "throughput", "total throughput", "p90 latency", "p99 latency",
+                "mean TTFT", "mean TPOT"):
         t.add_column(col)
     for name, engines in res["levels"].items():
         for label, run in engines.items():
             sm = run["summary"]
+            thr = sm["throughput_rps"]
             t.add_row(name, label, "yes" if run["held_out"] else "no (fitted here)",
+                      f"{thr['median_abs_error']:.0%}, {thr['within']:.0%} ({thr.get('within_noise', math.nan):.0%})",
+                      f"{thr.get('total_error', math.nan):+.1%}",
                       *(f"{sm[k]['median_abs_error']:.0%}, {sm[k]['within']:.0%}" for k in
-                        ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")))
+                        ("jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")))
     console.print(t)
 
 

@@ -65,6 +65,7 @@ class FidelityConfig:
     policy: str = "vllm-v0"
     engine: Engine = Engine()
     lengths_limit: int | None = None  # draw lengths from the first this many ShareGPT first turns only (tests)
+    replays: int = 3  # arrival and length draws per model, averaged: one draw of 100 arrivals spans +-10% by itself
 
 
 def unit_of(units: tuple[Unit, ...], model: str) -> Unit:
@@ -72,11 +73,12 @@ def unit_of(units: tuple[Unit, ...], model: str) -> Unit:
 
 
 def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int) -> list[TraceRequest]:
-    """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' draws apart)."""
-    prompt, out = sample_lengths(n, cfg.seed * 1000 + salt, limit=cfg.lengths_limit)
+    """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' and replays' draws apart)."""
+    seed = cfg.seed * 100_000 + salt
+    prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit)
     if cfg.output_mean is not None:
         out = np.maximum(1, np.rint(out * (cfg.output_mean / out.mean()))).astype(np.int64)
-    times = poisson_arrivals(n, rate, cfg.seed * 1000 + salt)
+    times = poisson_arrivals(n, rate, seed)
     return [TraceRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompt, out))]
 
 
@@ -114,9 +116,14 @@ def fidelity(level: Level, system: str, cfg: FidelityConfig,
         row: dict = {"size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
                      "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured}
         if len(unit.models) == 1:
-            sim = simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt), cfg)
+            runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k), cfg)
+                    for k in range(cfg.replays)]
+            sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+            sim["throughput_replays"] = [r["throughput_rps"] for r in runs]
             row["simulated"] = sim
             row["error"] = {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED}
+            # what one draw of this many Poisson arrivals moves a span by, measured or simulated alike
+            row["arrival_noise"] = 1 / math.sqrt(measured["requests"])
         else:
             row["simulated"] = None
             row["why_not"] = "a mesh several models share: not modelled yet"
@@ -128,12 +135,19 @@ def fidelity(level: Level, system: str, cfg: FidelityConfig,
 
 def summary(rows: dict[str, dict], within: float = 0.15) -> dict[str, dict[str, float]]:
     """Per compared figure: the median absolute error and the share of models within ``within``, over simulated
-    models."""
-    out = {}
+    models; for throughput also the share within twice the arrival noise where that is wider, and the level's total
+    (the sum over its simulated models, where the draws' noise averages out)."""
+    out: dict[str, dict[str, float]] = {}
     for k in COMPARED:
         errs = np.array([abs(r["error"][k]) for r in rows.values() if r.get("error") and np.isfinite(r["error"][k])])
         out[k] = {"median_abs_error": float(np.median(errs)) if errs.size else float("nan"),
                   "within": float(np.mean(errs <= within)) if errs.size else float("nan"), "models": int(errs.size)}
+    sim = [r for r in rows.values() if r.get("error")]
+    if sim:
+        out["throughput_rps"]["within_noise"] = float(np.mean([
+            abs(r["error"]["throughput_rps"]) <= max(within, 2 * r["arrival_noise"]) for r in sim]))
+        total = sum(r["simulated"]["throughput_rps"] for r in sim) / sum(r["measured"]["throughput_rps"] for r in sim)
+        out["throughput_rps"]["total_error"] = total - 1
     return out
 
 

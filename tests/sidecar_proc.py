@@ -24,7 +24,13 @@ class Sidecar:
     log: Path
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return HTTP.get(self.url + path, timeout=30, **kw)
+        """A GET, once more on a fresh connection when a kept-alive one was reset under it (seen once in a clean-clone
+        run, polling /metrics while the other lane loaded the machine); a sidecar that is down fails both."""
+        try:
+            return HTTP.get(self.url + path, timeout=30, **kw)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            with httpx.Client() as fresh:
+                return fresh.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw) -> httpx.Response:
         return HTTP.post(self.url + path, timeout=30, **kw)

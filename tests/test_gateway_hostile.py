@@ -714,7 +714,9 @@ def test_a_pathological_body_does_not_hold_health(keyed):
         stop.set()
         thread.join()
         assert r.status_code in (200, 400), r.text
-        assert max(delays) < 0.5, (len(raw), sorted(delays)[-5:])
+        # held for the whole body, /health waited 1.99 s; parsed off the event loop its slowest was 0.18 s on an idle
+        # machine and 0.51 s beside the other lane of the suite (JSON's parser holds the GIL while it runs)
+        assert max(delays) < 1.0, (len(raw), sorted(delays)[-5:])
 
 
 # Values no request field takes, as JSON text: non-finite numbers, huge integers, every JSON type.

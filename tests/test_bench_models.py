@@ -30,22 +30,26 @@ def test_each_level_places_its_sixteen_models_once_per_system_within_the_cluster
                 weights = sum(get_model(m.size).weight_bytes() for m in u.models)
                 assert weights + u.kv_fraction * u.gpus * 80 * 2**30 <= u.gpus * 80 * 2**30, (name, system, u)
     assert levels["condense500"].total_rate == pytest.approx(47.5, abs=0.5)
+    # a model's mean tokens per request is its requests' own: the same at every level
+    assert {round(lv.tokens_per_request("llm-3"), 6) for lv in levels.values()} == {209.443535}
     assert levels["condense2000"].total_rate == pytest.approx(190, abs=1)
 
 
 def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(data):
     level = load_levels()["condense500"]
-    cfg = FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500, replays=1)
+    cfg = FidelityConfig(lengths_limit=1500, replays=1)
     rows = fidelity(level, "spatial", cfg)
     assert len(rows) == 16
     for name, r in rows.items():
         sim, measured = r["simulated"], r["measured"]
         assert sim["requests"] == measured["requests"] == sim["completed"], name
-        assert sim["mean_output_tokens"] == pytest.approx(level.avg_output_len, rel=0.02)
+        # each model's own mean tokens per request, as MuxServe's tokens/s over its requests/s give it
+        assert sim["mean_prompt_tokens"] + sim["mean_output_tokens"] == pytest.approx(level.tokens_per_request(name),
+                                                                                      rel=0.02)
         for k in COMPARED:
             assert r["error"][k] == pytest.approx(sim[k] / measured[k] - 1)
     # a slower engine (a third of the bandwidth, a TP cost) decodes slower: every model's mean TPOT rises
-    slow = fidelity(level, "spatial", FidelityConfig(output_mean=level.avg_output_len, lengths_limit=1500, replays=1,
+    slow = fidelity(level, "spatial", FidelityConfig(lengths_limit=1500, replays=1,
                                                      engine=Engine(mbu=0.27, tp_overhead_s=0.02)))
     assert all(slow[n]["simulated"]["tpot_mean_s"] > rows[n]["simulated"]["tpot_mean_s"] for n in rows)
     s = summary(rows)

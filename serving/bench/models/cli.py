@@ -42,9 +42,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--calibrate-on", default="condense800", metavar="LEVEL",
                    help="the level whose measurements fit the step-time model ('none': the roofline only; default: "
                         "%(default)s)")
-    p.add_argument("--lengths", choices=["muxserve-mean", "sharegpt"], default="muxserve-mean",
-                   help="output lengths: ShareGPT's first turns scaled to the mean MuxServe reports for the level "
-                        "(261 tokens), or as ShareGPT has them (366 after MuxServe's filter) (default: %(default)s)")
+    p.add_argument("--lengths", choices=["per-model", "level-mean", "sharegpt"], default="per-model",
+                   help="request lengths: ShareGPT's first turns scaled to each model's own mean tokens per request "
+                        "(MuxServe's tokens/s over its requests/s: 209 to 443), to the level's average output (261), "
+                        "or as ShareGPT has them (366 after MuxServe's filter) (default: %(default)s)")
     p.add_argument("--first-turns", type=int, default=None, metavar="N",
                    help="draw lengths from the first N ShareGPT first turns (default: all 14,736; counting them with "
                         "the LLaMA tokenizer takes about 16 s, fewer make a quick run)")
@@ -104,8 +105,7 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
     from serving.bench.models.fidelity import Engine, FidelityConfig, calibrate, fidelity, summary
 
     def config(level) -> FidelityConfig:
-        return FidelityConfig(output_mean=level.avg_output_len if lengths == "muxserve-mean" else None, seed=seed,
-                              lengths_limit=first_turns, replays=replays)
+        return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays)
 
     engines = {"roofline": Engine()}
     res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed, "replays": replays,

@@ -55,12 +55,17 @@ class Engine:
         return RooflineLatency(get_model(size), gpu, tp, self.overhead_s, self.tp_overhead_s)
 
 
+LENGTHS = ("per-model", "level-mean", "sharegpt")
+
+
 @dataclass(frozen=True)
 class FidelityConfig:
-    """``output_mean``: scale sampled output lengths to this mean (MuxServe's reported average), None to keep
-    ShareGPT's; ``seed``: arrivals and lengths; ``engine``: the step-time model."""
+    """``lengths``: ShareGPT's first turns scaled per model to its requests' mean tokens (``per-model``,
+    :meth:`Level.tokens_per_request`, split as the level's average prompt and output), scaled to the level's average
+    output (``level-mean``), or as they are (``sharegpt``); ``seed``: arrivals and lengths; ``engine``: the
+    step-time model."""
 
-    output_mean: float | None = None
+    lengths: str = "per-model"
     seed: int = 0
     policy: str = "vllm-v0"
     engine: Engine = Engine()
@@ -72,12 +77,22 @@ def unit_of(units: tuple[Unit, ...], model: str) -> Unit:
     return next(u for u in units if any(m.name == model for m in u.models))
 
 
-def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int) -> list[TraceRequest]:
-    """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' and replays' draws apart)."""
+def _scaled(x: np.ndarray, mean: float) -> np.ndarray:
+    return np.maximum(1, np.rint(x * (mean / x.mean()))).astype(np.int64)
+
+
+def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int, level: Level | None = None,
+                 model: str | None = None) -> list[TraceRequest]:
+    """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' and replays' draws apart),
+    scaled as ``cfg.lengths`` says for ``model`` of ``level``."""
     seed = cfg.seed * 100_000 + salt
     prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit)
-    if cfg.output_mean is not None:
-        out = np.maximum(1, np.rint(out * (cfg.output_mean / out.mean()))).astype(np.int64)
+    if cfg.lengths == "level-mean" and level is not None:
+        out = _scaled(out, level.avg_output_len)
+    elif cfg.lengths == "per-model" and level is not None and model is not None:
+        total = level.tokens_per_request(model)
+        share = level.avg_output_len / (level.avg_output_len + level.avg_prompt_len)
+        prompt, out = _scaled(prompt, total * (1 - share)), _scaled(out, total * share)
     times = poisson_arrivals(n, rate, seed)
     return [TraceRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompt, out))]
 
@@ -116,8 +131,8 @@ def fidelity(level: Level, system: str, cfg: FidelityConfig,
         row: dict = {"size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
                      "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured}
         if len(unit.models) == 1:
-            runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k), cfg)
-                    for k in range(cfg.replays)]
+            runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
+                                                      model.name), cfg) for k in range(cfg.replays)]
             sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
             sim["throughput_replays"] = [r["throughput_rps"] for r in runs]
             row["simulated"] = sim

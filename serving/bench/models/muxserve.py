@@ -81,6 +81,14 @@ class Level:
     def total_rate(self) -> float:
         return sum(m.rate for m in self.models)
 
+    def tokens_per_request(self, model: str) -> float:
+        """The mean prompt + output tokens of ``model``'s requests: MuxServe's tokens/s over its requests/s. Each model
+        answers its own share of the ChatLMSYS conversations, so the means differ (209 to 443 here); the figure is
+        the same at every level and under every system, a property of the requests and not of how they were
+        served. (Its benchmark, as vLLM's of the time, counts prompt and output tokens in its tokens/s.)"""
+        raw = self.measured["spatial"][model]
+        return float(raw["tokens_throughput"]) / float(raw["throughput"])
+
     def measured_row(self, system: str, model: str) -> dict[str, float]:
         """MuxServe's measured figures of ``model`` under ``system``, in our names (:data:`MEASURED_KEYS`)."""
         raw = self.measured[system][model]

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from serving.bench.models.fidelity import COMPARED, Engine, FidelityConfig, fidelity, summary
+from serving.bench.models.fidelity import COMPARED, Engine, FidelityConfig, fidelity, kv_shares, summary
 from serving.bench.models.muxserve import SYSTEMS, load_levels, load_placement
 from serving.cli import main
-from serving.perf.hardware import get_model
+from serving.perf.hardware import get_model, kv_blocks
 from tests.cli_inproc import run_main
 
 
@@ -58,10 +58,18 @@ def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(dat
     total = sum(r["simulated"]["throughput_rps"] for r in rows.values()) / sum(r["measured"]["throughput_rps"]
                                                                                 for r in rows.values())
     assert s["throughput_rps"]["total_error"] == pytest.approx(total - 1)
-    # MuxServe's shared meshes are not simulated yet, and say so
+    # MuxServe's shared meshes: each model with its MPS shares and its part of the KV pool, slower than alone
     flex = fidelity(level, "flexsm", cfg)
-    shared = [r for r in flex.values() if r["shares_mesh_with"]]
-    assert shared and all(r["simulated"] is None and "not modelled" in r["why_not"] for r in shared)
+    shared = {n: r for n, r in flex.items() if r["shares_mesh_with"]}
+    assert shared and all(r["simulated"]["completed"] == r["measured"]["requests"] for r in shared.values())
+    units = load_placement(level.name, "flexsm")
+    for u in units:
+        if len(u.models) > 1:
+            shares = kv_shares(u, level)
+            assert sum(shares.values()) == pytest.approx(1) and all(0 < v < 1 for v in shares.values())
+            blocks = [flex[m.name]["simulated"]["kv_blocks"] for m in u.models]
+            alone = kv_blocks(get_model(u.models[0].size), u.kv_fraction * u.gpus * 80 * 2**30, 16)
+            assert blocks[0] < alone
 
 
 def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
@@ -70,7 +78,8 @@ def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
                         "--first-turns", "1500", "--replays", "1", "--json", str(out)])
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    run = res["levels"]["condense500"]["roofline"]
+    run = res["levels"]["condense500"]["spatial"]["roofline"]
+    assert set(res["levels"]["condense500"]) == {"spatial", "flexsm", "temporal"}
     assert len(run["models"]) == 16 and run["held_out"] and "calibration" not in res
     assert out.with_suffix(".png").stat().st_size > 10_000 and "summary: median |error|" in r.stdout
 
@@ -80,6 +89,7 @@ def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
     (["--calibrate-on", "nope"], "unknown level 'nope'"),
     (["--first-turns", "5"], "--first-turns needs at least 100"),
     (["--replays", "0"], "--replays must be at least 1"),
+    (["--systems", "spatial,alpaserve"], "unknown system 'alpaserve'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, said):
     r = run_main(main, ["bench", "models", "--fidelity", *argv])

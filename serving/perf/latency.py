@@ -183,7 +183,8 @@ class RooflineLatency(LatencyModel):
         self._fpt, self._afpt = model.flops_per_token(), model.attn_flops_per_context_token()
         self._wb, self._kvb = model.weight_bytes(), model.kv_bytes_per_token()
 
-    def _parts(self, s: StepShape) -> tuple[float, float]:
+    def parts(self, s: StepShape) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of a step, before the overhead."""
         tokens = s.prefill_tokens + s.decode_tokens
         flops = self._fpt * tokens + self._afpt * (s.prefill_attn_tokens2 + s.kv_read_tokens)
         nbytes = self._wb + (s.kv_read_tokens + tokens) * self._kvb
@@ -191,17 +192,42 @@ class RooflineLatency(LatencyModel):
 
     def breakdown(self, s: StepShape) -> dict[str, float | str]:
         """Compute and memory seconds separately, and which one bounds the step (for tests and reports)."""
-        compute_s, memory_s = self._parts(s)
+        compute_s, memory_s = self.parts(s)
         return {"compute_s": compute_s, "memory_s": memory_s, "overhead_s": self.overhead_s,
                 "bound": "compute" if compute_s > memory_s else "memory"}
 
     def step_time(self, s: StepShape) -> float:
-        return max(max(self._parts(s)) + self.overhead_s, MIN_STEP_S)
+        return max(max(self.parts(s)) + self.overhead_s, MIN_STEP_S)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "roofline", "name": self.name, "model": self.model.name, "gpu": self.gpu.name, "tp": self.tp,
                 "mfu": self.gpu.mfu, "mbu": self.gpu.mbu, "overhead_s": self.overhead_s, "tp_overhead_s": self.tp_overhead_s,
                 "weight_bytes": self.model.weight_bytes(), "kv_bytes_per_token": self.model.kv_bytes_per_token()}
+
+
+class SharedLatency(LatencyModel):
+    """A model that shares its GPUs with others (MuxServe's LLM units): its prefill and its decode each get a share of
+    the SMs, under NVIDIA MPS, and a step's compute and reachable HBM bandwidth scale with that share (MuxServe §3.1
+    profiles LLaMA-7B's throughput from 30% to 100% of the SMs). A step with prompt tokens runs at
+    ``prefill_share``, a step of decodes alone at ``decode_share``; the per-step overhead does not scale.
+
+    Not modelled: what co-located jobs take from each other beyond their shares (MPS interference, the L2 cache), and
+    the order in which their prefills run (MuxServe's estimator runs them one after another)."""
+
+    def __init__(self, base: RooflineLatency, prefill_share: float, decode_share: float) -> None:
+        for name, v in (("prefill_share", prefill_share), ("decode_share", decode_share)):
+            if not 0 < v <= 1:
+                raise LatencyError(f"{name} must be in (0, 1], got {v}")
+        self.base, self.prefill_share, self.decode_share = base, prefill_share, decode_share
+        self.name = f"shared:{base.name}@{prefill_share:g}/{decode_share:g}"
+
+    def step_time(self, s: StepShape) -> float:
+        share = self.prefill_share if s.prefill_tokens else self.decode_share
+        return max(max(self.base.parts(s)) / share + self.base.overhead_s, MIN_STEP_S)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "shared", "name": self.name, "prefill_share": self.prefill_share,
+                "decode_share": self.decode_share, "base": self.base.describe()}
 
 
 class DecodePoolLatency(LatencyModel):

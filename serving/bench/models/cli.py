@@ -8,6 +8,7 @@ level and judged on the others. The placement comparison (GPUs needed per placem
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -24,21 +25,27 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         "models", help="several models on a GPU fleet (MuxServe's 16 LLaMA models on 32 A100s): the simulator against "
                        "MuxServe's own measurements", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="MuxServe's ChatLMSYS setting (16 LLaMA models, 7B to 65B, on 4 x 8 A100s, five load levels). "
-                    "--fidelity simulates the placements MuxServe ran (its spatial partitioning: one model per GPU "
-                    "mesh) on the workload it ran them on, and compares per model and level with MuxServe's measured "
-                    "throughput, p90/p99 latency, mean TTFT and mean TPOT: first with the roofline's step times, then "
-                    "with step times calibrated on one level (--calibrate-on) and judged on the other four. Prints "
-                    "the tables, writes JSON and a PNG (simulated against measured throughput).",
+                    "--fidelity simulates the placements MuxServe ran (spatial: one model per GPU mesh; flexsm, "
+                    "MuxServe itself: models sharing a mesh under MPS; temporal: time multiplexing) on the workload it "
+                    "ran them on, and compares per model and level with MuxServe's measured throughput, p90/p99 "
+                    "latency, mean TTFT and mean TPOT: first with the roofline's step times, then with step times "
+                    "calibrated on spatial at one level (--calibrate-on) and judged everywhere else. Prints the "
+                    "tables, writes JSON and a PNG (simulated against measured throughput and TPOT).",
         epilog="examples:\n  lengthwise bench models --fidelity\n"
+               "  lengthwise bench models --fidelity --systems spatial\n"
                "  lengthwise bench models --fidelity --levels condense500,condense2000 --calibrate-on none\n"
                "  lengthwise bench models --fidelity --lengths sharegpt\n\n"
-               "JSON: levels -> LEVEL -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, simulated, error; "
-               "summary}; calibration -> {level, engine, fit_error, tried}.")
+               "JSON: levels -> LEVEL -> SYSTEM -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, "
+               "simulated, error; summary; held_out}; calibration -> {level, engine, fit_error, tried}.")
     p.add_argument("--fidelity", action="store_true", required=True,
                    help="simulate MuxServe's own placements and compare with its measurements (required: the "
                         "placement comparison is not built yet)")
     p.add_argument("--levels", type=comma_list(str.strip, "condense500,condense2000"), default=None, metavar="L,L",
                    help="load levels (default: all five)")
+    p.add_argument("--systems", type=comma_list(str.strip, "spatial,flexsm"), default=["spatial", "flexsm", "temporal"],
+                   metavar="S,S", help="MuxServe's systems to simulate as it placed them: spatial (one model per mesh), "
+                                       "flexsm (MuxServe: models sharing a mesh under MPS), temporal (time "
+                                       "multiplexing on MuxServe's placement) (default: all three)")
     p.add_argument("--calibrate-on", default="condense800", metavar="LEVEL",
                    help="the level whose measurements fit the step-time model ('none': the roofline only; default: "
                         "%(default)s)")
@@ -61,7 +68,7 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
 def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from serving.bench.models.muxserve import MuxServeDataError, load_levels
+    from serving.bench.models.muxserve import SYSTEMS, MuxServeDataError, load_levels
 
     console = Console()
     try:
@@ -83,7 +90,12 @@ def run_cli(a: argparse.Namespace) -> int:
         print("lengthwise bench models: error: --first-turns needs at least 100 first turns to draw lengths from",
               file=sys.stderr)
         return 2
-    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays)
+    bad = [s for s in a.systems if s not in SYSTEMS]
+    if bad:
+        print(f"lengthwise bench models: error: unknown system {bad[0]!r}; systems: {', '.join(SYSTEMS)}", file=sys.stderr)
+        return 2
+    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,
+                       tuple(a.systems))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=_plain))
     png = plot_fidelity(res, out.with_suffix(".png"))
@@ -96,8 +108,9 @@ def _plain(x: object) -> object:
 
 
 def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: str, seed: int, console,
-                 first_turns: int | None = None, replays: int = 3) -> dict:
-    """Both engines over the chosen levels (the calibration level's rows are marked: it is not a test of itself)."""
+                 first_turns: int | None = None, replays: int = 3, systems: tuple[str, ...] = ("spatial",)) -> dict:
+    """Both engines over the chosen levels and systems (calibrated on ``spatial`` at ``calibrate_on``: that run is
+    marked, it is no test of itself; every other system and level is held out)."""
     import dataclasses
 
     from rich.progress import Progress
@@ -110,7 +123,7 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
     engines = {"roofline": Engine()}
     res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed, "replays": replays,
                              "policy": FidelityConfig.policy, "gpu": "a100-80gb",
-                             "simulated": "spatial (one model per mesh); meshes several models share are not modelled yet"},
+                             "systems": list(systems)},
                  "levels": {}}
     with Progress(console=console, transient=True) as progress:
         if calibrate_on != "none":
@@ -126,15 +139,17 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
             engines["calibrated"] = best
             res["calibration"] = {"level": calibrate_on, "engine": dataclasses.asdict(best), "fit_error": err,
                                   "grid": DEFAULT_GRID, "tried": tried}
-        task = progress.add_task("simulating", total=len(chosen) * len(engines) * 16)
+        task = progress.add_task("simulating", total=len(chosen) * len(systems) * len(engines) * 16)
         for name in chosen:
             level = levels[name]
             res["levels"][name] = {}
-            for label, engine in engines.items():
-                rows = fidelity(level, "spatial", dataclasses.replace(config(level), engine=engine),
-                                on_model=lambda _: progress.advance(task))
-                res["levels"][name][label] = {"models": rows, "summary": summary(rows),
-                                              "held_out": not (label == "calibrated" and name == calibrate_on)}
+            for system in systems:
+                res["levels"][name][system] = {}
+                for label, engine in engines.items():
+                    rows = fidelity(level, system, dataclasses.replace(config(level), engine=engine),
+                                    on_model=lambda _: progress.advance(task))
+                    fitted = label == "calibrated" and name == calibrate_on and system == "spatial"
+                    res["levels"][name][system][label] = {"models": rows, "summary": summary(rows), "held_out": not fitted}
     print_fidelity(res, console)
     return res
 
@@ -142,30 +157,30 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
 def print_fidelity(res: dict, console) -> None:
     from rich.table import Table
 
-    for name, engines in res["levels"].items():
-        t = Table(title=f"{name}: spatial, simulated / MuxServe's measured (error)")
-        for col in ("model", "size", "GPUs", "req/s", "engine", "throughput", "p99 latency s", "mean TTFT s",
-                    "mean TPOT s"):
-            t.add_column(col, justify="left" if col in ("model", "size", "engine") else "right")
-        for label, run in engines.items():
-            for model, r in run["models"].items():
-                s, m, e = r["simulated"], r["measured"], r.get("error")
-                if s is None:
-                    continue
-                cells = [f"{s[k]:.3g} / {m[k]:.3g} ({e[k]:+.0%})" for k in ("throughput_rps", "jct_p99_s", "ttft_mean_s",
-                                                                              "tpot_mean_s")]
-                t.add_row(model, r["size"], str(r["gpus"]), f"{r['rate']:.1f}", label, *cells)
-        console.print(t)
+    for name, systems in res["levels"].items():
+        for system, engines in systems.items():
+            t = Table(title=f"{name}: {system}, simulated / MuxServe's measured (error)")
+            for col in ("model", "size", "GPUs", "shares with", "req/s", "engine", "throughput", "p99 latency s",
+                        "mean TTFT s", "mean TPOT s"):
+                t.add_column(col, justify="left" if col in ("model", "size", "engine", "shares with") else "right")
+            for label, run in engines.items():
+                for model, r in run["models"].items():
+                    s, m, e = r["simulated"], r["measured"], r["error"]
+                    cells = [f"{s[k]:.3g} / {m[k]:.3g} ({e[k]:+.0%})" for k in ("throughput_rps", "jct_p99_s",
+                                                                                  "ttft_mean_s", "tpot_mean_s")]
+                    t.add_row(model, r["size"], str(r["gpus"]), ", ".join(r["shares_mesh_with"]) or "-",
+                              f"{r['rate']:.1f}", label, *cells)
+            console.print(t)
     t = Table(title="summary: median |error| and the share of models within 15% (throughput: also within twice its "
                     "arrival noise, and the level's total)")
-    for col in ("level", "engine", "held out", "throughput", "total throughput", "p90 latency", "p99 latency",
-                "mean TTFT", "mean TPOT"):
+    for col in ("level", "system", "engine", "held out", "throughput", "total throughput", "p90 latency",
+                "p99 latency", "mean TTFT", "mean TPOT"):
         t.add_column(col)
-    for name, engines in res["levels"].items():
-        for label, run in engines.items():
+    for name, systems in res["levels"].items():
+        for system, label, run in ((sy, lb, r) for sy, engines in systems.items() for lb, r in engines.items()):
             sm = run["summary"]
             thr = sm["throughput_rps"]
-            t.add_row(name, label, "yes" if run["held_out"] else "no (fitted here)",
+            t.add_row(name, system, label, "yes" if run["held_out"] else "no (fitted here)",
                       f"{thr['median_abs_error']:.0%}, {thr['within']:.0%} ({thr.get('within_noise', math.nan):.0%})",
                       f"{thr.get('total_error', math.nan):+.1%}",
                       *(f"{sm[k]['median_abs_error']:.0%}, {sm[k]['within']:.0%}" for k in
@@ -180,18 +195,18 @@ def plot_fidelity(res: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    systems = res["setting"]["systems"]
     for ax, key, title in ((axes[0], "throughput_rps", "throughput (req/s)"), (axes[1], "tpot_mean_s", "mean TPOT (s)")):
         lo, hi = math.inf, 0.0
-        for label, marker in (("roofline", "o"), ("calibrated", "^")):
+        for (system, label), marker in zip(itertools.product(systems, ("roofline", "calibrated")), "o^sDvP"):
             xs, ys = [], []
-            for engines in res["levels"].values():
-                run = engines.get(label)
+            for by_system in res["levels"].values():
+                run = by_system.get(system, {}).get(label)
                 for r in (run or {}).get("models", {}).values():
-                    if r["simulated"] is not None:
-                        xs.append(r["measured"][key])
-                        ys.append(r["simulated"][key])
+                    xs.append(r["measured"][key])
+                    ys.append(r["simulated"][key])
             if xs:
-                ax.scatter(xs, ys, marker=marker, alpha=0.6, label=label)
+                ax.scatter(xs, ys, marker=marker, alpha=0.5, label=f"{system}, {label}")
                 lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
         if hi > 0:
             line = [lo * 0.8, hi * 1.25]
@@ -203,7 +218,7 @@ def plot_fidelity(res: dict, path: Path) -> Path:
         ax.set_xlabel(f"MuxServe measured {title}")
         ax.set_ylabel(f"simulated {title}")
         ax.legend()
-    fig.suptitle("spatial partitioning, MuxServe's ChatLMSYS setting: our simulator against MuxServe's measurements")
+    fig.suptitle("MuxServe's ChatLMSYS setting: our simulator against MuxServe's measurements")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -7,8 +7,11 @@ the unit's ``max_num_seqs``, 16-token blocks and the KV share of the mesh. Step 
 of the LLaMA size on A100s at the unit's tensor-parallel size (communication not modelled). The figures compared
 are MuxServe's: throughput (requests over the run's span), p90/p99 request latency, mean TTFT and mean TPOT.
 
-``spatial`` (one model per mesh) is simulated. A unit that several models share (``flexsm``, ``temporal``) needs
-the shared-mesh model and is reported as not simulated yet.
+``spatial`` gives each model a mesh of its own. In a mesh several models share, each model runs as its own engine
+with a share of the mesh (:class:`~serving.perf.latency.SharedLatency`): ``flexsm`` (MuxServe) with the MPS
+percentages of its prefill and decode jobs, ``temporal`` with an equal share of the time; and a share of the KV pool
+by its expected demand (:func:`kv_shares`). What co-located models take from each other beyond their shares, and
+ADBS's quota moves as the load shifts, are not modelled.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.bench.models.lengths import sample_lengths
-from serving.bench.models.muxserve import Level, Unit, load_placement
+from serving.bench.models.muxserve import Level, Unit, UnitModel, load_placement
 from serving.perf.hardware import get_gpu, get_model, kv_blocks
-from serving.perf.latency import RooflineLatency
+from serving.perf.latency import RooflineLatency, SharedLatency
 from serving.perf.slo import derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
@@ -37,6 +40,12 @@ BLOCK = 16  # vLLM's default block size
 V0_BUDGET = 2048  # vLLM v0's max_num_batched_tokens for a 2,048-token context: max(max_model_len, 2048)
 SLO_SCALE = 8.0  # MuxServe §4.3's SLO scale
 COMPARED = ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")
+# how a model of a shared mesh gets the GPUs, per system: MuxServe's MPS percentages of its prefill and decode jobs,
+# or temporal multiplexing's turns (an equal share of the time, each turn with the whole mesh)
+SHARED: dict[str, Callable[[UnitModel, int], tuple[float, float]]] = {
+    "flexsm": lambda m, k: (m.prefill_sm, m.decode_sm),
+    "temporal": lambda m, k: (1 / k, 1 / k),
+}
 
 
 @dataclass(frozen=True)
@@ -97,12 +106,25 @@ def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int, level: Lev
     return [TraceRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompt, out))]
 
 
-def simulate_alone(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig) -> dict[str, float]:
-    """One model alone on its mesh (a spatial unit): the compared figures and the run's facts."""
-    (m,) = unit.models
+def kv_shares(unit: Unit, level: Level) -> dict[str, float]:
+    """Each model's share of a mesh's KV pool: its expected demand in bytes (rate x tokens per request x KV bytes a
+    token), MuxServe's ADBS quota held where it would settle; one model alone takes all of it."""
+    demand = {m.name: next(x.rate for x in level.models if x.name == m.name) * level.tokens_per_request(m.name)
+              * get_model(m.size).kv_bytes_per_token() for m in unit.models}
+    total = sum(demand.values())
+    return {name: d / total for name, d in demand.items()}
+
+
+def simulate_alone(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
+                   kv_share: float = 1.0, shares: tuple[float, float] | None = None) -> dict[str, float]:
+    """One model of a unit on its mesh: alone (a spatial unit), or beside others (``model``), with ``kv_share`` of
+    the pool and ``shares`` (prefill, decode) of the SMs. The compared figures and the run's facts."""
+    m = next(x for x in unit.models if x.name == model) if model is not None else unit.models[0]
     spec, gpu = get_model(m.size), get_gpu(GPU)
     latency = cfg.engine.latency(m.size, m.tp)
-    blocks = kv_blocks(spec, unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
+    if shares is not None:
+        latency = SharedLatency(latency, *shares)
+    blocks = kv_blocks(spec, kv_share * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
     config = PolicyConfig(block_size=BLOCK, max_num_seqs=m.max_num_seqs, max_num_batched_tokens=V0_BUDGET,
                           max_model_len=spec.max_model_len, tfs=V0_BUDGET)
     slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], SLO_SCALE)
@@ -130,18 +152,17 @@ def fidelity(level: Level, system: str, cfg: FidelityConfig,
         measured = level.measured_row(system, model.name)
         row: dict = {"size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
                      "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured}
-        if len(unit.models) == 1:
-            runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
-                                                      model.name), cfg) for k in range(cfg.replays)]
-            sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-            sim["throughput_replays"] = [r["throughput_rps"] for r in runs]
-            row["simulated"] = sim
-            row["error"] = {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED}
-            # what one draw of this many Poisson arrivals moves a span by, measured or simulated alike
-            row["arrival_noise"] = 1 / math.sqrt(measured["requests"])
-        else:
-            row["simulated"] = None
-            row["why_not"] = "a mesh several models share: not modelled yet"
+        me = next(m for m in unit.models if m.name == model.name)
+        kw = {} if len(unit.models) == 1 else {"model": model.name, "kv_share": kv_shares(unit, level)[model.name],
+                                               "shares": SHARED[system](me, len(unit.models))}
+        runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
+                                                  model.name), cfg, **kw) for k in range(cfg.replays)]
+        sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+        sim["throughput_replays"] = [r["throughput_rps"] for r in runs]
+        row["simulated"] = sim
+        row["error"] = {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED}
+        # what one draw of this many Poisson arrivals moves a span by, measured or simulated alike
+        row["arrival_noise"] = 1 / math.sqrt(measured["requests"])
         out[model.name] = row
         if on_model is not None:
             on_model(model.name)

@@ -208,8 +208,9 @@ class RooflineLatency(LatencyModel):
 class SharedLatency(LatencyModel):
     """A model that shares its GPUs with others (MuxServe's LLM units): its prefill and its decode each get a share of
     the SMs, under NVIDIA MPS, and a step's compute and reachable HBM bandwidth scale with that share (MuxServe §3.1
-    profiles LLaMA-7B's throughput from 30% to 100% of the SMs). A step with prompt tokens runs at
-    ``prefill_share``, a step of decodes alone at ``decode_share``; the per-step overhead does not scale.
+    profiles LLaMA-7B's throughput from 30% to 100% of the SMs). A step of prompt tokens alone runs at
+    ``prefill_share``, a step of decodes alone at ``decode_share``, and a step of both (chunked prefill; MuxServe's
+    jobs never mix them) at the smaller, so more work is never faster; the per-step overhead does not scale.
 
     Not modelled: what co-located jobs take from each other beyond their shares (MPS interference, the L2 cache), and
     the order in which their prefills run (MuxServe's estimator runs them one after another)."""
@@ -222,7 +223,10 @@ class SharedLatency(LatencyModel):
         self.name = f"shared:{base.name}@{prefill_share:g}/{decode_share:g}"
 
     def step_time(self, s: StepShape) -> float:
-        share = self.prefill_share if s.prefill_tokens else self.decode_share
+        if s.prefill_tokens and s.decode_tokens:
+            share = min(self.prefill_share, self.decode_share)
+        else:
+            share = self.prefill_share if s.prefill_tokens else self.decode_share
         return max(max(self.base.parts(s)) / share + self.base.overhead_s, MIN_STEP_S)
 
     def describe(self) -> dict[str, Any]:

@@ -94,3 +94,38 @@ def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
 def test_bad_arguments_exit_2_with_one_line(argv, said):
     r = run_main(main, ["bench", "models", "--fidelity", *argv])
     assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_spatial_sizing_gives_each_model_the_fewest_gpus_that_keep_it_at_the_target(data):
+    import dataclasses
+
+    from serving.bench.models.sizing import size_spatial, smallest_mesh
+
+    assert [smallest_mesh(s) for s in ("llama-7b", "llama-13b", "llama-30b", "llama-65b")] == [1, 1, 1, 2]
+    level = load_levels()["condense2000"]
+    by = {m.name: m for m in level.models}
+    # a quiet 7B, and the busiest 13B at its own rate and at a tenth of it
+    quiet = dataclasses.replace(level, models=(by["llm-7"], by["llm-1"],
+                                               dataclasses.replace(by["llm-1"], rate=by["llm-1"].rate / 10)))
+    cfg = FidelityConfig(lengths_limit=1500, replays=1, engine=Engine(mbu=0.35, tp_overhead_s=0.01))
+    seen = []
+    sized = size_spatial(quiet, cfg, duration_s=60, on_model=seen.append)
+    assert seen == sized and all(s.attainment >= 0.99 for s in sized)
+    seven, busy, tenth = sized
+    assert seven.total_gpus == 1 and tenth.total_gpus == 1
+    assert busy.total_gpus > 1  # 32 req/s of a 13B do not fit one A100 at this SLO
+
+
+def test_the_gpus_needed_cli_sizes_spatial_beside_what_muxserve_ran_on(data, tmp_path):
+    out = tmp_path / "gpus.json"
+    r = run_main(main, ["bench", "models", "--gpus-needed", "--levels", "condense500", "--calibrate-on", "none",
+                        "--first-turns", "1500", "--replays", "1", "--duration", "20", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    e = res["levels"]["condense500"]
+    assert e["muxserve_ran_on"] == {"flexsm": 28, "spatial": 32, "temporal": 28}
+    sp = e["placements"]["spatial"]
+    assert len(sp["models"]) == 16 and sp["gpus"] == sum(m["total_gpus"] for m in sp["models"])
+    assert res["setting"]["engine"]["name"] == "roofline" and out.with_suffix(".png").stat().st_size > 10_000
+    bad = run_main(main, ["bench", "models", "--gpus-needed", "--placements", "muxserve"])
+    assert bad.returncode == 2 and "unknown placement 'muxserve'; built: spatial" in bad.stderr

@@ -16,9 +16,6 @@ from pathlib import Path
 
 from serving.argtypes import comma_list
 
-DEFAULT_GRID = {"mbu": [0.8, 0.5, 0.35, 0.25], "overhead_s": [0.0015, 0.005, 0.01],
-                "tp_overhead_s": [0.0, 0.01, 0.02, 0.04]}
-
 
 def add_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
@@ -37,9 +34,18 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "  lengthwise bench models --fidelity --lengths sharegpt\n\n"
                "JSON: levels -> LEVEL -> SYSTEM -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, "
                "simulated, error; summary; held_out}; calibration -> {level, engine, fit_error, tried}.")
-    p.add_argument("--fidelity", action="store_true", required=True,
-                   help="simulate MuxServe's own placements and compare with its measurements (required: the "
-                        "placement comparison is not built yet)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--fidelity", action="store_true",
+                      help="simulate MuxServe's own placements and compare with its measurements")
+    mode.add_argument("--gpus-needed", action="store_true",
+                      help="per level, the fewest GPUs each placement needs with every model at >= 99%% attainment "
+                           "(SLO scale 8, as MuxServe), beside the GPUs MuxServe's own placements used")
+    p.add_argument("--placements", type=comma_list(str.strip, "spatial"), default=["spatial"], metavar="P,P",
+                   help="--gpus-needed: placements to size: spatial (each model on its own meshes, sized to its rate); "
+                        "MuxServe's, SeaLLM's and ours are not built yet (default: spatial)")
+    p.add_argument("--duration", type=float, default=300.0, metavar="S",
+                   help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
+                        "that keeps up from one that does not) (default: %(default)s)")
     p.add_argument("--levels", type=comma_list(str.strip, "condense500,condense2000"), default=None, metavar="L,L",
                    help="load levels (default: all five)")
     p.add_argument("--systems", type=comma_list(str.strip, "spatial,flexsm"), default=["spatial", "flexsm", "temporal"],
@@ -82,7 +88,8 @@ def run_cli(a: argparse.Namespace) -> int:
         print(f"lengthwise bench models: error: unknown level {unknown[0]!r}; levels: {', '.join(levels)}",
               file=sys.stderr)
         return 2
-    out = Path(a.json) if a.json else Path(a.out_dir) / "bench_models_fidelity.json"
+    out = Path(a.json) if a.json else Path(a.out_dir) / ("bench_models_fidelity.json" if a.fidelity
+                                                         else "bench_models_gpus.json")
     if a.replays < 1:
         print("lengthwise bench models: error: --replays must be at least 1", file=sys.stderr)
         return 2
@@ -94,11 +101,25 @@ def run_cli(a: argparse.Namespace) -> int:
     if bad:
         print(f"lengthwise bench models: error: unknown system {bad[0]!r}; systems: {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
-    res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,
-                       tuple(a.systems))
+    if a.gpus_needed:
+        from serving.bench.models.needed import PLACEMENTS, plot_needed, run_needed
+
+        bad = [x for x in a.placements if x not in PLACEMENTS]
+        if bad or a.duration <= 0:
+            print(f"lengthwise bench models: error: unknown placement {bad[0]!r}; built: {', '.join(PLACEMENTS)}" if bad
+                  else "lengthwise bench models: error: --duration must be a positive number of seconds",
+                  file=sys.stderr)
+            return 2
+        res = run_needed(levels, chosen, a.placements, a.calibrate_on, a.lengths, a.seed, console, a.first_turns,
+                         a.replays, a.duration)
+        plot = plot_needed
+    else:
+        res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,
+                           tuple(a.systems))
+        plot = plot_fidelity
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=_plain))
-    png = plot_fidelity(res, out.with_suffix(".png"))
+    png = plot(res, out.with_suffix(".png"))
     console.print(f"JSON: {out}\nplot: {png}")
     return 0
 
@@ -115,30 +136,19 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
 
     from rich.progress import Progress
 
-    from serving.bench.models.fidelity import Engine, FidelityConfig, calibrate, fidelity, summary
+    from serving.bench.models.fidelity import FidelityConfig, calibrated, fidelity, summary
 
     def config(level) -> FidelityConfig:
         return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays)
 
-    engines = {"roofline": Engine()}
     res: dict = {"setting": {"lengths": lengths, "first_turns": first_turns, "seed": seed, "replays": replays,
                              "policy": FidelityConfig.policy, "gpu": "a100-80gb",
                              "systems": list(systems)},
                  "levels": {}}
     with Progress(console=console, transient=True) as progress:
-        if calibrate_on != "none":
-            grid_size = math.prod(len(v) for v in DEFAULT_GRID.values())
-            task = progress.add_task(f"calibrating on {calibrate_on}", total=grid_size)
-            tried = []
-
-            def on_try(engine: Engine, err: float) -> None:
-                tried.append({**dataclasses.asdict(engine), "fit_error": err})
-                progress.advance(task)
-
-            best, err = calibrate(levels[calibrate_on], config(levels[calibrate_on]), DEFAULT_GRID, on_try)
-            engines["calibrated"] = best
-            res["calibration"] = {"level": calibrate_on, "engine": dataclasses.asdict(best), "fit_error": err,
-                                  "grid": DEFAULT_GRID, "tried": tried}
+        engines, calibration = calibrated(levels, calibrate_on, config, progress)
+        if calibration:
+            res["calibration"] = calibration
         task = progress.add_task("simulating", total=len(chosen) * len(systems) * len(engines) * 16)
         for name in chosen:
             level = levels[name]

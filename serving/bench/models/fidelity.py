@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -212,3 +213,27 @@ def calibrate(level: Level, cfg: FidelityConfig, grid: dict[str, Sequence[float]
             best = (engine, err)
     assert best is not None
     return best
+
+
+DEFAULT_GRID = {"mbu": [0.8, 0.5, 0.35, 0.25], "overhead_s": [0.0015, 0.005, 0.01],
+                "tp_overhead_s": [0.0, 0.01, 0.02, 0.04]}
+
+
+def calibrated(levels: dict[str, Level], calibrate_on: str, config: Callable[[Level], FidelityConfig],
+               progress: Any) -> tuple[dict[str, Engine], dict | None]:
+    """``{"roofline": ..., "calibrated": ...}`` (the second fitted on spatial at ``calibrate_on``, unless 'none'), and
+    the calibration's record for the JSON."""
+    engines = {"roofline": Engine()}
+    if calibrate_on == "none":
+        return engines, None
+    task = progress.add_task(f"calibrating on {calibrate_on}", total=math.prod(len(v) for v in DEFAULT_GRID.values()))
+    tried = []
+
+    def on_try(engine: Engine, err: float) -> None:
+        tried.append({**dataclasses.asdict(engine), "fit_error": err})
+        progress.advance(task)
+
+    best, err = calibrate(levels[calibrate_on], config(levels[calibrate_on]), DEFAULT_GRID, on_try)
+    engines["calibrated"] = best
+    return engines, {"level": calibrate_on, "engine": dataclasses.asdict(best), "fit_error": err, "grid": DEFAULT_GRID,
+                     "tried": tried}

@@ -163,6 +163,12 @@ def test_a_model_sharing_its_gpus_runs_its_prefill_and_decode_at_their_own_share
     assert shared.step_time(prefill) == pytest.approx(max(base.parts(prefill)) / 0.8 + base.overhead_s)
     assert shared.step_time(decode) == pytest.approx(max(base.parts(decode)) / 0.25 + base.overhead_s)
     assert SharedLatency(base, 1, 1).step_time(decode) == pytest.approx(base.step_time(decode))
+    # a share of the SMs alone (MPS) slows the compute, not the reads: a memory-bound decode keeps its pace
+    sm = SharedLatency(base, 0.8, 0.25, sm_only=True)
+    compute_s, memory_s = base.parts(decode)
+    assert memory_s > compute_s / 0.25
+    assert sm.step_time(decode) == pytest.approx(memory_s + base.overhead_s)
+    assert sm.step_time(prefill) == pytest.approx(shared.step_time(prefill))  # a compute-bound prefill: the same
     for bad in (0, 1.5):
         with pytest.raises(LatencyError, match="share"):
             SharedLatency(base, bad, 0.5)

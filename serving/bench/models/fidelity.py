@@ -9,7 +9,8 @@ are MuxServe's: throughput (requests over the run's span), p90/p99 request laten
 
 ``spatial`` gives each model a mesh of its own. In a mesh several models share, each model runs as its own engine
 with a share of the mesh (:class:`~serving.perf.latency.SharedLatency`): ``flexsm`` (MuxServe) with the MPS
-percentages of its prefill and decode jobs, ``temporal`` with an equal share of the time; and a share of the KV pool
+percentages of its prefill and decode jobs (of the SMs: its reads from HBM keep their pace), ``temporal`` with an
+equal share of the time; and a share of the KV pool
 by its expected demand (:func:`kv_shares`). What co-located models take from each other beyond their shares, and
 ADBS's quota moves as the load shifts, are not modelled.
 """
@@ -43,9 +44,9 @@ SLO_SCALE = 8.0  # MuxServe §4.3's SLO scale
 COMPARED = ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")
 # how a model of a shared mesh gets the GPUs, per system: MuxServe's MPS percentages of its prefill and decode jobs,
 # or temporal multiplexing's turns (an equal share of the time, each turn with the whole mesh)
-SHARED: dict[str, Callable[[UnitModel, int], tuple[float, float]]] = {
-    "flexsm": lambda m, k: (m.prefill_sm, m.decode_sm),
-    "temporal": lambda m, k: (1 / k, 1 / k),
+SHARED: dict[str, Callable[[UnitModel, int], tuple[float, float, bool]]] = {
+    "flexsm": lambda m, k: (m.prefill_sm, m.decode_sm, True),
+    "temporal": lambda m, k: (1 / k, 1 / k, False),
 }
 
 
@@ -117,9 +118,9 @@ def kv_shares(unit: Unit, level: Level) -> dict[str, float]:
 
 
 def simulate_alone(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
-                   kv_share: float = 1.0, shares: tuple[float, float] | None = None) -> dict[str, float]:
+                   kv_share: float = 1.0, shares: tuple[float, float, bool] | None = None) -> dict[str, float]:
     """One model of a unit on its mesh: alone (a spatial unit), or beside others (``model``), with ``kv_share`` of
-    the pool and ``shares`` (prefill, decode) of the SMs. The compared figures and the run's facts."""
+    the pool and ``shares`` (prefill, decode, of the SMs only) of the GPUs. The compared figures and the run's facts."""
     m = next(x for x in unit.models if x.name == model) if model is not None else unit.models[0]
     spec, gpu = get_model(m.size), get_gpu(GPU)
     latency = cfg.engine.latency(m.size, m.tp)

@@ -40,7 +40,7 @@ log = logging.getLogger("serving.gateway")
 def judge_entry(entry: ServedModel, found: TargetCheck) -> TargetCheck:
     """The verdict on ``found`` (the sidecar's, judged against the entry's model where the gateway knows it) for the
     entry: its registry URI, then a conditioned predictor's list of models, then ``found`` as it is."""
-    if found.pending or found.state == "unchecked" and found.predictor_model is None:
+    if found.pending or (found.state == "unchecked" and found.predictor_model is None):
         return found
     uri = entry.predictor_uri
     if uri is not None and found.uri is not None and found.uri != uri:

@@ -117,8 +117,8 @@ def kv_shares(unit: Unit, level: Level) -> dict[str, float]:
     return {name: d / total for name, d in demand.items()}
 
 
-def simulate_alone(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
-                   kv_share: float = 1.0, shares: tuple[float, float, bool] | None = None) -> dict[str, float]:
+def simulate_on_mesh(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
+                     kv_share: float = 1.0, shares: tuple[float, float, bool] | None = None) -> dict[str, float]:
     """One model of a unit on its mesh: alone (a spatial unit), or beside others (``model``), with ``kv_share`` of
     the pool and ``shares`` (prefill, decode, of the SMs only) of the GPUs. The compared figures and the run's facts."""
     m = next(x for x in unit.models if x.name == model) if model is not None else unit.models[0]
@@ -157,7 +157,7 @@ def fidelity(level: Level, system: str, cfg: FidelityConfig,
         me = next(m for m in unit.models if m.name == model.name)
         kw = {} if len(unit.models) == 1 else {"model": model.name, "kv_share": kv_shares(unit, level)[model.name],
                                                "shares": SHARED[system](me, len(unit.models))}
-        runs = [simulate_alone(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
+        runs = [simulate_on_mesh(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
                                                   model.name), cfg, **kw) for k in range(cfg.replays)]
         sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
         sim["throughput_replays"] = [r["throughput_rps"] for r in runs]

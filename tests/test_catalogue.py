@@ -418,3 +418,25 @@ def test_a_started_base_counts_its_and_its_adapters_prompts_with_its_own_tokeniz
         assert gw.counter("terse").measure(req)[2] == "tokenizer" and gw.counter("far").measure(req)[2] == "estimate"
     finally:
         asyncio.run(gw.aclose())
+
+
+@pytest.mark.unit
+def test_a_started_base_is_identified_with_its_own_engine_args_as_its_engines_start(tmp_path):
+    """The per-name target check compares a predictor with what the entry's engines serve: dummy weights (its own
+    ``engine_args``, written as one string the way a catalogue gives them) are another model than the real ones."""
+    from predictor.target import served_model_id
+    from serving.gateway.target import served_model_of_entry
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    f = _write(tmp_path / "c.yaml", f"""
+- {{name: real, model: "{model}"}}
+- {{name: fake, model: "{model}", engine_args: ["--load-format dummy --enforce-eager"]}}
+- {{name: far, engine_urls: ["http://10.0.0.7:8001"]}}
+""")
+    settings = GatewaySettings(models_file=f)
+    real, fake, far = (settings.catalogue.entry(n) for n in ("real", "fake", "far"))
+    assert served_model_of_entry(real, settings) == served_model_id(str(model))
+    assert served_model_of_entry(fake, settings) == served_model_id(str(model), "dummy") != served_model_id(str(model))
+    assert served_model_of_entry(far, settings) is None

@@ -403,9 +403,7 @@ def _check_predictor(settings: GatewaySettings) -> TargetCheck:
         return TargetCheck("unchecked", None, detail="with --models each name is checked on its own (/health models)")
 
     async def ask() -> TargetCheck:
-        token = settings.predictor_token
-        auth = {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=auth) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=settings.sidecar_headers()) as client:
             return await check(settings.predictor_url, served_model(settings), client)
 
     found = asyncio.run(ask())
@@ -429,9 +427,7 @@ def _check_model_predictors(settings: GatewaySettings) -> dict[str, TargetCheck]
         return {}
 
     async def ask() -> dict[str, TargetCheck]:
-        token = settings.predictor_token
-        auth = {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=auth) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=settings.sidecar_headers()) as client:
             return await check_entries(cat, settings, identities(cat, settings), client)
 
     found = asyncio.run(ask())

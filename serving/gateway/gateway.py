@@ -125,6 +125,7 @@ class Gateway:
         self.slo = default_slo(settings)
         # each catalogue model's own (TTFT, TPOT) terms, where it sets them (--models)
         self.model_terms = {m.name: m.slo.terms() for m in (settings.catalogue.models if settings.catalogue else [])}
+        self.model_priority = {m.name: m.priority for m in (settings.catalogue.models if settings.catalogue else [])}
         self.prompts = PromptCounter()
         # with a catalogue, each base started here from a local directory counts its own prompts (its adapters share it)
         self.model_prompts = ({m.name: PromptCounter() for m in cat.models if m.starts_engines} if cat is not None else {})
@@ -172,7 +173,7 @@ class Gateway:
         ``predictor_check_interval_s``: a sidecar that was down at start, or whose alias moved, is judged when it
         answers. With a catalogue, each sidecar-predicted name's verdict too."""
         checked = self.target.current.state != "unchecked" and not self.target.current.pending
-        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self._sidecar_auth()) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=self.settings.sidecar_headers()) as client:
             while True:
                 if not checked and self.settings.predictor_url and self.model_predictors is None:
                     self.target.update(await check_target(self.settings.predictor_url, self.target.served, client))
@@ -183,17 +184,13 @@ class Gateway:
 
     def _sidecar_client(self, client: httpx.AsyncClient) -> None:
         """The sidecar's token on every call to it, predictions and feedback (``--predictor-token``)."""
-        client.headers.update(self._sidecar_auth())
-
-    def _sidecar_auth(self) -> dict[str, str]:
-        token = self.settings.predictor_token
-        return {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
+        client.headers.update(self.settings.sidecar_headers())
 
     async def _watch_sidecar(self) -> None:
         """Ask the sidecar's ``/ready`` every ``health_interval_s``, so ``/health`` says within a second or two that
         requests run on the fallback length because the sidecar is down or has no model, even with no traffic."""
         s = self.settings
-        async with httpx.AsyncClient(timeout=httpx.Timeout(s.health_timeout_s), headers=self._sidecar_auth()) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(s.health_timeout_s), headers=s.sidecar_headers()) as client:
             while True:
                 try:
                     r = await client.get(s.predictor_url + "/ready")
@@ -402,8 +399,7 @@ class Gateway:
     def hints(self, call: Call, req: ClientRequest, pred: LengthPrediction, dl: float) -> dict[str, Any]:
         """The engine's body: the client's, with the prediction and the deadline in ``vllm_xargs`` over any the client
         set for the same keys (those are counted and logged)."""
-        entry = self.settings.catalogue.entry(req.model) if self.settings.catalogue is not None else None
-        body, dropped = engine_body(req, pred, dl, entry.priority if entry is not None else 0)
+        body, dropped = engine_body(req, pred, dl, self.model_priority.get(req.model, 0))
         if dropped:
             self.metrics.client_hints_dropped.inc(len(dropped))
             log.debug("request %s: client vllm_xargs %s replaced by the gateway's", call.rid, dropped)
@@ -554,8 +550,7 @@ class Gateway:
         if self.target.refuses:
             reasons.append(f"predictor for another model: {self.target.current.detail}; requests run on the fallback length")
         models = self.model_health()
-        refused = [name for name, m in models.items() if m.get("predictor", {}).get("target", {}).get("state") == "mismatch"
-                   and not s.allow_predictor_for_other_model]
+        refused = self.model_predictors.refused() if self.model_predictors is not None else []
         if refused:
             reasons.append(f"predictor for another model for {', '.join(refused)}: their requests run on the fallback "
                            "length (/health models[...].predictor says why)")

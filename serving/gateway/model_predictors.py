@@ -87,17 +87,17 @@ async def check_entries(catalogue: Catalogue, settings: GatewaySettings, served:
 
 
 class ProfilePredictor:
-    """SeaLLM's service profile per name: the mean of its finished answers' lengths, the spread above it the top."""
+    """SeaLLM's service profile per name: the mean of its finished answers' lengths, the spread above it the top;
+    ``fallback`` (the gateway's, counted) until a name has an answer."""
 
-    def __init__(self, fallback_tokens: int, metrics: GatewayMetrics) -> None:
-        self.fallback_tokens, self.metrics = fallback_tokens, metrics
+    def __init__(self, fallback: Callable[[ClientRequest, str], LengthPrediction]) -> None:
+        self.fallback = fallback
         self.profiles: dict[str, ServiceProfile] = {}
 
     def predict(self, req: ClientRequest) -> LengthPrediction:
         p = self.profiles.get(req.model)
         if p is None or p.n == 0:
-            self.metrics.prediction_fallbacks.labels("no_profile").inc()
-            return LengthPrediction(clamp(self.fallback_tokens, req.max_tokens), "fallback", "no_profile")
+            return self.fallback(req, "no_profile")
         return LengthPrediction(clamp(p.mean, req.max_tokens), "profile", hi=max(1, round(p.mean + p.std)),
                                 expected_tokens=p.mean)
 
@@ -131,7 +131,7 @@ class ModelPredictors:
                  auth: Callable[[httpx.AsyncClient], None] = lambda client: None) -> None:
         self.catalogue, self.settings = catalogue, settings
         self.served = identities(catalogue, settings)
-        self.profile = ProfilePredictor(settings.fallback_tokens, metrics)
+        self.profile = ProfilePredictor(default.fallback)
         clients: dict[str | None, tuple[Predictor, FeedbackPoster]] = {settings.predictor_url: (default, default_feedback)}
         self.routes: dict[str, Route] = {}
         for entry in catalogue.models:
@@ -161,6 +161,10 @@ class ModelPredictors:
     def checked(self) -> bool:
         """Some name is predicted by a sidecar: its verdicts are to be watched."""
         return any(r.kind == "sidecar" and r.url for r in self.routes.values())
+
+    def refused(self) -> list[str]:
+        """The names whose sidecar is not for them (and no override): their requests run on the fallback length."""
+        return [name for name, r in self.routes.items() if r.target is not None and r.target.refuses]
 
     async def recheck(self, client: httpx.AsyncClient) -> None:
         """Judge every sidecar-predicted name again (a sidecar down at start, an alias moved)."""

@@ -235,6 +235,11 @@ class GatewaySettings(BaseModel):
             return any(m.starts_engines for m in self._catalogue.models)
         return not self.engine_urls
 
+    def sidecar_headers(self) -> dict[str, str]:
+        """What every call to the sidecar carries: ``--predictor-token`` as a bearer token, where one is set."""
+        token = self.predictor_token
+        return {"Authorization": f"Bearer {token.get_secret_value()}"} if token is not None else {}
+
     def engine_groups(self) -> list[GatewaySettings]:
         """The engines to start, one settings object per model that starts its own (``--models``: each base entry with
         ``model``, served under its name, its adapters loaded with ``--lora-modules``); ``[self]`` without a

@@ -41,7 +41,6 @@ import httpx
 from predictor.target import compare_models, describe, served_model_id
 from serving.gateway.catalogue import ServedModel
 from serving.gateway.settings import GatewaySettings
-from serving.launch.engines import engine_args, flag_value
 
 log = logging.getLogger("serving.gateway")
 STATES = ("match", "mismatch", "unknown", "loading", "unreachable", "unchecked")
@@ -81,13 +80,13 @@ def served_model(settings: GatewaySettings) -> str | None:
 
 
 def served_model_of_entry(entry: ServedModel, settings: GatewaySettings) -> str | None:
-    """A catalogue base started here: its identity, as :func:`served_model` gives ``--model``'s (its own
-    ``engine_args`` after ``--engine-arg``'s); None for attached engines and adapters, which leave nothing local to
-    compare with."""
+    """A catalogue base started here: its identity, :func:`served_model` of the settings its engines start with (its
+    own ``engine_args`` after ``--engine-arg``'s); None for attached engines and adapters, which leave nothing local
+    to compare with."""
     if entry.is_adapter or entry.model is None:
         return None
-    load_format = flag_value([*engine_args(settings), *entry.engine_args], "--load-format") or "auto"
-    return served_model_id(entry.model, load_format)
+    return served_model(settings.model_copy(update={"model": entry.model,
+                                                    "engine_args": [*settings.engine_args, *entry.engine_args]}))
 
 
 def judge(served: str | None, health: dict[str, Any], version: str | None = None) -> TargetCheck:

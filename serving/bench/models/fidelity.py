@@ -29,12 +29,12 @@ import numpy as np
 from serving.bench.models.lengths import sample_lengths
 from serving.bench.models.muxserve import Level, Unit, UnitModel, load_placement
 from serving.perf.hardware import get_gpu, get_model, kv_blocks
-from serving.perf.latency import RooflineLatency, SharedLatency
-from serving.perf.slo import derive_slo
+from serving.perf.latency import LatencyModel, RooflineLatency, SharedLatency
+from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
 from serving.sim.engine import poisson_arrivals, simulate
-from serving.sim.metrics import RequestRecord
+from serving.sim.metrics import RequestRecord, RunMetrics
 from serving.sim.workload import TraceRequest
 
 GPU = "a100-80gb"  # MuxServe §4.1: 4 nodes of 8 A100 (80GB)
@@ -117,6 +117,21 @@ def kv_shares(unit: Unit, level: Level) -> dict[str, float]:
     return {name: d / total for name, d in demand.items()}
 
 
+def v0_config(size: str, max_num_seqs: int) -> PolicyConfig:
+    """vLLM v0's scheduler settings on one of the fleet's models: 16-token blocks, its default token budget."""
+    return PolicyConfig(block_size=BLOCK, max_num_seqs=max_num_seqs, max_num_batched_tokens=V0_BUDGET,
+                        max_model_len=get_model(size).max_model_len, tfs=V0_BUDGET)
+
+
+def run_blind(requests: list[TraceRequest], cfg: FidelityConfig, config: PolicyConfig, blocks: int,
+              latency: LatencyModel, slo: SLO, records: dict[int, RequestRecord] | None = None) -> RunMetrics:
+    """``requests`` through ``cfg.policy``, which reads no prediction: every request carries the same one (the run's
+    mean output), so nothing of a request's own length reaches it."""
+    mean_out = float(np.mean([r.output_tokens for r in requests]))
+    return simulate(requests, [Prediction(length=mean_out)] * len(requests), cfg.policy, config, blocks, latency, slo,
+                    records=records)
+
+
 def simulate_on_mesh(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
                      kv_share: float = 1.0, shares: tuple[float, float, bool] | None = None) -> dict[str, float]:
     """One model of a unit on its mesh: alone (a spatial unit), or beside others (``model``), with ``kv_share`` of
@@ -127,13 +142,9 @@ def simulate_on_mesh(unit: Unit, requests: list[TraceRequest], cfg: FidelityConf
     if shares is not None:
         latency = SharedLatency(latency, *shares)
     blocks = kv_blocks(spec, kv_share * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
-    config = PolicyConfig(block_size=BLOCK, max_num_seqs=m.max_num_seqs, max_num_batched_tokens=V0_BUDGET,
-                          max_model_len=spec.max_model_len, tfs=V0_BUDGET)
     slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], SLO_SCALE)
-    mean_out = float(np.mean([r.output_tokens for r in requests]))
     records: dict[int, RequestRecord] = {}
-    run = simulate(requests, [Prediction(length=mean_out)] * len(requests), cfg.policy, config, blocks, latency, slo,
-                   records=records)
+    run = run_blind(requests, cfg, v0_config(m.size, m.max_num_seqs), blocks, latency, slo, records)
     done = [r for r in records.values() if r.finished is not None]
     tpot = [(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1]
     return {"throughput_rps": run.throughput_rps, "jct_p90_s": run.jct_p90_s, "jct_p99_s": run.jct_p99_s,
@@ -141,7 +152,7 @@ def simulate_on_mesh(unit: Unit, requests: list[TraceRequest], cfg: FidelityConf
             "tpot_mean_s": float(np.mean(tpot)) if tpot else float("nan"), "slo_attainment": run.slo_attainment,
             "requests": len(requests), "completed": run.requests_completed, "kv_blocks": blocks,
             "preemptions": run.preemptions, "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in requests])),
-            "mean_output_tokens": mean_out}
+            "mean_output_tokens": float(np.mean([r.output_tokens for r in requests]))}
 
 
 def fidelity(level: Level, system: str, cfg: FidelityConfig,

@@ -16,7 +16,7 @@ from serving.bench.models.fidelity import FidelityConfig, calibrated
 from serving.bench.models.muxserve import SYSTEMS, load_placement
 from serving.bench.models.sizing import size_spatial
 
-PLACEMENTS = ("spatial",)
+PLACEMENTS = {"spatial": size_spatial}  # placement -> its sizing of a level
 TARGET, SLO_SCALE = 0.99, 8.0
 
 
@@ -41,9 +41,11 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
             level = levels[name]
             cfg = dataclasses.replace(config(level), engine=engines[engine_name])
             theirs = {s: sum(u.gpus for u in load_placement(name, s)) for s in SYSTEMS}
-            entry: dict = {"total_rate": level.total_rate, "muxserve_ran_on": theirs, "placements": {}}
+            entry: dict = {"total_rate": level.total_rate, "cluster_gpus": level.cluster_gpus, "muxserve_ran_on": theirs,
+                           "placements": {}}
             for placement in placements:
-                sized = size_spatial(level, cfg, TARGET, SLO_SCALE, duration_s, on_model=lambda _: progress.advance(task))
+                sized = PLACEMENTS[placement](level, cfg, TARGET, SLO_SCALE, duration_s,
+                                              on_model=lambda _: progress.advance(task))
                 entry["placements"][placement] = {
                     "gpus": sum(s.total_gpus for s in sized),
                     "fits_cluster": sum(s.total_gpus for s in sized) <= level.cluster_gpus,
@@ -86,7 +88,7 @@ def plot_needed(res: dict, path: Path) -> Path:
     for s, marker in (("spatial", "x"), ("flexsm", "+")):
         ax.plot(rates, [e["muxserve_ran_on"][s] for e in res["levels"].values()], marker, ls="none", ms=9,
                 label=f"GPUs MuxServe's {s} ran on")
-    cluster = max((e.get("cluster_gpus", 32) for e in res["levels"].values()), default=32)
+    cluster = max(e["cluster_gpus"] for e in res["levels"].values())
     ax.axhline(cluster, color="grey", lw=0.8, ls="--", label=f"the cluster ({cluster} GPUs)")
     ax.set_xlabel("total request rate (req/s)")
     ax.set_ylabel(f"GPUs for every model at >= {TARGET:.0%}")

@@ -17,13 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.bench.models.fidelity import BLOCK, GPU, V0_BUDGET, FidelityConfig, requests_for
+from serving.bench.models.fidelity import BLOCK, GPU, FidelityConfig, requests_for, run_blind, v0_config
 from serving.bench.models.muxserve import Level, ServedLLM
 from serving.perf.hardware import HardwareError, get_gpu, get_model, kv_blocks, kv_bytes_available
 from serving.perf.slo import derive_slo
-from serving.policy.config import PolicyConfig
-from serving.policy.request import Prediction
-from serving.sim.engine import simulate
 
 MESHES = (1, 2, 4, 8)
 MAX_REPLICAS = 8  # 64 GPUs for one model: past this the search gives up and says so
@@ -61,17 +58,14 @@ def attainment_on(model: ServedLLM, level: Level, gpus: int, replicas: int, cfg:
     spec, gpu = get_model(model.size), get_gpu(GPU)
     latency = cfg.engine.latency(model.size, gpus)
     blocks = kv_blocks(spec, kv_bytes_available(spec, gpu, gpus), BLOCK)
-    config = PolicyConfig(block_size=BLOCK, max_num_seqs=256, max_num_batched_tokens=V0_BUDGET,
-                          max_model_len=spec.max_model_len, tfs=V0_BUDGET)
+    config = v0_config(model.size, 256)
     alone = cfg.engine.latency(model.size, smallest_mesh(model.size))
     met = []
     for k in range(cfg.replays):
         per_replica = max(1, round(n_requests / replicas))
         requests = requests_for(per_replica, model.rate / replicas, cfg, salt + 100 * k, level, model.name)
         slo = derive_slo(alone, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], slo_scale)
-        mean_out = float(np.mean([r.output_tokens for r in requests]))
-        run = simulate(requests, [Prediction(length=mean_out)] * len(requests), cfg.policy, config, blocks, latency, slo)
-        met.append(run.slo_attainment)
+        met.append(run_blind(requests, cfg, config, blocks, latency, slo).slo_attainment)
     return float(np.mean(met))
 
 

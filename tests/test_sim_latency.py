@@ -27,7 +27,6 @@ from serving.perf.latency import (
     LatencyError,
     LinearLatency,
     RooflineLatency,
-    SharedLatency,
     StepShape,
     isolated_latency,
     make_latency_model,
@@ -156,24 +155,6 @@ def test_a_tp_cost_is_paid_once_a_step_and_only_with_tp():
         RooflineLatency(OPT, A100, tp_overhead_s=-1)
 
 
-def test_a_model_sharing_its_gpus_runs_its_prefill_and_decode_at_their_own_shares():
-    base = RooflineLatency(get_model("llama-7b"), A100)
-    shared = SharedLatency(base, prefill_share=0.8, decode_share=0.25)
-    prefill, decode = StepShape.of(prefill_chunks=[(0, 512)]), StepShape.of(decode_contexts=[300] * 16)
-    assert shared.step_time(prefill) == pytest.approx(max(base.parts(prefill)) / 0.8 + base.overhead_s)
-    assert shared.step_time(decode) == pytest.approx(max(base.parts(decode)) / 0.25 + base.overhead_s)
-    assert SharedLatency(base, 1, 1).step_time(decode) == pytest.approx(base.step_time(decode))
-    # a share of the SMs alone (MPS) slows the compute, not the reads: a memory-bound decode keeps its pace
-    sm = SharedLatency(base, 0.8, 0.25, sm_only=True)
-    compute_s, memory_s = base.parts(decode)
-    assert memory_s > compute_s / 0.25
-    assert sm.step_time(decode) == pytest.approx(memory_s + base.overhead_s)
-    assert sm.step_time(prefill) == pytest.approx(shared.step_time(prefill))  # a compute-bound prefill: the same
-    for bad in (0, 1.5):
-        with pytest.raises(LatencyError, match="share"):
-            SharedLatency(base, bad, 0.5)
-
-
 def _shapes():
     for p, d, kv in itertools.product((0, 1, 128, 2048), (0, 1, 32, 256), (0, 100, 10_000, 500_000)):
         if p + d:
@@ -186,7 +167,7 @@ def _shapes():
     LinearLatency.blis("llama-3.1-8b", "h100"),
     FittedLatency(0.01, 1e-4, 2e-5, 1e-8),
     DecodePoolLatency(LinearLatency.blis("llama-3.1-8b", "h100")),
-    SharedLatency(RooflineLatency(get_model("llama-13b"), A100, tp=2, tp_overhead_s=0.01), 0.9, 0.3),
+    RooflineLatency(get_model("llama-13b"), A100, tp=2, tp_overhead_s=0.01),
 ], ids=lambda m: m.name)
 def test_more_work_is_never_faster(lat):
     shapes = list(_shapes())

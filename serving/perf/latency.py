@@ -205,41 +205,6 @@ class RooflineLatency(LatencyModel):
                 "weight_bytes": self.model.weight_bytes(), "kv_bytes_per_token": self.model.kv_bytes_per_token()}
 
 
-class SharedLatency(LatencyModel):
-    """A model that shares its GPUs with others (MuxServe's LLM units): its prefill and its decode each get a share of
-    the GPUs. A step of prompt tokens alone runs at ``prefill_share``, a step of decodes alone at ``decode_share``,
-    and a step of both (chunked prefill; MuxServe's jobs never mix them) at the smaller, so more work is never faster;
-    the per-step overhead does not scale.
-
-    ``sm_only``: the share is of the SMs (NVIDIA MPS, MuxServe): it slows a step's compute, not its reads from HBM,
-    since a memory-bound decode reaches the bandwidth with a fraction of the SMs (MuxServe §3.1, figure 3: LLaMA-7B's
-    decode throughput barely moves from 30% to 100% of the SMs). Otherwise the share is of the time (temporal
-    multiplexing), and slows both.
-
-    Not modelled: what co-located jobs take from each other beyond their shares (MPS interference, the L2 cache), and
-    the order in which their prefills run (MuxServe's estimator runs them one after another)."""
-
-    def __init__(self, base: RooflineLatency, prefill_share: float, decode_share: float, sm_only: bool = False) -> None:
-        for name, v in (("prefill_share", prefill_share), ("decode_share", decode_share)):
-            if not 0 < v <= 1:
-                raise LatencyError(f"{name} must be in (0, 1], got {v}")
-        self.base, self.prefill_share, self.decode_share, self.sm_only = base, prefill_share, decode_share, sm_only
-        self.name = f"shared:{base.name}@{prefill_share:g}/{decode_share:g}{'/sm' if sm_only else ''}"
-
-    def step_time(self, s: StepShape) -> float:
-        if s.prefill_tokens and s.decode_tokens:
-            share = min(self.prefill_share, self.decode_share)
-        else:
-            share = self.prefill_share if s.prefill_tokens else self.decode_share
-        compute_s, memory_s = self.base.parts(s)
-        return max(max(compute_s / share, memory_s if self.sm_only else memory_s / share) + self.base.overhead_s,
-                   MIN_STEP_S)
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "shared", "name": self.name, "prefill_share": self.prefill_share,
-                "decode_share": self.decode_share, "sm_only": self.sm_only, "base": self.base.describe()}
-
-
 class DecodePoolLatency(LatencyModel):
     """An instance of a disaggregated decode pool: prompts are prefilled elsewhere and their KV arrives.
 

@@ -46,6 +46,9 @@ class SimInstance:
     fwd_tokens: float = 0.0
     batch: float = 0.0
     plan: object = None                  # the running step's StepPlan
+    # prices a step that shares its GPUs with other instances' (serving.sim.mesh): (shape, now) -> seconds from now
+    # to the step's end, waits included; None: the latency model alone prices it
+    pricer: Callable[[StepShape, float], float] | None = None
     _emit: tuple = ()
 
     @property
@@ -89,7 +92,8 @@ class SimInstance:
                     first.append(rid)
                 if r.generated + 1 >= truth[rid]:
                     finished.append(rid)
-        dt = self.latency.step_time(StepShape(prefill, decode, kv_read, len(plan.tokens), attn2))
+        shape = StepShape(prefill, decode, kv_read, len(plan.tokens), attn2)
+        dt = self.latency.step_time(shape) if self.pricer is None else self.pricer(shape, now)
         self.busy_until = now + dt
         self.busy_s += dt
         self.steps += 1

@@ -7,12 +7,11 @@ the unit's ``max_num_seqs``, 16-token blocks and the KV share of the mesh. Step 
 of the LLaMA size on A100s at the unit's tensor-parallel size (communication not modelled). The figures compared
 are MuxServe's: throughput (requests over the run's span), p90/p99 request latency, mean TTFT and mean TPOT.
 
-``spatial`` gives each model a mesh of its own. In a mesh several models share, each model runs as its own engine
-with a share of the mesh (:class:`~serving.perf.latency.SharedLatency`): ``flexsm`` (MuxServe) with the MPS
-percentages of its prefill and decode jobs (of the SMs: its reads from HBM keep their pace), ``temporal`` with an
-equal share of the time; and a share of the KV pool
-by its expected demand (:func:`kv_shares`). What co-located models take from each other beyond their shares, and
-ADBS's quota moves as the load shifts, are not modelled.
+``spatial`` gives each model a mesh of its own. The models of a mesh several share run together, each as its own
+engine (:mod:`serving.sim.mesh`): ``flexsm`` (MuxServe) with the MPS percentages of its prefill and decode jobs, the
+mesh's bandwidth shared between concurrent steps and its prefills one at a time; ``temporal`` one step at a time on
+the whole mesh. Each model keeps a share of the KV pool by its expected demand (:func:`kv_shares`); ADBS's quota
+moves as the load shifts are not modelled.
 """
 
 from __future__ import annotations
@@ -27,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from serving.bench.models.lengths import sample_lengths
-from serving.bench.models.muxserve import Level, Unit, UnitModel, load_placement
+from serving.bench.models.muxserve import Level, Unit, load_placement
 from serving.perf.hardware import get_gpu, get_model, kv_blocks
-from serving.perf.latency import LatencyModel, RooflineLatency, SharedLatency
+from serving.perf.latency import LatencyModel, RooflineLatency
 from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
 from serving.sim.engine import poisson_arrivals, simulate
+from serving.sim.mesh import MeshModel, simulate_mesh
 from serving.sim.metrics import RequestRecord, RunMetrics
 from serving.sim.workload import TraceRequest
 
@@ -42,12 +42,9 @@ BLOCK = 16  # vLLM's default block size
 V0_BUDGET = 2048  # vLLM v0's max_num_batched_tokens for a 2,048-token context: max(max_model_len, 2048)
 SLO_SCALE = 8.0  # MuxServe §4.3's SLO scale
 COMPARED = ("throughput_rps", "jct_p90_s", "jct_p99_s", "ttft_mean_s", "tpot_mean_s")
-# how a model of a shared mesh gets the GPUs, per system: MuxServe's MPS percentages of its prefill and decode jobs,
-# or temporal multiplexing's turns (an equal share of the time, each turn with the whole mesh)
-SHARED: dict[str, Callable[[UnitModel, int], tuple[float, float, bool]]] = {
-    "flexsm": lambda m, k: (m.prefill_sm, m.decode_sm, True),
-    "temporal": lambda m, k: (1 / k, 1 / k, False),
-}
+# how the models of a shared mesh share it, per system (serving.sim.mesh): MuxServe's MPS percentages of its prefill
+# and decode jobs, or temporal multiplexing's turns, one step at a time on the whole mesh
+SHARING = {"flexsm": "mps", "temporal": "temporal", "spatial": "mps"}
 
 
 @dataclass(frozen=True)
@@ -132,51 +129,72 @@ def run_blind(requests: list[TraceRequest], cfg: FidelityConfig, config: PolicyC
                     records=records)
 
 
-def simulate_on_mesh(unit: Unit, requests: list[TraceRequest], cfg: FidelityConfig, model: str | None = None,
-                     kv_share: float = 1.0, shares: tuple[float, float, bool] | None = None) -> dict[str, float]:
-    """One model of a unit on its mesh: alone (a spatial unit), or beside others (``model``), with ``kv_share`` of
-    the pool and ``shares`` (prefill, decode, of the SMs only) of the GPUs. The compared figures and the run's facts."""
-    m = next(x for x in unit.models if x.name == model) if model is not None else unit.models[0]
+def mesh_model(unit: Unit, name: str, requests: list[TraceRequest], cfg: FidelityConfig, kv_share: float,
+               slo_scale: float = SLO_SCALE) -> MeshModel:
+    """Model ``name`` of ``unit`` as its mesh runs it: its engine (vLLM v0 at the unit's ``max_num_seqs``), its
+    ``kv_share`` of the mesh's KV pool, its step model on the whole mesh and its MPS percentages."""
+    m = next(x for x in unit.models if x.name == name)
     spec, gpu = get_model(m.size), get_gpu(GPU)
     latency = cfg.engine.latency(m.size, m.tp)
-    if shares is not None:
-        latency = SharedLatency(latency, *shares)
     blocks = kv_blocks(spec, kv_share * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
-    slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], SLO_SCALE)
+    slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], slo_scale)
+    mean_out = float(np.mean([r.output_tokens for r in requests]))  # the blind engine's one prediction for all
+    return MeshModel(name, requests, [Prediction(length=mean_out)] * len(requests), cfg.policy,
+                     v0_config(m.size, m.max_num_seqs), blocks, latency, slo, m.prefill_sm, m.decode_sm)
+
+
+def simulate_unit(unit: Unit, level: Level, requests: dict[str, list[TraceRequest]], cfg: FidelityConfig,
+                  sharing: str) -> dict[str, dict[str, float]]:
+    """Every model of ``unit`` on its mesh together (:func:`~serving.sim.mesh.simulate_mesh`; alone for a unit of
+    one), each with its requests: per model the compared figures and the run's facts."""
+    shares = kv_shares(unit, level)
+    models = [mesh_model(unit, m.name, requests[m.name], cfg, shares[m.name]) for m in unit.models]
     records: dict[int, RequestRecord] = {}
-    run = run_blind(requests, cfg, v0_config(m.size, m.max_num_seqs), blocks, latency, slo, records)
-    done = [r for r in records.values() if r.finished is not None]
-    tpot = [(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1]
-    return {"throughput_rps": run.throughput_rps, "jct_p90_s": run.jct_p90_s, "jct_p99_s": run.jct_p99_s,
+    runs = simulate_mesh(models, sharing, records=records)
+    out = {}
+    for m in models:
+        run, reqs = runs[m.name], m.requests
+        done = [r for r in records.values() if r.service == m.name and r.finished is not None]
+        tpot = [(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1]
+        out[m.name] = {
+            "throughput_rps": run.throughput_rps, "jct_p90_s": run.jct_p90_s, "jct_p99_s": run.jct_p99_s,
             "ttft_mean_s": float(np.mean([r.first_token - r.arrival for r in done])),
             "tpot_mean_s": float(np.mean(tpot)) if tpot else float("nan"), "slo_attainment": run.slo_attainment,
-            "requests": len(requests), "completed": run.requests_completed, "kv_blocks": blocks,
-            "preemptions": run.preemptions, "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in requests])),
-            "mean_output_tokens": float(np.mean([r.output_tokens for r in requests]))}
+            "requests": len(reqs), "completed": run.requests_completed, "kv_blocks": m.kv_blocks,
+            "preemptions": run.preemptions, "waited_for_mesh_s": run.extra["waited_for_mesh_s"],
+            "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in reqs])),
+            "mean_output_tokens": float(np.mean([r.output_tokens for r in reqs]))}
+    return out
 
 
 def fidelity(level: Level, system: str, cfg: FidelityConfig,
              on_model: Callable[[str], None] | None = None) -> dict[str, dict]:
-    """Per model of ``level``: MuxServe's measured figures under ``system``, ours, and ours / theirs - 1."""
+    """Per model of ``level``: MuxServe's measured figures under ``system``, ours, and ours / theirs - 1. A unit's
+    models run together on its mesh, shared as :data:`SHARING` says for ``system``."""
     units = load_placement(level.name, system)
+    salts = {m.name: k for k, m in enumerate(level.models)}
+    rate = {m.name: m.rate for m in level.models}
+    sims: dict[str, list[dict[str, float]]] = {m.name: [] for m in level.models}
+    for unit in units:
+        for k in range(cfg.replays):
+            requests = {m.name: requests_for(level.measured_row(system, m.name)["requests"], rate[m.name], cfg,
+                                             salts[m.name] + 100 * k, level, m.name) for m in unit.models}
+            for name, figures in simulate_unit(unit, level, requests, cfg, SHARING[system]).items():
+                sims[name].append(figures)
     out: dict[str, dict] = {}
-    for salt, model in enumerate(level.models):
+    for model in level.models:
         unit = unit_of(units, model.name)
         measured = level.measured_row(system, model.name)
-        row: dict = {"size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
-                     "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured}
-        me = next(m for m in unit.models if m.name == model.name)
-        kw = {} if len(unit.models) == 1 else {"model": model.name, "kv_share": kv_shares(unit, level)[model.name],
-                                               "shares": SHARED[system](me, len(unit.models))}
-        runs = [simulate_on_mesh(unit, requests_for(measured["requests"], model.rate, cfg, salt + 100 * k, level,
-                                                  model.name), cfg, **kw) for k in range(cfg.replays)]
+        runs = sims[model.name]
         sim = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
         sim["throughput_replays"] = [r["throughput_rps"] for r in runs]
-        row["simulated"] = sim
-        row["error"] = {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED}
-        # what one draw of this many Poisson arrivals moves a span by, measured or simulated alike
-        row["arrival_noise"] = 1 / math.sqrt(measured["requests"])
-        out[model.name] = row
+        out[model.name] = {
+            "size": model.size, "rate": model.rate, "gpus": unit.gpus, "tp": unit.models[0].tp,
+            "shares_mesh_with": [m.name for m in unit.models if m.name != model.name], "measured": measured,
+            "simulated": sim,
+            "error": {k: sim[k] / measured[k] - 1 if measured[k] else float("nan") for k in COMPARED},
+            # what one draw of this many Poisson arrivals moves a span by, measured or simulated alike
+            "arrival_noise": 1 / math.sqrt(measured["requests"])}
         if on_model is not None:
             on_model(model.name)
     return out

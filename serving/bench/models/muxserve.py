@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serving.placement.models.plan import Unit, UnitModel
 from serving.sim.scenarios import data_path
 
 TRACE = "traces/muxserve_chatlmsys_day55.json"
@@ -43,27 +44,6 @@ class ServedLLM:
     name: str
     size: str
     rate: float
-
-
-@dataclass(frozen=True)
-class UnitModel:
-    """A model as a mesh serves it: tensor-parallel size, SM percentages of its prefill and decode jobs, batch cap."""
-
-    name: str
-    size: str
-    tp: int
-    prefill_sm: float
-    decode_sm: float
-    max_num_seqs: int
-
-
-@dataclass(frozen=True)
-class Unit:
-    """An LLM unit (MuxServe §3.2): a GPU mesh and the models that share it, with the mesh's KV fraction."""
-
-    gpus: int
-    kv_fraction: float
-    models: tuple[UnitModel, ...]
 
 
 @dataclass(frozen=True)

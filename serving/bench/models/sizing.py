@@ -11,6 +11,7 @@ when it finishes within ``slo_scale`` times its execution time alone on the mode
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,13 +29,15 @@ MAX_REPLICAS = 8  # 64 GPUs for one model: past this the search gives up and say
 
 @dataclass(frozen=True)
 class Sized:
-    """One model's mesh: ``gpus`` per replica, ``replicas`` of it, and the attainment simulated there."""
+    """One model's mesh: ``gpus`` per replica, ``replicas`` of it, and the attainment simulated there; ``curve``:
+    every total tried on the way, with its best way's (gpus, replicas, attainment)."""
 
     model: str
     size: str
     gpus: int
     replicas: int
     attainment: float
+    curve: tuple[tuple[int, int, float], ...] = ()
 
     @property
     def total_gpus(self) -> int:
@@ -79,6 +82,7 @@ def size_spatial(level: Level, cfg: FidelityConfig, target: float = 0.99, slo_sc
         n = max(1, math.ceil(model.rate * duration_s))
         first = smallest_mesh(model.size)
         found = None
+        curve: list[tuple[int, int, float]] = []
         for total in range(first, MESHES[-1] * MAX_REPLICAS + 1):
             # every way to make ``total`` GPUs of equal meshes; the best of them at this total
             ways = [(g, total // g) for g in MESHES if g >= first and total % g == 0 and total // g <= MAX_REPLICAS]
@@ -86,10 +90,36 @@ def size_spatial(level: Level, cfg: FidelityConfig, target: float = 0.99, slo_sc
                      for g, r in ways]
             if tried:
                 found = max(tried, key=lambda x: (x.attainment, -x.replicas))
+                curve.append((found.gpus, found.replicas, found.attainment))
                 if found.attainment >= target:
                     break
         assert found is not None
+        found = dataclasses.replace(found, curve=tuple(curve))
         out.append(found)
         if on_model is not None:
             on_model(found)
     return out
+
+
+def allocate(sized: list[Sized], rates: dict[str, float], overall: float, each: float) -> list[Sized]:
+    """Spatial partitioning at a fleet's criterion: each model first on the fewest GPUs of its curve that keep it at
+    ``each``, then GPUs added where they bring the most requests within SLO per GPU until the rate-weighted
+    attainment reaches ``overall`` (each curve runs up to the model alone at ``overall`` or more, so this ends)."""
+    at = {s.model: next(i for i, (_, _, a) in enumerate(s.curve) if a >= each) for s in sized}
+    by = {s.model: s for s in sized}
+    total_rate = sum(rates.values())
+
+    def met() -> float:
+        return sum(rates[m] * by[m].curve[i][2] for m, i in at.items()) / total_rate
+
+    while met() < overall:
+        def gain(m: str) -> float:
+            i = at[m]
+            (g0, r0, a0), (g1, r1, a1) = by[m].curve[i], by[m].curve[i + 1]
+            return rates[m] * (a1 - a0) / (g1 * r1 - g0 * r0)
+        options = [m for m, i in at.items() if i + 1 < len(by[m].curve)]
+        if not options:
+            break
+        at[max(options, key=gain)] += 1
+    return [dataclasses.replace(by[m], gpus=by[m].curve[i][0], replicas=by[m].curve[i][1],
+                                attainment=by[m].curve[i][2]) for m, i in at.items()]

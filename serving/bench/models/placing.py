@@ -1,0 +1,147 @@
+"""A placement's plan run in the simulator, and the fewest GPUs at which a placement keeps the fleet within SLO.
+
+Every unit of a plan runs on its own simulated mesh (:func:`~serving.sim.mesh.simulate_mesh`): each model's share
+of its Poisson arrivals for ``duration_s``, lengths as the fidelity run draws them, vLLM v0 at the unit's batch cap,
+the unit's KV quota, and the calibrated step model at the mesh's tensor-parallel size. A request meets its SLO when
+it finishes within ``slo_scale`` times its execution time alone on its model's smallest mesh (MuxServe §4.1). A plan
+passes when the overall attainment is at least ``overall`` and every model's at least ``each``.
+
+What a placement is told of the requests: ``muxserve`` gets the level's average prompt and output for every model,
+as MuxServe's optimiser takes them; ``lengthwise`` gets each model's own mean prompt and output from a window of its
+past requests (a draw of its lengths apart from the run's, as a fleet's predictor learns them), never the run's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.bench.models.fidelity import BLOCK, GPU, FidelityConfig, requests_for, v0_config
+from serving.bench.models.muxserve import Level
+from serving.bench.models.sizing import smallest_mesh
+from serving.perf.hardware import get_gpu, get_model, kv_blocks
+from serving.perf.slo import derive_slo
+from serving.placement.models.estimate import Demand, Estimator
+from serving.placement.models.lengthwise import place_lengthwise
+from serving.placement.models.muxserve import place_muxserve
+from serving.placement.models.plan import Plan, Unit
+from serving.policy.request import Prediction
+from serving.sim.mesh import MeshModel, simulate_mesh
+
+HISTORY = 500  # requests per model in the window a fleet's predictor learns its lengths from
+HISTORY_SALT = 77_777  # keeps that window's draw apart from every run's
+
+
+@dataclass(frozen=True)
+class Criterion:
+    overall: float = 0.99
+    each: float = 0.90
+    slo_scale: float = 8.0
+
+    def met(self, per_model: dict[str, dict]) -> bool:
+        met = sum(r["met"] for r in per_model.values())
+        total = sum(r["requests"] for r in per_model.values())
+        return met >= self.overall * total and all(r["attainment"] >= self.each for r in per_model.values())
+
+
+def level_demands(level: Level) -> list[Demand]:
+    """Every model at the level's average prompt and output: what MuxServe's optimiser knows."""
+    return [Demand(m.name, m.size, m.rate, level.avg_prompt_len, level.avg_output_len) for m in level.models]
+
+
+def predicted_demands(level: Level, cfg: FidelityConfig) -> list[Demand]:
+    """Every model at the mean prompt and output of a window of its own past requests."""
+    out = []
+    for k, m in enumerate(level.models):
+        past = requests_for(HISTORY, m.rate, cfg, HISTORY_SALT + k, level, m.name)
+        out.append(Demand(m.name, m.size, m.rate, float(np.mean([r.prompt_tokens for r in past])),
+                          float(np.mean([r.output_tokens for r in past]))))
+    return out
+
+
+def kv_split(unit: Unit, rates: dict[str, float]) -> dict[str, float]:
+    """Each model's share of its mesh's KV: the unit's own quotas, else by rate x KV bytes a token (MuxServe's
+    estimator's split)."""
+    if all(m.kv_share is not None for m in unit.models):
+        return {m.name: float(m.kv_share) for m in unit.models}  # type: ignore[arg-type]
+    w = {m.name: rates[m.name] * m.rate_share * get_model(m.size).kv_bytes_per_token() for m in unit.models}
+    return {k: v / sum(w.values()) for k, v in w.items()}
+
+
+def run_plan(plan: Plan, level: Level, cfg: FidelityConfig, duration_s: float, sharing: str = "mps",
+             criterion: Criterion = Criterion()) -> dict[str, dict]:
+    """Per model of ``level``: its requests, those within SLO and its attainment over every mesh serving it."""
+    gpu = get_gpu(GPU)
+    rates = {m.name: m.rate for m in level.models}
+    salts = {m.name: k for k, m in enumerate(level.models)}
+    tally = {m.name: {"requests": 0, "met": 0, "meshes": 0} for m in level.models}
+    replica: dict[str, int] = {}
+    for unit in plan.units:
+        split = kv_split(unit, rates)
+        models = []
+        for m in unit.models:
+            k = replica.get(m.name, 0)
+            replica[m.name] = k + 1
+            rate = rates[m.name] * m.rate_share
+            reqs = requests_for(max(1, math.ceil(rate * duration_s)), rate, cfg, salts[m.name] + 1000 * k, level,
+                                m.name)
+            alone = cfg.engine.latency(m.size, smallest_mesh(m.size))
+            slo = derive_slo(alone, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs],
+                             criterion.slo_scale)
+            spec = get_model(m.size)
+            blocks = kv_blocks(spec, split[m.name] * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
+            mean_out = float(np.mean([r.output_tokens for r in reqs]))
+            models.append(MeshModel(m.name, reqs, [Prediction(length=mean_out)] * len(reqs), cfg.policy,
+                                    v0_config(m.size, m.max_num_seqs), blocks, cfg.engine.latency(m.size, m.tp), slo,
+                                    m.prefill_sm, m.decode_sm))
+        for name, run in simulate_mesh(models, sharing).items():
+            tally[name]["requests"] += run.requests_total
+            tally[name]["met"] += round(run.slo_attainment * run.requests_total)
+            tally[name]["meshes"] += 1
+    for r in tally.values():
+        r["attainment"] = r["met"] / r["requests"] if r["requests"] else 0.0
+    return tally
+
+
+Placer = Callable[[Level, int], Plan | None]
+
+
+def placers(cfg: FidelityConfig) -> dict[str, tuple[Placer, str]]:
+    """Each placement sized by :func:`fewest_gpus`, with the sharing its meshes run under."""
+    est = Estimator(cfg.engine.latency)
+    return {
+        "muxserve": (lambda level, n: place_muxserve(level_demands(level), n, est), "mps"),
+        "temporal": (lambda level, n: place_muxserve(level_demands(level), n, est), "temporal"),
+        "lengthwise": (lambda level, n: place_lengthwise(predicted_demands(level, cfg), n, est), "mps"),
+    }
+
+
+def fewest_gpus(placer: Placer, sharing: str, level: Level, cfg: FidelityConfig, duration_s: float, lo: int, hi: int,
+                criterion: Criterion = Criterion(), on_try: Callable[[int, bool], None] | None = None) -> dict:
+    """The fewest GPUs in [lo, hi] at which ``placer``'s plan passes, by bisection (a placement that passes on n
+    GPUs is taken to pass on more); every size tried, with its plan and per-model attainment."""
+    tried: dict[int, dict] = {}
+
+    def passes(n: int) -> bool:
+        plan = placer(level, n)
+        if plan is None:
+            tried[n] = {"plan": None, "passes": False}
+        else:
+            per_model = run_plan(plan, level, cfg, duration_s, sharing, criterion)
+            tried[n] = {"plan": plan, "passes": criterion.met(per_model), "models": per_model}
+        if on_try is not None:
+            on_try(n, tried[n]["passes"])
+        return tried[n]["passes"]
+
+    if not passes(hi):
+        return {"gpus": None, "tried": tried}
+    while hi - lo > 0:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return {"gpus": hi, "tried": tried}

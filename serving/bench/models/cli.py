@@ -31,18 +31,23 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
         epilog="examples:\n  lengthwise bench models --fidelity\n"
                "  lengthwise bench models --fidelity --systems spatial\n"
                "  lengthwise bench models --fidelity --levels condense500,condense2000 --calibrate-on none\n"
-               "  lengthwise bench models --fidelity --lengths sharegpt\n\n"
+               "  lengthwise bench models --fidelity --lengths sharegpt\n"
+               "  lengthwise bench models --gpus-needed --replays 1\n"
+               "  lengthwise bench models --gpus-needed --lengths alpaca-eval --placements muxserve,lengthwise\n\n"
                "JSON: levels -> LEVEL -> SYSTEM -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, "
                "simulated, error; summary; held_out}; calibration -> {level, engine, fit_error, tried}.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fidelity", action="store_true",
                       help="simulate MuxServe's own placements and compare with its measurements")
     mode.add_argument("--gpus-needed", action="store_true",
-                      help="per level, the fewest GPUs each placement needs with every model at >= 99%% attainment "
-                           "(SLO scale 8, as MuxServe), beside the GPUs MuxServe's own placements used")
-    p.add_argument("--placements", type=comma_list(str.strip, "spatial"), default=["spatial"], metavar="P,P",
-                   help="--gpus-needed: placements to size: spatial (each model on its own meshes, sized to its rate); "
-                        "MuxServe's, SeaLLM's and ours are not built yet (default: spatial)")
+                      help="per level, the fewest GPUs each placement needs for >= 99%% attainment overall and >= 90%% "
+                           "for every model (SLO scale 8, as MuxServe), beside the GPUs MuxServe's own placements used")
+    p.add_argument("--placements", type=comma_list(str.strip, "spatial,lengthwise"),
+                   default=["spatial", "muxserve", "temporal", "lengthwise"], metavar="P,P",
+                   help="--gpus-needed: placements to size: spatial (each model on its own meshes, sized to its rate), "
+                        "muxserve (MuxServe's greedy with its estimator, models sharing meshes under MPS), temporal "
+                        "(the same meshes, one step at a time), lengthwise (ours: packed by each model's predicted "
+                        "lengths) (default: all four)")
     p.add_argument("--duration", type=float, default=300.0, metavar="S",
                    help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
                         "that keeps up from one that does not) (default: %(default)s)")
@@ -55,10 +60,11 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--calibrate-on", default="condense800", metavar="LEVEL",
                    help="the level whose measurements fit the step-time model ('none': the roofline only; default: "
                         "%(default)s)")
-    p.add_argument("--lengths", choices=["per-model", "level-mean", "sharegpt"], default="per-model",
+    p.add_argument("--lengths", choices=["per-model", "level-mean", "sharegpt", "alpaca-eval"], default="per-model",
                    help="request lengths: ShareGPT's first turns scaled to each model's own mean tokens per request "
                         "(MuxServe's tokens/s over its requests/s: 209 to 443), to the level's average output (261), "
-                        "or as ShareGPT has them (366 after MuxServe's filter) (default: %(default)s)")
+                        "as ShareGPT has them (366 after MuxServe's filter), or each model answering as a different "
+                        "LLM of AlpacaEval's 62, 16 spread over their answer lengths (default: %(default)s)")
     p.add_argument("--first-turns", type=int, default=None, metavar="N",
                    help="draw lengths from the first N ShareGPT first turns (default: all 14,736; counting them with "
                         "the LLaMA tokenizer takes about 16 s, fewer make a quick run)")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.bench.models.lengths import sample_lengths
+from serving.bench.models.lengths import alpaca_generators, alpaca_lengths, sample_lengths
 from serving.bench.models.muxserve import Level, Unit, load_placement
 from serving.perf.hardware import get_gpu, get_model, kv_blocks
 from serving.perf.latency import LatencyModel, RooflineLatency
@@ -63,14 +63,15 @@ class Engine:
         return RooflineLatency(get_model(size), gpu, tp, self.overhead_s, self.tp_overhead_s)
 
 
-LENGTHS = ("per-model", "level-mean", "sharegpt")
+LENGTHS = ("per-model", "level-mean", "sharegpt", "alpaca-eval")
 
 
 @dataclass(frozen=True)
 class FidelityConfig:
     """``lengths``: ShareGPT's first turns scaled per model to its requests' mean tokens (``per-model``,
     :meth:`Level.tokens_per_request`, split as the level's average prompt and output), scaled to the level's average
-    output (``level-mean``), or as they are (``sharegpt``); ``seed``: arrivals and lengths; ``engine``: the
+    output (``level-mean``), as they are (``sharegpt``), or each model answering AlpacaEval's instructions as a
+    different LLM does (``alpaca-eval``, :func:`~serving.bench.models.lengths.alpaca_generators`); ``seed``: arrivals and lengths; ``engine``: the
     step-time model."""
 
     lengths: str = "per-model"
@@ -94,7 +95,13 @@ def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int, level: Lev
     """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' and replays' draws apart),
     scaled as ``cfg.lengths`` says for ``model`` of ``level``."""
     seed = cfg.seed * 100_000 + salt
-    prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit)
+    if cfg.lengths == "alpaca-eval" and level is not None and model is not None:
+        names = [m.name for m in level.models]
+        prompt, out = alpaca_lengths(alpaca_generators(len(names))[names.index(model)])
+        idx = np.random.default_rng(seed).integers(0, len(prompt), size=n)
+        prompt, out = prompt[idx], out[idx]
+    else:
+        prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit)
     if cfg.lengths == "level-mean" and level is not None:
         out = _scaled(out, level.avg_output_len)
     elif cfg.lengths == "per-model" and level is not None and model is not None:

@@ -53,7 +53,9 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                              "target": TARGET, "each": EACH, "slo_scale": SLO_SCALE, "gpu": "a100-80gb"},
                  "levels": {}}
     with Progress(console=console, transient=True) as progress:
-        engines, calibration = calibrated(levels, calibrate_on, config, progress)
+        # the engine is fitted to MuxServe's measurements on the requests MuxServe ran, whatever lengths are sized here
+        engines, calibration = calibrated(levels, calibrate_on,
+                                          lambda lv: dataclasses.replace(config(lv), lengths="per-model"), progress)
         engine_name = "calibrated" if "calibrated" in engines else "roofline"
         res["setting"]["engine"] = {"name": engine_name, **dataclasses.asdict(engines[engine_name])}
         if calibration:
@@ -75,7 +77,7 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                     "min_attainment": min(s.attainment for s in alloc),
                     "models": [dataclasses.asdict(s) | {"total_gpus": s.total_gpus} for s in alloc]}
                 progress.remove_task(task)
-            hi = entry["placements"].get("spatial", {}).get("every_model_at_target", MOST_GPUS)
+            hi = MOST_GPUS
             for p in (x for x in placements if x in SHARED):
                 placer, sharing = placers(cfg)[p]
                 task = progress.add_task(f"{name}: {p}", total=math.ceil(math.log2(max(2, hi))) + 2)
@@ -84,9 +86,9 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                                   on_try=lambda n, ok, task=task: progress.advance(task))
                 progress.remove_task(task)
                 on_cluster = placer(level, level.cluster_gpus)
-                found = got["tried"].get(got["gpus"]) if got["gpus"] is not None else None
+                found = got["tried"][got["given"]] if got["gpus"] is not None else None
                 entry["placements"][p] = {
-                    "gpus": got["gpus"], "searched_up_to": hi, "search_s": time.perf_counter() - t0,
+                    "gpus": got["gpus"], "given": got.get("given"), "searched_up_to": hi, "search_s": time.perf_counter() - t0,
                     "decision_s_on_cluster": on_cluster.decision_s if on_cluster is not None else None,
                     "plan": _plan_json(found["plan"]) if found else None,
                     "models": found["models"] if found else None,

@@ -6,8 +6,8 @@ the unit's KV quota, and the calibrated step model at the mesh's tensor-parallel
 it finishes within ``slo_scale`` times its execution time alone on its model's smallest mesh (MuxServe §4.1). A plan
 passes when the overall attainment is at least ``overall`` and every model's at least ``each``.
 
-What a placement is told of the requests: ``muxserve`` gets the level's average prompt and output for every model,
-as MuxServe's optimiser takes them; ``lengthwise`` gets each model's own mean prompt and output from a window of its
+What a placement is told of the requests: ``muxserve`` gets one average prompt and output for every model,
+as MuxServe's optimiser takes them (here the fleet's, from the same window ours learns from); ``lengthwise`` gets each model's own mean prompt and output from a window of its
 past requests (a draw of its lengths apart from the run's, as a fleet's predictor learns them), never the run's.
 """
 
@@ -47,9 +47,14 @@ class Criterion:
         return met >= self.overall * total and all(r["attainment"] >= self.each for r in per_model.values())
 
 
-def level_demands(level: Level) -> list[Demand]:
-    """Every model at the level's average prompt and output: what MuxServe's optimiser knows."""
-    return [Demand(m.name, m.size, m.rate, level.avg_prompt_len, level.avg_output_len) for m in level.models]
+def fleet_demands(level: Level, cfg: FidelityConfig) -> list[Demand]:
+    """Every model at the fleet's average prompt and output (over the same window of past requests, weighted by
+    rate): what MuxServe's optimiser knows, one pair of lengths for every model."""
+    own = predicted_demands(level, cfg)
+    rate = sum(d.rate for d in own)
+    prompt = sum(d.rate * d.prompt_len for d in own) / rate
+    output = sum(d.rate * d.output_len for d in own) / rate
+    return [Demand(d.name, d.size, d.rate, prompt, output) for d in own]
 
 
 def predicted_demands(level: Level, cfg: FidelityConfig) -> list[Demand]:
@@ -113,16 +118,17 @@ def placers(cfg: FidelityConfig) -> dict[str, tuple[Placer, str]]:
     """Each placement sized by :func:`fewest_gpus`, with the sharing its meshes run under."""
     est = Estimator(cfg.engine.latency)
     return {
-        "muxserve": (lambda level, n: place_muxserve(level_demands(level), n, est), "mps"),
-        "temporal": (lambda level, n: place_muxserve(level_demands(level), n, est), "temporal"),
+        "muxserve": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "mps"),
+        "temporal": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "temporal"),
         "lengthwise": (lambda level, n: place_lengthwise(predicted_demands(level, cfg), n, est), "mps"),
     }
 
 
 def fewest_gpus(placer: Placer, sharing: str, level: Level, cfg: FidelityConfig, duration_s: float, lo: int, hi: int,
                 criterion: Criterion = Criterion(), on_try: Callable[[int, bool], None] | None = None) -> dict:
-    """The fewest GPUs in [lo, hi] at which ``placer``'s plan passes, by bisection (a placement that passes on n
-    GPUs is taken to pass on more); every size tried, with its plan and per-model attainment."""
+    """The fewest GPUs in [lo, hi] given to ``placer`` at which its plan passes, by bisection (a placement that passes
+    on n GPUs is taken to pass on more), and the GPUs that plan holds; every size tried, with its plan and per-model
+    attainment."""
     tried: dict[int, dict] = {}
 
     def passes(n: int) -> bool:
@@ -144,4 +150,5 @@ def fewest_gpus(placer: Placer, sharing: str, level: Level, cfg: FidelityConfig,
             hi = mid
         else:
             lo = mid + 1
-    return {"gpus": hi, "tried": tried}
+    # a plan may leave some of the GPUs it is given idle: what it needs is what the passing plan holds
+    return {"gpus": tried[hi]["plan"].gpus, "given": hi, "tried": tried}

@@ -33,6 +33,7 @@ KV_QUANTILE = 2.33  # KV held for the batch's 99th percentile, its count taken a
 MIN_DECODE_SM = 0.3  # the smallest decode share MuxServe's own placements give
 MAX_REPLICAS = 8
 MAX_SLOWDOWN = 8.0  # MuxServe's SLO scale: a request slowed past it misses however short its queue
+MIN_SLOWDOWN = 0.25  # given GPUs to spare, larger meshes run a model's steps faster than alone on its smallest
 STRETCHES = np.geomspace(1.0, 16.0, 49)  # the stretches a mesh is tried at
 
 
@@ -198,7 +199,7 @@ def place_lengthwise(demands: list[Demand], gpus: int, est: Estimator, gpu_gb: f
         meshes = packer.pack(slowdown)
         return meshes if meshes is not None and fits_nodes([m.gpus for m in meshes], gpus, per_node) else None
 
-    lo, hi = 1.0, MAX_SLOWDOWN
+    lo, hi = MIN_SLOWDOWN, MAX_SLOWDOWN
     best = packed(hi)
     if best is None:
         return None

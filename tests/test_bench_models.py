@@ -116,16 +116,77 @@ def test_spatial_sizing_gives_each_model_the_fewest_gpus_that_keep_it_at_the_tar
     assert busy.total_gpus > 1  # 32 req/s of a 13B do not fit one A100 at this SLO
 
 
-def test_the_gpus_needed_cli_sizes_spatial_beside_what_muxserve_ran_on(data, tmp_path):
+def test_the_gpus_needed_cli_sizes_spatial_and_ours_beside_what_muxserve_ran_on(data, tmp_path):
     out = tmp_path / "gpus.json"
     r = run_main(main, ["bench", "models", "--gpus-needed", "--levels", "condense500", "--calibrate-on", "none",
-                        "--first-turns", "1500", "--replays", "1", "--duration", "20", "--json", str(out)])
+                        "--placements", "spatial,lengthwise", "--first-turns", "1500", "--replays", "1",
+                        "--duration", "20", "--json", str(out)])
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     e = res["levels"]["condense500"]
     assert e["muxserve_ran_on"] == {"flexsm": 28, "spatial": 32, "temporal": 28}
     sp = e["placements"]["spatial"]
     assert len(sp["models"]) == 16 and sp["gpus"] == sum(m["total_gpus"] for m in sp["models"])
+    assert sp["gpus"] <= sp["every_model_at_target"] and sp["min_attainment"] >= 0.9
+    ours = e["placements"]["lengthwise"]
+    assert e["fewest_possible"] <= ours["gpus"] <= ours["given"] <= 64
+    assert ours["plan"]["gpus"] == ours["gpus"] and ours["tried"][str(ours["given"])]["passes"]
+    met = sum(m["met"] for m in ours["models"].values()) / sum(m["requests"] for m in ours["models"].values())
+    assert met >= 0.99 and min(m["attainment"] for m in ours["models"].values()) >= 0.9
+    assert {m["name"] for u in ours["plan"]["units"] for m in u["models"]} == {f"llm-{k}" for k in range(1, 17)}
     assert res["setting"]["engine"]["name"] == "roofline" and out.with_suffix(".png").stat().st_size > 10_000
-    bad = run_main(main, ["bench", "models", "--gpus-needed", "--placements", "muxserve"])
-    assert bad.returncode == 2 and "unknown placement 'muxserve'; built: spatial" in bad.stderr
+    bad = run_main(main, ["bench", "models", "--gpus-needed", "--placements", "alpaserve"])
+    assert bad.returncode == 2 and "unknown placement 'alpaserve'; built: spatial, muxserve" in bad.stderr
+
+
+def test_spatial_is_allocated_at_the_fleets_criterion_from_each_models_curve():
+    from serving.bench.models.sizing import Sized, allocate
+
+    # a busy model whose second GPU brings it from 92% to 100%, and a quiet one already at 95% on one
+    busy = Sized("busy", "llama-13b", 1, 2, 1.0, ((1, 1, 0.92), (1, 2, 1.0)))
+    quiet = Sized("quiet", "llama-7b", 1, 2, 0.99, ((1, 1, 0.95), (1, 2, 0.99)))
+    rates = {"busy": 9.0, "quiet": 1.0}
+    got = {s.model: s.total_gpus for s in allocate([busy, quiet], rates, 0.99, 0.90)}
+    assert got == {"busy": 2, "quiet": 1}  # 9 x 1.0 + 1 x 0.95 over 10 = 99.5%: the quiet model's second GPU is spared
+    assert {s.model: s.total_gpus for s in allocate([busy, quiet], rates, 0.90, 0.90)} == {"busy": 1, "quiet": 1}
+
+
+def test_the_alpaca_eval_variant_gives_each_model_a_different_llms_lengths(data):
+    from serving.bench.models.fidelity import requests_for
+    from serving.bench.models.lengths import alpaca_generators
+
+    gens = alpaca_generators(16)
+    assert len(set(gens)) == 16
+    level = load_levels()["condense500"]
+    cfg = FidelityConfig(lengths="alpaca-eval")
+    means = {m.name: sum(r.output_tokens for r in requests_for(300, 1.0, cfg, k, level, m.name)) / 300
+             for k, m in enumerate(level.models[:4])}
+    assert max(means.values()) > 1.5 * min(means.values())  # the models answer as differently long LLMs do
+
+
+def test_seallms_placement_grows_its_plan_by_the_unserved_index_its_simulator_scores(data):
+    import dataclasses
+
+    from serving.bench.models.placing import predicted_demands, seallm_score
+    from serving.placement.models.seallm import MAX_SHARED, place_seallm
+
+    full = load_levels()["condense500"]
+    by = {m.name: m for m in full.models}
+    level = dataclasses.replace(full, models=tuple(by[n] for n in ("llm-4", "llm-7", "llm-12", "llm-13")))
+    cfg = FidelityConfig(lengths_limit=1500, replays=1, engine=Engine(mbu=0.35, tp_overhead_s=0.01))
+    calls: list[int] = []
+    score = seallm_score(level, cfg, window_s=20)
+
+    def counted(units):
+        calls.append(len(units))
+        return score(units)
+    plan = place_seallm(predicted_demands(level, cfg), 4, counted, 20)
+    assert plan is not None and plan.gpus <= 4 and plan.notes["scored_plans"] == len(calls) > 4
+    shares: dict[str, float] = {}
+    for u in plan.units:
+        assert 1 <= len(u.models) <= MAX_SHARED
+        for m in u.models:
+            shares[m.name] = shares.get(m.name, 0.0) + m.rate_share
+    assert shares == pytest.approx({n: 1.0 for n in ("llm-4", "llm-7", "llm-12", "llm-13")})
+    assert plan.notes["tp"] in (1, 2, 4) and 0 <= plan.notes["estimated_attainment"] <= 1
+    assert place_seallm(predicted_demands(level, cfg), 1, score, 20) is None  # four services, two to a GPU at most

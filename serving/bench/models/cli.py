@@ -46,8 +46,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    default=["spatial", "muxserve", "temporal", "lengthwise"], metavar="P,P",
                    help="--gpus-needed: placements to size: spatial (each model on its own meshes, sized to its rate), "
                         "muxserve (MuxServe's greedy with its estimator, models sharing meshes under MPS), temporal "
-                        "(the same meshes, one step at a time), lengthwise (ours: packed by each model's predicted "
-                        "lengths) (default: all four)")
+                        "(the same meshes, one step at a time), seallm (SeaLLM's groups by parallelism, services by "
+                        "their unserved index scored in the simulator: minutes per level), lengthwise (ours: packed by "
+                        "each model's predicted lengths) (default: all but seallm)")
     p.add_argument("--duration", type=float, default=300.0, metavar="S",
                    help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
                         "that keeps up from one that does not) (default: %(default)s)")

@@ -71,8 +71,8 @@ class FidelityConfig:
     """``lengths``: ShareGPT's first turns scaled per model to its requests' mean tokens (``per-model``,
     :meth:`Level.tokens_per_request`, split as the level's average prompt and output), scaled to the level's average
     output (``level-mean``), as they are (``sharegpt``), or each model answering AlpacaEval's instructions as a
-    different LLM does (``alpaca-eval``, :func:`~serving.bench.models.lengths.alpaca_generators`); ``seed``: arrivals and lengths; ``engine``: the
-    step-time model."""
+    different LLM does (``alpaca-eval``, :func:`~serving.bench.models.lengths.alpaca_generators`); ``seed``: arrivals
+    and lengths; ``engine``: the step-time model."""
 
     lengths: str = "per-model"
     seed: int = 0

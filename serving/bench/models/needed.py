@@ -21,8 +21,8 @@ from serving.bench.models.placing import Criterion, fewest_gpus, placers
 from serving.bench.models.sizing import allocate, size_spatial
 from serving.perf.hardware import get_gpu, get_model
 
-PLACEMENTS = ("spatial", "muxserve", "temporal", "lengthwise")
-SHARED = ("muxserve", "temporal", "lengthwise")  # placements asked for a plan on a number of GPUs
+PLACEMENTS = ("spatial", "muxserve", "temporal", "seallm", "lengthwise")
+SHARED = ("muxserve", "temporal", "seallm", "lengthwise")  # placements asked for a plan on a number of GPUs
 TARGET, EACH, SLO_SCALE = 0.99, 0.90, 8.0
 MOST_GPUS = 64
 
@@ -114,7 +114,8 @@ def print_needed(res: dict, console) -> None:
     t = Table(title=f"GPUs needed: overall >= {s['target']:.0%} and every model >= {s['each']:.0%} within SLO scale "
                     f"{s['slo_scale']:g} ({s['engine']['name']} engine, {s['duration_s']:g} s of arrivals; "
                     "every baseline is their placement in our simulator)")
-    for col in ("level", "req/s", *placements, "ours vs spatial", "ours vs best of muxserve", "decision s (32 GPUs)",
+    for col in ("level", "req/s", *placements, "ours vs spatial", "ours vs best of muxserve, seallm",
+                "decision s (32 GPUs)",
                 "MuxServe ran: spatial", "flexsm"):
         t.add_column(col, justify="right")
     for name, e in res["levels"].items():
@@ -125,7 +126,8 @@ def print_needed(res: dict, console) -> None:
             return f"{ours / other - 1:+.0%}" if ours and other else "-"
         decision = e["placements"].get("lengthwise", {}).get("decision_s_on_cluster")
         t.add_row(name, f"{e['total_rate']:.1f}", *(str(g[p]) if g[p] else "> searched" for p in placements),
-                  vs(g.get("spatial")), vs(g.get("muxserve")), f"{decision:.3f}" if decision is not None else "-",
+                  vs(g.get("spatial")), vs(min((x for x in (g.get("muxserve"), g.get("seallm")) if x), default=None)),
+                  f"{decision:.3f}" if decision is not None else "-",
                   *(str(e["muxserve_ran_on"][x]) for x in ("spatial", "flexsm")))
     console.print(t)
 

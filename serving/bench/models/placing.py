@@ -6,9 +6,11 @@ the unit's KV quota, and the calibrated step model at the mesh's tensor-parallel
 it finishes within ``slo_scale`` times its execution time alone on its model's smallest mesh (MuxServe §4.1). A plan
 passes when the overall attainment is at least ``overall`` and every model's at least ``each``.
 
-What a placement is told of the requests: ``muxserve`` gets one average prompt and output for every model,
-as MuxServe's optimiser takes them (here the fleet's, from the same window ours learns from); ``lengthwise`` gets each model's own mean prompt and output from a window of its
-past requests (a draw of its lengths apart from the run's, as a fleet's predictor learns them), never the run's.
+What a placement is told of the requests: ``muxserve`` gets one average prompt and output for every model, as
+MuxServe's optimiser takes them (here the fleet's, from the same window ours learns from); ``lengthwise`` gets each
+model's own mean prompt and output from a window of its past requests (a draw of its lengths apart from the run's,
+as a fleet's predictor learns them), never the run's. ``seallm`` gets the same window, as SeaLLM's service monitor
+collects it, and scores its plans by running them on its first minute in the simulator (:func:`seallm_score`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from serving.placement.models.estimate import Demand, Estimator
 from serving.placement.models.lengthwise import place_lengthwise
 from serving.placement.models.muxserve import place_muxserve
 from serving.placement.models.plan import Plan, Unit
+from serving.placement.models.seallm import Score, Scored, place_seallm
 from serving.policy.request import Prediction
 from serving.sim.mesh import MeshModel, simulate_mesh
 
@@ -76,39 +79,75 @@ def kv_split(unit: Unit, rates: dict[str, float]) -> dict[str, float]:
     return {k: v / sum(w.values()) for k, v in w.items()}
 
 
-def run_plan(plan: Plan, level: Level, cfg: FidelityConfig, duration_s: float, sharing: str = "mps",
-             criterion: Criterion = Criterion()) -> dict[str, dict]:
-    """Per model of ``level``: its requests, those within SLO and its attainment over every mesh serving it."""
+def run_unit(unit: Unit, level: Level, cfg: FidelityConfig, duration_s: float, sharing: str, replicas: dict[str, int],
+             criterion: Criterion = Criterion(), salt: int = 0) -> dict[str, dict]:
+    """One mesh of a plan: each of its models' share of ``duration_s`` of arrivals (``replicas``: which of the
+    model's meshes this is, which keeps their draws apart) through its engine; per model its requests, those within
+    SLO and its normalised latency."""
     gpu = get_gpu(GPU)
     rates = {m.name: m.rate for m in level.models}
     salts = {m.name: k for k, m in enumerate(level.models)}
+    split = kv_split(unit, rates)
+    models = []
+    for m in unit.models:
+        rate = rates[m.name] * m.rate_share
+        reqs = requests_for(max(1, math.ceil(rate * duration_s)), rate, cfg,
+                            salt + salts[m.name] + 1000 * replicas.get(m.name, 0), level, m.name)
+        alone = cfg.engine.latency(m.size, smallest_mesh(m.size))
+        slo = derive_slo(alone, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], criterion.slo_scale)
+        blocks = kv_blocks(get_model(m.size), split[m.name] * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
+        mean_out = float(np.mean([r.output_tokens for r in reqs]))
+        models.append(MeshModel(m.name, reqs, [Prediction(length=mean_out)] * len(reqs), cfg.policy,
+                                v0_config(m.size, m.max_num_seqs), blocks, cfg.engine.latency(m.size, m.tp), slo,
+                                m.prefill_sm, m.decode_sm))
+    return {name: {"requests": run.requests_total, "met": round(run.slo_attainment * run.requests_total),
+                   "normalised_latency": run.normalized_latency_s}
+            for name, run in simulate_mesh(models, sharing).items()}
+
+
+def run_plan(plan: Plan, level: Level, cfg: FidelityConfig, duration_s: float, sharing: str = "mps",
+             criterion: Criterion = Criterion()) -> dict[str, dict]:
+    """Per model of ``level``: its requests, those within SLO and its attainment over every mesh serving it."""
     tally = {m.name: {"requests": 0, "met": 0, "meshes": 0} for m in level.models}
     replica: dict[str, int] = {}
     for unit in plan.units:
-        split = kv_split(unit, rates)
-        models = []
-        for m in unit.models:
-            k = replica.get(m.name, 0)
-            replica[m.name] = k + 1
-            rate = rates[m.name] * m.rate_share
-            reqs = requests_for(max(1, math.ceil(rate * duration_s)), rate, cfg, salts[m.name] + 1000 * k, level,
-                                m.name)
-            alone = cfg.engine.latency(m.size, smallest_mesh(m.size))
-            slo = derive_slo(alone, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs],
-                             criterion.slo_scale)
-            spec = get_model(m.size)
-            blocks = kv_blocks(spec, split[m.name] * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
-            mean_out = float(np.mean([r.output_tokens for r in reqs]))
-            models.append(MeshModel(m.name, reqs, [Prediction(length=mean_out)] * len(reqs), cfg.policy,
-                                    v0_config(m.size, m.max_num_seqs), blocks, cfg.engine.latency(m.size, m.tp), slo,
-                                    m.prefill_sm, m.decode_sm))
-        for name, run in simulate_mesh(models, sharing).items():
-            tally[name]["requests"] += run.requests_total
-            tally[name]["met"] += round(run.slo_attainment * run.requests_total)
+        for name, r in run_unit(unit, level, cfg, duration_s, sharing, replica, criterion).items():
+            tally[name]["requests"] += r["requests"]
+            tally[name]["met"] += r["met"]
             tally[name]["meshes"] += 1
+        for m in unit.models:
+            replica[m.name] = replica.get(m.name, 0) + 1
     for r in tally.values():
         r["attainment"] = r["met"] / r["requests"] if r["requests"] else 0.0
     return tally
+
+
+SEALLM_WINDOW_S = 60.0  # the past requests SeaLLM's simulator scores a plan on
+SEALLM_SALT = 55_555  # that window's draw, apart from the run's
+
+
+def seallm_score(level: Level, cfg: FidelityConfig, window_s: float = SEALLM_WINDOW_S,
+                 criterion: Criterion = Criterion()) -> Score:
+    """SeaLLM's simulator as its placement calls it: the units run on a window of past requests, each unit once
+    (a plan grows one service at a time, so the units it keeps are not run again)."""
+    cache: dict[tuple, dict[str, dict]] = {}
+
+    def score(units: tuple[Unit, ...]) -> dict[str, Scored]:
+        out: dict[str, list] = {}
+        replica: dict[str, int] = {}
+        for unit in units:
+            key = (unit.gpus, tuple((m.name, round(m.rate_share, 6)) for m in unit.models),
+                   tuple(replica.get(m.name, 0) for m in unit.models))
+            if key not in cache:
+                cache[key] = run_unit(unit, level, cfg, window_s, "mps", replica, criterion, SEALLM_SALT)
+            for name, r in cache[key].items():
+                out.setdefault(name, []).append(r)
+            for m in unit.models:
+                replica[m.name] = replica.get(m.name, 0) + 1
+        return {name: Scored(sum(r["requests"] for r in rs), sum(r["requests"] - r["met"] for r in rs),
+                             sum(r["normalised_latency"] * r["requests"] for r in rs) / sum(r["requests"] for r in rs))
+                for name, rs in out.items()}
+    return score
 
 
 Placer = Callable[[Level, int], Plan | None]
@@ -121,6 +160,8 @@ def placers(cfg: FidelityConfig) -> dict[str, tuple[Placer, str]]:
         "muxserve": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "mps"),
         "temporal": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "temporal"),
         "lengthwise": (lambda level, n: place_lengthwise(predicted_demands(level, cfg), n, est), "mps"),
+        "seallm": (lambda level, n: place_seallm(predicted_demands(level, cfg), n, seallm_score(level, cfg),
+                                                 SEALLM_WINDOW_S), "mps"),
     }
 
 

@@ -1,18 +1,19 @@
 """Our placement of a fleet's models: pack them by what their requests will hold, as the length predictor sees it.
 
 Each model's demand is estimated from its own predicted lengths (its mean prompt and output), not the fleet's
-average. Models that share a mesh share its HBM bandwidth, so each one's steps stretch by the same factor
-``stretch``; a stretched model settles at a larger decode batch (Little's law: ``B = rate x O x stretch x
-t_decode(B)``), which reads its weights for more tokens at once. A mesh holds a set of models where some stretch lets
-the bandwidth they draw (their weights and KV reads, and their prefills' time) sum to at most the mesh's, every
-model's batch and KV fit, and no model's tokens come slower than ``slowdown`` times its decode alone on its smallest
-mesh (what its SLO is measured against). A model's requests are split over replicas where one mesh of 8 cannot
-carry it.
+average. Models that share a mesh share its HBM bandwidth, so their reads stretch by a common factor; a stretched
+model settles at a larger decode batch (Little's law: ``B = rate x O x t_step(B)``, its steps also waiting out the
+prefills), which reads its weights for more tokens at once. A mesh holds a set of models where some stretch lets
+the bandwidth they draw (their reads over their step times, and their prefills' share of the time) sum to at most the
+mesh's, every batch stays under vLLM's 256 and its KV (the batch's 99th percentile, each request holding its prompt
+and half its answer) fits beside the weights, and no model's steps take longer than ``slowdown`` times its decode
+alone on its smallest mesh (what its SLO is measured against).
 
-The placement seeks the smallest slowdown whose packing fits the GPUs it is given: at a slowdown it packs models in
-descending demand (best fit: onto the mesh they leave least stretched room in, else onto a new mesh of the fewest
-GPUs that holds them), and bisects the slowdown down to the lowest whose meshes fit the cluster's nodes. Within a
-mesh each model's KV quota is its predicted KV, and its decode SM share its share of the mesh's bandwidth.
+For a slowdown, each model gets the fewest GPUs that carry it alone (a mesh size and its replicas, which split its
+requests); the pieces, most demanding first, then go onto the mesh they fit that is left most stretched (best
+fit), else onto a new mesh of their own. The placement bisects the slowdown down to the least whose meshes fit the
+cluster's nodes: given GPUs to spare, it spends them on larger meshes that run the models faster. Within a mesh,
+each model's KV quota is its predicted KV and its decode SM share its share of the bandwidth drawn.
 """
 
 from __future__ import annotations

@@ -117,8 +117,9 @@ def run_cli(a: argparse.Namespace) -> int:
                   else "lengthwise bench models: error: --duration must be a positive number of seconds",
                   file=sys.stderr)
             return 2
+        out.parent.mkdir(parents=True, exist_ok=True)
         res = run_needed(levels, chosen, a.placements, a.calibrate_on, a.lengths, a.seed, console, a.first_turns,
-                         a.replays, a.duration)
+                         a.replays, a.duration, on_level=lambda r: out.write_text(json.dumps(r, indent=1, default=_plain)))
         plot = plot_needed
     else:
         res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from serving.bench.models.fidelity import FidelityConfig, calibrated
@@ -41,8 +42,10 @@ def _plan_json(plan) -> dict | None:
 
 
 def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate_on: str, lengths: str, seed: int,
-               console, first_turns: int | None, replays: int, duration_s: float) -> dict:
-    """Each chosen level sized by each placement, with the calibrated engine where there is one."""
+               console, first_turns: int | None, replays: int, duration_s: float,
+               on_level: Callable[[dict], None] | None = None) -> dict:
+    """Each chosen level sized by each placement, with the calibrated engine where there is one; ``on_level`` gets
+    the results so far after each level (a long run keeps what it has done)."""
     from rich.progress import Progress
 
     def config(level) -> FidelityConfig:
@@ -85,16 +88,20 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                 got = fewest_gpus(placer, sharing, level, cfg, duration_s, entry["fewest_possible"], hi, criterion,
                                   on_try=lambda n, ok, task=task: progress.advance(task))
                 progress.remove_task(task)
+                t1 = time.perf_counter()
                 on_cluster = placer(level, level.cluster_gpus)
+                decision_s = time.perf_counter() - t1  # also where no plan fits the cluster
                 found = got["tried"][got["given"]] if got["gpus"] is not None else None
                 entry["placements"][p] = {
                     "gpus": got["gpus"], "given": got.get("given"), "searched_up_to": hi, "search_s": time.perf_counter() - t0,
-                    "decision_s_on_cluster": on_cluster.decision_s if on_cluster is not None else None,
+                    "decision_s_on_cluster": decision_s, "fits_cluster": on_cluster is not None,
                     "plan": _plan_json(found["plan"]) if found else None,
                     "models": found["models"] if found else None,
                     "tried": {n: {"passes": t["passes"], "plan_gpus": t["plan"].gpus if t["plan"] else None,
                                   **_attainment(t.get("models"))} for n, t in sorted(got["tried"].items())}}
             res["levels"][name] = entry
+            if on_level is not None:
+                on_level(res)
     print_needed(res, console)
     return res
 

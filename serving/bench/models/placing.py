@@ -10,7 +10,7 @@ What a placement is told of the requests: ``muxserve`` gets one average prompt a
 MuxServe's optimiser takes them (here the fleet's, from the same window ours learns from); ``lengthwise`` gets each
 model's own mean prompt and output from a window of its past requests (a draw of its lengths apart from the run's,
 as a fleet's predictor learns them), never the run's. ``seallm`` gets the same window, as SeaLLM's service monitor
-collects it, and scores its plans by running them on its first minute in the simulator (:func:`seallm_score`).
+collects it, and scores its plans by running them on its first 30 seconds in the simulator (:func:`seallm_score`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def run_plan(plan: Plan, level: Level, cfg: FidelityConfig, duration_s: float, s
     return tally
 
 
-SEALLM_WINDOW_S = 60.0  # the past requests SeaLLM's simulator scores a plan on
+SEALLM_WINDOW_S = 30.0  # the past requests SeaLLM's simulator scores a plan on
 SEALLM_SALT = 55_555  # that window's draw, apart from the run's
 
 

@@ -150,7 +150,11 @@ def plot_needed(res: dict, path: Path) -> Path:
     placements = [p for p in PLACEMENTS if any(p in e["placements"] for e in res["levels"].values())]
     for p in placements:
         ys = [e["placements"].get(p, {}).get("gpus") for e in res["levels"].values()]
-        ax.plot(rates, [y if y else float("nan") for y in ys], "o-", label=p if p == "lengthwise" else f"{p} (theirs)")
+        line, = ax.plot(rates, [y if y else float("nan") for y in ys], "o-",
+                        label=p if p == "lengthwise" else f"{p} (theirs)")
+        over = [r for r, y, e in zip(rates, ys, res["levels"].values()) if y is None and p in e["placements"]]
+        ax.plot(over, [MOST_GPUS] * len(over), "^", color=line.get_color(), ms=8, ls="none")
+    ax.plot([], [], "^", color="grey", ls="none", label=f"does not pass on {MOST_GPUS} GPUs")
     for s, marker in (("spatial", "x"), ("flexsm", "+")):
         ax.plot(rates, [e["muxserve_ran_on"][s] for e in res["levels"].values()], marker, ls="none", ms=9,
                 label=f"GPUs MuxServe's {s} ran on")
@@ -158,7 +162,7 @@ def plot_needed(res: dict, path: Path) -> Path:
     ax.axhline(cluster, color="grey", lw=0.8, ls="--", label=f"the cluster ({cluster} GPUs)")
     ax.set_xlabel("total request rate (req/s)")
     ax.set_ylabel(f"GPUs for >= {TARGET:.0%} overall, >= {EACH:.0%} each")
-    ax.set_ylim(0, max(math.ceil(ax.get_ylim()[1]), cluster + 4))
+    ax.set_ylim(0, max(math.ceil(ax.get_ylim()[1]), cluster + 4, MOST_GPUS + 4))
     ax.legend(fontsize=8)
     ax.set_title(f"MuxServe's ChatLMSYS setting, {res['setting']['lengths']} lengths: GPUs needed (simulator)")
     fig.tight_layout()

@@ -118,7 +118,7 @@ def smallest_mesh(d: Demand, gpu_gb: float) -> int:
 
 
 class _Packer:
-    """Every model's fits, computed once and shared by every mesh group tried."""
+    """The packing at a slowdown, with every model's fits computed once and kept across the bisection."""
 
     def __init__(self, est: Estimator, demands: list[Demand], gpu_gb: float) -> None:
         self.est, self.demands, self.gpu_gb = est, demands, gpu_gb

@@ -137,6 +137,22 @@ def test_the_gpus_needed_cli_sizes_spatial_and_ours_beside_what_muxserve_ran_on(
     assert res["setting"]["engine"]["name"] == "roofline" and out.with_suffix(".png").stat().st_size > 10_000
     bad = run_main(main, ["bench", "models", "--gpus-needed", "--placements", "alpaserve"])
     assert bad.returncode == 2 and "unknown placement 'alpaserve'; built: spatial, muxserve" in bad.stderr
+    bad = run_main(main, ["bench", "models", "--gpus-needed", "--arrival-cv", "0"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--arrival-cv must be between 0 and 100" in bad.stderr
+
+
+def test_bursty_arrivals_keep_the_rate_and_spread_their_gaps():
+    import numpy as np
+
+    from serving.sim.engine import poisson_arrivals
+
+    poisson, bursty = poisson_arrivals(20_000, 5.0, 3), poisson_arrivals(20_000, 5.0, 3, cv=4.0)
+    for times, cv in ((poisson, 1.0), (bursty, 4.0)):
+        gaps = np.diff(times)
+        assert times[0] == 0.0 and gaps.mean() == pytest.approx(0.2, rel=0.1)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.1)
+    with pytest.raises(ValueError, match="cv must be a positive number"):
+        poisson_arrivals(10, 5.0, 3, cv=0.0)
 
 
 def test_spatial_is_allocated_at_the_fleets_criterion_from_each_models_curve():

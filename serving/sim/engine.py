@@ -95,10 +95,17 @@ def summarize_instances(name: str, instances: Sequence[SimInstance], records: di
     )
 
 
-def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """``n`` arrival times of a Poisson process at ``rate`` req/s (first arrival at 0)."""
+def poisson_arrivals(n: int, rate: float, seed: int, cv: float = 1.0) -> np.ndarray:
+    """``n`` arrival times at ``rate`` req/s (first arrival at 0): a Poisson process, or with ``cv`` other than 1 a
+    Gamma renewal process whose gaps spread ``cv`` times their mean (bursts where ``cv`` > 1) at the same rate."""
     if not rate > 0 or math.isinf(rate):
         raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    if not cv > 0 or math.isinf(cv):
+        raise ValueError(f"cv must be a positive number, got {cv}")
+    rng = np.random.default_rng(seed)
+    if cv == 1.0:
+        gaps = rng.exponential(1.0 / rate, size=n)
+    else:
+        gaps = rng.gamma(1.0 / cv**2, cv**2 / rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps)

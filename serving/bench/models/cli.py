@@ -33,7 +33,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "  lengthwise bench models --fidelity --levels condense500,condense2000 --calibrate-on none\n"
                "  lengthwise bench models --fidelity --lengths sharegpt\n"
                "  lengthwise bench models --gpus-needed --replays 1\n"
-               "  lengthwise bench models --gpus-needed --lengths alpaca-eval --placements muxserve,lengthwise\n\n"
+               "  lengthwise bench models --gpus-needed --lengths alpaca-eval --placements muxserve,lengthwise\n"
+               "  lengthwise bench models --gpus-needed --arrival-cv 4\n\n"
                "JSON: levels -> LEVEL -> SYSTEM -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, "
                "simulated, error; summary; held_out}; calibration -> {level, engine, fit_error, tried}.")
     mode = p.add_mutually_exclusive_group(required=True)
@@ -52,6 +53,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=300.0, metavar="S",
                    help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
                         "that keeps up from one that does not) (default: %(default)s)")
+    p.add_argument("--arrival-cv", type=float, default=1.0, metavar="CV",
+                   help="--gpus-needed: the spread of the gaps between a model's arrivals over their mean: 1 is "
+                        "Poisson, as MuxServe's runs; above 1 a Gamma process of the same rate, in bursts "
+                        "(default: %(default)s)")
     p.add_argument("--levels", type=comma_list(str.strip, "condense500,condense2000"), default=None, metavar="L,L",
                    help="load levels (default: all five)")
     p.add_argument("--systems", type=comma_list(str.strip, "spatial,flexsm"), default=["spatial", "flexsm", "temporal"],
@@ -112,14 +117,16 @@ def run_cli(a: argparse.Namespace) -> int:
         from serving.bench.models.needed import PLACEMENTS, plot_needed, run_needed
 
         bad = [x for x in a.placements if x not in PLACEMENTS]
-        if bad or a.duration <= 0:
+        if bad or a.duration <= 0 or not 0 < a.arrival_cv < 100:
             print(f"lengthwise bench models: error: unknown placement {bad[0]!r}; built: {', '.join(PLACEMENTS)}" if bad
-                  else "lengthwise bench models: error: --duration must be a positive number of seconds",
+                  else "lengthwise bench models: error: --duration must be a positive number of seconds"
+                  if a.duration <= 0 else "lengthwise bench models: error: --arrival-cv must be between 0 and 100",
                   file=sys.stderr)
             return 2
         out.parent.mkdir(parents=True, exist_ok=True)
         res = run_needed(levels, chosen, a.placements, a.calibrate_on, a.lengths, a.seed, console, a.first_turns,
-                         a.replays, a.duration, on_level=lambda r: out.write_text(json.dumps(r, indent=1, default=_plain)))
+                         a.replays, a.duration, on_level=lambda r: out.write_text(json.dumps(r, indent=1, default=_plain)),
+                         arrival_cv=a.arrival_cv)
         plot = plot_needed
     else:
         res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,

@@ -80,6 +80,7 @@ class FidelityConfig:
     engine: Engine = Engine()
     lengths_limit: int | None = None  # draw lengths from the first this many ShareGPT first turns only (tests)
     replays: int = 3  # arrival and length draws per model, averaged: one draw of 100 arrivals spans +-10% by itself
+    arrival_cv: float = 1.0  # the spread of the gaps between arrivals over their mean: 1 Poisson (MuxServe's), > 1 bursts
 
 
 def unit_of(units: tuple[Unit, ...], model: str) -> Unit:
@@ -108,7 +109,7 @@ def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int, level: Lev
         total = level.tokens_per_request(model)
         share = level.avg_output_len / (level.avg_output_len + level.avg_prompt_len)
         prompt, out = _scaled(prompt, total * (1 - share)), _scaled(out, total * share)
-    times = poisson_arrivals(n, rate, seed)
+    times = poisson_arrivals(n, rate, seed, cfg.arrival_cv)
     return [TraceRequest(i, float(t), int(p), int(o)) for i, (t, p, o) in enumerate(zip(times, prompt, out))]
 
 

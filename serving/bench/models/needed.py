@@ -43,22 +43,24 @@ def _plan_json(plan) -> dict | None:
 
 def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate_on: str, lengths: str, seed: int,
                console, first_turns: int | None, replays: int, duration_s: float,
-               on_level: Callable[[dict], None] | None = None) -> dict:
+               on_level: Callable[[dict], None] | None = None, arrival_cv: float = 1.0) -> dict:
     """Each chosen level sized by each placement, with the calibrated engine where there is one; ``on_level`` gets
     the results so far after each level (a long run keeps what it has done)."""
     from rich.progress import Progress
 
     def config(level) -> FidelityConfig:
-        return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays)
+        return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays,
+                              arrival_cv=arrival_cv)
 
     criterion = Criterion(TARGET, EACH, SLO_SCALE)
     res: dict = {"setting": {"lengths": lengths, "seed": seed, "replays": replays, "duration_s": duration_s,
+                             "arrival_cv": arrival_cv,
                              "target": TARGET, "each": EACH, "slo_scale": SLO_SCALE, "gpu": "a100-80gb"},
                  "levels": {}}
     with Progress(console=console, transient=True) as progress:
         # the engine is fitted to MuxServe's measurements on the requests MuxServe ran, whatever lengths are sized here
-        engines, calibration = calibrated(levels, calibrate_on,
-                                          lambda lv: dataclasses.replace(config(lv), lengths="per-model"), progress)
+        engines, calibration = calibrated(levels, calibrate_on, lambda lv: dataclasses.replace(
+            config(lv), lengths="per-model", arrival_cv=1.0), progress)
         engine_name = "calibrated" if "calibrated" in engines else "roofline"
         res["setting"]["engine"] = {"name": engine_name, **dataclasses.asdict(engines[engine_name])}
         if calibration:
@@ -164,7 +166,9 @@ def plot_needed(res: dict, path: Path) -> Path:
     ax.set_ylabel(f"GPUs for >= {TARGET:.0%} overall, >= {EACH:.0%} each")
     ax.set_ylim(0, max(math.ceil(ax.get_ylim()[1]), cluster + 4, MOST_GPUS + 4))
     ax.legend(fontsize=8)
-    ax.set_title(f"MuxServe's ChatLMSYS setting, {res['setting']['lengths']} lengths: GPUs needed (simulator)")
+    cv = res["setting"].get("arrival_cv", 1.0)
+    arrivals = "" if cv == 1.0 else f", bursts (CV {cv:g})"
+    ax.set_title(f"MuxServe's ChatLMSYS setting, {res['setting']['lengths']} lengths{arrivals}: GPUs needed (simulator)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

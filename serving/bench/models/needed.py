@@ -26,6 +26,8 @@ PLACEMENTS = ("spatial", "muxserve", "temporal", "seallm", "lengthwise")
 SHARED = ("muxserve", "temporal", "seallm", "lengthwise")  # placements asked for a plan on a number of GPUs
 TARGET, EACH, SLO_SCALE = 0.99, 0.90, 8.0
 MOST_GPUS = 64
+COLOURS = {"spatial": "tab:blue", "muxserve": "tab:orange", "temporal": "tab:green", "seallm": "tab:red",
+           "lengthwise": "tab:purple"}  # one colour a placement in every plot
 
 
 def fewest_possible(level: Level) -> int:
@@ -152,23 +154,24 @@ def plot_needed(res: dict, path: Path) -> Path:
     placements = [p for p in PLACEMENTS if any(p in e["placements"] for e in res["levels"].values())]
     for p in placements:
         ys = [e["placements"].get(p, {}).get("gpus") for e in res["levels"].values()]
-        line, = ax.plot(rates, [y if y else float("nan") for y in ys], "o-",
+        line, = ax.plot(rates, [y if y else float("nan") for y in ys], "o-", color=COLOURS[p],
                         label=p if p == "lengthwise" else f"{p} (theirs)")
         over = [r for r, y, e in zip(rates, ys, res["levels"].values()) if y is None and p in e["placements"]]
         ax.plot(over, [MOST_GPUS] * len(over), "^", color=line.get_color(), ms=8, ls="none")
     ax.plot([], [], "^", color="grey", ls="none", label=f"does not pass on {MOST_GPUS} GPUs")
     for s, marker in (("spatial", "x"), ("flexsm", "+")):
         ax.plot(rates, [e["muxserve_ran_on"][s] for e in res["levels"].values()], marker, ls="none", ms=9,
-                label=f"GPUs MuxServe's {s} ran on")
+                color="dimgrey", label=f"GPUs MuxServe's {s} ran on")
     cluster = max(e["cluster_gpus"] for e in res["levels"].values())
     ax.axhline(cluster, color="grey", lw=0.8, ls="--", label=f"the cluster ({cluster} GPUs)")
     ax.set_xlabel("total request rate (req/s)")
     ax.set_ylabel(f"GPUs for >= {TARGET:.0%} overall, >= {EACH:.0%} each")
     ax.set_ylim(0, max(math.ceil(ax.get_ylim()[1]), cluster + 4, MOST_GPUS + 4))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     cv = res["setting"].get("arrival_cv", 1.0)
     arrivals = "" if cv == 1.0 else f", bursts (CV {cv:g})"
-    ax.set_title(f"MuxServe's ChatLMSYS setting, {res['setting']['lengths']} lengths{arrivals}: GPUs needed (simulator)")
+    ax.set_title(f"MuxServe's ChatLMSYS setting, {res['setting']['lengths']} lengths{arrivals}:\nGPUs needed (simulator)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

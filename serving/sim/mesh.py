@@ -33,6 +33,7 @@ from serving.policy.request import Prediction
 from serving.sim.engine import SimulationError, summarize_instances
 from serving.sim.instance import SimInstance, new_request
 from serving.sim.metrics import RequestRecord, RunMetrics
+from serving.sim.workload import TraceRequest
 
 SHARING = ("mps", "temporal")
 
@@ -140,7 +141,7 @@ def simulate_mesh(models: Sequence[MeshModel], sharing: str = "mps", check: bool
             _, gid, i, r, p = arrivals[nxt]
             nxt += 1
             m = models[i]
-            tr = _Renamed(gid, r.arrival, r.prompt_tokens, r.output_tokens, m.name)
+            tr = TraceRequest(gid, r.arrival, r.prompt_tokens, r.output_tokens, service=m.name)
             fleet[i].inbox.append(new_request(tr, p, m.slo.jct_limit))
             rec = RequestRecord(gid, r.arrival, r.prompt_tokens, r.output_tokens, m.slo.jct_limit(r.output_tokens),
                                 service=m.name)
@@ -162,13 +163,3 @@ def simulate_mesh(models: Sequence[MeshModel], sharing: str = "mps", check: bool
         out[m.name] = run
     return out
 
-
-@dataclass(frozen=True, slots=True)
-class _Renamed:
-    """A request under its mesh-wide id, tagged with its model (records and policies key on the id)."""
-
-    rid: int
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
-    service: str

@@ -128,27 +128,32 @@ def v0_config(size: str, max_num_seqs: int) -> PolicyConfig:
                         max_model_len=get_model(size).max_model_len, tfs=V0_BUDGET)
 
 
+def blind(requests: list[TraceRequest]) -> list[Prediction]:
+    """What vLLM's first scheduler is told of each request: nothing of its own length, the same prediction for all
+    (the run's mean output)."""
+    return [Prediction(length=float(np.mean([r.output_tokens for r in requests])))] * len(requests)
+
+
 def run_blind(requests: list[TraceRequest], cfg: FidelityConfig, config: PolicyConfig, blocks: int,
               latency: LatencyModel, slo: SLO, records: dict[int, RequestRecord] | None = None) -> RunMetrics:
-    """``requests`` through ``cfg.policy``, which reads no prediction: every request carries the same one (the run's
-    mean output), so nothing of a request's own length reaches it."""
-    mean_out = float(np.mean([r.output_tokens for r in requests]))
-    return simulate(requests, [Prediction(length=mean_out)] * len(requests), cfg.policy, config, blocks, latency, slo,
-                    records=records)
+    """``requests`` through ``cfg.policy``, which reads no prediction (:func:`blind`)."""
+    return simulate(requests, blind(requests), cfg.policy, config, blocks, latency, slo, records=records)
 
 
 def mesh_model(unit: Unit, name: str, requests: list[TraceRequest], cfg: FidelityConfig, kv_share: float,
-               slo_scale: float = SLO_SCALE) -> MeshModel:
-    """Model ``name`` of ``unit`` as its mesh runs it: its engine (vLLM v0 at the unit's ``max_num_seqs``), its
-    ``kv_share`` of the mesh's KV pool, its step model on the whole mesh and its MPS percentages."""
+               slo_scale: float = SLO_SCALE, slo_latency: LatencyModel | None = None) -> MeshModel:
+    """Model ``name`` of ``unit`` as its mesh runs it: its engine (vLLM v0 at the unit's ``max_num_seqs``, told
+    nothing of lengths), its ``kv_share`` of the mesh's KV pool, its step model on the whole mesh and its MPS
+    percentages. Its requests are judged by ``slo_scale`` times their execution alone on ``slo_latency`` (default:
+    this mesh)."""
     m = next(x for x in unit.models if x.name == name)
     spec, gpu = get_model(m.size), get_gpu(GPU)
     latency = cfg.engine.latency(m.size, m.tp)
     blocks = kv_blocks(spec, kv_share * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
-    slo = derive_slo(latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests], slo_scale)
-    mean_out = float(np.mean([r.output_tokens for r in requests]))  # the blind engine's one prediction for all
-    return MeshModel(name, requests, [Prediction(length=mean_out)] * len(requests), cfg.policy,
-                     v0_config(m.size, m.max_num_seqs), blocks, latency, slo, m.prefill_sm, m.decode_sm)
+    slo = derive_slo(slo_latency or latency, [r.prompt_tokens for r in requests], [r.output_tokens for r in requests],
+                     slo_scale)
+    return MeshModel(name, requests, blind(requests), cfg.policy, v0_config(m.size, m.max_num_seqs), blocks, latency,
+                     slo, m.prefill_sm, m.decode_sm)
 
 
 def simulate_unit(unit: Unit, level: Level, requests: dict[str, list[TraceRequest]], cfg: FidelityConfig,

@@ -21,18 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.bench.models.fidelity import BLOCK, GPU, FidelityConfig, requests_for, v0_config
+from serving.bench.models.fidelity import FidelityConfig, mesh_model, requests_for
 from serving.bench.models.muxserve import Level
 from serving.bench.models.sizing import smallest_mesh
-from serving.perf.hardware import get_gpu, get_model, kv_blocks
-from serving.perf.slo import derive_slo
+from serving.perf.hardware import get_model
 from serving.placement.models.estimate import Demand, Estimator
 from serving.placement.models.lengthwise import place_lengthwise
 from serving.placement.models.muxserve import place_muxserve
 from serving.placement.models.plan import Plan, Unit
 from serving.placement.models.seallm import Score, Scored, place_seallm
-from serving.policy.request import Prediction
-from serving.sim.mesh import MeshModel, simulate_mesh
+from serving.sim.mesh import simulate_mesh
 
 HISTORY = 500  # requests per model in the window a fleet's predictor learns its lengths from
 HISTORY_SALT = 77_777  # keeps that window's draw apart from every run's
@@ -50,10 +48,9 @@ class Criterion:
         return met >= self.overall * total and all(r["attainment"] >= self.each for r in per_model.values())
 
 
-def fleet_demands(level: Level, cfg: FidelityConfig) -> list[Demand]:
-    """Every model at the fleet's average prompt and output (over the same window of past requests, weighted by
-    rate): what MuxServe's optimiser knows, one pair of lengths for every model."""
-    own = predicted_demands(level, cfg)
+def fleet_demands(own: list[Demand]) -> list[Demand]:
+    """Every model at the fleet's average prompt and output (over each model's own, :func:`predicted_demands`,
+    weighted by rate): what MuxServe's optimiser knows, one pair of lengths for every model."""
     rate = sum(d.rate for d in own)
     prompt = sum(d.rate * d.prompt_len for d in own) / rate
     output = sum(d.rate * d.output_len for d in own) / rate
@@ -84,7 +81,6 @@ def run_unit(unit: Unit, level: Level, cfg: FidelityConfig, duration_s: float, s
     """One mesh of a plan: each of its models' share of ``duration_s`` of arrivals (``replicas``: which of the
     model's meshes this is, which keeps their draws apart) through its engine; per model its requests, those within
     SLO and its normalised latency."""
-    gpu = get_gpu(GPU)
     rates = {m.name: m.rate for m in level.models}
     salts = {m.name: k for k, m in enumerate(level.models)}
     split = kv_split(unit, rates)
@@ -93,13 +89,8 @@ def run_unit(unit: Unit, level: Level, cfg: FidelityConfig, duration_s: float, s
         rate = rates[m.name] * m.rate_share
         reqs = requests_for(max(1, math.ceil(rate * duration_s)), rate, cfg,
                             salt + salts[m.name] + 1000 * replicas.get(m.name, 0), level, m.name)
-        alone = cfg.engine.latency(m.size, smallest_mesh(m.size))
-        slo = derive_slo(alone, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], criterion.slo_scale)
-        blocks = kv_blocks(get_model(m.size), split[m.name] * unit.kv_fraction * unit.gpus * gpu.mem_bytes, BLOCK)
-        mean_out = float(np.mean([r.output_tokens for r in reqs]))
-        models.append(MeshModel(m.name, reqs, [Prediction(length=mean_out)] * len(reqs), cfg.policy,
-                                v0_config(m.size, m.max_num_seqs), blocks, cfg.engine.latency(m.size, m.tp), slo,
-                                m.prefill_sm, m.decode_sm))
+        models.append(mesh_model(unit, m.name, reqs, cfg, split[m.name], criterion.slo_scale,
+                                 slo_latency=cfg.engine.latency(m.size, smallest_mesh(m.size))))
     return {name: {"requests": run.requests_total, "met": round(run.slo_attainment * run.requests_total),
                    "normalised_latency": run.normalized_latency_s}
             for name, run in simulate_mesh(models, sharing).items()}
@@ -156,12 +147,18 @@ Placer = Callable[[Level, int], Plan | None]
 def placers(cfg: FidelityConfig) -> dict[str, tuple[Placer, str]]:
     """Each placement sized by :func:`fewest_gpus`, with the sharing its meshes run under."""
     est = Estimator(cfg.engine.latency)
+    known: dict[str, list[Demand]] = {}  # each level's window of past requests, drawn once for every size tried
+
+    def own(level: Level) -> list[Demand]:
+        if level.name not in known:
+            known[level.name] = predicted_demands(level, cfg)
+        return known[level.name]
+
     return {
-        "muxserve": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "mps"),
-        "temporal": (lambda level, n: place_muxserve(fleet_demands(level, cfg), n, est), "temporal"),
-        "lengthwise": (lambda level, n: place_lengthwise(predicted_demands(level, cfg), n, est), "mps"),
-        "seallm": (lambda level, n: place_seallm(predicted_demands(level, cfg), n, seallm_score(level, cfg),
-                                                 SEALLM_WINDOW_S), "mps"),
+        "muxserve": (lambda level, n: place_muxserve(fleet_demands(own(level)), n, est), "mps"),
+        "temporal": (lambda level, n: place_muxserve(fleet_demands(own(level)), n, est), "temporal"),
+        "lengthwise": (lambda level, n: place_lengthwise(own(level), n, est), "mps"),
+        "seallm": (lambda level, n: place_seallm(own(level), n, seallm_score(level, cfg), SEALLM_WINDOW_S), "mps"),
     }
 
 

@@ -20,6 +20,7 @@ MAX_BATCH = 256  # the largest decode batch MuxServe profiles
 # decode SM shares tried (MuxServe's estimate_mps): its profiled percentages up to 90; its placements never give a
 # decode job under 30
 MPS_LEVELS = tuple(p / 100 for p in range(30, 100, 10))
+MEMORY_UTILISATION = 0.9  # vLLM's default share of a GPU's memory, what a mesh of ours or SeaLLM's may fill
 ACTIVATION_GB = 6.0  # MuxServe's reserve per model on a mesh: activations and the two processes' start-up memory
 PROCESS_GB = 1.6
 

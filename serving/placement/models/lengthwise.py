@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.perf.latency import StepShape
-from serving.placement.models.estimate import ACTIVATION_GB, GB, MAX_BATCH, Demand, Estimator
+from serving.placement.models.estimate import ACTIVATION_GB, GB, MAX_BATCH, MEMORY_UTILISATION, Demand, Estimator
 from serving.placement.models.muxserve import MESH_SIZES
 from serving.placement.models.plan import Plan, Unit, UnitModel
 
-MEMORY_UTILISATION = 0.9  # vLLM's default share of a GPU's memory
 KV_QUANTILE = 2.33  # KV held for the batch's 99th percentile, its count taken as Poisson
 MIN_DECODE_SM = 0.3  # the smallest decode share MuxServe's own placements give
 MAX_REPLICAS = 8

@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.placement.models.estimate import ACTIVATION_GB, GB, MAX_BATCH, Demand
+from serving.placement.models.estimate import ACTIVATION_GB, GB, MAX_BATCH, MEMORY_UTILISATION, Demand
 from serving.placement.models.muxserve import MESH_SIZES
 from serving.placement.models.plan import Plan, Unit, UnitModel
 
 ALPHA = 1e-3  # SeaLLM's alpha << 1: attainment first, normalised latency second
 MAX_SHARED = 2  # SeaLLM shares at most two services a group
-MEMORY_UTILISATION = 0.9
 MIN_CONTEXTS, MAX_CONTEXT = 16, 2048  # a service needs KV for at least this many requests of the longest context
 
 

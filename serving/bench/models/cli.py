@@ -113,27 +113,29 @@ def run_cli(a: argparse.Namespace) -> int:
     if bad:
         print(f"lengthwise bench models: error: unknown system {bad[0]!r}; systems: {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
+    def save(r: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(r, indent=1, default=_plain))
+
     if a.gpus_needed:
         from serving.bench.models.needed import PLACEMENTS, plot_needed, run_needed
 
         bad = [x for x in a.placements if x not in PLACEMENTS]
-        if bad or a.duration <= 0 or not 0 < a.arrival_cv < 100:
-            print(f"lengthwise bench models: error: unknown placement {bad[0]!r}; built: {', '.join(PLACEMENTS)}" if bad
-                  else "lengthwise bench models: error: --duration must be a positive number of seconds"
-                  if a.duration <= 0 else "lengthwise bench models: error: --arrival-cv must be between 0 and 100",
-                  file=sys.stderr)
+        error = (f"unknown placement {bad[0]!r}; built: {', '.join(PLACEMENTS)}" if bad
+                 else "--duration must be a positive number of seconds" if a.duration <= 0
+                 else "--arrival-cv must be between 0 and 100" if not 0 < a.arrival_cv < 100 else None)
+        if error:
+            print(f"lengthwise bench models: error: {error}", file=sys.stderr)
             return 2
-        out.parent.mkdir(parents=True, exist_ok=True)
+        # each level's results are saved as it ends, so that a long run keeps what it has done
         res = run_needed(levels, chosen, a.placements, a.calibrate_on, a.lengths, a.seed, console, a.first_turns,
-                         a.replays, a.duration, on_level=lambda r: out.write_text(json.dumps(r, indent=1, default=_plain)),
-                         arrival_cv=a.arrival_cv)
+                         a.replays, a.duration, on_level=save, arrival_cv=a.arrival_cv)
         plot = plot_needed
     else:
         res = run_fidelity(levels, chosen, a.calibrate_on, a.lengths, a.seed, console, a.first_turns, a.replays,
                            tuple(a.systems))
         plot = plot_fidelity
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=_plain))
+    save(res)
     png = plot(res, out.with_suffix(".png"))
     console.print(f"JSON: {out}\nplot: {png}")
     return 0

@@ -16,24 +16,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from serving.bench.models.fidelity import FidelityConfig, calibrated
+from serving.bench.models.fidelity import GPU, FidelityConfig, calibrated
 from serving.bench.models.muxserve import SYSTEMS, Level, load_placement
-from serving.bench.models.placing import Criterion, fewest_gpus, placers
+from serving.bench.models.placing import Criterion, fewest_gpus, placers, tally
 from serving.bench.models.sizing import allocate, size_spatial
 from serving.perf.hardware import get_gpu, get_model
+from serving.placement.models.estimate import MEMORY_UTILISATION
 
 PLACEMENTS = ("spatial", "muxserve", "temporal", "seallm", "lengthwise")
 SHARED = ("muxserve", "temporal", "seallm", "lengthwise")  # placements asked for a plan on a number of GPUs
-TARGET, EACH, SLO_SCALE = 0.99, 0.90, 8.0
+CRITERION = Criterion()  # 99% overall, 90% each, within SLO scale 8 (MuxServe §4.3)
 MOST_GPUS = 64
 COLOURS = {"spatial": "tab:blue", "muxserve": "tab:orange", "temporal": "tab:green", "seallm": "tab:red",
            "lengthwise": "tab:purple"}  # one colour a placement in every plot
 
 
 def fewest_possible(level: Level) -> int:
-    """No placement fits the level's weights on fewer GPUs than their bytes over vLLM's 0.9 of a GPU."""
+    """No placement fits the level's weights on fewer GPUs than their bytes over vLLM's share of a GPU."""
     weights = sum(get_model(m.size).weight_bytes() for m in level.models)
-    return math.ceil(weights / (0.9 * get_gpu("a100-80gb").mem_bytes))
+    return math.ceil(weights / (MEMORY_UTILISATION * get_gpu(GPU).mem_bytes))
 
 
 def _plan_json(plan) -> dict | None:
@@ -54,10 +55,10 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
         return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays,
                               arrival_cv=arrival_cv)
 
-    criterion = Criterion(TARGET, EACH, SLO_SCALE)
     res: dict = {"setting": {"lengths": lengths, "seed": seed, "replays": replays, "duration_s": duration_s,
                              "arrival_cv": arrival_cv,
-                             "target": TARGET, "each": EACH, "slo_scale": SLO_SCALE, "gpu": "a100-80gb"},
+                             "target": CRITERION.overall, "each": CRITERION.each, "slo_scale": CRITERION.slo_scale,
+                             "gpu": GPU},
                  "levels": {}}
     with Progress(console=console, transient=True) as progress:
         # the engine is fitted to MuxServe's measurements on the requests MuxServe ran, whatever lengths are sized here
@@ -75,9 +76,9 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                            "fewest_possible": fewest_possible(level), "placements": {}}
             if "spatial" in placements:
                 task = progress.add_task(f"{name}: spatial", total=len(level.models))
-                sized = size_spatial(level, cfg, TARGET, SLO_SCALE, duration_s,
+                sized = size_spatial(level, cfg, CRITERION.overall, CRITERION.slo_scale, duration_s,
                                      on_model=lambda _, task=task: progress.advance(task))
-                alloc = allocate(sized, {m.name: m.rate for m in level.models}, TARGET, EACH)
+                alloc = allocate(sized, {m.name: m.rate for m in level.models}, CRITERION.overall, CRITERION.each)
                 entry["placements"]["spatial"] = {
                     "gpus": sum(s.total_gpus for s in alloc),
                     "every_model_at_target": sum(s.total_gpus for s in sized),
@@ -89,7 +90,7 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                 placer, sharing = placers(cfg)[p]
                 task = progress.add_task(f"{name}: {p}", total=math.ceil(math.log2(max(2, hi))) + 2)
                 t0 = time.perf_counter()
-                got = fewest_gpus(placer, sharing, level, cfg, duration_s, entry["fewest_possible"], hi, criterion,
+                got = fewest_gpus(placer, sharing, level, cfg, duration_s, entry["fewest_possible"], hi, CRITERION,
                                   on_try=lambda n, ok, task=task: progress.advance(task))
                 progress.remove_task(task)
                 t1 = time.perf_counter()
@@ -113,7 +114,7 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
 def _attainment(models: dict | None) -> dict:
     if not models:
         return {}
-    met, total = sum(r["met"] for r in models.values()), sum(r["requests"] for r in models.values())
+    met, total = tally(models)
     return {"overall": met / total, "worst_model": min(r["attainment"] for r in models.values())}
 
 
@@ -165,7 +166,7 @@ def plot_needed(res: dict, path: Path) -> Path:
     cluster = max(e["cluster_gpus"] for e in res["levels"].values())
     ax.axhline(cluster, color="grey", lw=0.8, ls="--", label=f"the cluster ({cluster} GPUs)")
     ax.set_xlabel("total request rate (req/s)")
-    ax.set_ylabel(f"GPUs for >= {TARGET:.0%} overall, >= {EACH:.0%} each")
+    ax.set_ylabel(f"GPUs for >= {CRITERION.overall:.0%} overall, >= {CRITERION.each:.0%} each")
     ax.set_ylim(0, max(math.ceil(ax.get_ylim()[1]), cluster + 4, MOST_GPUS + 4))
     ax.legend(fontsize=8, loc="lower right")
     cv = res["setting"].get("arrival_cv", 1.0)

@@ -43,9 +43,13 @@ class Criterion:
     slo_scale: float = 8.0
 
     def met(self, per_model: dict[str, dict]) -> bool:
-        met = sum(r["met"] for r in per_model.values())
-        total = sum(r["requests"] for r in per_model.values())
+        met, total = tally(per_model)
         return met >= self.overall * total and all(r["attainment"] >= self.each for r in per_model.values())
+
+
+def tally(per_model: dict[str, dict]) -> tuple[int, int]:
+    """(requests within SLO, requests) over every model of a run."""
+    return sum(r["met"] for r in per_model.values()), sum(r["requests"] for r in per_model.values())
 
 
 def fleet_demands(own: list[Demand]) -> list[Demand]:

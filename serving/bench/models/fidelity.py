@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.bench.models.lengths import alpaca_generators, alpaca_lengths, sample_lengths
+from serving.bench.models.lengths import alpaca_generators, sample_lengths
 from serving.bench.models.muxserve import Level, Unit, load_placement
 from serving.perf.hardware import get_gpu, get_model, kv_blocks
 from serving.perf.latency import LatencyModel, RooflineLatency
@@ -96,13 +96,11 @@ def requests_for(n: int, rate: float, cfg: FidelityConfig, salt: int, level: Lev
     """``n`` Poisson arrivals at ``rate`` with sampled lengths (``salt`` keeps models' and replays' draws apart),
     scaled as ``cfg.lengths`` says for ``model`` of ``level``."""
     seed = cfg.seed * 100_000 + salt
+    generator = None
     if cfg.lengths == "alpaca-eval" and level is not None and model is not None:
         names = [m.name for m in level.models]
-        prompt, out = alpaca_lengths(alpaca_generators(len(names))[names.index(model)])
-        idx = np.random.default_rng(seed).integers(0, len(prompt), size=n)
-        prompt, out = prompt[idx], out[idx]
-    else:
-        prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit)
+        generator = alpaca_generators(len(names))[names.index(model)]
+    prompt, out = sample_lengths(n, seed, limit=cfg.lengths_limit, generator=generator)
     if cfg.lengths == "level-mean" and level is not None:
         out = _scaled(out, level.avg_output_len)
     elif cfg.lengths == "per-model" and level is not None and model is not None:

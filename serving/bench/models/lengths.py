@@ -34,9 +34,11 @@ def muxserve_lengths(source: str = SHAREGPT, limit: int | None = None) -> tuple[
     return prompt[keep].astype(np.int64), out[keep].astype(np.int64)
 
 
-def sample_lengths(n: int, seed: int, source: str = SHAREGPT, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` (prompt, output) pairs drawn with replacement from :func:`muxserve_lengths`."""
-    prompt, out = muxserve_lengths(source, limit)
+def sample_lengths(n: int, seed: int, source: str = SHAREGPT, limit: int | None = None,
+                   generator: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (prompt, output) pairs drawn with replacement from :func:`muxserve_lengths`, or from one AlpacaEval
+    ``generator``'s (:func:`alpaca_lengths`)."""
+    prompt, out = muxserve_lengths(source, limit) if generator is None else alpaca_lengths(generator)
     idx = np.random.default_rng(seed).integers(0, len(prompt), size=n)
     return prompt[idx], out[idx]
 

@@ -98,6 +98,77 @@ def test_the_started_engines_serve_each_base_under_its_name_with_its_adapters(tm
     assert not GatewaySettings(models_file=attach_only).starts_engines
 
 
+@pytest.mark.unit
+def test_on_engines_lays_each_name_on_some_of_its_bases_engines(tmp_path):
+    """A placement plan in the catalogue: the base's own name on engine 0 only, one adapter on engine 1, the other on
+    both. The engines start in runs that load the same adapters, and each engine is placed the names laid on it."""
+    terse, long = _adapter(tmp_path / "terse"), _adapter(tmp_path / "long")
+    f = _write(tmp_path / "plan.yaml", f"""
+- {{name: base, model: ./m, engines: 3, on_engines: [0]}}
+- {{name: terse, adapter_of: base, adapter: {terse}, on_engines: [1, 2]}}
+- {{name: long, adapter_of: base, adapter: {long}, on_engines: [2]}}
+""")
+    s = GatewaySettings(models_file=f)
+    cat = s.catalogue
+    assert cat.engine_names("base") == [["base"], ["terse"], ["terse", "long"]]
+    assert [(n, [a.name for a in loaded]) for n, loaded in cat.engine_runs("base")] == [
+        (1, []), (1, ["terse"]), (1, ["terse", "long"])]
+    from serving.launch.engines import engine_args
+
+    args = [engine_args(g) for g in s.engine_groups()]
+    assert [g.engines for g in s.engine_groups()] == [1, 1, 1]
+    assert "--enable-lora" not in args[0] and args[1][-6:] == ["--lora-modules", f"terse={terse}", "--max-loras", "1",
+                                                               "--max-lora-rank", "8"]
+    assert args[2][args[2].index("--lora-modules") + 1:][:2] == [f"terse={terse}", f"long={long}"]
+    even = _write(tmp_path / "even.yaml", f"- {{name: base, model: ./m, engines: 2}}\n"
+                                         f"- {{name: terse, adapter_of: base, adapter: {terse}}}\n")
+    assert [g.engines for g in GatewaySettings(models_file=even).engine_groups()] == [2]  # no plan: one run
+
+
+@pytest.mark.unit
+def test_the_pool_places_a_name_only_on_the_engines_laid_with_it():
+    """vLLM lists a base's name on every engine of it; the plan's ``serves`` narrows what the gateway places there. Both
+    engines here are one real HTTP server answering /v1/models as a base engine with an adapter does."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from serving.gateway.metrics import GatewayMetrics
+    from serving.gateway.pool import EnginePool
+
+    cards = json.dumps({"data": [{"id": "base", "max_model_len": 512}, {"id": "terse", "parent": "base"}]}).encode()
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(cards)))
+            self.end_headers()
+            self.wfile.write(cards)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    urls = [url, url + "/"]  # two names for one listener: two engines to the pool
+    try:
+        pool = EnginePool(urls, GatewaySettings(engine_urls=[url]), GatewayMetrics(),
+                          serves={urls[0]: ["base"], urls[1]: ["terse"]})
+
+        async def refresh():
+            for e in pool.engines:
+                await pool._refresh_models(e)
+            await pool.client.aclose()
+
+        asyncio.run(refresh())
+    finally:
+        server.shutdown()
+    assert [e.models for e in pool.engines] == [{"base"}, {"terse"}]
+    assert pool.not_serving("base") == {"engine-1"} and pool.not_serving("terse") == {"engine-0"}
+    assert pool.context("terse") == 512
+
+
 BAD = [
     ("colour.yaml", "- {name: a, model: ./m, colour: red}\n", ("entry 'a' (models[0]), key 'colour': Extra inputs are not "
      "permitted")),
@@ -126,6 +197,13 @@ BAD = [
      "(models[0]): predictor_url is a sidecar's, and predictor 'profile' asks none")),
     ("priority.yaml", "- {name: a, model: ./m, priority: 5000}\n", ("entry 'a' (models[0]), key 'priority': Input should "
      "be less than or equal to 1000")),
+    ("past.yaml", "- {name: a, model: ./m, engines: 2, on_engines: [2]}\n", ("'a': on_engines [2] names an engine past "
+     "the 2 of 'a' (indices 0 to 1)")),
+    ("twice.yaml", "- {name: a, model: ./m, engines: 2, on_engines: [1, 1]}\n", ("key 'on_engines': give each engine "
+     "index once")),
+    ("idle.yaml", "- {name: a, model: ./m, engines: 2, on_engines: [1]}\n", ("'a': its engine 0 would serve no name")),
+    ("attached.yaml", '- {name: a, engine_urls: ["http://h:1"], on_engines: [0]}\n', ("'a': on_engines lays names on the "
+     "engines started here")),
 ]
 
 

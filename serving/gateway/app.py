@@ -104,10 +104,11 @@ class KeyMiddleware:
 
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
-               predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None
-               ) -> FastAPI:
+               predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None,
+               serves: dict[str, list[str]] | None = None) -> FastAPI:
     """The app over a :class:`~serving.gateway.gateway.Gateway` with these arguments (see there)."""
-    return gateway_app(Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target, model_targets))
+    return gateway_app(Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target, model_targets,
+                               serves))
 
 
 def gateway_app(gw: Gateway, title: str = "lengthwise gateway",

@@ -76,6 +76,17 @@ class ServedModel(BaseModel):
     predictor_url: str | None = Field(None, description="this name's own sidecar (default: --predictor-url)")
     priority: int = Field(0, ge=-1000, le=1000, description="inside an engine, a request of a lower priority runs before "
                           "any of a higher one (vLLM's convention); the policy orders requests of one priority")
+    on_engines: list[int] | None = Field(None, min_length=1, description="which of its base's engines started here serve "
+                                         "this name, by index from 0 (default: all): a placement plan laid on the "
+                                         "engines (an adapter is loaded only there; a base's own name is placed only "
+                                         "there)")
+
+    @field_validator("on_engines")
+    @classmethod
+    def _indices(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(set(v)) != len(v) or min(v) < 0):
+            raise ValueError("give each engine index once, counting from 0")
+        return None if v is None else sorted(v)
 
     @field_validator("engine_urls")
     @classmethod
@@ -157,11 +168,24 @@ class Catalogue(BaseModel):
                 if base.starts_engines and m.adapter is None:
                     raise ValueError(f"{m.name!r}: its base {base.name!r} is started here, so give the adapter's "
                                      "directory (adapter)")
+            base = bases.get(m.adapter_of or m.name)
+            if m.on_engines is not None and base is not None:
+                if not base.starts_engines:
+                    raise ValueError(f"{m.name!r}: on_engines lays names on the engines started here, and "
+                                     f"{base.name!r} attaches engine_urls (each serves what it was started with)")
+                if max(m.on_engines) >= base.engines:
+                    raise ValueError(f"{m.name!r}: on_engines {m.on_engines} names an engine past the "
+                                     f"{base.engines} of {base.name!r} (indices 0 to {base.engines - 1})")
             for url in m.engine_urls:
                 if url in urls:
                     raise ValueError(f"{url} is listed by {urls[url]!r} and {m.name!r}: an engine serves one base (its "
                                      "adapters are entries with adapter_of)")
                 urls[url] = m.name
+        for base in bases.values():
+            idle = [i for i, names in enumerate(self.engine_names(base.name)) if not names]
+            if idle:
+                raise ValueError(f"{base.name!r}: its engine {idle[0]} would serve no name (neither its on_engines nor "
+                                 "any adapter's): start fewer engines or lay a name on it")
         return self
 
     @property
@@ -179,14 +203,41 @@ class Catalogue(BaseModel):
         m = self.entry(name)
         return name if m is None or m.adapter_of is None else m.adapter_of
 
+    def adapters_on(self, base: str, engine: int) -> list[ServedModel]:
+        """The adapters loaded on ``base``'s engine number ``engine`` (each adapter's ``on_engines``, default all)."""
+        return [a for a in self.adapters_of(base) if a.on_engines is None or engine in a.on_engines]
+
+    def engine_names(self, base: str) -> list[list[str]]:
+        """For each of ``base``'s engines (started here; one list for attached engines), the names placed on it: the
+        base's own where its ``on_engines`` allows, then the adapters loaded there."""
+        m = self.entry(base)
+        assert m is not None and not m.is_adapter
+        count = m.engines if m.starts_engines else 1
+        return [[*([m.name] if m.on_engines is None or i in m.on_engines else []),
+                 *(a.name for a in self.adapters_on(base, i))] for i in range(count)]
+
+    def engine_runs(self, base: str) -> list[tuple[int, list[ServedModel]]]:
+        """``base``'s started engines as runs of consecutive engines that load the same adapters: (how many, those
+        adapters). One run unless an adapter's ``on_engines`` lays it on some engines only."""
+        m = self.entry(base)
+        assert m is not None and m.starts_engines
+        runs: list[tuple[int, list[ServedModel]]] = []
+        for i in range(m.engines):
+            loaded = self.adapters_on(base, i)
+            if runs and [a.name for a in runs[-1][1]] == [a.name for a in loaded]:
+                runs[-1] = (runs[-1][0] + 1, loaded)
+            else:
+                runs.append((1, loaded))
+        return runs
+
     def attached_urls(self) -> list[str]:
         return [u for m in self.models for u in m.engine_urls]
 
-    def lora_args(self, base: str) -> list[str]:
-        """The vLLM arguments that make a started base's engines serve its adapters, all in one batch: ``--enable-lora
-        --lora-modules NAME=DIR ... --max-loras N --max-lora-rank R`` (R: the largest rank among them, from each
-        adapter's ``adapter_config.json``); none for a base without adapters."""
-        adapters = self.adapters_of(base)
+    def lora_args(self, base: str, adapters: list[ServedModel] | None = None) -> list[str]:
+        """The vLLM arguments that make a started base's engines serve ``adapters`` (default: all of the base's), all in
+        one batch: ``--enable-lora --lora-modules NAME=DIR ... --max-loras N --max-lora-rank R`` (R: the largest rank
+        among them, from each adapter's ``adapter_config.json``); none without adapters."""
+        adapters = self.adapters_of(base) if adapters is None else adapters
         if not adapters:
             return []
         ranks = [adapter_rank(Path(a.adapter or "")) for a in adapters]

@@ -501,10 +501,11 @@ def _attach(urls: list[str], timeout_s: float, prefill: bool = False, flag: str 
                          "first or raise --engine-start-timeout") from None
 
 
-def _catalogue_engines(settings: GatewaySettings, procs: list) -> list[str]:
+def _catalogue_engines(settings: GatewaySettings, procs: list) -> tuple[list[str], dict[str, list[str]]]:
     """The ``--models`` engines: those of entries with ``model`` started here (all at once, the cores shared out), those
     with ``engine_urls`` attached; then every engine must list the names its entry gives it (a base and its adapters),
-    or nothing would ever be placed on it. Returns the engine URLs; the processes started here go into the caller's
+    or nothing would ever be placed on it. Returns the engine URLs and the names each is placed (its entry's, or
+    its ``on_engines`` share of them); the processes started here go into the caller's
     ``procs`` before anything can fail, so the caller stops them whatever happens next."""
     from serving.launch.engines import start_engines, wait_started
 
@@ -524,13 +525,13 @@ def _catalogue_engines(settings: GatewaySettings, procs: list) -> list[str]:
         if m.is_adapter:
             continue
         mine = [next(started).url for _ in range(m.engines)] if m.starts_engines else m.engine_urls
-        names = [m.name, *(a.name for a in cat.adapters_of(m.name))]
-        serves.update({u: names for u in mine})
+        per_engine = cat.engine_names(m.name)
+        serves.update({u: per_engine[i if m.starts_engines else 0] for i, u in enumerate(mine)})
         urls += mine
     if attached := cat.attached_urls():
         _attach(attached, settings.engine_start_timeout_s, flag="--models engine_urls")
     _check_served_names(settings, serves)
-    return urls
+    return urls, serves
 
 
 def _check_served_names(settings: GatewaySettings, serves: dict[str, list[str]]) -> None:
@@ -603,8 +604,9 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
             # hex: a key an operator copies into a flag never starts with "-" (a url-safe one does 1 time in 64, and
             # "--engine-api-key -x..." then reads as a missing value)
             settings = settings.model_copy(update={"engine_api_key": SecretStr(secrets.token_hex(32))})
+        serves: dict[str, list[str]] | None = None  # engine URL -> the names placed on it (a catalogue's)
         if settings.catalogue is not None:
-            urls = _catalogue_engines(settings, procs)
+            urls, serves = _catalogue_engines(settings, procs)
             prefill_urls, plugin_metrics = [], {p.url: p.metrics_url for p in procs if p.metrics_url}
         elif settings.starts_engines:
             log_dir = settings.engine_log_dir or Path(tempfile.mkdtemp(prefix="lengthwise-engines-"))
@@ -630,7 +632,7 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls, plugin_metrics, prefill_urls, target, model_targets)
+        app = create_app(settings, urls, plugin_metrics, prefill_urls, target, model_targets, serves)
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=settings.shutdown_grace_s,
                                 timeout_keep_alive=settings.client_keepalive_s)

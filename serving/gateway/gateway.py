@@ -94,17 +94,18 @@ class Gateway:
     ``engine_urls`` default to ``settings.engine_urls`` and ``prefill_urls`` to ``settings.prefill_urls``; engines must
     already be starting or up. ``plugin_metrics`` maps an engine URL to its scheduler plug-in's metrics URL, re-exported
     on ``/metrics``. ``predictor_target`` is the command line's verdict on the sidecar's target model, already announced
-    (:mod:`serving.gateway.target`); without one the gateway checks at :meth:`start`. Nothing is contacted before
-    :meth:`start`; :meth:`aclose` releases what it holds.
+    (:mod:`serving.gateway.target`); without one the gateway checks at :meth:`start`. ``serves`` (a catalogue's) maps an
+    engine URL to the names placed on it, where its entry lays a name on some of its engines only. Nothing is contacted
+    before :meth:`start`; :meth:`aclose` releases what it holds.
     """
 
     def __init__(self, settings: GatewaySettings, engine_urls: list[str] | None = None,
                  plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
-                 predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None
-                 ) -> None:
+                 predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None,
+                 serves: dict[str, list[str]] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
-        self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics)
+        self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics, serves=serves)
         self.predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics,
                                    settings.keepalive_s)
         self.feedback = FeedbackPoster(settings.predictor_url if settings.feedback else None, metrics,

@@ -92,10 +92,13 @@ def engine_client(settings: GatewaySettings, timeout: httpx.Timeout | float, lim
 
 class EnginePool:
     def __init__(self, urls: Sequence[str], settings: GatewaySettings, metrics: GatewayMetrics,
-                 placer: GatewayPlacement | None = None, prefill: bool = False):
+                 placer: GatewayPlacement | None = None, prefill: bool = False,
+                 serves: dict[str, list[str]] | None = None):
         """``prefill``: a pool of prefill engines (``prefill-0``, ...; decode engines are ``engine-0``, ...), placed by
-        JSQ, whose placement counters stay out of the decode placement's."""
+        JSQ, whose placement counters stay out of the decode placement's. ``serves``: the names placed on an engine (by
+        URL), out of those it lists: a base's engine lists the base's name whether or not a plan places it there."""
         self.settings, self.metrics = settings, metrics
+        self.serves = {u: set(names) for u, names in (serves or {}).items()}
         names = engine_names(len(urls), prefill)
         if placer is None:
             cfg = PlacementConfig("jsq", stale_after_s=settings.stale_after_s) if prefill else settings.placement_config()
@@ -145,7 +148,7 @@ class EnginePool:
                             "(or LENGTHWISE_ENGINE_API_KEY)", e.name, e.url)
                 return
             cards = r.json()["data"]
-            e.models = {m["id"] for m in cards}
+            e.models = {m["id"] for m in cards} & self.serves.get(e.url, {m["id"] for m in cards})
             e.context = {m["id"]: m["max_model_len"] for m in cards
                          if type(m.get("max_model_len")) is int and m["max_model_len"] > 0}
             for m in cards:  # a LoRA adapter's card has no context of its own: its base model's is the one it runs in

@@ -242,16 +242,16 @@ class GatewaySettings(BaseModel):
 
     def engine_groups(self) -> list[GatewaySettings]:
         """The engines to start, one settings object per model that starts its own (``--models``: each base entry with
-        ``model``, served under its name, its adapters loaded with ``--lora-modules``); ``[self]`` without a
-        catalogue."""
+        ``model``, served under its name, its adapters loaded with ``--lora-modules``; one per run of its engines that
+        load the same adapters, where ``on_engines`` lays adapters on some only); ``[self]`` without a catalogue."""
         cat = self._catalogue
         if cat is None:
             return [self]
         return [self.model_copy(update={
-            "model": m.model, "engines": m.engines, "prefill_engines": 0,
+            "model": m.model, "engines": count, "prefill_engines": 0,
             "engine_args": [*self.engine_args, *m.engine_args, shlex.join(["--served-model-name", m.name]),
-                            *([shlex.join(cat.lora_args(m.name))] if cat.adapters_of(m.name) else [])]})
-            for m in cat.models if m.starts_engines]
+                            *([shlex.join(cat.lora_args(m.name, loaded))] if loaded else [])]})
+            for m in cat.models if m.starts_engines for count, loaded in cat.engine_runs(m.name)]
 
     @property
     def stale_after_s(self) -> float:

@@ -3,6 +3,7 @@ on them, and the comparison's contract (every model of every chosen level, its e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -206,3 +207,68 @@ def test_seallms_placement_grows_its_plan_by_the_unserved_index_its_simulator_sc
     assert shares == pytest.approx({n: 1.0 for n in ("llm-4", "llm-7", "llm-12", "llm-13")})
     assert plan.notes["tp"] in (1, 2, 4) and 0 <= plan.notes["estimated_attainment"] <= 1
     assert place_seallm(predicted_demands(level, cfg), 1, score, 20) is None  # four services, two to a GPU at most
+
+
+# --- rates drifting: placing again -----------------------------------------------------------------------------------
+def test_seallms_interval_shrinks_when_its_estimate_misses_and_grows_when_it_holds():
+    """SeaLLM §4.3, Eq. 8, with beta 0.2: off by more than 20% of the estimate, x0.8; within, x1.2."""
+    from serving.placement.models.replace import AdaptiveInterval
+
+    i = AdaptiveInterval(100.0, beta=0.2)
+    assert i.next(real=0.70, estimated=0.95) == pytest.approx(80.0)  # 26% off
+    assert i.next(real=0.90, estimated=0.95) == pytest.approx(96.0)  # 5% off
+    with pytest.raises(ValueError, match="beta is in"):
+        AdaptiveInterval(100.0, beta=1.5)
+
+
+def test_drifting_levels_keep_the_total_rate_and_the_decisions_read_only_the_past(data):
+    from serving.bench.models.drift import DriftConfig, arrivals, decide, drifted_levels, observed, simulate_timeline
+    from serving.bench.models.fidelity import FidelityConfig
+    from serving.bench.models.muxserve import load_levels
+    from serving.bench.models.placing import Criterion, predicted_demands
+
+    level = load_levels()["condense500"]
+    phases = drifted_levels(level, 3, seed=0)
+    assert phases[0] is level
+    for p in phases[1:]:
+        assert sorted(m.rate for m in p.models) == sorted(m.rate for m in level.models)
+        assert [m.rate for m in p.models] != [m.rate for m in level.models]
+    cfg = FidelityConfig(lengths_limit=1500)
+    stream = arrivals(phases, 120.0, cfg)
+    busiest = max(level.models, key=lambda m: m.rate).name
+    later = phases[1].models[[m.name for m in level.models].index(busiest)].rate
+    lengths = predicted_demands(level, cfg)
+    seen = {d.name: d.rate for d in observed(stream, lengths, 60.0, 120.0)}
+    assert seen[busiest] == pytest.approx(phases[0].models[[m.name for m in level.models].index(busiest)].rate, rel=0.4)
+    seen_later = {d.name: d.rate for d in observed(stream, lengths, 180.0, 240.0)}
+    assert seen_later[busiest] == pytest.approx(max(later, 1 / 60), rel=0.6, abs=0.2)
+    dc = DriftConfig(gpus=40, phases=3, phase_s=120.0, check_s=30.0, window_s=60.0, lag_s=30.0)
+    static = decide("lengthwise-static", dc, level, stream, lengths, cfg, Criterion())
+    moving = decide("lengthwise", dc, level, stream, lengths, cfg, Criterion())
+    assert len(static) == 1 and static[0].plan.units == moving[0].plan.units  # the same first plan: phase 0's rates
+    assert len(moving) > 1 and all(d.effective_at == d.decided_at + 30.0 for d in moving[1:])
+    # the same plan decided twice is one mesh that keeps its queues: the same run as deciding it once
+    once, _ = simulate_timeline(static, stream, level, cfg, 0.0, 120.0, Criterion(), seed=0)
+    twice, _ = simulate_timeline([*static, dataclasses.replace(static[0], decided_at=50.0, effective_at=60.0)], stream,
+                                 level, cfg, 0.0, 120.0, Criterion(), seed=0)
+    assert once == twice
+    assert sum(r["requests"] for r in once.values()) == sum(1 for v in stream.values() for r in v if r.arrival < 120.0)
+
+
+def test_the_drift_cli_writes_each_arms_attainment_and_plot(data, tmp_path):
+    out = tmp_path / "drift.json"
+    r = run_main(main, ["bench", "models", "--drift", "--levels", "condense500", "--calibrate-on", "none", "--gpus", "40",
+                        "--arms", "lengthwise-static,lengthwise", "--phases", "2", "--phase-s", "90", "--first-turns",
+                        "1500", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res["arms"]) == {"lengthwise-static", "lengthwise"} and out.with_suffix(".png").is_file()
+    for row in res["arms"].values():
+        assert 0 < row["attainment"] <= 1 and len(row["over_time"]) == 6
+        assert sum(m["requests"] for m in row["models"].values()) == res["requests"]
+    assert res["arms"]["lengthwise-static"]["replacements"] == 0
+    bad = run_main(main, ["bench", "models", "--drift", "--arms", "alpaserve"])
+    assert bad.returncode == 2 and "unknown arm 'alpaserve'" in bad.stderr
+    few = run_main(main, ["bench", "models", "--drift", "--levels", "condense500", "--calibrate-on", "none", "--gpus", "2",
+                          "--arms", "lengthwise-static", "--first-turns", "1500", "--json", str(out)])
+    assert few.returncode == 2 and "places nothing on 2 GPUs" in few.stderr

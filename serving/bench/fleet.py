@@ -480,11 +480,12 @@ def service_process(args: list[str], log_path: Path, env: dict[str, str] | None 
 
 
 @contextlib.contextmanager
-def running_gateway(args: list[str], port: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def running_gateway(args: list[str], port: int, log_path: Path, timeout_s: float = 120.0
+                    ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A ``lengthwise serve`` process (``args``, listening on ``port``) from ready to stopped: yields (its URL, the
-    process)."""
+    process). ``timeout_s``: to be ready, engines it starts included."""
     with service_process(args, log_path) as gw:
-        _wait_gateway(f"http://127.0.0.1:{port}", gw)
+        _wait_gateway(f"http://127.0.0.1:{port}", gw, timeout_s)
         yield f"http://127.0.0.1:{port}", gw
 
 

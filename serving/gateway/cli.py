@@ -91,7 +91,8 @@ whose engines are all down gets 503 while the others keep serving; /v1/models li
 adapter's card names its parent); an unknown model gets 404 with the served names. Each name's lengths come from
 its 'predictor': 'sidecar' (default; its own predictor_url or --predictor-url, asked with the name), a registry URI
 that sidecar must serve, 'profile' (the mean of the name's own answers, SeaLLM's profile) or 'none'; each sidecar
-is checked per name at start. 'priority': lower runs first inside an engine. Example catalogue:
+is checked per name at start. 'priority': lower runs first inside an engine. 'on_engines': which of its base's
+engines started here serve a name (a placement plan: an adapter loaded only there). Example catalogue:
   models:
     - {name: smol, model: ./SmolLM2-135M-Instruct, engine_args: ["--max-model-len 2048"],
        slo: {ttft_ms: 2000, tpot_ms: 150}}

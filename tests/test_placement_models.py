@@ -81,3 +81,21 @@ def test_ours_reads_each_models_own_lengths_and_muxserve_one_pair_for_all():
     assert all(u.kv_fraction <= MEMORY_UTILISATION for u in shared.units)
     # MuxServe's estimator sees the lengths it is given: longer answers need a larger batch for the same rate
     assert est.throughput(long_y[1], 1, 0.9, 40.0)[2] > est.throughput(short[1], 1, 0.9, 40.0)[2]
+
+
+@pytest.mark.unit
+def test_a_plan_still_fits_the_demand_it_was_made_for_and_not_a_busier_one():
+    """Ours keeps a plan while it carries a later window's demand within the slowdown it was made at (re-placement
+    as rates drift): the same rates fit, a busiest model three times as busy does not."""
+    from serving.placement.models.lengthwise import still_fits
+    from serving.placement.models.replace import grouping, regroups
+
+    est = Estimator(ENGINE.latency)
+    plan = place_lengthwise(FLEET, 16, est)
+    assert plan is not None and still_fits(plan, FLEET, est)
+    busiest = max(FLEET, key=lambda d: d.rate)
+    busier = [dataclasses.replace(d, rate=3 * d.rate) if d is busiest else d for d in FLEET]
+    assert not still_fits(plan, busier, est)
+    again = place_lengthwise(busier, 24, est)
+    assert again is not None and regroups(plan, again) == (grouping(again) != grouping(plan))
+    assert not regroups(plan, None) and not regroups(plan, plan)

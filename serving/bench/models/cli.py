@@ -82,6 +82,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--lag-s", type=float, default=30.0, metavar="S",
                    help="--drift: seconds from a decision to its plan serving (weights pulled meanwhile) "
                         "(default: %(default)s)")
+    p.add_argument("--move-on-any-regroup", action="store_true",
+                   help="--drift: ours moves models whenever its new plan groups them differently, even while the "
+                        "plan serving still carries the window's demand (every window's noise then moves models)")
     p.add_argument("--duration", type=float, default=300.0, metavar="S",
                    help="--gpus-needed: seconds of arrivals per run (MuxServe's own runs of 20-60 s cannot tell a mesh "
                         "that keeps up from one that does not) (default: %(default)s)")
@@ -190,7 +193,8 @@ def _drift(a: argparse.Namespace, levels: dict, level: str, console) -> int:
     if error:
         print(f"lengthwise bench models: error: {error}", file=sys.stderr)
         return 2
-    dc = DriftConfig(gpus=a.gpus, phases=a.phases, phase_s=a.phase_s, lag_s=a.lag_s)
+    dc = DriftConfig(gpus=a.gpus, phases=a.phases, phase_s=a.phase_s, lag_s=a.lag_s,
+                     keep_while_fits=not a.move_on_any_regroup)
     try:
         res = run_drift(levels, level, a.arms, dc, a.lengths, a.seed, console, a.calibrate_on, a.first_turns)
     except DriftError as exc:  # an arm that places nothing on --gpus

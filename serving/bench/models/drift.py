@@ -9,8 +9,8 @@ its lengths as each placement knows them (:mod:`serving.bench.models.placing`), 
 is made (the new engines' weights pulled while the old ones serve, as SeaLLM's node workers do). Arms:
 
 - ``lengthwise-static`` and ``seallm-static``: the plan made at the start, kept;
-- ``lengthwise``: ours placed again at every check (``check_s``), adopted when it regroups the models
-  (:mod:`serving.placement.models.replace`);
+- ``lengthwise``: ours placed again at every check (``check_s``), adopted when the plan serving no longer carries the
+  window's demand and the new one regroups the models (:mod:`serving.placement.models.replace`);
 - ``seallm``: SeaLLM's placement at its adaptive interval (SeaLLM §4.3), its estimate its own simulator's score of the
   plan on its window, its real figure the attainment the last interval's requests got.
 
@@ -44,7 +44,7 @@ from serving.bench.models.placing import (
 )
 from serving.bench.models.sizing import smallest_mesh
 from serving.placement.models.estimate import Demand, Estimator
-from serving.placement.models.lengthwise import place_lengthwise
+from serving.placement.models.lengthwise import place_lengthwise, still_fits
 from serving.placement.models.plan import Plan, Unit
 from serving.placement.models.replace import AdaptiveInterval, regroups
 from serving.placement.models.seallm import place_seallm
@@ -70,6 +70,7 @@ class DriftConfig:
     seallm_interval_s: float = 120.0  # SeaLLM's I_0, its cluster manager's choice
     seallm_beta: float = 0.2
     bin_s: float = 30.0  # the attainment-over-time plot's bins
+    keep_while_fits: bool = True  # ours keeps a plan that still carries the window's demand (False: moves on any regroup)
 
     @property
     def duration_s(self) -> float:
@@ -219,6 +220,7 @@ def decide(arm: str, dc: DriftConfig, level: Level, stream: dict[str, list[Trace
     as its rule says."""
     kind = arm.removesuffix("-static")
     place = placers(cfg, dc.gpus)[kind]
+    est = Estimator(cfg.engine.latency)
 
     def make(t: float) -> tuple[Plan | None, list[Demand]]:
         demands = (observed(stream, lengths, max(0.0, t - dc.window_s), t) if t > 0
@@ -228,8 +230,8 @@ def decide(arm: str, dc: DriftConfig, level: Level, stream: dict[str, list[Trace
     first, demands = make(0.0)
     if first is None:
         raise DriftError(f"{kind} places nothing on {dc.gpus} GPUs at this level; give more --gpus")
-    est = _estimate(first, level_of(level, demands), cfg) if kind == "seallm" else None
-    out = [Decision(0.0, 0.0, first, {d.name: d.rate for d in demands}, est)]
+    first_est = _estimate(first, level_of(level, demands), cfg) if kind == "seallm" else None
+    out = [Decision(0.0, 0.0, first, {d.name: d.rate for d in demands}, first_est)]
     if arm.endswith("-static"):
         return out
     interval = AdaptiveInterval(dc.seallm_interval_s, dc.seallm_beta) if kind == "seallm" else None
@@ -241,10 +243,14 @@ def decide(arm: str, dc: DriftConfig, level: Level, stream: dict[str, list[Trace
             n = sum(r["requests"] for r in real.values())
             interval.next(sum(r["met"] for r in real.values()) / n if n else 1.0, since.estimated or 1.0)
         plan, demands = make(t)
-        if (interval is not None and plan is not None) or regroups(out[-1].plan, plan):
+        if interval is not None:
+            move = plan is not None
+        else:  # ours: the plan serving no longer carries the window's demand, and the new one regroups the models
+            move = regroups(out[-1].plan, plan) and not (dc.keep_while_fits and still_fits(out[-1].plan, demands, est))
+        if move:
             assert plan is not None
-            est = _estimate(plan, level_of(level, demands), cfg) if kind == "seallm" else None
-            out.append(Decision(t, t + dc.lag_s, plan, {d.name: d.rate for d in demands}, est))
+            score = _estimate(plan, level_of(level, demands), cfg) if kind == "seallm" else None
+            out.append(Decision(t, t + dc.lag_s, plan, {d.name: d.rate for d in demands}, score))
             if on_decision is not None:
                 on_decision(out[-1])
         t += dc.check_s if interval is None else interval.interval_s
@@ -331,6 +337,7 @@ def plot_drift(res: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("time (s); dashed: the rates reshuffled; ticks: a new plan serving")
     ax.set_ylabel(f"attainment of the requests arriving per {cfg['bin_s']:g} s")
     ax.set_ylim(0, 1.05)
+    ax.set_xlim(0, cfg["phases"] * cfg["phase_s"])
     ax.legend(fontsize=8, loc="lower left")
     ax.set_title(f"{res['level']}, {res['lengths']} lengths, {cfg['gpus']} GPUs, rates drifting (simulator)", fontsize=10)
     fig.tight_layout()

@@ -223,3 +223,17 @@ def place_lengthwise(demands: list[Demand], gpus: int, est: Estimator, gpu_gb: f
             for f in m.fits)))
     return Plan("lengthwise", tuple(units), time.perf_counter() - t0,
                 {"slowdown": hi, "unused_gpus": gpus - sum(m.gpus for m in best)})
+
+
+def still_fits(plan: Plan, demands: list[Demand], est: Estimator, gpu_gb: float = 80.0) -> bool:
+    """Whether ``plan``'s meshes carry ``demands`` (the rates of a later window) within the slowdown the plan was made
+    at: what it was sized for still holds, so moving a model would buy nothing the plan does not give."""
+    by_name = {d.name: d for d in demands}
+    slowdown = float(plan.notes.get("slowdown", MAX_SLOWDOWN))
+    packer = _Packer(est, demands, gpu_gb)
+    for u in plan.units:
+        mesh = _Mesh(u.gpus, MEMORY_UTILISATION * gpu_gb * u.gpus,
+                     [packer.fit(by_name[m.name], u.gpus, m.rate_share) for m in u.models])
+        if mesh.stretch_index(None, slowdown) is None:
+            return False
+    return True

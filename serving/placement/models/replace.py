@@ -7,8 +7,11 @@ rules decide when to place again:
   ``(1 - beta)`` when the attainment the last interval achieved differs from the one its simulator estimated by more
   than ``beta`` (relative), and grows by ``(1 + beta)`` otherwise.
 - **Ours**: our placement takes a fraction of a second, so it is made again at every check from the last window's
-  rates and the models' predicted lengths, and adopted when it groups the models differently (which models share
-  which meshes, of which sizes); a plan that only moves shares within the same meshes is not worth a move.
+  rates and the models' predicted lengths. It is adopted when the plan serving no longer carries those demands within
+  the slowdown it was made at (:func:`~serving.placement.models.lengthwise.still_fits`: what it was sized for has
+  grown) and the new plan groups the models differently (which models share which meshes, of which sizes); a plan
+  that only moves shares within the same meshes is not worth a move. Without the first condition every window's
+  Poisson noise would move models.
 """
 
 from __future__ import annotations

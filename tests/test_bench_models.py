@@ -255,7 +255,10 @@ def test_drifting_levels_keep_the_total_rate_and_the_decisions_read_only_the_pas
     assert sum(r["requests"] for r in once.values()) == sum(1 for v in stream.values() for r in v if r.arrival < 60.0)
 
 
+@pytest.mark.slow
 def test_the_drift_cli_writes_each_arms_attainment_and_plot(data, tmp_path):
+    """The whole --drift run, short (fast counterparts: the decisions and the mesh lifetimes above, the exit-2 lines
+    below)."""
     out = tmp_path / "drift.json"
     r = run_main(main, ["bench", "models", "--drift", "--levels", "condense500", "--calibrate-on", "none", "--gpus", "40",
                         "--arms", "lengthwise", "--phases", "2", "--phase-s", "60", "--first-turns", "1500", "--json",
@@ -267,6 +270,10 @@ def test_the_drift_cli_writes_each_arms_attainment_and_plot(data, tmp_path):
     assert 0 < row["attainment"] <= 1 and len(row["over_time"]) == 4
     assert sum(m["requests"] for m in row["models"].values()) == res["requests"]
     assert row["replacements"] == len(row["decisions"]) - 1 and row["decisions"][0]["at"] == 0.0
+
+
+def test_the_drift_cli_says_a_bad_arm_or_too_few_gpus_in_one_line(data, tmp_path):
+    out = tmp_path / "drift.json"
     bad = run_main(main, ["bench", "models", "--drift", "--arms", "alpaserve"])
     assert bad.returncode == 2 and "unknown arm 'alpaserve'" in bad.stderr
     few = run_main(main, ["bench", "models", "--drift", "--levels", "condense500", "--calibrate-on", "none", "--gpus", "2",

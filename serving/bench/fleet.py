@@ -49,6 +49,7 @@ from serving.bench.engine.bench import merge_csv, profile_to_csv, run_engines, t
 from serving.bench.replay import Job as ReplayJob
 from serving.bench.replay import Settings, poisson_arrivals, send_one
 from serving.gateway.settings import GatewaySettings
+from serving.launch.adapters import LORA_RANK
 from serving.launch.engines import start_engines, stop_engines, wait_started
 from serving.launch.models import bench_dtype, dummy_model
 from serving.launch.process import die_with_parent, free_port, wait_http
@@ -282,14 +283,19 @@ def _calibrate(cfg: FleetBenchConfig, trace: _Trace, dtype: str, work: Path, con
     return _Calibration(profile, lat, slo, pc, DecodePoolLatency(lat) if cfg.prefill_engines else lat)
 
 
-def _burst(cfg: FleetBenchConfig, reqs: list[TraceRequest], dtype: str, work: Path, console: Console) -> Path:
-    """The calibration burst: the trace's first requests through every engine at once; their merged step profile."""
+def _burst(cfg: FleetBenchConfig, reqs: list[TraceRequest], dtype: str, work: Path, console: Console,
+           loras: dict[str, str] | None = None) -> Path:
+    """The calibration burst: the trace's first requests through every engine at once; their merged step profile.
+    ``loras``: every engine loads these adapters (name -> directory, of :data:`LORA_RANK`), and a request of one of
+    them as its service runs through it."""
     k = min(cfg.calibration_requests, len(reqs))
-    burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
-             for i, r in enumerate(reqs[:k])]
+    loras = loras or {}
+    burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+              **({"lora": r.service} if r.service in loras else {})} for i, r in enumerate(reqs[:k])]
     eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": BLOCK, "max_num_seqs": cfg.max_num_seqs,
            "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_blocks": cfg.kv_blocks, "threads": 1, "dtype": dtype,
-           "tokenizer_json": str(data_path(TOKENIZER))}
+           "tokenizer_json": str(data_path(TOKENIZER)),
+           **({"loras": dict(loras), "max_lora_rank": LORA_RANK} if loras else {})}
     console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once "
                   f"({cfg.shape} model, {cfg.kv_blocks} KV blocks, max_tokens {cfg.max_tokens})")
     # every engine at once, as they will serve, so whatever engines sharing a machine cost each other is in

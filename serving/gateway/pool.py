@@ -148,7 +148,8 @@ class EnginePool:
                             "(or LENGTHWISE_ENGINE_API_KEY)", e.name, e.url)
                 return
             cards = r.json()["data"]
-            e.models = {m["id"] for m in cards} & self.serves.get(e.url, {m["id"] for m in cards})
+            listed = {m["id"] for m in cards}
+            e.models = listed & self.serves.get(e.url, listed)
             e.context = {m["id"]: m["max_model_len"] for m in cards
                          if type(m.get("max_model_len")) is int and m["max_model_len"] > 0}
             for m in cards:  # a LoRA adapter's card has no context of its own: its base model's is the one it runs in

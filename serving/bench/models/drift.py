@@ -41,6 +41,7 @@ from serving.bench.models.placing import (
     kv_split,
     predicted_demands,
     seallm_score,
+    tally,
 )
 from serving.bench.models.sizing import smallest_mesh
 from serving.placement.models.estimate import Demand, Estimator
@@ -143,7 +144,7 @@ def simulate_timeline(decisions: list[Decision], stream: dict[str, list[TraceReq
     lifetimes: list[dict[str, Any]] = []
     active: dict[tuple, int] = {}
     for d, a, b in zip(live, starts, ends):
-        if b <= a and d is not live[-1]:
+        if b <= a:  # superseded before it served (only the last plan ends at t1 > its start)
             continue
         seen: dict[tuple, int] = {}
         now: dict[tuple, int] = {}
@@ -159,19 +160,20 @@ def simulate_timeline(decisions: list[Decision], stream: dict[str, list[TraceReq
             lifetimes[i].setdefault("spans", []).append((a, b))
     # each request to one of its model's meshes in the plan in force when it arrives
     rng = random.Random(seed)
+    records: list[RequestRecord] = []
+    arrived: dict[str, int] = {name: 0 for name in stream}
     for name, reqs in stream.items():
         for r in reqs:
             if not t0 <= r.arrival < t1:
                 continue
+            arrived[name] += 1
             mine = [(i, m.rate_share) for i, lt in enumerate(lifetimes) for m in lt["unit"].models
                     if m.name == name and any(a <= r.arrival < b for a, b in lt.get("spans", []))]
-            if not mine:
-                continue  # no plan serves it: counted as missed below
+            if not mine:  # no plan serves it: a record that never finishes, missed
+                records.append(RequestRecord(-1, r.arrival, r.prompt_tokens, r.output_tokens, 0.0, service=name))
+                continue
             i = rng.choices([i for i, _ in mine], weights=[w for _, w in mine])[0]
             lifetimes[i]["requests"][name].append(r)
-    records: list[RequestRecord] = [RequestRecord(-1, r.arrival, r.prompt_tokens, r.output_tokens, 0.0, service=name)
-                                    for name, reqs in stream.items() for r in reqs
-                                    if t0 <= r.arrival < t1 and not _served(lifetimes, name, r.arrival)]
     met: dict[str, int] = {}
     for lt in lifetimes:
         unit, split = lt["unit"], kv_split(lt["unit"], lt["rates"])
@@ -184,17 +186,11 @@ def simulate_timeline(decisions: list[Decision], stream: dict[str, list[TraceReq
         for name, run in simulate_mesh(models, "mps", records=mine).items():
             met[name] = met.get(name, 0) + round(run.slo_attainment * run.requests_total)
         records += mine.values()
-    tally = {}
+    per_model = {}
     for m in level.models:
-        n = sum(1 for r in stream[m.name] if t0 <= r.arrival < t1)
-        tally[m.name] = {"requests": n, "met": met.get(m.name, 0),
-                         "attainment": met.get(m.name, 0) / n if n else 1.0}
-    return tally, records
-
-
-def _served(lifetimes: list[dict[str, Any]], name: str, t: float) -> bool:
-    return any(m.name == name and any(a <= t < b for a, b in lt.get("spans", [])) for lt in lifetimes
-               for m in lt["unit"].models)
+        n = arrived[m.name]
+        per_model[m.name] = {"requests": n, "met": met.get(m.name, 0), "attainment": met.get(m.name, 0) / n if n else 1.0}
+    return per_model, records
 
 
 Placer = Callable[[list[Demand], Level], Plan | None]
@@ -238,10 +234,10 @@ def decide(arm: str, dc: DriftConfig, level: Level, stream: dict[str, list[Trace
     t = dc.check_s if interval is None else interval.interval_s
     while t < dc.duration_s:
         if interval is not None:  # the interval just ended: its real attainment against the estimate it began with
-            since = out[-1]
             real, _ = simulate_timeline(out, stream, level, cfg, max(0.0, t - interval.interval_s), t, criterion, seed=7)
-            n = sum(r["requests"] for r in real.values())
-            interval.next(sum(r["met"] for r in real.values()) / n if n else 1.0, since.estimated or 1.0)
+            met, n = tally(real)
+            assert out[-1].estimated is not None  # every SeaLLM decision carries its estimate
+            interval.next(met / n if n else 1.0, out[-1].estimated)
         plan, demands = make(t)
         if interval is not None:
             move = plan is not None
@@ -284,19 +280,19 @@ def run_drift(levels: dict[str, Level], level_name: str, arms: list[str], dc: Dr
         with console.status(f"{arm}: deciding..."):
             decisions = decide(arm, dc, level, stream, lengths, cfg, criterion)
         with console.status(f"{arm}: {len(decisions)} plan(s) on {dc.gpus} GPUs, simulating..."):
-            tally, records = simulate_timeline(decisions, stream, level, cfg, 0.0, dc.duration_s, criterion, seed)
-        met, total = sum(r["met"] for r in tally.values()), sum(r["requests"] for r in tally.values())
-        row = {"attainment": met / total, "worst_model": min(r["attainment"] for r in tally.values()),
-               "models_at_90": sum(r["attainment"] >= criterion.each for r in tally.values()),
-               "passes": criterion.met(tally), "replacements": len(decisions) - 1,
+            per_model, records = simulate_timeline(decisions, stream, level, cfg, 0.0, dc.duration_s, criterion, seed)
+        met, total = tally(per_model)
+        row = {"attainment": met / total, "worst_model": min(r["attainment"] for r in per_model.values()),
+               "models_at_90": sum(r["attainment"] >= criterion.each for r in per_model.values()),
+               "passes": criterion.met(per_model), "replacements": len(decisions) - 1,
                "decision_s": [d.plan.decision_s for d in decisions],
                "decisions": [{"at": d.decided_at, "effective": d.effective_at, "gpus": d.plan.gpus,
                               "units": [[u.gpus, [m.name for m in u.models]] for u in d.plan.units],
                               "estimated": d.estimated} for d in decisions],
-               "over_time": _over_time(records, dc), "models": tally, "wall_s": time.perf_counter() - t_start}
+               "over_time": _over_time(records, dc), "models": per_model, "wall_s": time.perf_counter() - t_start}
         out["arms"][arm] = row
         console.print(f"{arm}: attainment {row['attainment']:.3f}, worst model {row['worst_model']:.2f}, "
-                      f"{row['models_at_90']}/{len(tally)} models at 90%, {row['replacements']} re-placement(s)")
+                      f"{row['models_at_90']}/{len(per_model)} models at 90%, {row['replacements']} re-placement(s)")
     return out
 
 

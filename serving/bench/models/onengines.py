@@ -32,12 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
-from serving.bench.engine.bench import merge_csv, profile_to_csv, run_engines
 from serving.bench.engine.services import SMOLLM2_SERVICES, ServicesTrace, load_services
 from serving.bench.fleet import (
     BLOCK,
-    EXACT_LENGTH_PROCESSOR,
     TOKENIZER,
+    _burst,
+    _engine_args,
     _replay,
     _v1_model_runner,
     exact_length_fields,
@@ -140,15 +140,6 @@ def plan_catalogue(plan: EnginePlan, model_dir: str, adapters: dict[str, Path], 
     return {"models": models}
 
 
-def engine_args(cfg: OnEnginesConfig, dtype: str) -> list[str]:
-    """Every engine's vLLM arguments, as the fleet bench's: 32-token blocks, the KV pool, the exact-length processor."""
-    return ["--load-format dummy", "--enforce-eager", "--gpu-memory-utilization 0.2", f"--block-size {BLOCK}", f"--dtype {dtype}",
-            f"--max-model-len {cfg.max_model_len}", f"--num-gpu-blocks-override {cfg.kv_blocks}",
-            "--no-enable-prefix-caching", f"--max-num-seqs {cfg.max_num_seqs}",
-            f"--max-num-batched-tokens {cfg.max_num_batched_tokens}", "--seed 0",
-            f"--logits-processors {EXACT_LENGTH_PROCESSOR}"]
-
-
 def _prompt(n: int) -> tuple[tuple[str, str], ...]:
     """A prompt of about ``n`` GPT-2 tokens (each " hello" is one): the labels keep lengths, not the prompts' text."""
     return (("user", "hello" + " hello" * max(0, n - 1)),)
@@ -192,20 +183,9 @@ def _setup(cfg: OnEnginesConfig, work: Path, console: Console) -> _Setup:
 
 def _calibrate(cfg: OnEnginesConfig, reqs: list[TraceRequest], adapters: dict[str, Path], dtype: str,
                work: Path, console: Console) -> FittedLatency:
-    """The step model, from a burst of the first requests (each model's, its adapter applied) through every engine at
-    once under stock vLLM, every adapter loaded: the mix the plans serve."""
-    k = min(cfg.calibration_requests, len(reqs))
-    burst = [{"id": r.rid, "arrival": 0.05 * i, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-              **({"lora": r.service} if r.service in adapters else {})} for i, r in enumerate(reqs[:k])]
-    eng = {"shape": cfg.shape, "max_model_len": cfg.max_model_len, "block_size": BLOCK,
-           "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-           "kv_blocks": cfg.kv_blocks, "threads": 1, "dtype": dtype, "loras": {n: str(d) for n, d in adapters.items()},
-           "max_lora_rank": 8}
-    console.print(f"[bold]calibrating[/]: {k} requests through each of {cfg.engines} stock vLLM engines at once")
-    cals = run_engines([{"scheduler": "stock", "tag": f"calibration-{i}", "engine": eng, "max_tokens": cfg.max_tokens,
-                         "requests": burst} for i in range(cfg.engines)], work, console)
-    csv = merge_csv([profile_to_csv(c["profile"], work / f"step_profile-{i}.csv") for i, c in enumerate(cals)],
-                    work / "step_profile.csv")
+    """The step model, from the fleet bench's burst of the first requests (each model's, its adapter applied) through
+    every engine at once under stock vLLM, every adapter loaded: the mix the plans serve."""
+    csv = _burst(cfg, reqs, dtype, work, console, loras={n: str(d) for n, d in adapters.items()})
     lat = FittedLatency.from_csv(csv)
     console.print(f"step model {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill + {lat.c2 * 1e6:.1f} µs/decode + "
                   f"{lat.c3 * 1e9:.2f} ns/KV token (R² {lat.r2:.3f})")
@@ -219,7 +199,7 @@ def replay_plan(setup: _Setup, plan_name: str, plan: EnginePlan, cfg: OnEnginesC
     from serving.launch.process import free_port
 
     cat = work / f"catalogue-{plan_name}.yaml"
-    cat.write_text(json.dumps(plan_catalogue(plan, setup.model_dir, setup.adapters, engine_args(cfg, dtype)), indent=1))
+    cat.write_text(json.dumps(plan_catalogue(plan, setup.model_dir, setup.adapters, _engine_args(cfg, dtype)), indent=1))
     port, slo = free_port(), setup.slo
     args = [sys.executable, "-m", "serving.cli", "serve", "--models", str(cat), "--port", str(port), "--placement",
             cfg.placement, "--policy", cfg.local_policy, "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}",

@@ -11,7 +11,8 @@ rename in any release. :class:`~serving.engine.scheduler.LengthwiseScheduler` to
 - a step's budget ``max_num_scheduled_tokens``, ``current_step``, the scheduler's ``policy`` (FCFS or PRIORITY); at start
   ``block_size``, ``max_num_running_reqs``, ``max_model_len``, ``kv_cache_config.num_blocks`` and ``lora_config``;
 - per request: ``next_decode_eligible_step`` (a held request skips the step), ``priority``, ``status``,
-  ``num_computed_tokens``, ``num_output_tokens``, ``num_output_placeholders`` (async scheduling's in-flight token);
+  ``num_computed_tokens``, ``num_output_tokens``, ``num_output_placeholders`` (async scheduling's in-flight token),
+  ``num_prompt_tokens`` and ``sampling_params.prompt_logprobs`` (:func:`prompt_logprobs_pending`);
 - ``_preempt_request`` (a recompute preemption, as vLLM's own schedule() makes one) and ``reset_preempted_req_ids``
   (requests vLLM preempted between steps).
 
@@ -55,6 +56,20 @@ def preempted_between_steps(scheduler: Any) -> set[str]:
 def counts(request: VllmRequest) -> tuple[int, int]:
     """(computed tokens, generated tokens including async scheduling's in-flight placeholders)."""
     return request.num_computed_tokens, request.num_output_tokens + request.num_output_placeholders
+
+
+def prompt_logprobs_pending(request: VllmRequest) -> bool:
+    """The request asks for prompt logprobs and part of its prompt is still to be computed: a step that computes it
+    produces logits for its prompt's positions.
+
+    Why the plug-in asks: vLLM 0.32 computes those logits through the LoRA logits layer with the step's LoRA mapping,
+    which has one row per *request* (``sampler_indices``), not one per prompt position. On an engine with
+    ``--enable-lora`` a step that prefills such a request beside any other request fails there (on the CPU build
+    ``einsum(): subscript b has size 2 ... previously seen size 5`` in ``bgmv_shrink``) and the engine core dies; with
+    as many requests as positions it runs with the wrong adapter per position. Alone in its step, the one row
+    broadcasts and the logits are right (vllm-project/vllm#16668, open; #29955)."""
+    sp = request.sampling_params
+    return sp is not None and sp.prompt_logprobs is not None and request.num_computed_tokens < request.num_prompt_tokens
 
 
 def is_running(request: VllmRequest) -> bool:

@@ -33,6 +33,11 @@ Each step:
 The policy's block ledger is sized to vLLM's pool, so its exact allocation and KVC pipelining are
 reservations over vLLM's blocks: vLLM still allocates physical blocks on demand. Speculative decoding
 is refused at start: the policy core advances a request by one token per step.
+
+One rule of the adapter's own, for a vLLM defect rather than a scheduling choice: on an engine that serves LoRA
+adapters, a step that prefills a request asking for prompt logprobs carries that request alone (:meth:`_alone`), since
+vLLM 0.32 computes those logprobs with a LoRA mapping of one row per request and its engine core dies when another
+request shares the step (:func:`serving.engine.levers.prompt_logprobs_pending`). Stock vLLM dies the same way.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ class LengthwiseScheduler(AsyncScheduler):
         self.lw_stats: dict[str, float] = dict.fromkeys((
             "requests", "fallback_predictions", "invalid_inputs", "rejected", "finished", "aborted", "steps",
             "held_request_steps", "policy_preemptions", "vllm_preemptions", "vllm_preempted_held", "plan_mismatch_steps",
-            "adapter_s"), 0)
+            "adapter_s", "alone_steps"), 0)
+        self._lw_lora = shape["max_loras"] > 0  # LoRA on: see _alone
         self._last_log = time.monotonic()
         self.metrics_server = None
         if self.lw_settings.metrics_port:
@@ -145,7 +151,7 @@ class LengthwiseScheduler(AsyncScheduler):
         between = vllm_levers.preempted_between_steps(self)
         self._host_preempted(between, now)
         self._mirror()
-        plan = self.lw_policy.schedule(now)
+        plan = self._alone(self.lw_policy.schedule(now))
         levers = self._apply(plan)
         t1 = time.perf_counter()
         try:
@@ -180,6 +186,17 @@ class LengthwiseScheduler(AsyncScheduler):
             twin = self.lw_policy.requests.get(rid)
             if twin is not None:
                 twin.computed, twin.generated = vllm_levers.counts(v)
+
+    def _alone(self, plan: StepPlan) -> StepPlan:
+        """With LoRA on, the plan cut to its first request whose prompt logprobs are still to be computed, if any (the
+        module docstring says why); the others wait a step, keeping their KV. The policy reads what ran."""
+        if not self._lw_lora or len(plan.tokens) < 2:
+            return plan
+        for rid, n in plan.tokens.items():
+            if vllm_levers.prompt_logprobs_pending(self._vreq_of[rid]):
+                self.lw_stats["alone_steps"] += 1
+                return StepPlan(tokens={rid: n}, preempted=plan.preempted, paused=plan.paused)
+        return plan
 
     def _apply(self, plan: StepPlan) -> vllm_levers.Levers:
         """This step's plan through vLLM's levers (:func:`serving.engine.levers.apply`)."""

@@ -99,6 +99,37 @@ def test_no_plan_runs_more_adapters_than_the_engine_holds(monkeypatch, policy):
     assert s.lw_stats["plan_mismatch_steps"] == 0 and s.lw_stats["finished"] == 18
 
 
+@pytest.mark.parametrize("policy", ["vllm", "lengthwise", "ecoserve", "muxserve"])
+@pytest.mark.parametrize("max_loras", [2, 0], ids=["lora", "no-lora"])
+def test_with_lora_a_request_computing_prompt_logprobs_has_its_prefill_steps_alone(monkeypatch, policy, max_loras):
+    """vLLM 0.32 computes prompt logprobs with one LoRA row per request in the step; on an engine with LoRA on, a step
+    that prefills such a request beside any other kills the engine core (serving/engine/levers.py). With LoRA on, each
+    such step carries that request alone; without LoRA, nothing changes; every request still ends exactly."""
+    _configure(monkeypatch, policy)
+    s = make_scheduler(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=32, scheduler_cls=LengthwiseScheduler,
+                       max_loras=max_loras)
+    reqs = [make_request(f"r{i}", 20 + 7 * i, 12, extra_args={"pred_len": 12},
+                         lora=(None, ("terse", 1), ("long", 2))[i % 3] if max_loras else None) for i in range(9)]
+    asking = {"r2", "r5"}  # long prompts: prefilled in several chunks of the 32-token budget
+    for r in reqs:
+        if r.request_id in asking:
+            r.sampling_params.prompt_logprobs = 1
+    run = run_to_completion(s, reqs, arrivals={r.request_id: i // 3 for i, r in enumerate(reqs)}, max_steps=5000)
+    _assert_exact(run, reqs)
+    prompt_of = {r.request_id: r.num_prompt_tokens for r in reqs}
+    computed = dict.fromkeys(prompt_of, 0)
+    shared = 0
+    for st in run.steps:
+        tokens = st["num_scheduled_tokens"]
+        shared += any(rid in asking and computed[rid] < prompt_of[rid] for rid in tokens) and len(tokens) > 1
+        for rid, n in tokens.items():
+            computed[rid] += n
+    if max_loras:
+        assert shared == 0 and s.lw_stats["alone_steps"] > 0
+    else:
+        assert shared > 0 and s.lw_stats["alone_steps"] == 0, "without LoRA the plan is left as it is"
+
+
 @pytest.mark.parametrize("policy", ["lengthwise", "ecoserve"])
 def test_pipelined_async_scheduling(monkeypatch, policy):
     """GPU-style async scheduling: step N+1 is planned before step N's tokens arrive."""

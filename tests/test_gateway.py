@@ -788,7 +788,8 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     model = fleet.model
     # from idle engines and empty views: what earlier tests left running must not count in anyone's load
     wait_for(lambda: _quiet(fleet, gw_aladdin), timeout=60, what="idle engines and empty gateway views")
-    groups = {e["name"]: _engine_group(fleet, e["url"]) for e in fleet.get("/health").json()["engines"]}
+    urls = {e["name"]: e["url"] for e in fleet.get("/health").json()["engines"]}
+    groups = {name: _engine_group(fleet, url) for name, url in urls.items()}
     retries0 = {name: (fleet.metric("lengthwise_gateway_engine_retries_total", engine=name),
                        gw_aladdin.metric("lengthwise_gateway_engine_retries_total", engine=name)) for name in groups}
     # two streams already producing tokens: the fleet's goes where JSQ puts it; the aladdin gateway's picks the victim
@@ -862,8 +863,6 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     assert time.perf_counter() - t_kill < 240
     assert fleet.metric("lengthwise_gateway_stream_errors_total") == int(f_cut)
     assert gw_aladdin.metric("lengthwise_gateway_stream_errors_total") == 1
-    h = fleet.get("/health").json()
-    assert h["status"] == "ok" and h["healthy_engines"] == 1
     assert client.completions.create(model=model, prompt="after", max_tokens=5).usage.completion_tokens == 5
     # the aladdin gateway's view of the dead engine is empty; nothing it placed is left anywhere
     a_h = gw_aladdin.get("/health").json()
@@ -871,10 +870,42 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"]
             if e["name"] == victim_name] == [(False, 0, 0)]
     assert sum(e["outstanding"] for e in a_h["engines"]) == 0
+    KILLED.update(name=victim_name, pid=victim_pid, url=urls[victim_name])
 
-    # stopping the gateway stops the engine it started; a gateway attached to dead engines answers 503, fast
-    survivor = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True) if p.pid != victim_pid]
-    assert len(survivor) >= 2  # the API server and its engine core (and worker) of the other engine
+
+KILLED: dict = {}  # the engine the test above killed: its name, process group and URL
+
+
+@pytest.mark.last
+@pytest.mark.fault("an engine killed (SIGKILL) while serving: the gateway that started it",
+                   saw="503 for nothing; while it starts again (on new ports, its log continued) the other engine serves, "
+                       "then both do", lost="nothing more than the kill cost")
+def test_an_engine_killed_while_serving_comes_back(fleet, gw_hung):
+    """The engine killed above was started by the fleet's gateway: it is started again, on a new port, within its
+    restart budget, its log continued; /health and the metrics say so, and it serves again. Then stopping the gateway
+    stops every engine process it started, the new one too, and a gateway attached to the old addresses says 503."""
+    assert KILLED, "runs after test_engine_killed_under_load_loses_no_request"
+    name = KILLED["name"]
+    h = wait_for(lambda: (h := fleet.get("/health").json())["healthy_engines"] == 2 and h, timeout=240,
+                 what=f"{name} to be started again and healthy")
+    back = next(e for e in h["engines"] if e["name"] == name)
+    assert back["restarts"] == 1 and back["url"] != KILLED["url"] and h["engine_restarts"] == 1
+    assert h["status"] == "ok", h["reasons"]
+    assert fleet.metric("lengthwise_gateway_engine_exits_total", engine=name) == 1
+    assert fleet.metric("lengthwise_gateway_engine_restarts_total", engine=name) == 1
+    log = next(p for p in fleet.engine_logs if p.name == f"{name}.log").read_text(errors="replace")
+    assert "--- started again: exited with status -9 while serving ---" in log
+    served = {}
+    for i in range(6):  # JSQ over two idle engines: both take requests
+        r = fleet.post("/v1/completions", json={"model": fleet.model, "prompt": f"back {i}", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        served[r.headers["x-lengthwise-engine"]] = served.get(r.headers["x-lengthwise-engine"], 0) + 1
+    assert served.get(name), f"{name} serves again: {served}"
+
+    # stopping the gateway stops the engines it started; a gateway attached to dead engines answers 503, fast
+    model = fleet.model
+    survivor = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True)]
+    assert len(survivor) >= 4  # the API server and its engine core (and worker) of each engine
     assert fleet.stop(timeout=90) == 0
     _, alive = psutil.wait_procs(survivor, timeout=30)
     assert not alive, f"engine processes left behind: {[p.pid for p in alive]}"

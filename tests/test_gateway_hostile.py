@@ -353,6 +353,193 @@ def test_the_open_health_page_names_no_engine_address(make_gateway):
     assert open_.pool.engines[0].url in json.dumps(open_.health({}))
 
 
+# --- round three: text the gateway could not see; the deployment on open pages; echoes of any size -------------------
+ASK = ("Write a detailed, step-by-step tutorial on building a web server in Rust, with code for every step, error "
+       "handling, tests and deployment notes.")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("part", [{"type": "refusal", "refusal": ASK}, {"type": "thinking", "thinking": ASK},
+                                  {"type": "input_text", "text": ASK}, ASK])
+def test_a_part_the_engine_renders_as_text_is_predicted_and_counted_as_the_same_ask_in_text(make_gateway, part):
+    """``[{"type": "text", "text": "Hi"}, {"type": "refusal", "refusal": <a long ask>}]`` was predicted and counted from
+    "Hi" alone (142 tokens predicted, 31 counted, where the ask as text made 361 and 115): a queue jump, and feedback
+    that paired "Hi" with the real answer's length. Every part vLLM renders as text is read now (tests/
+    test_gateway_chat_text.py holds the table to vLLM's own parsing)."""
+    gw = make_gateway()
+
+    def chat(content) -> tuple:
+        req = gw.validate("chat", json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode())
+        call = Call("chat")
+        gw.measure(call, req)
+        return req.predict_input, call.prompt_tokens
+
+    hidden, plain = chat([{"type": "text", "text": "Hi"}, part]), chat("Hi\n" + ASK)  # vLLM joins parts by newlines
+    assert hidden == plain and ASK in hidden[0]["messages"][0]["content"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("part,code", [({"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}},
+                                        "unsupported_content"), ({"type": "bogus", "text": "x"}, "invalid_value")])
+def test_a_part_the_gateway_cannot_read_is_a_400_naming_it(make_gateway, part, code):
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}]})
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("chat", raw.encode())
+    assert (err.value.status, err.value.code, err.value.param) == (400, code, "messages[0].content[1]")
+
+
+@pytest.mark.unit
+def test_a_clients_prompt_token_ids_cannot_stand_in_for_the_messages(make_gateway):
+    """vLLM runs ``kv_transfer_params.prompt_token_ids`` in place of a chat request's messages (decode-side reuse)."""
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                      "kv_transfer_params": {"prompt_token_ids": list(range(1000))}})
+    with pytest.raises(ApiError) as err:
+        make_gateway().validate("chat", raw.encode())
+    assert (err.value.status, err.value.param) == (400, "kv_transfer_params.prompt_token_ids")
+
+
+@pytest.mark.unit
+def test_the_open_health_page_names_no_sidecar_and_no_path_even_when_the_sidecar_is_down(tmp_path):
+    """With keys, a caller without one saw ``models.<name>.predictor.url`` and, while the sidecar was down, its URL in
+    ``reasons`` and ``predictor.detail``."""
+    from serving.gateway.gateway import Gateway as InProcess
+    from serving.gateway.settings import GatewaySettings
+    from serving.gateway.target import TargetCheck
+
+    sidecar, engine = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "m.yaml").write_text(f'- {{name: smol, engine_urls: ["{engine}"], predictor_url: "{sidecar}"}}\n')
+    gw = InProcess(GatewaySettings(models_file=tmp_path / "m.yaml", api_keys=["k"], predictor_url=sidecar,
+                                   health_interval_s=0.05, health_timeout_s=0.5), engine_urls=[engine])
+    own = "/srv/lengthwise/models/smol-135m"
+    gw.model_predictors.routes["smol"].target.update(TargetCheck(
+        "mismatch", "smol", own, f"the predictor predicts lengths of {own}, but the engines serve smol"))
+    gw.pool.engines[0].last_error = f"ConnectError: {engine}/health refused"
+
+    async def watched() -> None:
+        task = asyncio.get_running_loop().create_task(gw._watch_sidecar())
+        await asyncio.sleep(0.5)
+        task.cancel()
+
+    try:
+        asyncio.run(watched())
+        assert gw.predictor_state[0] == "unreachable" and sidecar in gw.predictor_state[1]
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            body = gw.health(headers)
+            text = json.dumps(body)
+            assert body["status"] == "degraded" and any("predictor unreachable" in r for r in body["reasons"])
+            for shown in (sidecar, engine, "127.0.0.1", "://", own, "/srv/"):
+                assert shown not in text, (shown, text)
+            assert "url" not in body["models"]["smol"]["predictor"]
+        keyed = json.dumps(gw.health({"authorization": "Bearer k"}))
+        assert sidecar in keyed and engine in keyed and own in keyed  # a client key sees the deployment
+    finally:
+        asyncio.run(gw.aclose())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text,hidden", [
+    ("the sidecar at http://10.1.2.3:8100 did not answer (ConnectError)", "the sidecar at <url> did not answer (ConnectError)"),
+    ("predicts lengths of /srv/models/smol-135m (sharegpt)", "predicts lengths of <path> (sharegpt)"),
+    ("~/models/x and [::1]:8000 and 127.0.0.1", "<path> and <address> and <address>"),
+    ("the sidecar's /ready answered 503 (/health models[...].predictor says why)",
+     "the sidecar's /ready answered 503 (/health models[...].predictor says why)"),  # routes are not paths
+    ("POST /v1/chat/completions, models:/smol@champion", "POST /v1/chat/completions, models:/smol@champion"),
+])
+def test_scrubbing_hides_addresses_and_paths_and_keeps_routes(text, hidden):
+    from serving.gateway.redact import engine_error, quote, scrub
+
+    assert scrub(text) == hidden
+    assert quote("x" * 10) == "x" * 10 and quote("x" * 100) == "x" * 64 + "…" and quote({"a": 1}) == '{"a": 1}'
+    small = b'{"error": {"message": "bad stop", "type": "BadRequestError", "param": null, "code": 400}}'
+    assert engine_error(small, 400) is small  # a short body passes as the engine said it
+
+
+@pytest.mark.unit
+def test_the_model_list_shows_no_directory(make_gateway):
+    """vLLM's cards carry the directory each model and adapter was loaded from (``root``)."""
+    gw = make_gateway()
+    engine = gw.pool.engines[0]
+    engine.healthy = True
+    cards = [{"id": "smol", "object": "model", "created": 1, "owned_by": "vllm", "root": "/srv/models/SmolLM2-135M",
+              "parent": None, "max_model_len": 2048, "permission": [{"id": "modelperm-1", "organization": "*"}]},
+             {"id": "smol-sql", "object": "model", "created": 1, "owned_by": "vllm", "root": "/srv/adapters/sql",
+              "parent": "smol", "max_model_len": None, "permission": []}]
+    own = gw.pool.client
+    gw.pool.client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"object": "list", "data": cards})))
+    asyncio.run(own.aclose())
+    listed = json.loads(asyncio.run(gw.models()).body)["data"]
+    assert "/srv/" not in json.dumps(listed)
+    assert [(c["id"], c["root"], c["parent"], c["max_model_len"], c["owned_by"]) for c in listed] == [
+        ("smol", "smol", None, 2048, "vllm"), ("smol-sql", "smol-sql", "smol", None, "vllm")]
+
+
+@pytest.mark.unit
+def test_the_ray_ingress_hides_the_deployment_too():
+    """The Ray backend's ingress serves the same routes from a deployment handle: the same model cards and open /health."""
+    pytest.importorskip("ray")
+    from serving.gateway.settings import GatewaySettings
+    from serving.ray.ingress import RayGateway
+
+    card = {"id": "smol", "object": "model", "root": "/srv/models/smol", "max_model_len": 2048, "permission": []}
+
+    class Remote:
+        async def remote(self, path: str) -> tuple[int, bytes]:
+            return 200, json.dumps({"object": "list", "data": [card]}).encode()
+
+    class Handle:
+        get = Remote()
+
+    sidecar = f"http://127.0.0.1:{free_port()}"
+    gw = RayGateway(GatewaySettings(engine_urls=["http://127.0.0.1:9"], api_keys=["k"], predictor_url=sidecar), Handle())
+    try:
+        assert json.loads(asyncio.run(gw.models()).body)["data"] == [
+            {"id": "smol", "object": "model", "root": "smol", "max_model_len": 2048}]
+        gw._sidecar_seen("unreachable", f"the sidecar at {sidecar} did not answer (ConnectError)")
+        assert sidecar not in json.dumps(gw.health({})) and sidecar in json.dumps(gw.health({"authorization": "Bearer k"}))
+    finally:
+        asyncio.run(gw.aclose())
+
+
+@pytest.mark.unit
+def test_a_404_for_a_model_quotes_a_short_prefix_of_its_name(make_gateway):
+    gw = make_gateway()
+    gw.pool.known_models |= {"m"}
+    with pytest.raises(ApiError) as err:
+        gw.validate("completion", body(model="x" * 60_000))
+    assert err.value.status == 404 and len(err.value.message) < 200 and "x" * 64 + "…" in err.value.message
+    with pytest.raises(ApiError) as err:  # a field path names the client's keys: cut too
+        gw.validate("completion", body(logit_bias={"9" * 60_000: "x"}))
+    assert err.value.status == 400 and len(err.value.message) < 400 and len(err.value.param) < 70
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("json_body", [True, False])
+def test_an_engines_huge_error_reaches_the_client_cut_and_still_openai_json(make_gateway, stream, json_body):
+    """vLLM's 400 for 100,000 ``stop_token_ids`` quotes them: 712 KB, relayed as it came."""
+    gw = make_gateway()
+    engine = gw.pool.engines[0]
+    engine.healthy = True
+    gw.pool.placer.rejoin(engine.view)
+    said = "1 validation error: stop_token_ids " + json.dumps(list(range(100_000)))
+    content = (json.dumps({"error": {"message": said, "type": "BadRequestError", "param": "stop_token_ids", "code": 400}})
+               if json_body else said).encode()
+    assert len(content) > 500_000
+    own = gw.forwarder.client
+    gw.forwarder.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(400, content=content)))
+    asyncio.run(own.aclose())
+    req = gw.validate("completion", body(stream=stream))
+    call = Call("completion", pred=LengthPrediction(8, "fallback"))
+    resp = asyncio.run(gw.forwarder.forward(req, req.body, {}, gw.job(call, req, call.pred), lambda out: None))
+    assert resp.status_code == 400 and len(resp.body) < 4096
+    err = json.loads(resp.body)["error"]
+    assert err["message"].startswith(said[:200] if json_body else "the engine answered 400: " + said[:100])
+    assert err["message"].endswith("…") and set(err) == {"message", "type", "param", "code"}
+    assert not json_body or (err["type"], err["param"], err["code"]) == ("BadRequestError", "stop_token_ids", 400)
+    assert engine.outstanding == 0
+
+
 @pytest.mark.unit
 def test_the_engine_guard_asks_for_the_key_on_every_route_but_the_probes(monkeypatch):
     from starlette.applications import Starlette
@@ -657,6 +844,36 @@ def test_a_field_vllm_would_fail_on_is_a_400_from_the_gateway(keyed, extra):
     """``"structured_outputs": 5`` made the engine answer 500; the gateway now refuses each of these itself."""
     r = _completion(keyed, headers=AUTH, **extra)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(next(iter(extra))), r.text
+
+
+def test_open_pages_show_no_deployment_and_echoes_stay_short(keyed, owner):
+    """Round three through ``lengthwise serve`` over the real engine (whose model is served under its directory's path):
+    the open /health shows no address or path, /v1/models no directory, and the engine's 712 KB 400 for 100,000
+    ``stop_token_ids`` reaches the client cut, as OpenAI's error JSON."""
+    from tests.hostile_probes import CARD_FIELDS, exposed
+
+    open_ = keyed.get("/health")
+    assert open_.status_code == 200 and exposed(open_.text) == [] and owner.engines[0] not in open_.text
+    cards = keyed.get("/v1/models", headers=AUTH).json()["data"]
+    assert cards and all(c["root"] == c["id"] and set(c) <= CARD_FIELDS for c in cards), cards
+    for raw in ({"model": "m" * 60_000, "prompt": "hi", "max_tokens": 2},
+                {"model": keyed.model, "prompt": "hi", "max_tokens": 2, "stop_token_ids": list(range(100_000))}):
+        r = keyed.post("/v1/completions", headers=AUTH, json=raw)
+        assert r.status_code in (400, 404) and len(r.content) < 4096 and isinstance(r.json()["error"]["message"], str)
+
+
+def test_an_ask_in_a_refusal_part_is_counted_as_the_engine_counts_it(keyed):
+    """The gateway's count (the model's tokenizer and chat template) is the engine's own ``usage.prompt_tokens``, with the
+    ask in a text part or in a refusal or thinking part."""
+    counts = set()
+    for kind in ("text", "refusal", "thinking"):
+        r = keyed.post("/v1/chat/completions", headers=AUTH, json={"model": keyed.model, "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": kind, kind: ASK}]}]})
+        assert r.status_code == 200, r.text
+        counted, method = r.headers["x-lengthwise-prompt-tokens"].split(":")
+        assert method == "tokenizer" and int(counted) == r.json()["usage"]["prompt_tokens"]
+        counts.add(int(counted))
+    assert len(counts) == 1
 
 
 def test_engine_routes_all_want_the_key(keyed, owner):

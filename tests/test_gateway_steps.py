@@ -153,7 +153,7 @@ class FakeEngine:
     def __init__(self, status: int = 200, completion_tokens: int = 7):
         self.status, self.completion_tokens, self.sent = status, completion_tokens, []
 
-    async def forward(self, req, body, headers, job, on_done) -> Response:
+    async def forward(self, req, body, headers, job, on_done, fingerprint=None) -> Response:
         self.sent.append((body, headers, job))
         on_done(Outcome(self.status, "engine-0", self.completion_tokens if self.status == 200 else None))
         return Response(b'{"choices": []}', status_code=self.status, headers={"x-lengthwise-engine": "engine-0"})

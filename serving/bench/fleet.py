@@ -53,6 +53,7 @@ from serving.launch.adapters import LORA_RANK
 from serving.launch.engines import start_engines, stop_engines, wait_started
 from serving.launch.models import bench_dtype, dummy_model
 from serving.launch.process import die_with_parent, free_port, wait_http
+from serving.launch.supervise import EngineSupervisor, supervised
 from serving.perf.latency import DecodePoolLatency, FittedLatency, LatencyModel
 from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
@@ -400,31 +401,45 @@ def _replay_placements(cfg: FleetBenchConfig, trace: _Trace, cal: _Calibration, 
     results: dict[str, Any] = {}
     try:
         wait_started(procs, 900)  # an engine whose start hangs is started again once, in its place in procs
-        decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
-        metrics_urls = [p.url + "/metrics" for p in procs]
-        for placement in cfg.placements:
-            not_idle = _wait_idle(metrics_urls)
-            if not_idle:
-                console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
-            if kv_dir:  # the connector's store is a cache too: no replay may find the last one's prompts there
-                shutil.rmtree(kv_dir, ignore_errors=True)
-            res, wall, health, hops = _replay_through_gateway(cfg, placement, cal, model, decoders, prefillers, jobs, trace,
-                                                              rate, work, console)
-            m = summarize(policy=placement, records=_records(res, reqs, limits), slo=cal.slo,
-                          makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0,
-                          kv_allocated=0, forward_size=0, batch_size=0, preemptions=0, pauses=0, hosted=0,
-                          sched_us_per_step=0, wall_s=wall, busy_s=0)
-            s = _simulate(cfg, trace, cal, placement, rate)
-            results[placement] = r = _placement_result(m, s, res, not_idle, health, hops)
-            console.print(f"  {placement}: TTFT+ATGT attainment {r['ttft_tpot_attainment']:.3f} (simulated "
-                          f"{r['sim']['ttft_tpot_attainment']:.3f}), throughput {r['throughput_rps']:.3g} req/s")
-            if r["wrong_or_lost"]:
-                ids = ", ".join(map(str, r["wrong_or_lost_ids"][:10])) + (", ..." if r["wrong_or_lost"] > 10 else "")
-                console.print(f"[yellow]warning[/]: under {placement}, {r['wrong_or_lost']} requests failed or did not end "
-                              f"at exactly their true length (trace indices {ids})")
+        with supervised(procs) as watcher:  # one that dies is started again: the next placement runs on it
+            for placement in cfg.placements:
+                results[placement] = _replay_placement(cfg, placement, cal, model, procs, kv_dir, jobs, trace, reqs,
+                                                       limits, rate, work, watcher, console)
     finally:
         stop_engines(procs)
     return results
+
+
+def _replay_placement(cfg: FleetBenchConfig, placement: str, cal: _Calibration, model: str, procs: list,
+                      kv_dir: Path | None, jobs: list[ReplayJob], trace: _Trace, reqs: list, limits: list, rate: float,
+                      work: Path, watcher: EngineSupervisor, console: Console) -> dict[str, Any]:
+    """One placement on the engines up now: replayed, simulated, summed up; the engine restarts it saw recorded."""
+    decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
+    restarts0 = dict(watcher.restarts)
+    not_idle = _wait_idle([p.url + "/metrics" for p in procs])
+    if not_idle:
+        console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
+    if kv_dir:  # the connector's store is a cache too: no replay may find the last one's prompts there
+        shutil.rmtree(kv_dir, ignore_errors=True)
+    res, wall, health, hops = _replay_through_gateway(cfg, placement, cal, model, decoders, prefillers, jobs, trace,
+                                                      rate, work, console)
+    m = summarize(policy=placement, records=_records(res, reqs, limits), slo=cal.slo,
+                  makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0,
+                  kv_allocated=0, forward_size=0, batch_size=0, preemptions=0, pauses=0, hosted=0,
+                  sched_us_per_step=0, wall_s=wall, busy_s=0)
+    s = _simulate(cfg, trace, cal, placement, rate)
+    r = _placement_result(m, s, res, not_idle, health, hops)
+    r["engine_restarts"] = {n: k - restarts0[n] for n, k in watcher.restarts.items() if k > restarts0[n]}
+    if r["engine_restarts"]:
+        console.print(f"[yellow]warning[/]: under {placement}, engines died and were started again: "
+                      f"{r['engine_restarts']} (its gateway knew only the old addresses)")
+    console.print(f"  {placement}: TTFT+ATGT attainment {r['ttft_tpot_attainment']:.3f} (simulated "
+                  f"{r['sim']['ttft_tpot_attainment']:.3f}), throughput {r['throughput_rps']:.3g} req/s")
+    if r["wrong_or_lost"]:
+        ids = ", ".join(map(str, r["wrong_or_lost_ids"][:10])) + (", ..." if r["wrong_or_lost"] > 10 else "")
+        console.print(f"[yellow]warning[/]: under {placement}, {r['wrong_or_lost']} requests failed or did not end "
+                      f"at exactly their true length (trace indices {ids})")
+    return r
 
 
 def _gateway_args(cfg: FleetBenchConfig, placement: str, port: int, cal: _Calibration, model: str, decoders: list,

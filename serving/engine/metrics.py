@@ -31,6 +31,8 @@ SERIES: dict[str, tuple[str, str, bool]] = {
     "vllm_preempted_held": ("vllm_preempted_held", "of those, requests the plan held out of the step with their KV", True),
     "held_request_steps": ("held_request_steps", "request-steps a running request was held (paused or decoupled)", True),
     "plan_mismatch_steps": ("plan_mismatch_steps", "steps where vLLM scheduled other tokens than the plan", True),
+    "alone_steps": ("alone_steps", ("steps cut to one request computing prompt logprobs (LoRA on: vLLM fails on them "
+                                    "beside another request)"), True),
     "pauses": ("pauses", "under-predicted requests paused for re-prediction", True),
     "hosted": ("hosted", "requests hosted in another's reserved KV (KVC pipelining)", True),
     "live": ("live_requests", "requests the policy holds now", False),

@@ -33,6 +33,7 @@ from serving.gateway import openapi
 from serving.gateway.errors import ApiError, error_body
 from serving.gateway.gateway import Call, Gateway
 from serving.gateway.openapi import ChatCompletionRequest, CompletionRequest, ErrorBody, generation_responses, request_body
+from serving.gateway.redact import quote
 from serving.gateway.requests import Kind
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.target import TargetCheck
@@ -40,18 +41,28 @@ from serving.gateway.target import TargetCheck
 log = logging.getLogger("serving.gateway")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than ``limit`` bytes (declared or streamed) with a 413."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, refusing more than ``limit`` bytes (declared or streamed) with a 413, and one not whole within
+    ``timeout_s`` with a 408 that closes the connection.
+
+    Why a time for the whole body, not per read: a client that sends one byte every few seconds never idles long, and
+    would hold its connection (a file descriptor, its buffers) for as long as it likes (:mod:`serving.gateway.slow_clients`).
+    """
     declared = request.headers.get("content-length")
     too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s ({size} bytes came); send it "
+                       "whole at once", code="request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -105,10 +116,10 @@ class KeyMiddleware:
 def create_app(settings: GatewaySettings, engine_urls: list[str] | None = None,
                plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
                predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None,
-               serves: dict[str, list[str]] | None = None) -> FastAPI:
+               serves: dict[str, list[str]] | None = None, engines: list | None = None) -> FastAPI:
     """The app over a :class:`~serving.gateway.gateway.Gateway` with these arguments (see there)."""
     return gateway_app(Gateway(settings, engine_urls, plugin_metrics, prefill_urls, predictor_target, model_targets,
-                               serves))
+                               serves, engines))
 
 
 def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
@@ -132,8 +143,9 @@ def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         gw.count(request.url.path, exc.status_code)
-        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
-               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        path = quote(request.url.path)
+        msg = {404: f"no such endpoint: {quote(request.method)} {path}",
+               405: f"method {quote(request.method)} is not allowed on {path}"}.get(exc.status_code, quote(str(exc.detail)))
         return JSONResponse(error_body(msg, code="not_found" if exc.status_code == 404 else None),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
@@ -147,9 +159,11 @@ def gateway_app(gw: Gateway, title: str = "lengthwise gateway",
     async def generate(request: Request, kind: Kind) -> Response:
         call = Call(kind)
         try:
-            raw = await read_body(request, settings.max_body_bytes)
+            raw = await read_body(request, settings.max_body_bytes, settings.client_body_timeout_s)
             return await gw.serve(call, raw, request.headers, lambda answer: unless_client_leaves(request, answer))
         except ApiError as exc:
+            if exc.status == 408:
+                gw.metrics.rejected.labels("slow_body").inc()
             return gw.refused(call, exc)
         except Exception as exc:  # a defect of ours: answered here, so the client's connection stays usable
             # (the app-wide handler answers too, but then re-raises into the server, which closes the connection)

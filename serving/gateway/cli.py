@@ -200,6 +200,17 @@ def _engine_flags(e: argparse._ActionsContainer) -> None:
     _setting(e, "--engine-start-retries", "engine_start_retries", metavar="N",
              help="an engine started here that is still not healthy after --engine-start-timeout is stopped and "
                   "started again, up to N times; an engine that exits during start-up is not (default: %(default)s)")
+    _setting(e, "--engine-restarts", "engine_restarts", metavar="N",
+             help="an engine started here that exits while serving (its engine core crashed, the OOM killer) is started "
+                  "again on new ports, its log continued, after a back-off of 1 s that doubles with each restart; at "
+                  "most N restarts within --engine-restart-window, then it stays down and /health says why; the "
+                  "requests it held are retried on another engine where nothing was sent yet (default: %(default)s)")
+    _setting(e, "--engine-restart-window", "engine_restart_window_s", metavar="S",
+             help="the window of --engine-restarts (default: %(default)s)")
+    _setting(e, "--restart-wait", "restart_wait_s", metavar="S",
+             help="a request that has sent its client nothing and finds no engine up waits up to S seconds for one that "
+                  "is starting again after it exited (engines started here), instead of a 503 at once; it holds its "
+                  "place in flight meanwhile (default: %(default)s)")
     _setting(e, "--no-pin-engines", "pin_engines", action="store_false",
              help="CPU engines started side by side share every core: by default each whole engine (API server, engine "
                   "core, worker) runs on its own cores, so one engine's busy-waiting engine core does not take the "
@@ -283,9 +294,26 @@ def _gateway_flags(g: argparse._ActionsContainer) -> None:
              help="seconds an idle client connection stays open (as uvicorn's flag); keep it above the idle timeout of "
                   "your clients (httpx and the OpenAI SDK: 5 s) and load balancer, so that they close first: a server "
                   "that closes a connection as a client reuses it makes that request fail (default: %(default)s)")
+    _setting(g, "--client-header-timeout", "client_header_timeout_s", metavar="S",
+             help="a request's line and headers must arrive within S seconds of its first byte, else 408 and the "
+                  "connection is closed (slowloris) (default: %(default)s)")
+    _setting(g, "--client-body-timeout", "client_body_timeout_s", metavar="S",
+             help="a request's whole body must arrive within S seconds of its headers, else 408 and the connection is "
+                  "closed (default: %(default)s)")
+    _setting(g, "--client-stall-timeout", "client_stall_timeout_s", metavar="S",
+             help="a streamed answer whose client takes none of it for S seconds is cut: its engine request is "
+                  "cancelled, its places freed, its connection aborted (default: %(default)s)")
     _setting(g, "--shutdown-grace", "shutdown_grace_s", metavar="S",
              help="on SIGTERM the gateway stops accepting, lets the requests in flight finish for up to S seconds, "
                   "then exits; keep it below your orchestrator's own grace period (default: %(default)s)")
+    _setting(g, "--crash-quarantine", "crash_quarantine_s", metavar="S",
+             help="requests of one kind (the names of their unusual options, or their exact body) that were in flight on "
+                  "two engines when they died within S seconds are refused with a 400 until then, so that a request "
+                  "that crashes engines cannot crash them again and again; 0: never (default: %(default)s)")
+    _setting(g, "--allow-prompt-logprobs-with-lora", "allow_prompt_logprobs_with_lora", action="store_true",
+             help="forward prompt logprobs (prompt_logprobs, or echo with logprobs) to engines serving LoRA adapters; "
+                  "vLLM 0.32's engine core dies on them beside another request unless its scheduler runs such a step "
+                  "alone, as the lengthwise plug-in does. Default: a 400 that says so")
     _setting(g, "--log-level", "log_level", choices=["debug", "info", "warning", "error"])
     _setting(g, "--log-prompts", "log_prompts", action="store_true",
              help="log each request's prompt text (default: no prompt text in any gateway log line)")
@@ -324,6 +352,10 @@ def _limit_flags(lim: argparse._ActionsContainer) -> None:
              help="requests in flight on one engine; placement skips an engine at it, and when every engine is, "
                   "the request gets 429 (default: 2 x the engines' --max-num-seqs, 256 when not known: one batch "
                   "running and one waiting for the scheduler to order)")
+    _setting(lim, "--max-outstanding-per-key", "max_outstanding_per_key", metavar="N|SHARE",
+             help="with client keys, the places in flight one key may hold: a count (1 or more) or, below 1, a share of "
+                  "--max-outstanding; one more from that key gets 429 saying it is its key's share, while other keys "
+                  "are still served. Default: half with two keys or more; no bound with one key (one client) or none")
     _setting(lim, "--engine-bound", "engine_bound", choices=["static", "slo"],
              help="static: every engine's bound is --max-outstanding-per-engine. slo: each engine's bound is learnt "
                   "from the SLO its answers meet (--slo-ttft-ms, --slo-tpot-ms): it starts at the engines' "
@@ -633,10 +665,14 @@ def run(a: argparse.Namespace, backends: Mapping[str, Callable[[GatewaySettings,
 
         from serving.gateway.app import create_app
 
-        app = create_app(settings, urls, plugin_metrics, prefill_urls, target, model_targets, serves)
+        app = create_app(settings, urls, plugin_metrics, prefill_urls, target, model_targets, serves, procs or None)
+        from serving.gateway.slow_clients import guarded_protocol
+
+        refused = app.state.metrics.rejected
         config = uvicorn.Config(app, log_level=settings.log_level, access_log=False,
                                 timeout_graceful_shutdown=settings.shutdown_grace_s,
-                                timeout_keep_alive=settings.client_keepalive_s)
+                                timeout_keep_alive=settings.client_keepalive_s,
+                                http=guarded_protocol(settings.client_header_timeout_s, lambda why: refused.labels(why).inc()))
         log.info("lengthwise gateway on http://%s:%d over %s", settings.host, sock.getsockname()[1], ", ".join(urls))
         uvicorn.Server(config).run(sockets=[sock])
         return 0

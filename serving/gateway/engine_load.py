@@ -28,6 +28,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_INFO = "vllm:cache_config_info"
+LORA_INFO = "vllm:lora_requests_info"  # exported (its HELP and TYPE lines at least) only by an engine with LoRA on
 _WANTED = (RUNNING, WAITING, KV_USAGE, CACHE_INFO)
 
 
@@ -41,6 +42,7 @@ class LoadReport:
     kv_usage: float | None = None    # fraction of KV blocks in use
     num_blocks: int | None = None    # KV capacity in blocks (cache_config_info num_gpu_blocks)
     block_size: int | None = None
+    lora: bool = False  # the engine runs with LoRA on (--enable-lora)
 
     @property
     def requests(self) -> int:
@@ -93,7 +95,8 @@ def parse_report(text: str, at: float | None = None) -> LoadReport:
     if not seen:
         raise ValueError(f"no {RUNNING} / {WAITING} series: not a vLLM /metrics endpoint")
     return LoadReport(time.monotonic() if at is None else at, running, waiting,
-                      sum(usage) / len(usage) if usage else None, sum(blocks) if blocks else None, block_size)
+                      sum(usage) / len(usage) if usage else None, sum(blocks) if blocks else None, block_size,
+                      f"# TYPE {LORA_INFO} " in text)
 
 
 async def fetch_report(client: httpx.AsyncClient, url: str, timeout_s: float) -> LoadReport:

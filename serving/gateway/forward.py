@@ -14,8 +14,9 @@ Connections idle longer than ``keepalive_s`` (below vLLM's own 5 s keep-alive) a
 makes that race rare. A stream that already sent tokens cannot be replayed (the
 client holds half an answer), so it ends with an error event and ``[DONE]``.
 
-Engine answers other than these pass through unchanged: a 4xx from vLLM is the client's error, told in
-vLLM's words.
+Engine answers other than these pass through: a 4xx from vLLM is the client's error, told in vLLM's words, cut to a
+bounded size (:func:`~serving.gateway.redact.engine_error`: vLLM quotes the client's input back, 712 KB of it for
+100,000 ``stop_token_ids``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pool import Engine, EnginePool, engine_client
+from serving.gateway.quarantine import CrashQuarantine, Fingerprint, Pass, Probation
+from serving.gateway.redact import engine_error, quote
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
+from serving.gateway.slow_clients import ClientStream
 from serving.gateway.sse import StreamRelay, sse_data
 from serving.placement import Job
 
@@ -69,8 +73,11 @@ class Outcome:
 
 
 class Forwarder:
-    def __init__(self, pool: EnginePool, settings: GatewaySettings, metrics: GatewayMetrics):
+    def __init__(self, pool: EnginePool, settings: GatewaySettings, metrics: GatewayMetrics,
+                 quarantine: CrashQuarantine | None = None):
         self.pool, self.settings, self.metrics = pool, settings, metrics
+        self.quarantine = quarantine or CrashQuarantine(0)
+        self.probation = Probation()
         s = settings
         self.per_engine = s.outstanding_bounds(len(pool.engines))[0]
         self.client = engine_client(
@@ -81,12 +88,36 @@ class Forwarder:
         await self.client.aclose()
 
     async def forward(self, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
-                      on_done: Callable[[Outcome], None]) -> Response:
+                      on_done: Callable[[Outcome], None], fingerprint: Fingerprint | None = None) -> Response:
         """The client's response; ``on_done`` runs once when it is complete (streams: after the last event).
 
         ``job`` is the request as placement sees it: placed on an engine's view for each attempt, it leaves
         that view when the attempt fails (and is placed afresh for the next) or when the answer is complete.
+        An engine that dies under the request is charged to its ``fingerprint``; after two deaths it is sent again only
+        on probation, and one on probation whose engine dies is refused (:mod:`serving.gateway.quarantine`).
         """
+        suspicion = _Suspicion(fingerprint)
+        if fingerprint is not None and self.quarantine.suspect(fingerprint):
+            await suspicion.probation(self.probation)
+
+        def finished(out: Outcome) -> None:
+            suspicion.leave()
+            on_done(out)
+
+        try:
+            resp = await self._attempts(req, body, headers, job, finished, suspicion)
+        except BaseException:
+            suspicion.leave()
+            raise
+        if isinstance(resp, StreamingResponse):  # its turn lasts until its last event (or a stream never read)
+            resp.background = then_run(resp.background, suspicion.leave)
+        else:
+            suspicion.leave()
+        return resp
+
+    async def _attempts(self, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
+                        on_done: Callable[[Outcome], None], suspicion: _Suspicion) -> Response:
+        """:meth:`forward`'s tries, engine after engine."""
         tried: list[str] = []
         failure: tuple[Engine, _Retry] | None = None
         again: Engine | None = None  # the engine that dropped a kept-alive connection and then passed a probe
@@ -94,6 +125,7 @@ class Forwarder:
         returns = 0  # goes back to those, once every engine was tried
         full: frozenset[str] = frozenset()  # engines at --max-outstanding-per-engine: not chosen
         others = self.pool.not_serving(req.model)  # engines of other models: never chosen
+        restarts_awaited = 0
         while True:
             engine = again
             if engine is None and len(tried) < self.settings.max_attempts:
@@ -104,6 +136,12 @@ class Forwarder:
             if engine is None and returns < self.settings.transient_retries:
                 engine = await self._return_to(job, transient, returns)
                 returns += engine is not None
+            if engine is None and restarts_awaited < self.settings.max_attempts:
+                back = await self._restarted(others)  # nothing was sent: better late than a 503
+                if back is not None:
+                    restarts_awaited += 1
+                    tried = [n for n in tried if n != back.name]  # a new process: not the one that failed it
+                    continue
             if engine is None:
                 break
             if failure is not None:
@@ -116,15 +154,25 @@ class Forwarder:
             done = _Learner(engine, on_done, self.metrics)
             try:
                 if req.stream:
-                    return await self._stream(engine, req, body, headers, job, done)
+                    return await self._stream(engine, req, body, headers, job, done, suspicion)
                 return await self._unary(engine, req, body, headers, job, done)
             except _Retry as exc:
                 failure = (engine, exc)
+                # a connection that broke on a live engine (an idle connection's race) is no death: probe before blaming
+                alive = exc.reason in MAYBE_ALIVE and await self.pool.verify(engine)
+                if not alive and self._charge(engine, exc.reason, suspicion):
+                    log.warning("request %s: refused for a while and not sent again: its engine died while it ran alone "
+                                "among suspects (%s)", headers.get("X-Request-Id"), exc.detail)
+                    self.metrics.rejected.labels("quarantined").inc()
+                    assert suspicion.fingerprint is not None
+                    self.quarantine.check(suspicion.fingerprint)  # raises
+                if suspicion.fingerprint is not None and self.quarantine.suspect(suspicion.fingerprint):
+                    await suspicion.probation(self.probation)  # its next try: alone among suspects
                 if exc.reason not in SECOND_CHANCE:
                     transient.pop(engine.name, None)
                     continue
                 transient[engine.name] = engine
-                if not retried_here and await self.pool.verify(engine):
+                if not retried_here and alive:
                     self.pool.place_on(job, engine)
                     again = engine
         if failure is None and any(e.healthy and e.name in full for e in self.pool.engines):
@@ -133,7 +181,7 @@ class Forwarder:
             raise overloaded(f"{'/'.join(map(str, bounds))} requests in flight on every engine")
         if failure is None and others:
             mine = [e.name for e in self.pool.engines if e.name not in others]
-            msg = (f"no healthy engine serves '{req.model}' ({', '.join(mine) or 'none lists it now'}: down); the other "
+            msg = (f"no healthy engine serves '{quote(req.model)}' ({', '.join(mine) or 'none lists it now'}: down); the other "
                    "models are served")
         elif failure is None:
             msg = "no healthy engine is available" + (f" (all {len(self.pool.engines)} are down)" if self.pool.engines else "")
@@ -141,6 +189,28 @@ class Forwarder:
             msg = (f"no healthy engine left for this request: tried {', '.join(tried)}; last error from "
                    f"{failure[0].name}: {failure[1]}")
         raise ApiError(503, msg + "; retry later", code="engine_unavailable", headers={"Retry-After": "1"})
+
+    def _charge(self, engine: Engine, reason: str, suspicion: _Suspicion) -> bool:
+        """The request's engine died under it (:data:`DEATHS`, or a 5xx after which it failed its probe): a suspect now,
+        or refused if it was on probation. True when it is refused."""
+        fp = suspicion.fingerprint
+        if fp is None or not (reason in DEATHS or (reason.startswith("status_5") and reason != "status_503")):
+            return False
+        self.metrics.crash_charges.labels(engine.name).inc()
+        return self.quarantine.charge(fp, (engine.name, engine.life), suspicion.on_probation)
+
+    async def _restarted(self, others: frozenset[str]) -> Engine | None:
+        """An engine of this model that is starting again after it exited (:mod:`serving.launch.supervise`), once it is
+        back within ``restart_wait_s``; None when none is starting or none came back in time."""
+        deadline = time.monotonic() + self.settings.restart_wait_s
+        while True:
+            starting = [e for e in self.pool.engines if e.restarting and e.name not in others]
+            back = [e for e in self.pool.engines if e.name not in others and e.healthy]
+            if back:
+                return back[0]
+            if not starting or time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.2)
 
     async def _return_to(self, job: Job, transient: dict[str, Engine], returns: int) -> Engine | None:
         """Every engine was tried: after a pause, the least busy of those that failed this request only in a way a live
@@ -221,11 +291,12 @@ class Forwarder:
                 pass
             self.pool.finish(engine, job, out.completion_tokens)
         on_done(out)
-        return Response(r.content, status_code=r.status_code, headers=self._headers(engine),
+        content = r.content if r.status_code == 200 else engine_error(r.content, r.status_code)
+        return Response(content, status_code=r.status_code, headers=self._headers(engine),
                         media_type=r.headers.get("content-type", "application/json"))
 
     async def _stream(self, engine: Engine, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
-                      on_done: _Learner) -> Response:
+                      on_done: _Learner, suspicion: _Suspicion | None = None) -> Response:
         """Stream from ``engine``: retried (raised) while nothing came, else relayed as the engine's events arrive."""
         call = _EngineStream(self, engine, job, self._url(engine, req), body, headers)
         try:
@@ -239,9 +310,18 @@ class Forwarder:
         if _is_error_event(first.data) and not await self.pool.check(engine, immediate=True):
             call.release()
             raise _Retry("error_event", f"{engine.name} failed the request and its health probe", first.data[:200])
-        return StreamingResponse(self._relay(call, StreamRelay(req.wants_usage), first, headers.get("X-Request-Id"), on_done),
-                                 media_type="text/event-stream", headers={**self._headers(engine), "Cache-Control": "no-cache"},
-                                 background=BackgroundTask(call.release))
+        rid = headers.get("X-Request-Id")
+        return ClientStream(self._relay(call, StreamRelay(req.wants_usage), first, rid, on_done, suspicion),
+                            stall_s=self.settings.client_stall_timeout_s, on_stall=lambda: self._stalled(rid),
+                            media_type="text/event-stream", headers={**self._headers(engine), "Cache-Control": "no-cache"},
+                            background=BackgroundTask(call.release))
+
+    def _stalled(self, rid: str | None) -> None:
+        """A stream's client took none of it for the stall timeout (:class:`~serving.gateway.slow_clients.ClientStream`):
+        the stream is cut, which cancels its engine request and frees its places."""
+        self.metrics.client_stalled.inc()
+        log.warning("stream %s cut: its client took none of it for %g s; its engine request is cancelled", rid,
+                    self.settings.client_stall_timeout_s)
 
     async def _unstarted(self, engine: Engine, first: _Status | _End | _Failed, on_done: Callable[[Outcome], None]) -> Response:
         """A stream whose first message is not an event: the engine's non-200 answer for the client, or a retry (raised)."""
@@ -250,7 +330,8 @@ class Forwarder:
                 if await self._retry_status(engine, code):
                     raise _Retry(f"status_{code}", f"{engine.name} answered {code}", content[:200].decode(errors="replace"))
                 on_done(Outcome(code, engine.name))
-                return Response(content, status_code=code, headers=self._headers(engine), media_type="application/json")
+                return Response(engine_error(content, code), status_code=code, headers=self._headers(engine),
+                                media_type="application/json")
             case _End():
                 raise _Retry("empty", f"{engine.name} closed the stream without an event")
             case _Failed("timeout", detail):
@@ -261,7 +342,7 @@ class Forwarder:
                 raise _Retry(reason, detail)
 
     async def _relay(self, call: _EngineStream, relay: StreamRelay, first: _Data, rid: str | None,
-                     on_done: _Learner) -> AsyncIterator[bytes]:
+                     on_done: _Learner, suspicion: _Suspicion | None = None) -> AsyncIterator[bytes]:
         """The client's events: the engine's as they come (``first`` already read), ended properly whatever ends them.
 
         The call leaves the engine's view when the stream ends: finished if the answer was complete, else dropped.
@@ -287,6 +368,9 @@ class Forwarder:
                             complete = True
                             break
                         self.metrics.stream_errors.labels(call.engine.name).inc()
+                        if suspicion is not None and isinstance(msg, _Failed) and not (
+                                msg.reason in MAYBE_ALIVE and await self.pool.verify(call.engine)):
+                            self._charge(call.engine, msg.reason, suspicion)
                         said = why if isinstance(msg, _Failed) or self.settings.log_prompts else f"status {msg.code}"
                         log.warning("stream %s cut after %d events: %s", rid, relay.events, said)
                         yield sse_error(f"the engine failed after part of the answer was sent: {why}")
@@ -298,6 +382,39 @@ class Forwarder:
             out.finish_reason = relay.finish_reason
             out.first_token_at = relay.first_token_at
             on_done(out)
+
+
+class _Suspicion:
+    """A request's fingerprint and, once it is a suspect, its turn on probation (:mod:`serving.gateway.quarantine`)."""
+
+    __slots__ = ("fingerprint", "turn")
+
+    def __init__(self, fingerprint: Fingerprint | None) -> None:
+        self.fingerprint, self.turn = fingerprint, None
+
+    @property
+    def on_probation(self) -> bool:
+        return self.turn is not None
+
+    async def probation(self, probation: Probation) -> None:
+        if self.turn is None:
+            self.turn: Pass | None = await probation.enter()
+
+    def leave(self) -> None:
+        if self.turn is not None:
+            self.turn.leave()
+
+
+def then_run(first: BackgroundTask | None, then: Callable[[], None]) -> BackgroundTask:
+    """A response's background task followed by ``then`` (which runs even when the first one fails)."""
+    async def both() -> None:
+        try:
+            if first is not None:
+                await first()
+        finally:
+            then()
+
+    return BackgroundTask(both)
 
 
 class _Learner:
@@ -433,7 +550,11 @@ class _EngineStream:
                 self.pool.drop(self.engine, self.job)
 
 
+# failures that say the engine died (or hung) with the request on it, and a 5xx after which the engine failed its probe:
+# the request is a suspect (serving/gateway/quarantine.py); a refused connection or an idle connection's race is not
+DEATHS = frozenset({"engine_down", "reset", "broken", "error_event"})
 SECOND_CHANCE = frozenset({"dropped", "reset", "connect_timeout"})  # failures a healthy engine can cause: probe, then retry it
+MAYBE_ALIVE = SECOND_CHANCE | {"broken"}  # failures after which the engine is probed before it is blamed or retried
 
 
 def _transport_retry(pool: EnginePool, engine: Engine, exc: httpx.TransportError, connect_timeout_s: float) -> _Retry:

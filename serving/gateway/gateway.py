@@ -30,20 +30,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.gateway.admission import Admission, Slot
+from serving.gateway.admission import Admission, OverShare, Slot
 from serving.gateway.auth import KeyCheck
+from serving.gateway.engine_defects import prompt_logprobs_field, refuse_masked_grammar, refuse_prompt_logprobs
 from serving.gateway.errors import ApiError
 from serving.gateway.feedback import FeedbackPoster
-from serving.gateway.forward import Forwarder, Outcome
+from serving.gateway.forward import Forwarder, Outcome, then_run
 from serving.gateway.hints import engine_body
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.model_predictors import ModelPredictors
 from serving.gateway.pool import EnginePool
 from serving.gateway.prediction import LengthPrediction, Predictor
 from serving.gateway.prefill import Prefilled, PrefillHop
+from serving.gateway.quarantine import CrashQuarantine, Fingerprint, fingerprint
+from serving.gateway.redact import hide_deployment, model_card
 from serving.gateway.requests import PATHS, ClientRequest, Kind, parse_json
 from serving.gateway.requests import validate as validate_request
 from serving.gateway.settings import GatewaySettings
@@ -82,6 +84,7 @@ class Call:
     prefilled: Prefilled | None = None
     slot: Slot | None = None  # its place among the requests in flight (admission), released when it ends
     client: str | None = None  # which of several client keys sent it (key-<i>): the sidecar caps one key's feedback
+    fingerprint: Fingerprint | None = None  # its kind, charged when an engine dies under it (quarantine)
 
     @property
     def endpoint(self) -> str:
@@ -92,19 +95,22 @@ class Gateway:
     """The engines (decode and, disaggregated, prefill), the predictor, feedback and metrics, and the steps over them.
 
     ``engine_urls`` default to ``settings.engine_urls`` and ``prefill_urls`` to ``settings.prefill_urls``; engines must
-    already be starting or up. ``plugin_metrics`` maps an engine URL to its scheduler plug-in's metrics URL, re-exported
-    on ``/metrics``. ``predictor_target`` is the command line's verdict on the sidecar's target model, already announced
-    (:mod:`serving.gateway.target`); without one the gateway checks at :meth:`start`. ``serves`` (a catalogue's) maps an
-    engine URL to the names placed on it, where its entry lays a name on some of its engines only. Nothing is contacted
-    before :meth:`start`; :meth:`aclose` releases what it holds.
+    already be starting or up; ``engines`` are their processes where this command started them (watched, and started
+    again when one exits while serving: :mod:`serving.launch.supervise`). ``plugin_metrics`` maps an engine URL to its
+    scheduler plug-in's metrics URL, re-exported on ``/metrics``. ``predictor_target`` is the command line's verdict on
+    the sidecar's target model, already announced (:mod:`serving.gateway.target`); without one the gateway checks at
+    :meth:`start`. ``serves`` (a catalogue's) maps an engine URL to the names placed on it, where its entry lays a name
+    on some of its engines only. Nothing is contacted before :meth:`start`; :meth:`aclose` releases what it holds.
     """
 
     def __init__(self, settings: GatewaySettings, engine_urls: list[str] | None = None,
                  plugin_metrics: dict[str, str] | None = None, prefill_urls: list[str] | None = None,
                  predictor_target: TargetCheck | None = None, model_targets: dict[str, TargetCheck] | None = None,
-                 serves: dict[str, list[str]] | None = None) -> None:
+                 serves: dict[str, list[str]] | None = None, engines: list | None = None) -> None:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
+        self.engine_procs, self.supervisor = engines, None  # the processes started here, and their watcher
+        self.quarantine = CrashQuarantine(settings.crash_quarantine_s)
         self.pool = EnginePool(engine_urls or settings.engine_urls, settings, metrics, serves=serves)
         self.predictor = Predictor(settings.predictor_url, settings.predictor_timeout_ms, settings.fallback_tokens, metrics,
                                    settings.keepalive_s)
@@ -117,7 +123,7 @@ class Gateway:
         # with a catalogue, each name's own predictor: a sidecar's (checked per name), its profile, or none
         self.model_predictors = (ModelPredictors(cat, settings, metrics, self.predictor, self.feedback, model_targets,
                                                  self._sidecar_client) if cat is not None else None)
-        self.forwarder = Forwarder(self.pool, settings, metrics)
+        self.forwarder = Forwarder(self.pool, settings, metrics, self.quarantine)
         prefill_urls = prefill_urls or settings.prefill_urls
         self.hop = (PrefillHop(EnginePool(prefill_urls, settings, metrics, prefill=True), settings, metrics) if prefill_urls
                     else None)
@@ -144,7 +150,10 @@ class Gateway:
         self._sidecar_task: asyncio.Task | None = None
         self.keys = KeyCheck(settings.client_keys(), settings.protect_health)
         self.urgent = KeyCheck(settings.slo_keys())  # the keys whose x-slo-* headers count (with keys enabled)
-        self.admission = Admission(settings.outstanding_bounds(len(self.pool.engines))[1], metrics.inflight.set)
+        limit = settings.outstanding_bounds(len(self.pool.engines))[1]
+        self.admission = Admission(limit, metrics.inflight.set, settings.key_share(limit, self.keys.count))
+        if settings.max_outstanding_per_key is not None and not self.keys.enabled:
+            log.warning("--max-outstanding-per-key bounds each client key, and this gateway has none: no bound per key")
         # the sidecar as last seen: by its /ready (every health_interval_s) and by each prediction
         self.predictor_state: tuple[str, str] = (("unchecked", "not probed yet") if settings.predictor_url
                                                  else ("none", "no --predictor-url: every request runs on the fallback"))
@@ -163,6 +172,8 @@ class Gateway:
         if s.predictor_url:
             self._sidecar_task = asyncio.get_running_loop().create_task(self._watch_sidecar())
         await asyncio.gather(self.pool.start(), *([hop.pool.start()] if hop else []))
+        if self.engine_procs and s.engine_restarts > 0:
+            self._supervise(self.engine_procs)
         if s.model and self.pool.models and s.model not in self.pool.models:
             log.warning("--model %s is not among the models the engines serve (%s)", s.model, ", ".join(sorted(self.pool.models)))
         log.info("gateway ready: %d engine(s)%s, predictor %s, placement %s, prompt tokens: %s", len(self.pool.engines),
@@ -182,6 +193,40 @@ class Gateway:
                     await self.model_predictors.recheck(client)
                 checked = False
                 await asyncio.sleep(self.settings.predictor_check_interval_s)
+
+    def _supervise(self, procs: list) -> None:
+        """Watch the engines started here; one that exits while serving is taken out at once, started again within the
+        restart budget, and probed back in at its new address (:mod:`serving.launch.supervise`). The watcher's thread
+        hands each event to the event loop."""
+        from serving.launch.supervise import EngineSupervisor, RestartBudget
+
+        s, loop = self.settings, asyncio.get_running_loop()
+        pools = [self.pool, *([self.hop.pool] if self.hop else [])]
+        where = {e.name: (pool, e) for pool in pools for e in pool.engines}
+
+        def exited(p, status: int | None) -> None:
+            if p.name in where:
+                pool, e = where[p.name]
+                pool.exited(e, status)
+
+        def back(old, new) -> None:
+            if new.name in where:
+                pool, e = where[new.name]
+                pool.relocate(e, new.url)
+                if new.metrics_url and e.name in self.plugin_targets:
+                    self.plugin_targets[e.name] = new.metrics_url
+                pool.suspect_down(e)
+
+        def gave_up(p, why: str) -> None:
+            if p.name in where:
+                pool, e = where[p.name]
+                pool.stays_down(e, why)
+
+        self.supervisor = EngineSupervisor(
+            procs, RestartBudget(s.engine_restarts, s.engine_restart_window_s, start_timeout_s=s.engine_start_timeout_s),
+            on_exit=lambda p, rc: loop.call_soon_threadsafe(exited, p, rc),
+            on_back=lambda old, new: loop.call_soon_threadsafe(back, old, new),
+            on_give_up=lambda p, why: loop.call_soon_threadsafe(gave_up, p, why)).start()
 
     def _sidecar_client(self, client: httpx.AsyncClient) -> None:
         """The sidecar's token on every call to it, predictions and feedback (``--predictor-token``)."""
@@ -217,6 +262,8 @@ class Gateway:
         self.metrics.predictor_up.set(1.0 if state == "ok" else 0.0)
 
     async def aclose(self) -> None:
+        if self.supervisor is not None:  # before the command stops its engines: none is started again
+            await asyncio.to_thread(self.supervisor.stop)
         for task in (self._tokenizer, self._target_task, self._sidecar_task):
             if task is not None:
                 task.cancel()
@@ -241,7 +288,7 @@ class Gateway:
 
         Raises ApiError from whichever step refuses the request; the caller answers it with :meth:`refused`.
         """
-        slot = call.slot = self.admit()
+        slot = call.slot = self.admit(self.keys.which(headers) if self.admission.share is not None else None)
         resp: Response | None = None
         try:
             resp = await self._steps(call, raw, headers, wait)
@@ -249,14 +296,16 @@ class Gateway:
             if not isinstance(resp, StreamingResponse):  # a stream stays in flight until its last event went out
                 slot.release()
         if isinstance(resp, StreamingResponse):  # finished() releases it; this covers a stream never iterated
-            resp.background = _then(resp.background, slot.release)
+            resp.background = then_run(resp.background, slot.release)
         return self.client_left(call) if resp is None else self.decorate(call, resp)
 
     async def _steps(self, call: Call, raw: bytes, headers: Mapping[str, str], wait: Waiter) -> Response | None:
         req = await self.validated(call.kind, raw)
         call.client = self.client_of(headers)
-        if call.slot is not None and req.prompts > 1:
-            self.widen(call.slot, req.prompts)
+        self.refuse_engine_defects(req)
+        call.fingerprint = self.unquarantined(req)
+        if call.slot is not None and req.sequences > 1:
+            self.widen(call.slot, req)
         terms = self.slo_terms(headers, req.model)
         await self.measured(call, req)
         pred = await self.predict(call, req, headers)
@@ -287,20 +336,23 @@ class Gateway:
         index = self.keys.which(headers)
         return None if index is None else f"key-{index}"
 
-    def admit(self) -> Slot:
-        """The request's place among those in flight, or a 429 at once (:mod:`serving.gateway.admission`)."""
+    def admit(self, key: int | None = None) -> Slot:
+        """The request's place among those in flight, or a 429 at once (:mod:`serving.gateway.admission`); ``key`` is
+        the client key's index where each key holds at most its share."""
         try:
-            return self.admission.admit()
-        except ApiError:
-            self.metrics.rejected.labels("overload").inc()
+            return self.admission.admit(key)
+        except ApiError as exc:
+            self.metrics.rejected.labels("key_share" if isinstance(exc, OverShare) else "overload").inc()
             raise
 
-    def widen(self, slot: Slot, prompts: int) -> None:
-        """A request of several prompts holds a place in flight for each (a 429, or a 400 past the bound itself)."""
+    def widen(self, slot: Slot, req: ClientRequest) -> None:
+        """A request holds a place in flight for each sequence it puts on the engines, n for each prompt (a 429 when
+        they do not fit now, a 400 when they never could)."""
         try:
-            self.admission.widen(slot, prompts)
-        except ApiError:
-            self.metrics.rejected.labels("overload").inc()
+            self.admission.widen(slot, req.sequences, *req.sequences_told())
+        except ApiError as exc:
+            reason = "key_share" if isinstance(exc, OverShare) else "too_many_sequences" if exc.status == 400 else "overload"
+            self.metrics.rejected.labels(reason).inc()
             raise
 
     def validate(self, kind: Kind, raw: bytes) -> ClientRequest:
@@ -311,7 +363,7 @@ class Gateway:
         try:
             return validate_request(kind, parse_json(raw), served, self.settings.max_n, self.settings.max_messages)
         except ApiError as exc:
-            if exc.param == "n" and exc.code == "invalid_value":
+            if exc.param in ("n", "best_of") and exc.code == "invalid_value":
                 self.metrics.rejected.labels("too_many_n").inc()
             raise
 
@@ -321,6 +373,32 @@ class Gateway:
         if len(raw) <= LARGE_BODY:
             return self.validate(kind, raw)
         return await asyncio.to_thread(self.validate, kind, raw)
+
+    def refuse_engine_defects(self, req: ClientRequest) -> None:
+        """A 400 for what the engines' vLLM is known to fail on (:mod:`serving.gateway.engine_defects`): allowed tokens
+        beside a grammar, and prompt logprobs for a model an engine serving LoRA adapters serves (unless the operator
+        allowed them)."""
+        try:
+            refuse_masked_grammar(req.body)
+        except ApiError:
+            self.metrics.rejected.labels("engine_defect").inc()
+            raise
+        if self.settings.allow_prompt_logprobs_with_lora or (field := prompt_logprobs_field(req.kind, req.body)) is None:
+            return
+        if any(e.lora and (not e.models or req.model in e.models) for e in self.pool.engines):
+            self.metrics.rejected.labels("engine_defect").inc()
+            raise refuse_prompt_logprobs(field, req.model)
+
+    def unquarantined(self, req: ClientRequest) -> Fingerprint:
+        """The request's kind, or a 400 while requests of its kind are refused for taking engines down
+        (:mod:`serving.gateway.quarantine`)."""
+        fp = fingerprint(req.kind, req.model, req.body)
+        try:
+            self.quarantine.check(fp)
+        except ApiError:
+            self.metrics.rejected.labels("quarantined").inc()
+            raise
+        return fp
 
     def slo_terms(self, headers: Mapping[str, str], model: str | None = None) -> tuple[float | None, float | None]:
         """The client's own (TTFT, TPOT) in seconds from ``x-slo-ttft-ms``/``x-slo-tpot-ms``, moved into
@@ -423,8 +501,7 @@ class Gateway:
             self.measure(call, req)
         assert call.prompt_tokens is not None and call.method is not None
         self.metrics.prompt_token_counts.labels(call.method).inc()
-        n = req.body.get("n") or 1
-        return Job(next(self.rids), call.prompt_tokens * n, float(pred.tokens * req.outputs), arrival=time.monotonic())
+        return Job(next(self.rids), call.prompt_tokens * req.width, float(pred.tokens * req.outputs), arrival=time.monotonic())
 
     async def prefill(self, call: Call, req: ClientRequest, body: dict[str, Any], headers: dict[str, str],
                       job: Job) -> Prefilled | Response:
@@ -448,7 +525,8 @@ class Gateway:
         its answer (a stream: before its first event)."""
         # a stream too, until its first event: before that nothing is sent that would notice the client leave (once
         # the stream is returned, Starlette's own watch cancels the relay)
-        return await wait(self.forwarder.forward(req, body, headers, job, functools.partial(self.finished, call, req)))
+        return await wait(self.forwarder.forward(req, body, headers, job, functools.partial(self.finished, call, req),
+                                                 call.fingerprint))
 
     def finished(self, call: Call, req: ClientRequest, out: Outcome) -> None:
         """The answer is complete (streams: after the last event): metrics, and the actual length to the sidecar."""
@@ -508,7 +586,8 @@ class Gateway:
     # --- the other endpoints ------------------------------------------------------------------------
     async def models(self) -> Response:
         """Every model the healthy engines serve, each once, in vLLM's own cards (an adapter's names its ``parent``),
-        listed afresh from each engine; or a 503 when none answers."""
+        listed afresh from each engine, without the directories they were loaded from (``root`` is the served name:
+        :func:`~serving.gateway.redact.model_card`); or a 503 when none answers."""
         cards: dict[str, dict] = {}
         for e in self.pool.engines:
             if e.healthy:
@@ -521,7 +600,7 @@ class Gateway:
                     continue
                 for card in listed:
                     if isinstance(card, dict) and isinstance(card.get("id"), str):
-                        cards.setdefault(card["id"], card)
+                        cards.setdefault(card["id"], model_card(card))
         if not cards:
             self.count("/v1/models", 503)
             return ApiError(503, "no healthy engine to list models from", code="engine_unavailable").response()
@@ -536,7 +615,9 @@ class Gateway:
         ``reasons`` says what: requests are still served, on the fallback length when the predictor is the part missing.
 
         Where the engines listen (their and the sidecar's URLs) is told only to a caller with a key, or by a gateway
-        without keys: ``/health`` stays open to probes that carry none, and an address is where an attack starts.
+        without keys: ``/health`` stays open to probes that carry none, and an address is where an attack starts. To a
+        caller without one, no URL, host address or file path shows anywhere in the body, reasons and details included
+        (:func:`~serving.gateway.redact.hide_deployment`).
         """
         pool, hop, s = self.pool, self.hop, self.settings
         up = sum(e.healthy for e in pool.engines)
@@ -556,6 +637,11 @@ class Gateway:
             reasons.append(f"predictor for another model for {', '.join(refused)}: their requests run on the fallback "
                            "length (/health models[...].predictor says why)")
         down = [name for name, m in models.items() if not m["healthy_engines"]]
+        for e in [*pool.engines, *(hop.pool.engines if hop else [])]:
+            if e.restarting:
+                reasons.append(f"{e.name} {e.restarting} and is starting again")
+            elif e.down_for_good:
+                reasons.append(f"{e.name} stays down: {e.down_for_good}")
         if down and up:
             reasons.append(f"no healthy engine serves {', '.join(down)} (their requests get 503; the other models are "
                            "served)")
@@ -571,10 +657,11 @@ class Gateway:
                 "predictor": {"state": state, "detail": detail},
                 "predictor_target": self.target.current.as_dict(s.allow_predictor_for_other_model), "placement": s.placement,
                 "placement_state": pool.placer.state(), "prompt_tokens": self.prompts.method,
+                "engine_restarts": sum(e.restarts for e in pool.engines), "quarantine": self.quarantine.state(),
                 "inflight": self.admission.inflight, "inflight_peak": self.admission.peak,
-                "max_outstanding": self.admission.limit}
+                "max_outstanding": self.admission.limit, "max_outstanding_per_key": self.admission.share}
         self.count("/health", self.health_status(body))
-        return body
+        return body if shown else hide_deployment(body)
 
     def model_health(self) -> dict[str, dict[str, Any]]:
         """Per catalogue model (``--models``; empty without one): the engines that serve it (as their model lists
@@ -609,15 +696,3 @@ class Gateway:
                 self.metrics.plugin_scrape_errors.labels(name).inc()
             body = self.metrics.render() + extra if failed else body + extra
         return body
-
-
-def _then(first: BackgroundTask | None, then: Callable[[], None]) -> BackgroundTask:
-    """A response's background task followed by ``then`` (which runs even when the first one fails)."""
-    async def both() -> None:
-        try:
-            if first is not None:
-                await first()
-        finally:
-            then()
-
-    return BackgroundTask(both)

@@ -49,6 +49,12 @@ class GatewayMetrics:
         self.engine_busy_probes = Counter(p + "engine_busy_probes", "health probes slower than --health-timeout on an "
                                           "engine whose calls were receiving bytes (busy, not hung: not taken out)",
                                           ["engine"], registry=r)
+        self.engine_exits = Counter(p + "engine_exits", "engines started here whose process exited while serving",
+                                    ["engine"], registry=r)
+        self.engine_restarts = Counter(p + "engine_restarts", "engines started here that were started again after "
+                                       "exiting while serving, and came up", ["engine"], registry=r)
+        self.crash_charges = Counter(p + "engine_crash_charges", "requests whose engine died under them (each a "
+                                     "suspect of that death: serving/gateway/quarantine.py)", ["engine"], registry=r)
         self.engine_healthy = Gauge(p + "engine_healthy", "1 when the engine passes its health checks", ["engine"], registry=r)
         self.output_tokens = Counter(p + "output_tokens", "generated tokens reported by the engines", registry=r)
         self.plugin_scrape_errors = Counter(p + "plugin_scrape_errors", "engines whose scheduler metrics did not answer a scrape",
@@ -75,10 +81,20 @@ class GatewayMetrics:
         self.other_model_predictions = Counter(p + "predictions_for_other_model", "requests scheduled by a predictor made "
                                                "for another model (--allow-predictor-for-other-model)", registry=r)
         self.rejected = Counter(p + "rejected", "requests refused before any work, by reason: overload (past "
-                                "--max-outstanding), engine_full (every engine past --max-outstanding-per-engine), "
+                                "--max-outstanding), key_share (a client key past --max-outstanding-per-key), "
+                                "too_many_sequences (more sequences than the bound itself), slow_body (408: the body "
+                                "not whole within --client-body-timeout), slow_headers, headers_too_large (a "
+                                "connection closed: its request's head not whole within --client-header-timeout, or "
+                                "past 64 KiB), engine_full (every engine past --max-outstanding-per-engine), "
                                 "unauthorized (no or a wrong API key), too_many_n (n above --max-n), "
-                                "context_length (a prompt longer than the engines' context)", ["reason"], registry=r)
-        self.inflight = Gauge(p + "inflight_requests", "requests admitted and not yet answered in full", registry=r)
+                                "context_length (a prompt longer than the engines' context), quarantined (requests "
+                                "of a kind that were on two engines when they died), engine_defect (what the engines' vLLM is known to fail on)",
+                                ["reason"], registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "places held by requests admitted and not yet answered in full: "
+                              "one per sequence on an engine (n per prompt)", registry=r)
+        self.client_stalled = Counter(p + "client_stalled", "streams cut because their client took none of the answer "
+                                      "for --client-stall-timeout (its engine request cancelled, its places freed)",
+                                      registry=r)
         self.slo_clamped = Counter(p + "slo_header_clamped", "x-slo-* header values moved into [--slo-min-ms, "
                                    "--slo-max-ms], by header and bound (min, max)", ["header", "bound"], registry=r)
         self.slo_ignored = Counter(p + "slo_header_ignored", "requests whose x-slo-* headers were ignored: their key is "

@@ -10,7 +10,7 @@ allowed through to the engine (``additionalProperties``). ``n`` carries the gate
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -41,8 +41,11 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
+    """A part the gateway reads, by its type's key (``text``, ``refusal``, ``thinking``, ``name``): media and other types
+    are a 400 (:mod:`serving.gateway.chat_text`)."""
+
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Literal["text", "input_text", "output_text", "refusal", "thinking", "tool_reference"]
     text: str | None = None
 
 

@@ -54,6 +54,11 @@ class Engine:
     last_progress: float = float("-inf")  # time.monotonic() when a call last received bytes from the engine
     clock: InFlightClock = field(default_factory=lambda: InFlightClock(time.perf_counter()))  # requests in flight x time
     limit: EngineLimit | None = None  # the learnt bound (--engine-bound slo); None: the fixed per-engine bound
+    lora: bool = False  # serves LoRA adapters (an adapter's card in /v1/models, or LoRA's series on /metrics)
+    life: int = 0  # how many times it came back (a restart, or passing probes again after being taken out)
+    restarts: int = 0  # times the gateway started it again after it exited while serving
+    restarting: str | None = None  # why it is down and starting again (exited with status N), while it is
+    down_for_good: str | None = None  # why it stays down (its restart budget spent, a failed start)
 
     def progressed(self) -> None:
         """A call received bytes: the engine is working, whatever its /health says."""
@@ -157,6 +162,7 @@ class EnginePool:
                 if m["id"] not in e.context and isinstance(parent, str) and parent in e.context:
                     e.context[m["id"]] = e.context[parent]
             self.known_models |= e.models
+            e.lora = e.lora or any(isinstance(m.get("parent"), str) and m["parent"] != m["id"] for m in cards)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("%s (%s): could not list its models: %s", e.name, e.url, exc)
 
@@ -168,6 +174,7 @@ class EnginePool:
             if not e.healthy:
                 await self._refresh_models(e)
                 e.healthy = True
+                e.life += 1
                 self.placer.rejoin(e.view)
                 log.info("%s (%s) is healthy; serves %s", e.name, e.url, ", ".join(sorted(e.models)) or "?")
                 self.metrics.engine_healthy.labels(e.name).set(1)
@@ -190,6 +197,24 @@ class EnginePool:
         for task in list(e.calls):
             task.cancel()
 
+    def exited(self, e: Engine, status: int | None) -> None:
+        """The process of ``e`` (started here) exited while serving: out of placement now, its calls cancelled (those
+        that sent the client nothing are retried elsewhere), rather than at the next failed probe."""
+        e.restarting = e.last_error = f"exited with status {status}"
+        self.metrics.engine_exits.labels(e.name).inc()
+        if e.healthy:
+            self.take_out(e)
+
+    def relocate(self, e: Engine, url: str) -> None:
+        """``e`` was started again at ``url``: the names placed on it follow it; the next probe takes it back in."""
+        self.serves = {(url if u == e.url else u): names for u, names in self.serves.items()}
+        e.url, e.restarting, e.failures = url, None, 0
+        e.restarts += 1
+        self.metrics.engine_restarts.labels(e.name).inc()
+
+    def stays_down(self, e: Engine, why: str) -> None:
+        e.restarting, e.down_for_good = None, why
+
     def suspect(self, e: Engine) -> asyncio.Task | None:
         """A request failed on ``e``: probe it now (once at a time) instead of at the next interval."""
         if e.name not in self._probing and e.healthy:
@@ -197,6 +222,13 @@ class EnginePool:
             self._probing[e.name] = task
             task.add_done_callback(lambda _t, n=e.name: self._probing.pop(n, None))
         return self._probing.get(e.name)
+
+    def suspect_down(self, e: Engine) -> None:
+        """Probe an engine that is down now (one started again), rather than at the next interval."""
+        if e.name not in self._probing:
+            task = asyncio.get_running_loop().create_task(self.check(e))
+            self._probing[e.name] = task
+            task.add_done_callback(lambda _t, n=e.name: self._probing.pop(n, None))
 
     async def verify(self, e: Engine) -> bool:
         """Probe ``e`` now (joining a probe already under way) and say whether it is still healthy."""
@@ -224,6 +256,7 @@ class EnginePool:
                 self.metrics.load_scrape_errors.labels(e.name).inc()
                 log.debug("%s: no load report from %s/metrics: %r", e.name, e.url, r)
             elif e.healthy:  # not taken out while we read
+                e.lora = e.lora or r.lora
                 self.placer.report(e.view, r)
                 self.metrics.engine_others.labels(e.name).set(e.view.others)
 
@@ -319,5 +352,8 @@ class EnginePool:
                  "other_requests": e.view.others, "kv_tokens": e.view.capacity,
                  "load_report_age_s": None if e.view.report is None else round(now - e.view.report.at, 3),
                  "models": sorted(e.models), **({"bound": e.limit.state()} if e.limit is not None else {}),
-                 **({"last_error": e.last_error} if not e.healthy and e.last_error else {})}
+                 **({"last_error": e.last_error} if not e.healthy and e.last_error else {}),
+                 **({"restarts": e.restarts} if e.restarts else {}),
+                 **({"restarting": e.restarting} if e.restarting else {}),
+                 **({"down_for_good": e.down_for_good} if e.down_for_good else {})}
                 for e in self.engines]

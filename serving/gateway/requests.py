@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serving.gateway import schema
+from serving.gateway.chat_text import Chat
 from serving.gateway.errors import ApiError
+from serving.gateway.redact import quote
 
 Kind = Literal["completion", "chat"]
 PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -34,10 +36,34 @@ class ClientRequest:
     predict_input: dict[str, Any] | None = field(default=None)  # sidecar body; None: nothing to predict from
     no_predict_reason: str | None = None
     prompts: int = 1  # prompts in the body (a completions prompt list holds several): each takes a place in flight
+    chat: Chat | None = None  # a chat request's conversation as the engine's template gets it (serving.gateway.chat_text)
 
     @property
     def path(self) -> str:
         return PATHS[self.kind]
+
+    @property
+    def width(self) -> int:
+        """Sequences on the engine per prompt: ``n`` (a beam search's width), or ``best_of`` where larger."""
+        return max(_plain_int(self.body.get("n")) or 1, _plain_int(self.body.get("best_of")) or 1)
+
+    @property
+    def sequences(self) -> int:
+        """The sequences this request puts on the engines at once, each a place in flight (serving/gateway/admission.py)."""
+        return self.width * self.prompts
+
+    def sequences_told(self) -> tuple[str, str]:
+        """How :attr:`sequences` come about, for an error message, and the field to blame."""
+        width = self.width
+        by = "n" if width == (_plain_int(self.body.get("n")) or 1) else "best_of"
+        told = [f"{self.prompts} prompts"] if self.prompts > 1 else []
+        if width > 1:
+            told.append(f"{by}={width}" + (" beams" if self.body.get("use_beam_search") is True else ""))
+        return " x ".join(told), by if width > 1 else "prompt"
+
+
+def _plain_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 MAX_DEPTH = 64  # JSON nesting an OpenAI body needs (a JSON schema in response_format or tools included) is far less
@@ -140,23 +166,21 @@ def _bool_field(body: dict, name: str) -> bool:
     return v
 
 
-def text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return ""
+def _check_messages(body: dict[str, Any], max_messages: int) -> tuple[dict[str, Any] | None, Chat]:
+    """Validate chat messages; return the sidecar's ``{"messages": ...}`` body (None if no text) and the conversation.
 
-
-def _check_messages(messages: Any, max_messages: int) -> dict[str, Any] | None:
-    """Validate chat messages; return the sidecar's ``{"messages": ...}`` body (text only), or None if no text."""
+    The text is every part the engine renders as text (:mod:`serving.gateway.chat_text`); a part the gateway cannot read
+    (media, an unknown type) is a 400 that names it. A client's ``kv_transfer_params.prompt_token_ids`` is refused: vLLM
+    runs those ids in place of the messages (its decode-side reuse of a prefill's tokens), so the messages would not be
+    the prompt.
+    """
+    messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", param="messages",
                        code="invalid_type" if messages is not None else "missing_required_parameter")
     if len(messages) > max_messages:
         raise ApiError(400, f"'messages' holds {len(messages)} messages; at most {max_messages} are taken here",
                        param="messages", code="invalid_value")
-    turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object, got {type(m).__name__}", param=f"messages[{i}]",
@@ -169,10 +193,13 @@ def _check_messages(messages: Any, max_messages: int) -> dict[str, Any] | None:
         if content is not None and not isinstance(content, (str, list)):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of content parts",
                            param=f"messages[{i}].content", code="invalid_type")
-        text = text_of(content)
-        if text.strip():
-            turns.append({"role": role[:64], "content": text})
-    return {"messages": turns[-256:]} if turns else None
+    kv = body.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv.get("prompt_token_ids") is not None:
+        raise ApiError(400, "kv_transfer_params.prompt_token_ids would replace the messages as the prompt; send the "
+                       "messages alone", param="kv_transfer_params.prompt_token_ids", code="invalid_value")
+    chat = Chat.of(body)
+    turns = [{"role": role[:64], "content": text} for role, text in chat.turns_text() if text.strip()]
+    return ({"messages": turns[-256:]} if turns else None), chat
 
 
 def _check_prompt(prompt: Any) -> tuple[dict[str, Any] | None, int, str | None]:
@@ -210,7 +237,7 @@ def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | No
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
     if models and model not in models:
-        raise ApiError(404, f"the model '{model}' does not exist; served: {', '.join(sorted(models))}", param="model",
+        raise ApiError(404, f"the model '{quote(model)}' does not exist; served: {', '.join(sorted(models))}", param="model",
                        code="model_not_found")
     stream = _bool_field(body, "stream")
     opts = body.get("stream_options")
@@ -221,16 +248,25 @@ def validate(kind: Kind, body: dict[str, Any], models: set[str], max_n: int | No
         max_tokens = _int_field(body, "max_completion_tokens", 1)
         legacy = _int_field(body, "max_tokens", 1)
         max_tokens = max_tokens if max_tokens is not None else legacy
-        predict_input, prompts, reason = _check_messages(body.get("messages"), max_messages), 1, None
+        (predict_input, chat), prompts = _check_messages(body, max_messages), 1
         reason = None if predict_input else "no_text"
     else:
         max_tokens = _int_field(body, "max_tokens", 1)
         predict_input, prompts, reason = _check_prompt(body.get("prompt"))
+        chat = None
     n = _int_field(body, "n", 1) or 1
     if max_n is not None and n > max_n:
         raise ApiError(400, f"'n' must be at most {max_n} here, got {n}", param="n", code="invalid_value")
+    # best_of candidates are generated and the best n returned (OpenAI's legacy completions, vLLM before V1), each an
+    # engine sequence: counted as such (ClientRequest.width). vLLM 0.32 ignores the field, so there the count is
+    # cautious; an engine that honours it would otherwise run best_of sequences behind n places.
+    best_of = _int_field(body, "best_of", 1) or 1
+    if max_n is not None and best_of > max_n:
+        raise ApiError(400, f"'best_of' must be at most {max_n} here, got {best_of}", param="best_of",
+                       code="invalid_value")
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise ApiError(400, "'vllm_xargs' must be an object", param="vllm_xargs", code="invalid_type")
     schema.check(kind, body)
-    return ClientRequest(kind, body, model, stream, wants_usage, max_tokens, n * prompts, predict_input, reason, prompts)
+    return ClientRequest(kind, body, model, stream, wants_usage, max_tokens, n * prompts, predict_input, reason, prompts,
+                         chat)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.gateway.errors import ApiError
+from serving.gateway.redact import quote
 
 SCHEMA_FILE = Path(__file__).with_name("vllm_requests.json")
 KINDS = {"chat": "ChatCompletionRequest", "completion": "CompletionRequest"}
@@ -62,10 +63,11 @@ def check(kind: str, body: dict[str, Any]) -> None:
             break
         path += list(deeper.instance_path)
         instance, schema = deeper.instance, _at(inner, list(deeper.schema_path)[:-1])
-    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or None
+    # a field's path names the client's keys (a logit_bias key may be 60,000 characters): cut, as every quote of input is
+    name = quote("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")) or None
     if wanted is not None:
         raise ApiError(400, f"'{name}': {wanted}" if name else wanted, param=name, code="invalid_value")
-    wanted = "must be " + " or ".join(sorted({_name(o) for o in _options(root, schema)})) if schema else err.message
+    wanted = "must be " + " or ".join(sorted({_name(o) for o in _options(root, schema)})) if schema else quote(err.message, 200)
     got = json.dumps(instance)[:60]
     raise ApiError(400, f"'{name}' {wanted}, got {got}" if name else f"the request {wanted}", param=name,
                    code="invalid_type")

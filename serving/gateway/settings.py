@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +25,7 @@ DEFAULT_T_P_S = 0.033
 DEFAULT_T_G_S = 0.0165
 DEFAULT_MAX_NUM_SEQS = 256  # what placement assumes of an engine whose --max-num-seqs it is not told
 OUTSTANDING_PER_SEQ = 2  # requests in flight per engine batch slot before 429 (see GatewaySettings.outstanding_bounds)
+KEY_SHARE = 0.5  # of the places in flight, what one client key may hold by default (see GatewaySettings.key_share)
 
 
 class GatewaySettings(BaseModel):
@@ -54,6 +56,19 @@ class GatewaySettings(BaseModel):
     engine_start_timeout_s: float = Field(900.0, gt=0, description="how long engines may take to answer /health")
     engine_start_retries: int = Field(1, ge=0, description="how many more times an engine started here that is not "
                                       "healthy after engine_start_timeout_s is started again (one that exits is not)")
+    engine_restarts: int = Field(5, ge=0, description="an engine started here that exits while serving is started "
+                                 "again (new ports, its log continued), at most this many times within "
+                                 "engine_restart_window_s, each after a back-off that doubles; then it stays down (0: never)")
+    engine_restart_window_s: float = Field(600.0, gt=0, description="the window of the engine_restarts budget")
+    restart_wait_s: float = Field(120.0, ge=0, description="a request that sent its client nothing and finds no engine "
+                                  "up waits this long for one starting again after it exited, instead of a 503 at once")
+    crash_quarantine_s: float = Field(600.0, ge=0, description="requests of a kind (serving/gateway/quarantine.py) that were "
+                                      "in flight on two engines when they died within this many seconds are refused "
+                                      "(400) until then; 0: never refused")
+    allow_prompt_logprobs_with_lora: bool = Field(False, description="forward prompt logprobs (prompt_logprobs, or echo "
+                                                  "with logprobs) to engines that serve LoRA adapters: vLLM 0.32's engine "
+                                                  "core dies on them beside other requests unless its scheduler runs "
+                                                  "each alone, as the lengthwise plug-in does. Default: a 400")
     pin_engines: bool = Field(True, description="CPU engines started side by side each run on their own cores: the whole "
                               "process tree (API server, engine core, worker), not only the worker's compute threads")
     engine_malloc: Literal["tcmalloc", "system"] = Field(
@@ -78,6 +93,15 @@ class GatewaySettings(BaseModel):
     # reuses it resets the request (httpx and the OpenAI SDK keep idle connections 5 s, as uvicorn's default does).
     client_keepalive_s: float = Field(75.0, gt=0, description="an idle client connection is kept open this long; keep it "
                                                                "above your clients' and load balancer's own idle timeout")
+    # A client that is slow to send or to read holds a connection (and, reading, a place and an engine sequence):
+    # serving/gateway/slow_clients.py
+    client_header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this long "
+                                           "of its first byte, else its connection is closed (408)")
+    client_body_timeout_s: float = Field(30.0, gt=0, description="a request's whole body must arrive within this long "
+                                         "of its headers, else 408 and its connection is closed")
+    client_stall_timeout_s: float = Field(30.0, gt=0, description="a streamed answer whose client takes none of it for "
+                                          "this long (the connection's buffers full) is cut: its engine request is "
+                                          "cancelled and its places freed")
     health_interval_s: float = Field(1.0, gt=0, description="seconds between engine /health probes")
     health_timeout_s: float = Field(5.0, gt=0, description="a probe slower than this is a failure")
     unhealthy_after: int = Field(2, ge=1, description="consecutive failed probes before an engine is skipped")
@@ -132,6 +156,10 @@ class GatewaySettings(BaseModel):
                                         "gets 429 at once (default: max_outstanding_per_engine x engines)")
     max_outstanding_per_engine: int | None = Field(None, ge=1, description="requests in flight on one engine (default: "
                                                    "2 x the engines' max_num_seqs)")
+    max_outstanding_per_key: float | None = Field(None, gt=0, description="with client keys, the places in flight one "
+                                                  "key may hold: a count (1 or more), or below 1 a share of "
+                                                  "max_outstanding (default: half with two keys or more; no bound with "
+                                                  "one key or none)")
     engine_bound: Literal["static", "slo"] = Field("static", description="each engine's bound on requests in flight: "
         "static (max_outstanding_per_engine) or slo (learnt per engine from the SLO its answers meet, at most "
         "max_outstanding_per_engine; see serving/gateway/concurrency.py)")
@@ -152,6 +180,13 @@ class GatewaySettings(BaseModel):
     @classmethod
     def _http_urls(cls, v):
         return [http_url(u) for u in v] if isinstance(v, list) else (http_url(v) if isinstance(v, str) else v)
+
+    @field_validator("max_outstanding_per_key")
+    @classmethod
+    def _whole_count(cls, v: float | None) -> float | None:
+        if v is not None and v > 1 and not float(v).is_integer():
+            raise ValueError(f"{v:g} is neither a share (below 1) nor a count of places (a whole number)")
+        return v
 
     @field_validator("placement")
     @classmethod
@@ -282,6 +317,21 @@ class GatewaySettings(BaseModel):
         """
         per = self.max_outstanding_per_engine or OUTSTANDING_PER_SEQ * self.engine_seqs
         return per, self.max_outstanding or per * max(1, engines)
+
+    def key_share(self, limit: int, keys: int) -> int | None:
+        """The places in flight, of ``limit``, that one of ``keys`` client keys may hold; None: no bound per key.
+
+        Why half by default: a key that may hold every place can refuse every other client (16 streams from one key
+        on a slow engine held all 16 places for minutes, and everyone else got 429); at half, any other key still
+        finds room, and one busy client alone still gets most of the gateway. With one key or none there is no other
+        client to keep room for (a shared key is one client to the gateway), so there is no bound unless one is set
+        (with no key there is nothing to count by at all).
+        """
+        share = self.max_outstanding_per_key
+        if keys == 0 or (share is None and keys < 2):
+            return None
+        share = KEY_SHARE if share is None else share
+        return max(1, min(limit, math.ceil(share * limit) if share < 1 else int(share)))
 
     def slo_targets(self) -> tuple[float, float]:
         """(TTFT, ATGT) in seconds that placement and the learnt engine bound aim for: --slo-ttft-ms / --slo-tpot-ms, else

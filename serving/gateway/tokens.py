@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from serving.gateway.requests import ClientRequest, text_of
+from serving.gateway.chat_text import Chat, for_template
+from serving.gateway.requests import ClientRequest
 
 log = logging.getLogger("serving.gateway")
 
@@ -93,16 +94,18 @@ class PromptCounter:
             return estimate(text), "estimate"
         return max(1, len(self.tokenizer(text, add_special_tokens=True)["input_ids"])), "tokenizer"
 
-    def _chat(self, messages: list) -> tuple[int, str]:
-        turns = [{"role": m.get("role", "user"), "content": text_of(m.get("content"))} for m in messages if isinstance(m, dict)]
-        text = "\n".join(t["content"] for t in turns)
+    def _chat(self, chat: Chat) -> tuple[int, str]:
+        """The conversation as the engine renders it (:mod:`serving.gateway.chat_text`: every text part, the reasoning,
+        tool calls, the request's tools and documents), counted with the template where there is one."""
+        text = chat.text()
         tok = self.tokenizer
-        rendered_size = len(text) + TEMPLATE_CHARS_PER_MESSAGE * len(turns)  # the template's text, before rendering it
+        rendered_size = len(text) + TEMPLATE_CHARS_PER_MESSAGE * len(chat.turns)  # the template's text, before rendering it
         if rendered_size > MAX_TOKENIZE_CHARS:
             return estimate(text), "estimate"
         if tok is not None and getattr(tok, "chat_template", None):
             try:
-                rendered = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+                rendered = tok.apply_chat_template(for_template(chat.turns, tok.chat_template), tools=chat.tools,
+                                                   documents=chat.documents, tokenize=False, **chat.template_kwargs)
                 return max(1, len(tok(rendered, add_special_tokens=False)["input_ids"])), "tokenizer"
             except Exception as exc:  # noqa: BLE001 - a template that rejects these messages: count the text alone
                 log.debug("chat template failed on a request (%s); counting its text alone", exc)
@@ -113,7 +116,7 @@ class PromptCounter:
         ``tokenizer``, ``estimate`` or ``token_ids``."""
         body = req.body
         if req.kind == "chat":
-            tokens, method = self._chat(body.get("messages") or [])
+            tokens, method = self._chat(req.chat if req.chat is not None else Chat.of(body))
             return tokens, tokens, method
         prompt = body.get("prompt")
         if isinstance(prompt, str):

@@ -106,7 +106,8 @@ class EngineProcess:
     log_path: Path
     metrics_url: str | None = None
     name: str = ""  # engine-i, or prefill-i for a prefill engine
-    respawn: Callable[[], EngineProcess] | None = field(default=None, repr=False)  # the same engine again, new ports
+    # the same engine again, on new ports, its log continued under a line giving the reason
+    respawn: Callable[[str], EngineProcess] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.name = self.name or f"engine-{self.index}"
@@ -226,7 +227,7 @@ def start_engines(settings: EngineSpec, log_dir: Path, groups: Sequence[EngineSp
     names = engine_names(total - prefill) + engine_names(prefill, prefill=True)
     malloc = engine_malloc(cpu, settings.engine_malloc, log)
 
-    def launch(i: int, again: bool = False) -> EngineProcess:
+    def launch(i: int, again: str | None = None) -> EngineProcess:
         name, spec = names[i], specs[i]
         port = free_port()
         metrics_port = settings.scheduler_config.get("metrics_port") or free_port()
@@ -245,8 +246,8 @@ def start_engines(settings: EngineSpec, log_dir: Path, groups: Sequence[EngineSp
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             pin = parse_cores(binds[i]) if settings.pin_engines else None
         path = log_dir / f"{name}.log"
-        with open(path, "ab" if again else "wb") as f:  # a second start follows the first in the same log
-            header = "--- started again: the first start was not healthy in time ---\n" if again else ""
+        with open(path, "ab" if again else "wb") as f:  # a later start follows the first in the same log
+            header = f"--- started again: {again} ---\n" if again else ""
             f.write(f"{header}$ {shlex.join(cmd)}\n".encode())
             f.flush()
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -256,7 +257,7 @@ def start_engines(settings: EngineSpec, log_dir: Path, groups: Sequence[EngineSp
                  (f", cores {binds[i]}" + (" (pinned)" if pin else "")) if binds[i] else "",
                  f", malloc {malloc}" if malloc is not None else "", path)
         return EngineProcess(i, f"http://127.0.0.1:{port}", proc, path, f"http://127.0.0.1:{metrics_port}/metrics", name,
-                             respawn=lambda: launch(i, again=True))
+                             respawn=lambda why: launch(i, again=why))
 
     return [launch(i) for i in range(total)]
 
@@ -342,7 +343,7 @@ def wait_started(procs: list[EngineProcess], timeout_s: float, retries: int = 1)
             stop_engines([procs[i]])
             if procs[i].respawn is None:
                 raise EngineStartError(f"{procs[i].name} not healthy after {timeout_s:g} s and cannot be started again")
-            procs[i] = procs[i].respawn()
+            procs[i] = procs[i].respawn(f"not healthy {timeout_s:g} s after its start")
         pending = stalled
 
 

@@ -39,6 +39,7 @@ from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call, Gateway, Waiter
+from serving.gateway.redact import engine_error, hide_deployment, model_card
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay, sse_data
@@ -155,6 +156,7 @@ class RayGateway(Gateway):
             except (ValueError, KeyError, TypeError):
                 pass
         self.finished(call, req, out)
+        content = content if status == 200 else engine_error(content, status)
         return Response(content, status_code=status, media_type=headers.get("content-type", "application/json"),
                         headers={"x-lengthwise-engine": out.engine or "?"})
 
@@ -170,7 +172,8 @@ class RayGateway(Gateway):
         gen, status, headers, engine, opened = await self._begin(call, send, first_event)
         if status != 200:
             self.finished(call, req, Outcome(status, engine))
-            return Response(opened, status_code=status, media_type=headers.get("content-type", "application/json"))
+            return Response(engine_error(opened, status), status_code=status,
+                            media_type=headers.get("content-type", "application/json"))
         events, first = opened
         relay = StreamRelay(req.wants_usage)
 
@@ -205,6 +208,13 @@ class RayGateway(Gateway):
     async def models(self) -> Response:
         status, body = await self.engine.get.remote("/v1/models")
         self.count("/v1/models", status)
+        if status == 200:  # without the directories the models were loaded from, as the HTTP gateway lists them
+            try:
+                listed = json.loads(body)
+                listed["data"] = [model_card(c) for c in listed["data"]]
+                body = json.dumps(listed).encode()
+            except (ValueError, KeyError, TypeError):
+                body = json.dumps({"object": "list", "data": []}).encode()
         return Response(body, status_code=status, media_type="application/json")
 
     def health(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -222,7 +232,7 @@ class RayGateway(Gateway):
                 "placement": self.settings.placement, "inflight": self.admission.inflight,
                 "ingress": {"rank": ingress_rank(), "replicas": self.settings.replicas}}
         self.count("/health", 200)
-        return body
+        return body if shown else hide_deployment(body)
 
 
 def create_ingress_app(settings: GatewaySettings, engine: Any) -> FastAPI:

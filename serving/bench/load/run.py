@@ -32,6 +32,7 @@ from serving.bench.fleet import (
 from serving.bench.replay import Job, Result, poisson_arrivals
 from serving.launch.engines import stop_engines, wait_started
 from serving.launch.models import bench_dtype
+from serving.launch.supervise import supervised
 from serving.perf.slo import SLO
 from serving.sim.predictions import make_predictor
 
@@ -70,7 +71,8 @@ def calibrated_fleet(cfg: FleetBenchConfig, placement: str, console: Console, pr
     model, _, procs = _start_engines(cfg, dtype, work, console)
     try:
         wait_started(procs, 900)
-        yield Fleet(cfg, trace, cal, rate, model, procs, work)
+        with supervised(procs):  # an engine that dies is started again, in its place in procs
+            yield Fleet(cfg, trace, cal, rate, model, procs, work)
     finally:
         stop_engines(procs)
 

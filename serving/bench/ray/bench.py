@@ -41,6 +41,7 @@ from serving.gateway.settings import DEFAULT_T_G_S, DEFAULT_T_P_S, GatewaySettin
 from serving.launch.engines import stop_engines, wait_started
 from serving.launch.models import bench_dtype, dummy_model
 from serving.launch.process import free_port
+from serving.launch.supervise import supervised
 from serving.perf.slo import SLO
 from serving.ray.local import local_ray
 from serving.sim.metrics import summarize
@@ -118,7 +119,8 @@ def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any,
         if cal.profile is None and "--latency-profile" in args:
             i = args.index("--latency-profile")
             del args[i:i + 2]
-        with fleet.running_gateway(args, port, work / "gateway.log") as (url, _):
+        # an engine that dies is started again (this arm's gateway keeps its old address: the arm's results show it)
+        with supervised(procs), fleet.running_gateway(args, port, work / "gateway.log") as (url, _):
             res, wall = asyncio.run(fleet._replay(jobs, fleet.request_settings(url, model, jobs,
                                                                                [p.length for p in trace.preds])))
             import httpx

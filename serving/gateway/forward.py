@@ -125,9 +125,10 @@ class Forwarder:
         returns = 0  # goes back to those, once every engine was tried
         full: frozenset[str] = frozenset()  # engines at --max-outstanding-per-engine: not chosen
         others = self.pool.not_serving(req.model)  # engines of other models: never chosen
-        restarts_awaited = 0
+        restarts_awaited, lives = 0, {}  # an engine tried in one life is a new process in the next: tried afresh
         while True:
             engine = again
+            tried = [n for n in tried if self.pool.life(n) == lives[n]]
             if engine is None and len(tried) < self.settings.max_attempts:
                 # the per-engine bound is admission: a request already accepted that lost its engine is retried on
                 # any live one, full or not, rather than failed
@@ -140,7 +141,6 @@ class Forwarder:
                 back = await self._restarted(others)  # nothing was sent: better late than a 503
                 if back is not None:
                     restarts_awaited += 1
-                    tried = [n for n in tried if n != back.name]  # a new process: not the one that failed it
                     continue
             if engine is None:
                 break
@@ -150,6 +150,7 @@ class Forwarder:
                          failure[0].name, failure[1] if self.settings.log_prompts else failure[1].detail)
             if again is None and engine.name not in tried:
                 tried.append(engine.name)
+                lives[engine.name] = engine.life
             retried_here, again = engine is (failure[0] if failure else None), None
             done = _Learner(engine, on_done, self.metrics)
             try:
@@ -202,15 +203,15 @@ class Forwarder:
     async def _restarted(self, others: frozenset[str]) -> Engine | None:
         """An engine of this model that is starting again after it exited (:mod:`serving.launch.supervise`), once it is
         back within ``restart_wait_s``; None when none is starting or none came back in time."""
+        starting = [e for e in self.pool.engines if e.restarting and e.name not in others]
         deadline = time.monotonic() + self.settings.restart_wait_s
-        while True:
-            starting = [e for e in self.pool.engines if e.restarting and e.name not in others]
-            back = [e for e in self.pool.engines if e.name not in others and e.healthy]
+        while starting and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            back = [e for e in starting if e.healthy]
             if back:
                 return back[0]
-            if not starting or time.monotonic() > deadline:
-                return None
-            await asyncio.sleep(0.2)
+            starting = [e for e in starting if not e.down_for_good]  # one that stays down is not waited for
+        return None
 
     async def _return_to(self, job: Job, transient: dict[str, Engine], returns: int) -> Engine | None:
         """Every engine was tried: after a pause, the least busy of those that failed this request only in a way a live

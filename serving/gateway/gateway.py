@@ -202,31 +202,38 @@ class Gateway:
 
         s, loop = self.settings, asyncio.get_running_loop()
         pools = [self.pool, *([self.hop.pool] if self.hop else [])]
-        where = {e.name: (pool, e) for pool in pools for e in pool.engines}
+        # by address: with a catalogue the processes and the pool's engines are numbered differently (attached ones too)
+        where = {e.url: (pool, e) for pool in pools for e in pool.engines}
 
         def exited(p, status: int | None) -> None:
-            if p.name in where:
-                pool, e = where[p.name]
+            if p.url in where:
+                pool, e = where[p.url]
                 pool.exited(e, status)
 
         def back(old, new) -> None:
-            if new.name in where:
-                pool, e = where[new.name]
+            if old.url in where:
+                pool, e = where[new.url] = where.pop(old.url)
                 pool.relocate(e, new.url)
                 if new.metrics_url and e.name in self.plugin_targets:
                     self.plugin_targets[e.name] = new.metrics_url
                 pool.suspect_down(e)
 
         def gave_up(p, why: str) -> None:
-            if p.name in where:
-                pool, e = where[p.name]
+            if p.url in where:
+                pool, e = where[p.url]
                 pool.stays_down(e, why)
+
+        def dead(e) -> None:  # its process may take its time to exit: stop it now, so it starts again at once
+            if self.supervisor is not None and e.url in where:
+                loop.run_in_executor(None, self.supervisor.stop_dead, e.url, e.restarting)
 
         self.supervisor = EngineSupervisor(
             procs, RestartBudget(s.engine_restarts, s.engine_restart_window_s, start_timeout_s=s.engine_start_timeout_s),
             on_exit=lambda p, rc: loop.call_soon_threadsafe(exited, p, rc),
             on_back=lambda old, new: loop.call_soon_threadsafe(back, old, new),
             on_give_up=lambda p, why: loop.call_soon_threadsafe(gave_up, p, why)).start()
+        for pool in pools:
+            pool.on_dead = dead
 
     def _sidecar_client(self, client: httpx.AsyncClient) -> None:
         """The sidecar's token on every call to it, predictions and feedback (``--predictor-token``)."""

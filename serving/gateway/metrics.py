@@ -87,8 +87,9 @@ class GatewayMetrics:
                                 "connection closed: its request's head not whole within --client-header-timeout, or "
                                 "past 64 KiB), engine_full (every engine past --max-outstanding-per-engine), "
                                 "unauthorized (no or a wrong API key), too_many_n (n above --max-n), "
-                                "context_length (a prompt longer than the engines' context), quarantined (requests "
-                                "of a kind that were on two engines when they died), engine_defect (what the engines' vLLM is known to fail on)",
+                                "context_length (a prompt longer than the engines' context), quarantined (a request "
+                                "whose engine died while it ran on probation, or one of its kind), engine_defect (what "
+                                "the engines' vLLM is known to fail on)",
                                 ["reason"], registry=r)
         self.inflight = Gauge(p + "inflight_requests", "places held by requests admitted and not yet answered in full: "
                               "one per sequence on an engine (n per prompt)", registry=r)

@@ -87,8 +87,9 @@ class Completion(BaseModel):
 
 
 STATUS = {400: "the body is not a valid request (a message says what to fix)", 401: "missing or wrong API key",
-          404: "no such model", 413: "the body is larger than --max-body-bytes", 429: "over the gateway's bound on "
-          "outstanding requests; retry after Retry-After seconds", 499: "the client left before the answer",
+          404: "no such model", 408: "the body did not arrive within --client-body-timeout (the connection is closed)",
+          413: "the body is larger than --max-body-bytes", 429: "over the gateway's bound on sequences in flight, or "
+          "over the API key's share of it; retry after Retry-After seconds", 499: "the client left before the answer",
           500: "an engine failed", 502: "the engines failed or are unreachable", 503: "no engine can serve now",
           504: "the engine did not answer in time"}
 
@@ -107,8 +108,10 @@ def request_body(model: type[BaseModel], max_n: int) -> dict[str, Any]:
 
 def generation_responses() -> dict[int | str, dict[str, Any]]:
     """The answers of a generation route: the completion (JSON, or events when streamed) and the error shape."""
+    # an event as a client reads it (and schemathesis checks each one): its data, a chunk's JSON or [DONE]
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
     ok = {"description": "the answer; server-sent events when stream is true", "model": Completion,
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {"text/event-stream": {"schema": event}}}
     return {200: ok, **{code: {"model": ErrorBody, "description": why} for code, why in STATUS.items()}}
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,6 +38,7 @@ from serving.launch.engines import engine_names
 from serving.placement import Job
 
 log = logging.getLogger("serving.gateway")
+DEAD = "/health answered 503"  # vLLM's API server says its engine core died (EngineDeadError)
 
 
 @dataclass(eq=False)
@@ -121,6 +122,8 @@ class EnginePool:
         self._probing: dict[str, asyncio.Task] = {}
         self._loading: set[asyncio.Task] = set()
         self._busy_window_s = settings.unhealthy_after * (settings.health_interval_s + settings.health_timeout_s)
+        # engines started here: called when one's /health says its engine core died (it is stopped and started again)
+        self.on_dead: Callable[[Engine], None] | None = None
         if not prefill:
             metrics.watch_placement(self.placer.stats)
         for e in self.engines:
@@ -137,7 +140,7 @@ class EnginePool:
             r = await self.client.get(e.url + "/health")
             if r.status_code == 200:
                 return True, False
-            e.last_error = f"/health answered {r.status_code}"
+            e.last_error = DEAD if r.status_code == 503 else f"/health answered {r.status_code}"
         except httpx.TimeoutException:
             e.last_error = f"/health slower than {self.settings.health_timeout_s:g} s"
             return False, False
@@ -175,6 +178,7 @@ class EnginePool:
                 await self._refresh_models(e)
                 e.healthy = True
                 e.life += 1
+                e.restarting = None
                 self.placer.rejoin(e.view)
                 log.info("%s (%s) is healthy; serves %s", e.name, e.url, ", ".join(sorted(e.models)) or "?")
                 self.metrics.engine_healthy.labels(e.name).set(1)
@@ -185,6 +189,9 @@ class EnginePool:
                 self.metrics.engine_busy_probes.labels(e.name).inc()  # slow, but answers are flowing: busy, not hung
             elif e.healthy and ((immediate and hard) or e.failures >= self.settings.unhealthy_after):
                 self.take_out(e)
+            if e.last_error == DEAD and self.on_dead is not None and not e.restarting and not e.down_for_good:
+                e.restarting = "stopped: its engine core died (/health answered 503)"
+                self.on_dead(e)
         return ok
 
     def take_out(self, e: Engine) -> None:
@@ -197,10 +204,16 @@ class EnginePool:
         for task in list(e.calls):
             task.cancel()
 
+    def life(self, name: str) -> int:
+        """How many times the engine ``name`` came (back) into placement: a new life is a new process, or the same one
+        passing its probes again."""
+        return next(e.life for e in self.engines if e.name == name)
+
     def exited(self, e: Engine, status: int | None) -> None:
         """The process of ``e`` (started here) exited while serving: out of placement now, its calls cancelled (those
         that sent the client nothing are retried elsewhere), rather than at the next failed probe."""
-        e.restarting = e.last_error = f"exited with status {status}"
+        e.restarting = e.restarting or f"exited with status {status}"
+        e.last_error = f"exited with status {status}"
         self.metrics.engine_exits.labels(e.name).inc()
         if e.healthy:
             self.take_out(e)
@@ -208,7 +221,7 @@ class EnginePool:
     def relocate(self, e: Engine, url: str) -> None:
         """``e`` was started again at ``url``: the names placed on it follow it; the next probe takes it back in."""
         self.serves = {(url if u == e.url else u): names for u, names in self.serves.items()}
-        e.url, e.restarting, e.failures = url, None, 0
+        e.url, e.failures = url, 0  # still "restarting" (waited for) until its first probe passes
         e.restarts += 1
         self.metrics.engine_restarts.labels(e.name).inc()
 

@@ -10,7 +10,8 @@ client reads nothing blocks its writer for ever, with the engine's sequence and 
 
 Four bounds, each ended by closing the connection (``settings.py``, ``docs/serving.md``):
 
-- a new connection that sends nothing gets the keep-alive time (``client_keepalive_s``), as an idle kept-alive one does;
+- a new connection that sends nothing gets the keep-alive time (``client_keepalive_s``), as an idle kept-alive one does,
+  and one idle that long with an answer still unread in its buffer is aborted;
 - a request's head (request line and headers) must arrive within ``client_header_timeout_s`` of its first byte and
   hold at most :data:`MAX_HEAD_BYTES`: else 408 or 431 (:func:`guarded_protocol`, ``lengthwise serve``'s HTTP server);
 - its body must arrive within ``client_body_timeout_s`` of its head: else 408 (``app.read_body``);
@@ -19,8 +20,8 @@ Four bounds, each ended by closing the connection (``settings.py``, ``docs/servi
   closes) and frees its places, and the connection is aborted, its unsent bytes dropped (:class:`ClientStream`).
 
 What they do not cover: many connections that each stay within these times (a per-address connection limit belongs in
-the load balancer or firewall in front); a non-streamed answer the client does not read (it is written whole into the
-connection's buffer at once: its places and engine are free by then, and the keep-alive time closes the connection).
+the load balancer or firewall in front). A non-streamed answer the client does not read is written whole into the
+connection's buffer at once: its places and engine are free by then, and the keep-alive time ends the connection.
 """
 
 from __future__ import annotations
@@ -141,6 +142,12 @@ def guarded_protocol(header_timeout_s: float, on_refused: Callable[[str], None],
             self._head_done()
             super().connection_lost(exc)
 
+        def timeout_keep_alive_handler(self) -> None:
+            if self.transport.get_write_buffer_size():  # an answer its client never read: a close would wait on it
+                self.transport.abort()
+            else:
+                super().timeout_keep_alive_handler()
+
         def _head_done(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
@@ -157,8 +164,11 @@ def guarded_protocol(header_timeout_s: float, on_refused: Callable[[str], None],
             if self.transport.is_closing():
                 return
             on_refused(why)
-            log.info("connection from %s closed: %s", (self.client or ("?",))[0], message)
+            log.debug("connection from %s closed: %s", (self.client or ("?",))[0], message)
             self.transport.write(_raw_error(status, reason, message, "request_timeout" if status == 408 else why))
-            self.transport.close()
+            if self.transport.get_write_buffer_size():  # the client reads nothing either: nothing to wait for
+                self.transport.abort()
+            else:
+                self.transport.close()
 
     return GuardedProtocol

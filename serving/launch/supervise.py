@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from serving.launch.engines import EngineProcess, stop_engines
+from serving.launch.process import killpg
 
 log = logging.getLogger("serving.gateway")
 
@@ -77,6 +79,7 @@ class EngineSupervisor:
         self._lock = threading.Lock()  # the caller's list: replaced in place here, read by stop_engines there
         self._thread: threading.Thread | None = None
         self.restarts: dict[str, int] = {p.name: 0 for p in procs}  # per engine name, for /health and the benches
+        self._stopped_why: dict[str, str] = {}  # engines stopped by :meth:`stop_dead`, and why
         self.exits: dict[str, list[int | None]] = {p.name: [] for p in procs}  # each exit's status while serving
 
     def start(self) -> EngineSupervisor:
@@ -89,6 +92,17 @@ class EngineSupervisor:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def stop_dead(self, url: str, why: str) -> None:
+        """Stop the engine at ``url`` whose process lives on while it cannot serve (vLLM's API server answers
+        ``/health`` with 503 once its engine core died, and takes its time to exit): the watcher then starts it again,
+        saying ``why``."""
+        with self._lock:
+            p = next((p for p in self.procs if p.url == url), None)
+        if p is not None and p.alive:
+            self._stopped_why[p.name] = why
+            log.warning("%s: stopping it (pid %d) to start it again: %s", p.name, p.proc.pid, why)
+            killpg(p.proc.pid, signal.SIGKILL)
 
     def given_up(self) -> dict[str, str]:
         """The engines left down, and why."""
@@ -108,8 +122,8 @@ class EngineSupervisor:
     def _restart(self, w: _Watched, p: EngineProcess) -> None:
         rc = p.proc.returncode
         self.exits[p.name].append(rc)
-        log.error("%s (pid %d) exited with status %s while serving; last lines of %s:\n%s", p.name, p.proc.pid, rc,
-                  p.log_path, p.tail(15))
+        why = self._stopped_why.pop(p.name, None) or f"exited with status {rc} while serving"
+        log.error("%s (pid %d) %s; last lines of %s:\n%s", p.name, p.proc.pid, why, p.log_path, p.tail(15))
         if self._on_exit is not None:
             self._on_exit(p, rc)
         b, now = self.budget, time.monotonic()
@@ -128,7 +142,7 @@ class EngineSupervisor:
         if self._stopping.wait(pause):
             return
         w.starts.append(time.monotonic())
-        new = p.respawn(f"exited with status {rc} while serving")
+        new = p.respawn(why)
         with self._lock:
             self.procs[w.index] = new  # from now on, stopping the caller's list stops the new process
         why = self._await_healthy(new)

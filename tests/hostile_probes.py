@@ -96,11 +96,10 @@ def main(url: str, key: str, engine: str, sidecar: str, token: str) -> None:
         print(f"7 {what}: {r.status_code}, a body of {len(r.content)} bytes, OpenAI error JSON: {valid}")
     # 8: a long ask in a part other than text: predicted and counted as the same ask in text
     ask = chosen[0] if chosen else "Write a detailed tutorial on building a web server in Rust, with code for every step."
-    for kind in ("text", "refusal", "thinking"):
-        key = "text" if kind == "text" else kind
+    for kind in ("text", "refusal", "thinking"):  # each part type holds its text under its own name
         r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=300, json={
             "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Hi"}, {"type": kind, key: ask}]}]})
+                {"type": "text", "text": "Hi"}, {"type": kind, kind: ask}]}]})
         print(f"8 the ask in a {kind} part: {r.status_code}, predicted {r.headers.get('x-lengthwise-pred-len')}, prompt "
               f"tokens {r.headers.get('x-lengthwise-prompt-tokens')} (the engine's: "
               f"{r.json().get('usage', {}).get('prompt_tokens') if r.status_code == 200 else '-'})")

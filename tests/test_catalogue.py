@@ -96,6 +96,11 @@ def test_the_started_engines_serve_each_base_under_its_name_with_its_adapters(tm
     assert engine_args(groups[1]) == ["--enforce-eager", "--served-model-name", "small"]
     attach_only = _write(tmp_path / "a.yaml", '- {name: far, engine_urls: ["http://10.0.0.7:8001"]}\n')
     assert not GatewaySettings(models_file=attach_only).starts_engines
+    # the admission bound reads the entries' batch: 2 x the largest --max-num-seqs (it read 256 before: 512 places)
+    seqs = _write(tmp_path / "q.yaml", '- {name: a, model: ./m, engine_args: ["--max-num-seqs 8"]}\n'
+                                       '- {name: b, model: ./s, engine_args: ["--max-num-seqs=4"]}\n')
+    assert GatewaySettings(models_file=seqs).outstanding_bounds(2) == (16, 32)
+    assert GatewaySettings(models_file=f).engine_seqs == 256  # not given anywhere: vLLM's default
 
 
 @pytest.mark.unit

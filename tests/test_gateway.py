@@ -870,7 +870,7 @@ def test_engine_killed_under_load_loses_no_request(fleet, gw_hung, gw_aladdin):
     assert [(e["healthy"], e["outstanding"], e["other_requests"]) for e in a_h["engines"]
             if e["name"] == victim_name] == [(False, 0, 0)]
     assert sum(e["outstanding"] for e in a_h["engines"]) == 0
-    KILLED.update(name=victim_name, pid=victim_pid, url=urls[victim_name])
+    KILLED.update(name=victim_name, pid=victim_pid, url=urls[victim_name], at=t_kill)
 
 
 KILLED: dict = {}  # the engine the test above killed: its name, process group and URL
@@ -888,6 +888,7 @@ def test_an_engine_killed_while_serving_comes_back(fleet, gw_hung):
     name = KILLED["name"]
     h = wait_for(lambda: (h := fleet.get("/health").json())["healthy_engines"] == 2 and h, timeout=240,
                  what=f"{name} to be started again and healthy")
+    print(f"{name} back {time.perf_counter() - KILLED['at']:.0f} s after the kill")
     back = next(e for e in h["engines"] if e["name"] == name)
     assert back["restarts"] == 1 and back["url"] != KILLED["url"] and h["engine_restarts"] == 1
     assert h["status"] == "ok", h["reasons"]

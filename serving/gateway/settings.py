@@ -305,8 +305,12 @@ class GatewaySettings(BaseModel):
 
     @property
     def engine_seqs(self) -> int:
-        """The engines' --max-num-seqs: given, else the --engine-arg value for engines started here, else 256."""
-        return self.engine_max_num_seqs or int(self.engine_arg("--max-num-seqs") or DEFAULT_MAX_NUM_SEQS)
+        """The engines' --max-num-seqs: given, else the --engine-arg value for engines started here (with ``--models``,
+        the largest of its entries' engine arguments), else 256."""
+        if self.engine_max_num_seqs:
+            return self.engine_max_num_seqs
+        given = [int(v) for g in self.engine_groups() if (v := g.engine_arg("--max-num-seqs"))]
+        return max(given) if given else int(self.engine_arg("--max-num-seqs") or DEFAULT_MAX_NUM_SEQS)
 
     def outstanding_bounds(self, engines: int) -> tuple[int, int]:
         """(per engine, in total): the requests in flight past which the gateway answers 429.

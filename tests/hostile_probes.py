@@ -5,17 +5,12 @@
 
 The feedback attack runs first (the streamed-NaN probe runs last: before the fix it leaves every place in flight
 held, and everything after it would be refused). The tests in tests/test_gateway_hostile.py make the same probes.
-
-Round three (7 and 8): the open ``/health`` holds no URL, host address or file path; ``/v1/models`` no directory; a
-60,000-character model name and 100,000 ``stop_token_ids`` get short error bodies; a long ask hidden in a ``refusal``
-or ``thinking`` part is predicted and counted as the same ask in a ``text`` part.
 """
 
 from __future__ import annotations
 
 import json
 import lzma
-import re
 import sys
 import threading
 import time
@@ -25,13 +20,6 @@ import httpx
 from predictor.common import data_dir
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
-# what an open page must not show: a URL, a host address, an absolute path of two parts or more (not an API route)
-EXPOSED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"]*|\b(?:\d{1,3}\.){3}\d{1,3}\b|(?<![\w:/.~-])~?/(?!v1/)[\w.@+-]+/[^\s\"]*")
-CARD_FIELDS = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"}
-
-
-def exposed(text: str) -> list[str]:
-    return sorted(set(EXPOSED.findall(text)))[:5]
 
 
 def main(url: str, key: str, engine: str, sidecar: str, token: str) -> None:
@@ -78,31 +66,6 @@ def main(url: str, key: str, engine: str, sidecar: str, token: str) -> None:
                        ("/tokenize", {"model": model, "prompt": "hi"}), ("/detokenize", {"model": model, "tokens": [1, 2]})):
         print(f"5 engine {path} without the key:", httpx.post(engine + path, json=body, timeout=60).status_code)
     print("5 the open /health lists the engine's address:", engine in httpx.get(url + "/health").text)
-    # 7: nothing about the deployment on open pages, and short echoes
-    print("7 the open /health shows (URL, address, path):", exposed(httpx.get(url + "/health").text))
-    cards = httpx.get(url + "/v1/models", headers=h).json()["data"]
-    print("7 /v1/models cards show (path, besides the served names):",
-          exposed(json.dumps([{k: v for k, v in c.items() if k not in ("id", "parent")} for c in cards])),
-          "| fields beyond OpenAI's:", sorted({k for c in cards for k in c} - CARD_FIELDS),
-          "| root is the served name:", all(c.get("root") == c["id"] for c in cards))
-    for what, raw in (("a 60,000-character model name", {"model": "m" * 60_000, "prompt": "hi", "max_tokens": 2}),
-                      ("100,000 stop_token_ids", {"model": model, "prompt": "hi", "max_tokens": 2,
-                                                  "stop_token_ids": list(range(100_000))})):
-        r = httpx.post(url + "/v1/completions", headers=h, json=raw, timeout=120)
-        try:
-            valid = isinstance(r.json()["error"]["message"], str)
-        except (ValueError, KeyError, TypeError):
-            valid = False
-        print(f"7 {what}: {r.status_code}, a body of {len(r.content)} bytes, OpenAI error JSON: {valid}")
-    # 8: a long ask in a part other than text: predicted and counted as the same ask in text
-    ask = chosen[0] if chosen else "Write a detailed tutorial on building a web server in Rust, with code for every step."
-    for kind in ("text", "refusal", "thinking"):  # each part type holds its text under its own name
-        r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=300, json={
-            "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "Hi"}, {"type": kind, kind: ask}]}]})
-        print(f"8 the ask in a {kind} part: {r.status_code}, predicted {r.headers.get('x-lengthwise-pred-len')}, prompt "
-              f"tokens {r.headers.get('x-lengthwise-prompt-tokens')} (the engine's: "
-              f"{r.json().get('usage', {}).get('prompt_tokens') if r.status_code == 200 else '-'})")
     # 6
     big = json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}] * 100_000}).encode()
     delays: list[float] = []

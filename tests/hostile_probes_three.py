@@ -4,7 +4,9 @@ per finding. ``PID`` is the gateway's process (its open files are read).
 
     python -m tests.hostile_probes_three GATEWAY_URL KEY_A KEY_B PID [BASE_NAME]
 
-The probes that could take the engine down run last (prompt logprobs beside a running request). The tests in
+A: nothing of the deployment on the open ``/health`` or in ``/v1/models``, short echoes; B: an ask hidden in a
+``refusal`` or ``thinking`` part; C: one key's share, sequences; D: slow bodies, a client that reads nothing; E: prompt
+logprobs on the adapters' engine. The probes that could take the engine down run last (E). The tests in
 tests/test_engine_crashes.py, tests/test_gateway_shares.py, tests/test_gateway_slow_clients.py and
 tests/test_gateway_hostile.py make the same probes.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import sys
 import threading
@@ -22,10 +25,16 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from tests.hostile_probes import CARD_FIELDS, exposed
-
+# what an open page must not show: a URL, a host address, an absolute path of two parts or more (not an API route)
+EXPOSED = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"]*|\b(?:\d{1,3}\.){3}\d{1,3}\b|(?<![\w:/.~-])~?/(?!v1/)[\w.@+-]+/[^\s\"]*")
+CARD_FIELDS = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len"}  # OpenAI's, and vLLM's two
 ASK = ("Write a detailed tutorial on building a small web server in Rust: the project layout, the dependencies, "
        "routing, handlers, error handling, logging, tests and deployment, with code for every step.")
+
+
+def exposed(text: str) -> list[str]:
+    """What of the deployment ``text`` shows (at most five)."""
+    return sorted(set(EXPOSED.findall(text)))[:5]
 
 
 def main(url: str, key_a: str, key_b: str, pid: int, model: str = "smol") -> None:
@@ -40,12 +49,17 @@ def main(url: str, key_a: str, key_b: str, pid: int, model: str = "smol") -> Non
     cards = httpx.get(url + "/v1/models", headers=ha, timeout=30).json()["data"]
     print("A /v1/models shows (path):", exposed(json.dumps([{k: v for k, v in c.items() if k not in ("id", "parent")}
                                                             for c in cards])),
-          "| fields beyond OpenAI's:", sorted({k for c in cards for k in c} - CARD_FIELDS))
+          "| fields beyond OpenAI's:", sorted({k for c in cards for k in c} - CARD_FIELDS),
+          "| root is the served name:", all(c.get("root") == c["id"] for c in cards))
     for what, body in (("a 60,000-character model name", {"model": "m" * 60_000, "prompt": "hi", "max_tokens": 2}),
                        ("100,000 stop_token_ids", {"model": model, "prompt": "hi", "max_tokens": 2,
                                                    "stop_token_ids": list(range(100_000))})):
         r = httpx.post(url + "/v1/completions", headers=ha, json=body, timeout=120)
-        print(f"A {what}: {r.status_code}, {len(r.content)} bytes")
+        try:
+            valid = isinstance(r.json()["error"]["message"], str)
+        except (ValueError, KeyError, TypeError):
+            valid = False
+        print(f"A {what}: {r.status_code}, {len(r.content)} bytes, OpenAI error JSON: {valid}")
 
     # the ask in a part the gateway did not read
     for kind in ("text", "refusal", "thinking"):

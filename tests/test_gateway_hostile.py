@@ -850,7 +850,7 @@ def test_open_pages_show_no_deployment_and_echoes_stay_short(keyed, owner):
     """Round three through ``lengthwise serve`` over the real engine (whose model is served under its directory's path):
     the open /health shows no address or path, /v1/models no directory, and the engine's 712 KB 400 for 100,000
     ``stop_token_ids`` reaches the client cut, as OpenAI's error JSON."""
-    from tests.hostile_probes import CARD_FIELDS, exposed
+    from tests.hostile_probes_three import CARD_FIELDS, exposed
 
     open_ = keyed.get("/health")
     assert open_.status_code == 200 and exposed(open_.text) == [] and owner.engines[0] not in open_.text

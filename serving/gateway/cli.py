@@ -307,9 +307,10 @@ def _gateway_flags(g: argparse._ActionsContainer) -> None:
              help="on SIGTERM the gateway stops accepting, lets the requests in flight finish for up to S seconds, "
                   "then exits; keep it below your orchestrator's own grace period (default: %(default)s)")
     _setting(g, "--crash-quarantine", "crash_quarantine_s", metavar="S",
-             help="requests of one kind (the names of their unusual options, or their exact body) that were in flight on "
-                  "two engines when they died within S seconds are refused with a 400 until then, so that a request "
-                  "that crashes engines cannot crash them again and again; 0: never (default: %(default)s)")
+             help="a request on two engines when they died is sent again only alone among such suspects; if its engine "
+                  "dies then, it (and, after two such, its kind: the names of its unusual options) is refused with a "
+                  "400 for S seconds, so that a request that crashes engines cannot crash them again and again; "
+                  "0: never (default: %(default)s)")
     _setting(g, "--allow-prompt-logprobs-with-lora", "allow_prompt_logprobs_with_lora", action="store_true",
              help="forward prompt logprobs (prompt_logprobs, or echo with logprobs) to engines serving LoRA adapters; "
                   "vLLM 0.32's engine core dies on them beside another request unless its scheduler runs such a step "

@@ -97,8 +97,7 @@ class Forwarder:
         on probation, and one on probation whose engine dies is refused (:mod:`serving.gateway.quarantine`).
         """
         suspicion = _Suspicion(fingerprint)
-        if fingerprint is not None and self.quarantine.suspect(fingerprint):
-            await suspicion.probation(self.probation)
+        await suspicion.probation_if_suspect(self.quarantine, self.probation)
 
         def finished(out: Outcome) -> None:
             suspicion.leave()
@@ -167,8 +166,7 @@ class Forwarder:
                     self.metrics.rejected.labels("quarantined").inc()
                     assert suspicion.fingerprint is not None
                     self.quarantine.check(suspicion.fingerprint)  # raises
-                if suspicion.fingerprint is not None and self.quarantine.suspect(suspicion.fingerprint):
-                    await suspicion.probation(self.probation)  # its next try: alone among suspects
+                await suspicion.probation_if_suspect(self.quarantine, self.probation)  # its next try: alone among suspects
                 if exc.reason not in SECOND_CHANCE:
                     transient.pop(engine.name, None)
                     continue
@@ -397,8 +395,9 @@ class _Suspicion:
     def on_probation(self) -> bool:
         return self.turn is not None
 
-    async def probation(self, probation: Probation) -> None:
-        if self.turn is None:
+    async def probation_if_suspect(self, quarantine: CrashQuarantine, probation: Probation) -> None:
+        """Wait for a turn on probation when the request is a suspect (and holds none yet)."""
+        if self.turn is None and self.fingerprint is not None and quarantine.suspect(self.fingerprint):
             self.turn: Pass | None = await probation.enter()
 
     def leave(self) -> None:

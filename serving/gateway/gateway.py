@@ -84,7 +84,7 @@ class Call:
     prefilled: Prefilled | None = None
     slot: Slot | None = None  # its place among the requests in flight (admission), released when it ends
     client: str | None = None  # which of several client keys sent it (key-<i>): the sidecar caps one key's feedback
-    fingerprint: Fingerprint | None = None  # its kind, charged when an engine dies under it (quarantine)
+    fingerprint: Fingerprint | None = None  # its identity and kind, charged when an engine dies under it (quarantine)
 
     @property
     def endpoint(self) -> str:
@@ -397,7 +397,7 @@ class Gateway:
             raise refuse_prompt_logprobs(field, req.model)
 
     def unquarantined(self, req: ClientRequest) -> Fingerprint:
-        """The request's kind, or a 400 while requests of its kind are refused for taking engines down
+        """The request's fingerprint, or a 400 while it (or its kind) is refused for taking engines down
         (:mod:`serving.gateway.quarantine`)."""
         fp = fingerprint(req.kind, req.model, req.body)
         try:

@@ -230,16 +230,18 @@ class EnginePool:
 
     def suspect(self, e: Engine) -> asyncio.Task | None:
         """A request failed on ``e``: probe it now (once at a time) instead of at the next interval."""
-        if e.name not in self._probing and e.healthy:
-            task = asyncio.get_running_loop().create_task(self.check(e, immediate=True))
-            self._probing[e.name] = task
-            task.add_done_callback(lambda _t, n=e.name: self._probing.pop(n, None))
+        if e.healthy:
+            self._probe_now(e, immediate=True)
         return self._probing.get(e.name)
 
     def suspect_down(self, e: Engine) -> None:
         """Probe an engine that is down now (one started again), rather than at the next interval."""
+        self._probe_now(e, immediate=False)
+
+    def _probe_now(self, e: Engine, immediate: bool) -> None:
+        """One probe of ``e`` under way at a time: a second ask joins the first."""
         if e.name not in self._probing:
-            task = asyncio.get_running_loop().create_task(self.check(e))
+            task = asyncio.get_running_loop().create_task(self.check(e, immediate=immediate))
             self._probing[e.name] = task
             task.add_done_callback(lambda _t, n=e.name: self._probing.pop(n, None))
 

@@ -62,9 +62,9 @@ class GatewaySettings(BaseModel):
     engine_restart_window_s: float = Field(600.0, gt=0, description="the window of the engine_restarts budget")
     restart_wait_s: float = Field(120.0, ge=0, description="a request that sent its client nothing and finds no engine "
                                   "up waits this long for one starting again after it exited, instead of a 503 at once")
-    crash_quarantine_s: float = Field(600.0, ge=0, description="requests of a kind (serving/gateway/quarantine.py) that were "
-                                      "in flight on two engines when they died within this many seconds are refused "
-                                      "(400) until then; 0: never refused")
+    crash_quarantine_s: float = Field(600.0, ge=0, description="how long a request whose engine died while it ran on "
+                                      "probation (after two deaths) is refused, and deaths are remembered "
+                                      "(serving/gateway/quarantine.py); 0: never refused")
     allow_prompt_logprobs_with_lora: bool = Field(False, description="forward prompt logprobs (prompt_logprobs, or echo "
                                                   "with logprobs) to engines that serve LoRA adapters: vLLM 0.32's engine "
                                                   "core dies on them beside other requests unless its scheduler runs "

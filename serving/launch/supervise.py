@@ -145,12 +145,12 @@ class EngineSupervisor:
         new = p.respawn(why)
         with self._lock:
             self.procs[w.index] = new  # from now on, stopping the caller's list stops the new process
-        why = self._await_healthy(new)
-        if why is not None:
+        failed = self._await_healthy(new)
+        if failed is not None:
             if self._stopping.is_set():
                 return
             stop_engines([new])
-            self._give_up(w, new, why)
+            self._give_up(w, new, failed)
             return
         self.restarts[p.name] += 1
         log.warning("%s is back at %s (pid %d) after %d restart(s)", new.name, new.url, new.proc.pid,

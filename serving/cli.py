@@ -74,12 +74,16 @@ def _setup(a: argparse.Namespace, scenario_name: str):
                             ("kv_bytes", a.kv_gb * 1e9 if a.kv_gb else None)) if v is not None}
     if getattr(a, "rate", None) is not None and getattr(a, "arrival", None) != "trace":
         hw["start_rate"] = a.rate
+    if getattr(a, "arrival", None) == "trace" and a.arrivals.strip() != "poisson":
+        raise ValueError(f"--arrival trace keeps the workload's own timestamps; --arrivals {a.arrivals} draws others: "
+                         "give one of the two")
     from rich.console import Console
 
     with Console(stderr=True).status("loading workload and pricing requests..."):
         return build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor, max_requests=a.max_requests,
                            latency=a.latency_model, seed=a.seed, arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
-                           overrides=_knobs(a.set), length_noise=a.length_noise, **hw)
+                           overrides={**_knobs(a.set), **({"slo_kind": a.slo_kind} if a.slo_kind else {})},
+                           length_noise=a.length_noise, arrivals=a.arrivals, **hw)
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -101,7 +105,7 @@ def _bench_sim(a: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     for p in policies:  # fail before minutes of work, not after
-        make_policy(p, PolicyConfig(), 64)
+        make_policy(p.removesuffix("+oracle"), PolicyConfig(), 64)
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
     if a.length_noises:
@@ -124,6 +128,18 @@ def _bench_sim(a: argparse.Namespace) -> int:
         setups = _setups_by(a, names[0], "predictor", specs)
         json_path = Path(a.json) if a.json else out_dir / f"bench_quality_{names[0]}.json"
         bench_quality(setups, policies, json_path, json_path.with_suffix(".png"), Console())
+        return 0
+    if a.seeds:
+        from serving.bench.seeds import bench_seeds
+
+        seeds = sorted({int(x) for x in _floats(a.seeds, "--seeds")})
+        if a.scenario == "all" or len(seeds) < 2:
+            raise ValueError("--seeds needs one --scenario and at least two seeds, e.g. 0,1,2")
+        setups = _setups_by(a, names[0], "seed", seeds)
+        judge = a.slo_kind or "jct"
+        baselines = [b.strip() for b in a.baselines.split(",") if b.strip()]
+        json_path = Path(a.json) if a.json else out_dir / f"bench_seeds_{names[0]}_{judge.replace('+', '_')}.json"
+        bench_seeds(setups, policies, judge, baselines, json_path, Console())
         return 0
     for name in names:
         setup = _setup(a, name)
@@ -160,10 +176,22 @@ def _add_sim_options(p: argparse.ArgumentParser, workload_required: bool) -> Non
     g.add_argument("--block-size", type=int, help="KV block size in tokens")
     g.add_argument("--max-model-len", type=int, help="context limit; longer requests are skipped and counted")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer for text workloads (tokenizer.json, tokenizer.model, HF dir)")
-    g.add_argument("--seed", type=int, default=0, help="seed for Poisson arrivals and prediction noise (default: 0)")
+    g.add_argument("--arrivals", default="poisson", metavar="SPEC",
+                   help="arrival process at every rate: poisson | gamma:CV (Gamma renewal gaps with coefficient of "
+                        "variation CV at the same mean rate, e.g. gamma:3 for bursts) | trace-times:PATH_OR_NAME (a real "
+                        "trace's gaps, scaled to the rate and repeated when it runs out; names: azure-code, "
+                        "mooncake-conversation), e.g. --arrivals trace-times:azure-code (default: %(default)s; a "
+                        "scenario or --arrival trace that replays the workload's own timestamps keeps them under poisson)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed for Poisson and Gamma arrivals and prediction noise (default: 0)")
     g.add_argument("--length-noise", type=float, default=0.0, metavar="SIGMA",
                    help="move every output length by Gaussian noise of std SIGMA x the length after predictions are made "
                         "(SeaLLM's figure 13: what neither a predictor nor a service's profile can know; default: 0)")
+    g.add_argument("--slo-kind", choices=["jct", "ttft+tpot", "normalised"],
+                   help="the SLO the operator sets, which the posterior policies optimise and the max-rate search judges "
+                        "by: jct (EcoServe's deadline), ttft+tpot (DistServe's per-token targets) or normalised (SeaLLM's "
+                        "latency per token, judged by its deadline of a multiple of each request's execution time); "
+                        "every table reports all three (default: the scenario's, jct)")
     g.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="policy knob, repeatable: padding, reserve, buffer, tfs, slo_scale, deadline_bin_s, max_num_seqs, ...")
     p.add_argument("--scenario", default="ecoserve-paper", choices=list(SCENARIOS) + (["all"] if not workload_required else []),
@@ -265,6 +293,8 @@ def _add_bench_sim(bsub) -> None:
             "serving.sim.scenarios", fromlist=["SCENARIOS"]).SCENARIOS.items()) +
         "\n\nexamples:\n  lengthwise bench sim\n  lengthwise bench sim --scenario all --max-requests 800\n"
         "  lengthwise bench sim --policies vllm,ecoserve,oracle --predictor noise:0.8\n"
+        "  lengthwise bench sim --arrivals gamma:3 --seed 1   # bursty arrivals (Gamma gaps, CV 3)\n"
+        "  lengthwise bench sim --arrivals trace-times:azure-code   # the Azure code trace's gaps, scaled to each rate\n"
         "  lengthwise bench sim --policies vllm,sjf,ecoserve,lengthwise --predictors oracle,noise:0.85,noise:0.55,noise:0.4")
     bs.add_argument("--policies", default=",".join(__import__("serving.sim.sweep", fromlist=["BENCH_POLICIES"]).BENCH_POLICIES),
                     help="comma-separated policy names (default: %(default)s)")
@@ -277,6 +307,11 @@ def _add_bench_sim(bsub) -> None:
                     help="SeaLLM's figure 13 instead: max rate of each policy with every output length moved by Gaussian "
                          "noise of each std (x the length; see --length-noise), e.g. 0,0.5,1,2; writes "
                          "bench_length_noise_<scenario>.json/.png")
+    bs.add_argument("--seeds", metavar="SEED,SEED,...",
+                    help="sweep every policy on each seed (arrivals and prediction noise redrawn) and report the mean "
+                         "and spread of each max rate and of its ratio to --baselines, seed by seed; e.g. 0,1,2")
+    bs.add_argument("--baselines", default="vllm,sarathi,seallm",
+                    help="with --seeds: the policies every ratio is taken against (default: %(default)s)")
     _add_sim_options(bs, workload_required=False)
     bs.set_defaults(func=_bench_sim)
 
@@ -294,7 +329,10 @@ def _add_simulate(sub) -> None:
                "--max-model-len 8192 --predictor noise:0.6\n"
                "  lengthwise simulate --workload "
                "$LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz "
-               "--policy ecoserve --rate 2 --max-requests 1000 --json run.json")
+               "--policy ecoserve --rate 2 --max-requests 1000 --json run.json\n"
+               "  lengthwise simulate --workload "
+               "$LENGTHWISE_DATA/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz "
+               "--policy lengthwise --rate 2 --arrivals gamma:3   # bursts at the same mean rate")
     sm.add_argument("--policy", required=True, help="scheduling policy name (see below)")
     sm.add_argument("--arrival", choices=["trace", "poisson"],
                     help="file timestamps (rescaled to --rate if given) or Poisson at --rate")

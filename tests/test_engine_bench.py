@@ -83,6 +83,8 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--rates", "-1"], "rates"),
     (["--rates", "x"], "--rates"),
+    (["--arrivals", "gamma:0"], "--arrivals: arrivals 'gamma:0': gamma:CV needs"),
+    (["--arrivals", "trace-times:nope"], "no trace file"),
     (["--policy", "nope"], "nope"),
     (["--kv-blocks", "2"], "kv-blocks"),
     (["--kv-blocks", "40"], "cannot hold one 2048-token request"),

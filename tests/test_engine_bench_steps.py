@@ -103,7 +103,7 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     tfs = result["calibration"]["tfs"]
     for pair in runs:
         for job in pair:
-            assert len(job["requests"]) == 12 and job["plugin"] == {"tfs": tfs}
+            assert len(job["requests"]) == 12 and job["plugin"]["tfs"] == tfs and job["plugin"]["knobs"]["slo_kind"] == "jct"
             assert all("pred_len" in r["extra_args"] and r["slo_s"] > 0 for r in job["requests"])
         assert pair[0]["requests"] == pair[1]["requests"]  # same arrivals, same predictions
 
@@ -279,3 +279,70 @@ def test_sequential_runs_stock_the_main_arm_the_baselines_then_the_oracle_and_a_
         assert set(arms) == ({"lengthwise", "sarathi"} if cut and p["rate"] == 4.0
                              else {"lengthwise", "lengthwise+oracle", "sarathi"})
     assert (result["cut"] is not None) == cut and (result["cut"] or "").startswith("KeyboardInterrupt" if cut else "")
+
+
+def test_arrivals_are_the_same_for_the_replays_and_the_simulation_and_every_arm_reports_three_slo_kinds(
+        engines, tmp_path, monkeypatch):
+    """``--arrivals gamma:3``: both engines of a pair replay the Gamma draws of the bench's seed, the simulator that
+    predicts each run is given those very arrivals, and the table and JSON carry all three SLO kinds for every arm."""
+    from serving.sim.arrivals import arrival_times
+
+    simulated = []
+    real_simulate = bench.simulate
+
+    def simulate(reqs, *args, **kw):
+        simulated.append(sorted((r.rid, r.arrival) for r in reqs))
+        return real_simulate(reqs, *args, **kw)
+
+    monkeypatch.setattr(bench, "simulate", simulate)
+    con, buf = _console()
+    result = run_bench(_cfg(tmp_path, rates=[2.0], arrivals="gamma:3", seed=1, ablation=["sarathi"]), None, None, con)
+    _calibration, *runs = engines.calls
+    want = arrival_times("gamma:3", 12, 2.0, seed=1)
+    assert want[-1] != pytest.approx(arrival_times("poisson", 12, 2.0, seed=1)[-1])
+    for pair in runs:
+        for job in pair:
+            assert [r["arrival"] for r in job["requests"]] == pytest.approx(list(want))
+    replayed = sorted((r["id"], r["arrival"]) for r in runs[0][0]["requests"])
+    assert simulated and all(s == replayed for s in simulated)
+    assert result["config"]["arrivals"] == "gamma:3"
+    for pair in result["points"][0]["arms"].values():
+        for side in ("stock", "run"):
+            m = pair[side]
+            assert 0 <= m["slo_attainment"] <= 1 and 0 <= m["ttft_tpot_attainment"] <= 1 and m["normalized_latency_s"] > 0
+            assert {"slo_attainment", "ttft_tpot_attainment", "normalized_latency_s"} <= set(m["extra"]["sim"])
+    header = next(ln for ln in buf.getvalue().splitlines() if "JCT SLO att." in ln)
+    assert "TTFT+TPOT att." in header and "norm. lat. s/tok" in header
+
+
+def test_the_services_table_shows_the_three_slo_kinds_per_service():
+    kinds = {"a": {"slo_attainment": 0.5, "ttft_tpot_attainment": 0.25, "normalized_latency_s": 0.0123},
+             "b": {"slo_attainment": 1.0, "ttft_tpot_attainment": 0.75, "normalized_latency_s": 0.02}}
+    better = {n: {k: v * 2 for k, v in d.items()} for n, d in kinds.items()}
+    point = {"rate": 2.0, "arms": {"lengthwise": {"stock": {"extra": {"per_service": kinds}},
+                                                  "run": {"extra": {"per_service": better}}}}}
+    con, buf = _console()
+    bench._service_table([point], con)
+    text = buf.getvalue()
+    assert "0.50 -> 1.00" in text and "0.25 -> 0.50" in text and "0.0123 -> 0.0246" in text
+    assert all(k in text for k in ("JCT SLO att.", "TTFT+TPOT att.", "norm. lat. s/tok"))
+
+
+def test_per_service_reports_the_three_slo_kinds_by_the_summarys_definitions():
+    from serving.perf.slo import SLO
+    from serving.sim.metrics import RequestRecord, per_service, slo_kinds
+
+    slo = SLO(scale=2.0, t_p=0.1, t_g=0.01, ttft_s=0.5, tpot_s=0.02)
+    recs = [RequestRecord(0, 0.0, 10, 11, slo.jct_limit(11), first_token=0.2, finished=0.3, tokens=11, service="a"),
+            RequestRecord(1, 0.0, 10, 11, slo.jct_limit(11), first_token=0.9, finished=1.0, tokens=11, service="a"),
+            RequestRecord(2, 0.0, 10, 11, slo.jct_limit(11), first_token=0.1, finished=0.5, tokens=11, service="b"),
+            RequestRecord(3, 0.0, 10, 11, slo.jct_limit(11), service="b")]
+    per = per_service(recs, slo)
+    # JCT limit 0.42 s. a: the first meets both; the second misses its JCT and its TTFT (0.9 s). b: the first misses its
+    # JCT (0.5 s) and its TPOT (0.04 s a token); the second never finished
+    assert per["a"]["slo_attainment"] == 0.5 and per["a"]["ttft_tpot_attainment"] == 0.5
+    assert per["b"]["slo_attainment"] == 0.0 and per["b"]["ttft_tpot_attainment"] == 0.0
+    assert per["a"]["normalized_latency_s"] == pytest.approx((0.3 + 1.0) / 2 / 11)
+    total = slo_kinds(recs, slo)
+    assert total == {"slo_attainment": 0.25, "ttft_tpot_attainment": 0.25, "normalized_latency_s": pytest.approx(
+        (0.3 + 1.0 + 0.5) / 3 / 11)}

@@ -25,8 +25,10 @@ from serving.policy.request import Phase, Prediction, Request
 pytestmark = pytest.mark.unit
 
 POLICIES = ["vllm", "vllm-v0", "sarathi", "sjf", "orca", "fcfs-max-alloc", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO",
-            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm", "muxserve"]
+            "ecoserve", "ecoserve-DP", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm", "muxserve",
+            "lengthwise-posterior", "lengthwise-prior", "lengthwise-own", "lengthwise-gittins"]
 VLLM_LIKE = ("vllm", "vllm-v0", "sarathi", "sjf", "lengthwise", "lengthwise-sjf", "lengthwise-fcfs", "seallm",
+             "lengthwise-posterior", "lengthwise-prior", "lengthwise-own", "lengthwise-gittins",
              "muxserve")
 MAX_ALLOC = ("orca", "fcfs-max-alloc")
 

@@ -38,3 +38,13 @@ def test_serve_without_flags_gives_the_settings_defaults():
     assert settings_from_args(parser.parse_args(["serve", "--model", "m"])) == GatewaySettings(model="m")
     a = parser.parse_args(["serve", "--engine-url", "http://e:1", "--no-feedback", "--engines", "1", "--t-p", "0.5"])
     assert settings_from_args(a) == GatewaySettings(engine_urls=["http://e:1"], feedback=False, t_p_s=0.5)
+
+
+def test_the_operators_slo_kind_reaches_the_plugin_knobs():
+    parser, _ = parsers()
+    s = settings_from_args(parser.parse_args(["serve", "--model", "m", "--slo-kind", "ttft+tpot", "--slo-ttft-ms", "400"]))
+    assert s.scheduler_config["knobs"] == {"slo_kind": "ttft+tpot", "ttft_s": 0.4}
+    kept = settings_from_args(parser.parse_args(["serve", "--model", "m", "--slo-kind", "normalised", "--scheduler-config",
+                                                 '{"knobs": {"slo_kind": "jct", "padding": 0.2}}']))
+    assert kept.scheduler_config["knobs"] == {"slo_kind": "jct", "padding": 0.2}  # the plug-in settings win
+    assert "knobs" not in settings_from_args(parser.parse_args(["serve", "--model", "m"])).scheduler_config

@@ -54,6 +54,22 @@ def test_simulate_replays_trace_timestamps(data, tmp_path):
     assert d["requests_completed"] == 150 and d["setup"]["arrival"] == "trace"
 
 
+def test_simulate_with_bursty_gamma_arrivals(data, tmp_path):
+    """``--arrivals gamma:3``: the run's arrivals are Gamma draws of the seed (so another seed runs other arrivals), and the
+    JSON's setup says so, beside all three SLO kinds."""
+    runs = {}
+    for seed in (0, 1):
+        out = tmp_path / f"gamma{seed}.json"
+        r = run_main(main, ["simulate", "--workload", str(data / LENGTHS), "--policy", "vllm", "--rate", "2",
+                            "--max-requests", "80", "--arrivals", "gamma:3", "--seed", str(seed), "--json", str(out)])
+        assert r.returncode == 0, r.stderr
+        runs[seed] = json.loads(out.read_text())
+    d = runs[0]
+    assert d["setup"]["arrivals"] == "gamma:3" and d["requests_completed"] == 80
+    assert all(0 <= d[k] <= 1 for k in ("slo_attainment", "ttft_tpot_attainment")) and d["normalized_latency_s"] > 0
+    assert d["makespan_s"] != runs[1]["makespan_s"]  # the seed draws the gaps
+
+
 def test_simulate_with_the_registered_predictor(trained, data, tmp_path):
     """The real ONNX model from the registry predicts ShareGPT lengths for the simulator."""
     out = tmp_path / "model.json"
@@ -74,7 +90,7 @@ def bad_trace(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", ["unknown-policy", "negative-rate", "malformed-row", "unknown-model", "bad-predictor",
                                   "bad-knob", "missing-file", "unknown-scenario", "one-predictor", "negative-noise",
-                                  "one-noise", "bad-noises"])
+                                  "one-noise", "bad-noises", "bad-arrivals", "arrivals-and-trace"])
 def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
     wl = str(data / LENGTHS)
     args = {
@@ -90,6 +106,9 @@ def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
         "negative-noise": ["simulate", "--workload", wl, "--policy", "vllm", "--length-noise", "-1"],
         "one-noise": ["bench", "sim", "--workload", wl, "--length-noises", "1"],
         "bad-noises": ["bench", "sim", "--workload", wl, "--length-noises", "0,lots"],
+        "bad-arrivals": ["bench", "sim", "--workload", wl, "--arrivals", "gamma:-3"],
+        "arrivals-and-trace": ["simulate", "--workload", str(bad_trace), "--policy", "vllm", "--arrival", "trace",
+                               "--arrivals", "trace-times:azure-code"],
     }[case]
     r = run_main(main, args)
     assert r.returncode == 2, (r.stdout, r.stderr)

@@ -28,6 +28,7 @@ def describe_setup(setup: Setup) -> dict:
     return {
         "scenario": s.name, "description": s.description, "workload": setup.workload.source,
         "requests": len(setup.requests), "dropped_over_context": setup.workload.dropped, "arrival": s.arrival,
+        "arrivals": setup.arrivals,
         "model": s.model, "gpu": s.gpu, "latency_model": setup.latency.describe(), "kv_blocks": setup.kv_blocks,
         "predictor": setup.predictor.spec, "policy_config": setup.config.model_dump(),
         "slo": {"scale": setup.slo.scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g, "ttft_s": setup.slo.ttft_s,
@@ -88,7 +89,8 @@ def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path
     base = results.get("vllm", {}).get("max_rate_at_90_slo") or None
     table = Table(title=f"{setup.scenario.name}: max rate at >= 90% SLO attainment ({len(setup.requests)} requests, "
                         f"predictor {setup.predictor.spec})")
-    for col in ("policy", "max req/s", "x vllm", "peak thr.", "SLO att.", "norm. lat. (s/tok)", "p99 JCT (s)", "preempt",
+    for col in ("policy", "max req/s", "x vllm", "peak thr.", "JCT SLO att.", "TTFT+TPOT att.", "norm. lat. (s/tok)",
+                "p99 JCT (s)", "preempt",
                 "pauses", "hosted", "KV used", "KV alloc", "sched us/step", "sim req/s"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for p, r in results.items():
@@ -96,7 +98,8 @@ def bench_sim(setup: Setup, policies: list[str], json_path: Path, png_path: Path
         ratio = r["max_rate_at_90_slo"] / base if base else float("nan")
         r["ratio_vs_vllm"] = ratio
         table.add_row(p, rate_text(r), f"{ratio:.2f}", f"{r['peak_throughput_rps']:.3g}",
-                      *(f"{best[k]:.3g}" if best else "-" for k in ("slo_attainment", "normalized_latency_s", "jct_p99_s")),
+                      *(f"{best[k]:.3g}" if best else "-" for k in ("slo_attainment", "ttft_tpot_attainment",
+                                                                 "normalized_latency_s", "jct_p99_s")),
                       *(str(best[k]) if best else "-" for k in ("preemptions", "pauses", "hosted")),
                       *(f"{best[k]:.2f}" if best else "-" for k in ("kv_utilization", "kv_allocated")),
                       f"{best['sched_us_per_step']:.0f}" if best else "-", f"{best['sim_requests_per_s']:.0f}" if best else "-")

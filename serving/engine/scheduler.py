@@ -53,7 +53,7 @@ from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
 from serving.engine import levers as vllm_levers
-from serving.engine.inputs import parse_inputs
+from serving.engine.inputs import model_stop_ids, parse_inputs
 from serving.engine.settings import SchedulerSettings
 from serving.policy.base import Policy, StepPlan
 from serving.policy.config import PolicyConfig
@@ -80,6 +80,8 @@ class LengthwiseScheduler(AsyncScheduler):
             raise RuntimeError(f"this vLLM ({vllm.__version__}) has a scheduler the lengthwise plug-in does not know (no "
                                "kv_holding_waiting queue); install vllm==0.32.0 (the cpu or gpu extra)")
         self.lw_settings = SchedulerSettings.from_vllm(self.vllm_config.additional_config)
+        # the model's own end ids, which vLLM adds to every request's stop_token_ids (its front end read them the same way)
+        self._lw_model_stops = model_stop_ids(self.vllm_config.model_config.try_get_generation_config())
         shape, self.lw_kv_blocks = vllm_levers.shape(self)
         budget = shape["max_num_batched_tokens"]
         cfg = PolicyConfig(**{**shape, "tfs": self.lw_settings.tfs or budget, **self.lw_settings.knobs})
@@ -114,7 +116,8 @@ class LengthwiseScheduler(AsyncScheduler):
             return  # a streaming-input continuation of a request the policy already holds
         sp = request.sampling_params
         inputs = parse_inputs(sp.extra_args if sp is not None else None, arrival=request.arrival_time,
-                              max_tokens=request.max_tokens, default_pred_len=self.lw_settings.default_pred_len)
+                              max_tokens=request.max_tokens, default_pred_len=self.lw_settings.default_pred_len,
+                              sampling=sp, model_stops=self._lw_model_stops)
         self.lw_stats["requests"] += 1
         self.lw_stats["fallback_predictions"] += inputs.fallback_prediction
         if inputs.invalid:
@@ -124,7 +127,9 @@ class LengthwiseScheduler(AsyncScheduler):
         rid = next(self._ids)
         twin = Request(rid, request.arrival_time, request.num_prompt_tokens, inputs.prediction,
                        deadline=inputs.deadline, max_tokens=request.max_tokens, service=vllm_levers.service_of(request),
-                       priority=inputs.priority)
+                       priority=inputs.priority, client=inputs.client, learnable=inputs.learnable)
+        if inputs.fallback_prediction:  # the default length is nobody's prediction: no learner judges a predictor by it
+            twin.extra["predicted"] = False
         try:
             self.lw_policy.add(twin, time.time())
         except ValueError as exc:  # cannot ever fit the KV pool: fail it now rather than hold it forever

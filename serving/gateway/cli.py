@@ -268,6 +268,11 @@ def _prediction_flags(pr: argparse._ActionsContainer) -> None:
              help="seconds between checks of the sidecar's target model, so a sidecar down at start or a moved alias "
                   "is judged when it answers (default: %(default)s)")
     _setting(pr, "--slo-scale", "slo_scale", help="JCT SLO multiplier (default: the policy config's, %(default)s)")
+    _setting(pr, "--slo-kind", "slo_kind", choices=["jct", "ttft+tpot", "normalised"],
+             help="the SLO the engines started here optimise (the posterior policies read it): jct (EcoServe's "
+                  "deadline), ttft+tpot (first token within --slo-ttft-ms, then every token within --slo-tpot-ms, as "
+                  "vllm bench serve --goodput counts) or normalised (SeaLLM's latency per token); sets knobs.slo_kind "
+                  "(and knobs.ttft_s) in the plug-in's settings unless --scheduler-config sets them (default: %(default)s)")
     _setting(pr, "--t-p", "t_p_s", metavar="S",
              help="prefill time of a lone request, seconds (default: %(default)s)")
     _setting(pr, "--t-g", "t_g_s", metavar="S",

@@ -485,7 +485,7 @@ class Gateway:
     def hints(self, call: Call, req: ClientRequest, pred: LengthPrediction, dl: float) -> dict[str, Any]:
         """The engine's body: the client's, with the prediction and the deadline in ``vllm_xargs`` over any the client
         set for the same keys (those are counted and logged)."""
-        body, dropped = engine_body(req, pred, dl, self.model_priority.get(req.model, 0))
+        body, dropped = engine_body(req, pred, dl, self.model_priority.get(req.model, 0), call.client)
         if dropped:
             self.metrics.client_hints_dropped.inc(len(dropped))
             log.debug("request %s: client vllm_xargs %s replaced by the gateway's", call.rid, dropped)
@@ -556,11 +556,12 @@ class Gateway:
             watch = route.target if route is not None and route.target is not None else self.target
             target = watch.current.target or {}
             reason = shaped_by(req.body, target.get("sampling"))
+            if route is not None and route.kind == "profile":  # it learns by the same rules (serving/policy/learnable.py)
+                self.model_predictors.profile.learn(req.model, out.completion_tokens, req.outputs, out.finish_reason,
+                                                    reason, call.client)
             if reason is not None:  # the client decided the length, not the model: no truth about the predictor
                 self.metrics.feedback_withheld.labels(reason).inc()
                 return
-            if route is not None and route.kind == "profile":
-                self.model_predictors.profile.learn(req.model, out.completion_tokens, req.outputs)
             poster = route.feedback if route is not None and route.feedback is not None else self.feedback
             poster.submit(call.pred, out.completion_tokens, req.outputs, out.finish_reason, call.client)
 

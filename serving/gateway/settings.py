@@ -131,6 +131,9 @@ class GatewaySettings(BaseModel):
                                               "sidecar's predictor is for (a sidecar that was not up at start, an "
                                               "alias moved to another version)")
     # SLO
+    slo_kind: Literal["jct", "ttft+tpot", "normalised"] = Field(
+        "jct", description="the SLO the engines started here optimise; goes to the plug-in as knobs.slo_kind (and, for "
+                           "ttft+tpot, knobs.ttft_s from the TTFT target) unless scheduler_config sets them")
     slo_scale: float = Field(PolicyConfig().slo_scale, gt=0, description="JCT SLO = slo_scale x (t_p + t_g x predicted length)")
     t_p_s: float = Field(DEFAULT_T_P_S, ge=0, description="prefill time of a request running alone, seconds")
     t_g_s: float = Field(DEFAULT_T_G_S, ge=0, description="decode time per output token of a request running alone, seconds")
@@ -250,6 +253,13 @@ class GatewaySettings(BaseModel):
             raise ValueError("--engines starts engines here; with --engine-url the gateway attaches to running ones instead")
         if "policy" in self.scheduler_config:
             raise ValueError("set the policy with --policy, not inside --scheduler-config")
+        if self.slo_kind != "jct":  # jct is the plug-in's own default: nothing to say
+            knobs = self.scheduler_config.setdefault("knobs", {})
+            if not isinstance(knobs, dict):
+                raise ValueError("--scheduler-config knobs must be a JSON object, e.g. '{\"knobs\": {\"padding\": 0.2}}'")
+            knobs.setdefault("slo_kind", self.slo_kind)
+            if self.slo_kind == "ttft+tpot":
+                knobs.setdefault("ttft_s", self.slo_targets()[0])
         if self.slo_min_ms > self.slo_max_ms:
             raise ValueError(f"--slo-min-ms {self.slo_min_ms:g} is above --slo-max-ms {self.slo_max_ms:g}")
         if any(not k.get_secret_value().strip() for k in self.api_keys):

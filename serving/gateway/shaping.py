@@ -13,6 +13,10 @@ length of an answer whose request carried any of these (counted by reason in
 ``max_tokens`` is not among them: an answer it cut ends with ``finish_reason`` "length", which the sidecar already
 takes as a lower bound (a censored label), and an answer that ended before it is the model's own length.
 
+The fields that end an answer by themselves are judged by :func:`serving.policy.learnable.shaping_field`, the one
+definition every learner of lengths uses (the gateway's per-name profiles and the plug-in's priors too); only the
+sampling judgement, which needs the predictor's recorded sampling, is the gateway's own.
+
 Sampling is judged against the predictor's recorded sampling, within :data:`SAMPLING_TOLERANCE`, and a sampling field
 the recorded sampling does not name must keep its neutral value; a field the request leaves out runs at the engine's
 default, taken as the served setting. A predictor whose labels record no sampling has nothing to judge sampling
@@ -24,21 +28,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serving.policy.hints import HINT_KEYS
+from serving.policy.learnable import shaping_field
 
 # Sampling fields compared with the predictor's recorded sampling: farther than this from it shapes the length.
 SAMPLING_TOLERANCE = {"temperature": 0.3, "top_p": 0.1, "repetition_penalty": 0.1}
 # Sampling fields the labels' recorded sampling leaves at their neutral value when it does not name them.
 SAMPLING_NEUTRAL = {"presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
                     "top_k": (-1, 0), "min_p": (0.0,)}
-# Fields that shape the length whatever the served settings: any value but their neutral one.
-NEUTRAL = {"min_tokens": (0,), "ignore_eos": (False,), "use_beam_search": (False,), "length_penalty": (1.0,),
-           "continue_final_message": (False,), "add_generation_prompt": (True,)}
-# Fields that shape the length whenever they hold anything (a non-empty string, list or object).
-GIVEN = ("stop", "stop_token_ids", "logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "tools",
-         "functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-         "logits_processors", "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
-         "thinking_token_budget")
 
 
 def shaped_by(body: Mapping[str, Any], sampling: Mapping[str, float] | None) -> str | None:
@@ -48,20 +44,9 @@ def shaped_by(body: Mapping[str, Any], sampling: Mapping[str, float] | None) -> 
     then no sampling field is judged, since there is nothing to judge it against (the labels were perhaps made with the
     very values the request sends).
     """
-    for key in GIVEN:
-        if body.get(key) not in (None, "", [], {}):
-            return key
-    fmt = body.get("response_format")
-    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
-        return "response_format"
-    xargs = body.get("vllm_xargs")
-    if isinstance(xargs, Mapping) and set(xargs) - HINT_KEYS:  # a client's own: what a custom logits processor reads
-        return "vllm_xargs"
-    for key, neutral in NEUTRAL.items():
-        if body.get(key) is not None and body[key] not in neutral:
-            return key
-    if sampling is None:
-        return None
+    field = shaping_field(body)  # the fields every learner of lengths judges alike (serving/policy/learnable.py)
+    if field is not None or sampling is None:
+        return field
     for key, tolerance in SAMPLING_TOLERANCE.items():
         v, want = body.get(key), sampling.get(key)
         if _number(v) and want is not None and abs(v - want) > tolerance:

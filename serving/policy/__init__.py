@@ -3,6 +3,7 @@
 One module per job: ``request`` (a request and its prediction; the vocabulary PT, GT, RL, TFS, KVC is explained
 there), ``kv`` (the block ledger), ``ordering``, ``deadline``, ``pipelining``, one module per policy family
 (``baselines``, ``ecoserve``, ``lengthwise``), ``base`` (the interface), ``registry`` (every policy by name),
-``config`` (the knobs) and ``hints`` (what a request carries from the gateway). The vLLM plug-in
+``config`` (the knobs), ``hints`` (what a request carries from the gateway) and ``learnable`` (which answers' lengths
+any learner of lengths may take, and a window one client key holds at most a share of). The vLLM plug-in
 (``serving/engine``) and the simulator (``serving/sim``) drive the same objects.
 """

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+SloKind = Literal["jct", "ttft+tpot", "normalised"]
+SLO_KINDS: tuple[str, ...] = ("jct", "ttft+tpot", "normalised")
 
 
 class PolicyConfig(BaseModel):
@@ -34,3 +39,19 @@ class PolicyConfig(BaseModel):
     pipeline_depth: int = Field(4, ge=1, description="KVC pipelining: nesting levels (halves, quarters, ...)")
     max_loras: int = Field(0, ge=0, description="LoRA adapters the engine holds at once (vLLM max_loras): no step runs "
                                                 "requests of more distinct adapters; 0: no adapters, no limit")
+    slo_kind: SloKind = Field("jct", description="what the operator's SLO values, which the posterior policy optimises: "
+                                                 "'jct' (EcoServe: the request done within its deadline), 'ttft+tpot' "
+                                                 "(DistServe, vllm bench serve --goodput: first token and every later "
+                                                 "one on time), 'normalised' (SeaLLM: mean latency per output token)")
+    ttft_s: float | None = Field(None, gt=0, description="ttft+tpot: the TTFT target in seconds; a waiting request past it "
+                                                         "has missed and yields to those that can still make it")
+    kv_quantile: float = Field(0.3, gt=0, lt=1, description="posterior policy: the quantile of each request's remaining "
+                                                            "length that projected-peak KV admission plans for")
+    prior_window: int = Field(512, ge=16, description="posterior policy: finished requests each service's length prior "
+                                                      "and predictor-skill window keep")
+    prior_client_share: float = Field(0.25, gt=0, le=1, description="posterior policy: the most of a service prior's "
+                                                                    "window one client key may fill")
+    posterior_index: Literal["mean", "gittins"] = Field(
+        "mean", description="posterior policy: rank by the posterior mean's c-mu rule (expected remaining x expected "
+                            "length; SeaLLM's rule with the belief in place of the budget) or by the Gittins index of the "
+                            "whole belief")

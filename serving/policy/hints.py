@@ -14,6 +14,9 @@ writes them (``serving/gateway/hints.py``) and the plug-in reads them (``serving
 ``deadline``    absolute deadline, Unix seconds (``time.time()`` clock, as vLLM's ``arrival_time``)
 ``slo_s``       alternatively, the deadline relative to arrival, seconds
 ``priority``    the request's priority class, from its model's catalogue entry: lower runs first (vLLM's convention)
+``client``      an opaque id of the client key that sent it (the gateway's ``key-<i>``, never the key; at most
+                :data:`CLIENT_MAX_LEN` characters of letters, digits, ``_.:-``), so that a learner of lengths in the
+                engine caps one key's share of its window (:class:`serving.policy.learnable.ClientWindow`)
 =============== ======================================================================================
 """
 
@@ -28,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 PROBS_SUM_TOLERANCE = 1e-3  # |sum(pred_probs) - 1| allowed: a softmax in float32 and a JSON round trip stay far within it
 _Edge = Annotated[int, Field(ge=1)]
 _Prob = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+CLIENT_MAX_LEN = 64  # the sidecar's feedback takes a client id as long
 
 
 class SchedulingHints(BaseModel):
@@ -43,6 +47,7 @@ class SchedulingHints(BaseModel):
     deadline: float | None = Field(None, allow_inf_nan=False)
     slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     priority: int | None = Field(None, ge=-1000, le=1000)
+    client: str | None = Field(None, min_length=1, max_length=CLIENT_MAX_LEN, pattern=r"^[\w.:-]+$")
 
     @model_validator(mode="after")
     def _distribution(self) -> SchedulingHints:

@@ -17,6 +17,7 @@ from serving.policy.config import PolicyConfig
 from serving.policy.ecoserve import EcoServe
 from serving.policy.lengthwise import LengthwisePolicy
 from serving.policy.muxserve import MuxServePolicy
+from serving.policy.posterior import PosteriorPolicy
 from serving.policy.seallm import SeaLLMPolicy
 
 Factory = Callable[[PolicyConfig, int, Repredict | None], Policy]
@@ -42,6 +43,10 @@ FACTORIES: dict[str, Factory] = {
     "lengthwise": LengthwisePolicy,
     "lengthwise-sjf": partial(LengthwisePolicy, late_tier=False),
     "lengthwise-fcfs": partial(LengthwisePolicy, fcfs=True),
+    "lengthwise-posterior": PosteriorPolicy,
+    "lengthwise-own": partial(PosteriorPolicy, use_prior=False),
+    "lengthwise-prior": partial(PosteriorPolicy, use_prediction=False),
+    "lengthwise-gittins": partial(PosteriorPolicy, index="gittins"),
 }
 ECOSERVE_FLAGS = "ecoserve-<flags>"
 ORACLE = "oracle"

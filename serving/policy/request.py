@@ -99,6 +99,10 @@ class Request:
     extra: dict = field(default_factory=dict)
     service: str = ""  # the model or LoRA adapter it is for (several services in one engine); "" for the one model
     priority: int = 0  # its priority class (a catalogue's priority): lower runs first in the vLLM-loop policies
+    client: str = ""  # an opaque id of the client key that sent it ("" unknown): caps one key's share of a learnt prior
+    # whether its length is the model's own: False when the client could shape it (max_tokens reached, stop sequences,
+    # ignore_eos, min_tokens...), so no learner of lengths takes it as a sample
+    learnable: bool = True
 
     @property
     def seq_len(self) -> int:

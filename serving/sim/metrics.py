@@ -1,8 +1,14 @@
 """Per-request records and the run summary, with EcoServe's metric definitions.
 
-Normalized latency is the mean over requests of end-to-end latency divided by output length (ORCA,
-vLLM, EcoServe). JCT SLO attainment counts requests finished within ``scale × (t_p + t_g × RL)`` of
-arrival; TTFT/TPOT attainment counts requests meeting both per-token targets.
+Three kinds of SLO, each reported beside the others (:func:`slo_kinds`, one definition for the simulator and the engine
+benches, whose runs become these records too):
+
+* JCT SLO attainment (EcoServe's): the share of requests finished within ``scale × (t_p + t_g × RL)`` of arrival
+  (:func:`meets_jct`);
+* TTFT+TPOT attainment (DistServe's, as ``vllm bench serve --goodput`` counts): the share with TTFT <= its target and
+  TPOT (the mean gap between output tokens after the first) <= its target (:func:`meets_ttft_tpot`);
+* normalized latency (SeaLLM's, after ORCA and vLLM): the mean over finished requests of end-to-end latency divided by
+  output length (:func:`normalized_latency`).
 """
 
 from __future__ import annotations
@@ -77,6 +83,33 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else float("nan")
 
 
+def meets_jct(r: RequestRecord) -> bool:
+    """EcoServe's JCT SLO: finished within its limit of arrival (the limit from :meth:`serving.perf.slo.SLO.jct_limit`)."""
+    return r.finished is not None and r.finished - r.arrival <= r.jct_limit
+
+
+def meets_ttft_tpot(r: RequestRecord, slo) -> bool:
+    """DistServe's per-token SLO: first token within ``slo.ttft_s`` of arrival and, past the first token, a mean time per
+    output token within ``slo.tpot_s`` (a one-token answer has no TPOT to miss)."""
+    if r.finished is None or r.first_token is None or r.first_token - r.arrival > slo.ttft_s:
+        return False
+    return r.tokens <= 1 or (r.finished - r.first_token) / (r.tokens - 1) <= slo.tpot_s
+
+
+def normalized_latency(records: list[RequestRecord]) -> float:
+    """SeaLLM's normalized latency: the mean of end-to-end latency over output length, over finished requests."""
+    done = [r for r in records if r.finished is not None]
+    return float(np.mean([(r.finished - r.arrival) / r.output_tokens for r in done])) if done else float("nan")
+
+
+def slo_kinds(records: list[RequestRecord], slo) -> dict[str, float]:
+    """The three SLO kinds side by side, over ``records`` (an unfinished request misses both attainments)."""
+    n = len(records)
+    return {"slo_attainment": sum(map(meets_jct, records)) / n if n else 0.0,
+            "ttft_tpot_attainment": sum(meets_ttft_tpot(r, slo) for r in records) / n if n else 0.0,
+            "normalized_latency_s": normalized_latency(records)}
+
+
 def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float, steps: int, kv_utilization: float,
               kv_allocated: float, forward_size: float, batch_size: float, preemptions: int, pauses: int, hosted: int,
               sched_us_per_step: float, wall_s: float, busy_s: float) -> RunMetrics:
@@ -85,16 +118,15 @@ def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float
     out = np.array([r.output_tokens for r in done], dtype=float)
     ttft = np.array([r.first_token - r.arrival for r in done])
     tbt = np.array([(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1])
-    met = sum(1 for r, j in zip(done, jct) if j <= r.jct_limit)
-    per_token_ok = sum(1 for r, t in zip(done, ttft) if t <= slo.ttft_s and
-                       (r.tokens <= 1 or (r.finished - r.first_token) / (r.tokens - 1) <= slo.tpot_s))
+    kinds = slo_kinds(records, slo)
+    met = sum(map(meets_jct, done))
     span = max(makespan - min((r.arrival for r in records), default=0.0), 1e-9)
     n = len(records)
     return RunMetrics(
         policy=policy, requests_total=n, requests_completed=len(done),
-        slo_attainment=met / n if n else 0.0, ttft_tpot_attainment=per_token_ok / n if n else 0.0,
+        slo_attainment=kinds["slo_attainment"], ttft_tpot_attainment=kinds["ttft_tpot_attainment"],
         throughput_rps=len(done) / span, goodput_rps=met / span, tokens_per_s=float(out.sum()) / span,
-        normalized_latency_s=float(np.mean(jct / out)) if done else float("nan"),
+        normalized_latency_s=kinds["normalized_latency_s"],
         jct_mean_s=float(jct.mean()) if done else float("nan"), jct_p50_s=_pct(jct, 50), jct_p90_s=_pct(jct, 90),
         jct_p99_s=_pct(jct, 99), ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99), tbt_p50_s=_pct(tbt, 50),
         tbt_p99_s=_pct(tbt, 99), kv_utilization=kv_utilization, kv_allocated=kv_allocated, forward_size=forward_size,
@@ -102,21 +134,21 @@ def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float
         sched_us_per_step=sched_us_per_step, steps=steps, makespan_s=makespan, wall_s=wall_s,
         sim_requests_per_s=n / wall_s if wall_s > 0 else float("inf"),
         slo={"scale": slo.scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-        extra={"busy_s": busy_s, **({"per_service": per_service(records)} if any(r.service for r in records) else {})},
+        extra={"busy_s": busy_s, **({"per_service": per_service(records, slo)} if any(r.service for r in records) else {})},
     )
 
 
-def per_service(records: list[RequestRecord]) -> dict[str, dict]:
-    """Each service's requests, JCT SLO attainment, normalised latency and JCT p99 (SeaLLM reports them per service):
-    a policy that serves one service well by starving another shows here, not in the totals."""
+def per_service(records: list[RequestRecord], slo=None) -> dict[str, dict]:
+    """Each service's requests, the SLO kinds (JCT SLO attainment, normalised latency and, given ``slo``, TTFT+TPOT
+    attainment: :func:`slo_kinds`) and JCT p99 (SeaLLM reports them per service): a policy that serves one service well
+    by starving another shows here, not in the totals."""
     out = {}
     for name in sorted({r.service for r in records}):
         mine = [r for r in records if r.service == name]
         done = [r for r in mine if r.finished is not None]
         jct = np.array([r.finished - r.arrival for r in done])
-        out[name] = {"requests": len(mine), "completed": len(done),
-                     "slo_attainment": sum(1 for r, j in zip(done, jct) if j <= r.jct_limit) / len(mine),
-                     "normalized_latency_s": float(np.mean(jct / np.array([r.output_tokens for r in done]))) if done
-                     else float("nan"), "jct_p99_s": _pct(jct, 99),
+        kinds = slo_kinds(mine, slo) if slo is not None else {"slo_attainment": sum(map(meets_jct, mine)) / len(mine),
+                                                                "normalized_latency_s": normalized_latency(mine)}
+        out[name] = {"requests": len(mine), "completed": len(done), **kinds, "jct_p99_s": _pct(jct, 99),
                      "mean_output_tokens": float(np.mean([r.output_tokens for r in mine]))}
     return out

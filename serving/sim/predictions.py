@@ -9,6 +9,10 @@ A predictor spec names where predictions come from:
 * ``gauss:SIGMA`` — ``truth * (1 + N(0, SIGMA))``, the robustness test of SeaLLM-style papers;
 * ``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/...`` or a predictor package directory —
   the real ONNX length predictor run on the requests' prompt turns;
+* ``tfidf`` or ``tfidf:K`` — a trained predictor for any workload with text, where no ONNX model is at hand: the project's
+  TF-IDF + logistic-regression baseline (training.baselines), cross-fitted on the workload's own requests over ``K``
+  folds (default 2) so that no request is predicted by a model that saw its length, one model per service;
+* ``blind`` — another request's true length for each request: the workload's spread, no information (Kendall tau about 0);
 * ``point:SPEC`` — SPEC's predictions without their bucket distribution (a request that outlives its
   prediction is then re-predicted by doubling): what the distribution is worth, measured.
 
@@ -35,7 +39,8 @@ ACCURACY_SCHEME = BucketScheme.equal_width(200, 2048)
 PROGRESS_MIN = 500  # show a progress bar when the real model predicts more prompts than this
 
 _VALID = ("oracle, noise:ACC (0 < ACC <= 1, e.g. noise:0.55), gauss:SIGMA (SIGMA >= 0, e.g. gauss:0.2), "
-          "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, a predictor package directory, or point:SPEC")
+          "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, a predictor package directory, "
+          "tfidf[:K] (K >= 2 folds, e.g. tfidf:5), blind, or point:SPEC")
 _SALT_PREDICT = 0
 
 
@@ -145,6 +150,16 @@ def _truth(requests: list[TraceRequest]) -> tuple[np.ndarray, np.ndarray]:
             np.array([r.rid for r in requests], dtype=np.int64))
 
 
+def _need_text(spec: str, requests: list[TraceRequest]) -> None:
+    """Raise :class:`WorkloadError` when a predictor that reads prompts is given requests without text."""
+    missing = [r.rid for r in requests if not r.turns]
+    if missing:
+        raise WorkloadError(
+            f"predictor {spec} needs prompt text, but {len(missing)} request(s) have none (e.g. rid {missing[0]}); "
+            "use a ShareGPT or AlpacaEval workload, or oracle / noise:ACC / gauss:SIGMA for length-only traces"
+        )
+
+
 def _as_the_engine_does(prediction: Prediction, generated: int) -> float:
     """Re-predict a request that outlived its prediction from the first prediction alone, as the plug-in must.
 
@@ -233,12 +248,7 @@ class ModelPredictor:
     def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
         if not requests:
             return []
-        missing = [r.rid for r in requests if not r.turns]
-        if missing:
-            raise WorkloadError(
-                f"predictor {self.spec} needs prompt text, but {len(missing)} request(s) have none (e.g. rid {missing[0]}); "
-                "use a ShareGPT or AlpacaEval workload, or oracle / noise:ACC / gauss:SIGMA for length-only traces"
-            )
+        _need_text(self.spec, requests)
         from tqdm.auto import tqdm
 
         scheme: BucketScheme = self.predictor.scheme
@@ -255,6 +265,112 @@ class ModelPredictor:
                 lengths.append(np.asarray(out.quantile if self.quantile is not None else out.expected))
                 bar.update(len(prompts[i : i + chunk]))
         return bucket_predictions(scheme, np.concatenate(buckets), np.concatenate(probs), np.concatenate(lengths))
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return _as_the_engine_does(prediction, generated)
+
+
+# The buckets ``tfidf`` classifies into: doubling from 16 tokens, ten of them, the last [4096, 8192) (8,192: the context
+# of the scenarios with text) and open above. Answers span two orders of magnitude (AlpacaEval's concise 7B model
+# averages about 80 GPT-2 tokens, Llama-3-8B about 440, ShareGPT's tail reaches thousands): 200-token buckets put
+# nearly every short answer in bucket 0, leaving nothing to rank among them, while doubling buckets resolve short and
+# long answers alike to within a factor of two, which is what ordering requests by length needs.
+TFIDF_SCHEME = BucketScheme.from_edges([16 * 2**k for k in range(9)], 8192)
+TFIDF_FOLDS = 2       # K of plain ``tfidf``
+TFIDF_VAL_SHARE = 5   # one training row in this many is held back to choose the regularisation C ...
+TFIDF_MIN_VAL = 50    # ... when there are at least this many (fewer: TfidfLogReg takes its middle C)
+TFIDF_MIN_ROWS = 20   # a service with fewer training rows in a fold is fitted on every service's (too few alone)
+_SALT_FOLD, _SALT_VAL = 1, 2
+
+
+def _hashed(rids: np.ndarray, salt: int, k: int) -> np.ndarray:
+    """A fixed hash of each rid (salted) modulo ``k``: a request's fold depends on its rid and nothing else."""
+    h = _splitmix(_splitmix(np.asarray(rids, dtype=np.int64).astype(np.uint64)) ^ _U64(salt))
+    return (h % _U64(k)).astype(np.int64)
+
+
+class CrossFitTfidf:
+    """A trained predictor for any workload with text: TF-IDF + logistic regression over :data:`TFIDF_SCHEME`,
+    cross-fitted on the workload's own requests.
+
+    The requests are dealt into ``folds`` folds by a fixed hash of their rid, and each fold is predicted by
+    :class:`training.baselines.TfidfLogReg` (per slice, first turns and later turns, as
+    :func:`training.baselines.fit_sliced` fits it in the training report) fitted on the other folds' prompts and true
+    lengths, one row in :data:`TFIDF_VAL_SHARE` of those held back to choose C. So no request is predicted by a model
+    that saw its length. Where the workload has several services (``TraceRequest.service``) each service is fitted on
+    its own rows, since its predictor is for its lengths, with the same folds.
+
+    ``length`` is the expected length under the bucket distribution (bucket centres: the training rows' mean length in
+    each bucket), or its ``quantile`` when given, as :class:`ModelPredictor`'s. After :meth:`predict`, ``achieved`` is
+    the top-1 accuracy at :data:`ACCURACY_SCHEME` and ``quality`` the Kendall tau per service (key ``all`` when the
+    workload has none), both on the held-out predictions; ``fits`` says what each fit saw and chose.
+    """
+
+    def __init__(self, folds: int = TFIDF_FOLDS, quantile: float | None = None) -> None:
+        self.folds = folds
+        self.quantile = quantile
+        self.spec = "tfidf" if folds == TFIDF_FOLDS else f"tfidf:{folds}"
+        self.achieved: float | None = None
+        self.quality: dict[str, float] = {}
+        self.fits: list[dict] = []
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        if not requests:
+            return []
+        _need_text(self.spec, requests)
+        from threadpoolctl import threadpool_limits
+
+        from training.baselines import TfidfLogReg, fit_sliced, rows_of
+        from training.data.example import Example, Turn
+        from training.evaluate import kendall_tau
+
+        examples = [Example(str(r.rid), tuple(Turn(role, text) for role, text in _turn_pairs(r.turns)),
+                            response_tokens=r.output_tokens) for r in requests]
+        rows = rows_of(examples, np.array([r.prompt_tokens for r in requests]))
+        truth, rids = _truth(requests)
+        fold, held = _hashed(rids, _SALT_FOLD, self.folds), _hashed(rids, _SALT_VAL, TFIDF_VAL_SHARE) == 0
+        service = np.array([r.service for r in requests], dtype=object)
+        probs, lengths = np.zeros((len(requests), TFIDF_SCHEME.n)), np.zeros(len(requests))
+        self.fits = []
+        for f in range(self.folds):
+            for s in sorted(set(service[fold == f])):
+                test = (fold == f) & (service == s)
+                fit = (fold != f) & (service == s)
+                if fit.sum() < TFIDF_MIN_ROWS:
+                    fit = fold != f
+                if not fit.any():
+                    raise WorkloadError(f"predictor {self.spec} learns each request's length from the others', but all "
+                                        f"{len(requests)} request(s) fall in one of its {self.folds} folds; use more "
+                                        "requests")
+                val = fit & held if fit.sum() >= TFIDF_MIN_VAL else np.zeros_like(fit)
+                scheme = TFIDF_SCHEME.with_centers(truth[fit])
+                # One BLAS thread: these fits are small, and threads contending for shared cores made them 10-100x slower.
+                with threadpool_limits(limits=1):
+                    pred, info = fit_sliced(TfidfLogReg, scheme, rows.take(fit & ~val), rows.take(val), rows.take(test))
+                probs[test] = pred.probs
+                lengths[test] = pred.point if self.quantile is None else scheme.quantile(pred.probs, self.quantile)
+                self.fits.append({"service": s, "fold": f, "n_train": int((fit & ~val).sum()), "n_val": int(val.sum()),
+                                  "pooled": bool((service[fit] != s).any()), "slices": info})
+        self.achieved = bucket_accuracy(truth, lengths)
+        self.quality = {s or "all": kendall_tau(lengths[service == s], truth[service == s]) for s in sorted(set(service))}
+        return bucket_predictions(TFIDF_SCHEME, probs.argmax(1), probs, lengths)
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return _as_the_engine_does(prediction, generated)
+
+
+class Blind:
+    """A predictor that knows nothing: each request is predicted another request's true length (a seeded permutation),
+    so the predictions have the workload's own spread and a Kendall tau of about 0 against the truth."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.spec = "blind"
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        truth, _ = _truth(requests)
+        order = np.random.default_rng(self.seed + 104729).permutation(len(truth))
+        return [_point(max(1.0, float(truth[i]))) for i in order]
 
     def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
         return _as_the_engine_does(prediction, generated)
@@ -320,7 +436,7 @@ def names_a_model(spec: str) -> bool:
         return names_a_model(s[len("point:"):])
     kind = s.partition(":")[0].lower()
     return s.startswith(("models:/", "runs:/")) or (
-        kind not in ("oracle", "noise", "gauss") and ("/" in s or Path(s).expanduser().is_dir()))
+        kind not in ("oracle", "noise", "gauss", "tfidf", "blind") and ("/" in s or Path(s).expanduser().is_dir()))
 
 
 def check_spec(spec: str) -> None:
@@ -332,8 +448,8 @@ def check_spec(spec: str) -> None:
 def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> LengthOracle:
     """Build the predictor a spec names (see the module doc); a bad spec raises :class:`PredictorSpecError`.
 
-    ``quantile`` (real model only) makes ``length`` the bucket-distribution quantile instead of the mean,
-    i.e. padded predictions.
+    ``quantile`` (a real model or ``tfidf`` only) makes ``length`` the bucket-distribution quantile instead of the
+    mean, i.e. padded predictions.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise PredictorSpecError(f"empty predictor spec; valid forms: {_VALID}")
@@ -344,12 +460,14 @@ def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> L
     kind_l = kind.lower()
     is_model = names_a_model(s)
     if quantile is not None:
-        if not is_model:
-            raise PredictorSpecError(f"quantile applies only to a real model predictor, not to {s!r}")
+        if not is_model and kind_l != "tfidf":
+            raise PredictorSpecError(f"quantile applies only to a real model predictor or tfidf, not to {s!r}")
         if not 0.0 < quantile < 1.0:
             raise PredictorSpecError(f"quantile must be in (0, 1), got {quantile}")
     if is_model:
         return ModelPredictor(s, _load_model(s), quantile)
+    if kind_l == "blind" and not value:
+        return Blind(seed)
     if kind_l == "oracle" and not value:
         return ExactOracle()
     if kind_l == "noise" and value:
@@ -362,4 +480,9 @@ def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> L
         if sigma < 0.0:
             raise PredictorSpecError(f"gauss sigma must be >= 0, got {value}; e.g. gauss:0.2")
         return GaussianNoise(sigma, seed)
+    if kind_l == "tfidf":
+        folds = _number(s, value) if value else TFIDF_FOLDS
+        if folds != int(folds) or folds < 2:
+            raise PredictorSpecError(f"tfidf folds must be a whole number >= 2, got {value}; e.g. tfidf:5")
+        return CrossFitTfidf(int(folds), quantile)
     raise PredictorSpecError(f"unknown predictor spec {spec!r}; valid forms: {_VALID}")

@@ -17,7 +17,7 @@ from serving.perf.latency import LatencyModel, StepShape, make_latency_model
 from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
-from serving.sim.engine import poisson_arrivals
+from serving.sim.arrivals import parse_arrivals
 from serving.sim.predictions import LengthOracle, make_predictor
 from serving.sim.workload import TraceRequest, Workload, load_workload
 
@@ -25,6 +25,9 @@ SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
 ALPACA_EVAL = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
 # four 7-8B chat models as services of one engine, their mean answers 82 to 443 GPT-2 tokens on AlpacaEval's prompts
 SEALLM_SERVICES = "alpaca-7b_concise,vicuna-7b,llama-2-7b-chat-hf,Meta-Llama-3-8B-Instruct"
+
+
+EXACT_SUFFIX = "+oracle"  # POLICY+oracle: that policy fed true lengths
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Setup:
     predictor: LengthOracle
     predictions: list[Prediction]
     seed: int = 0
+    arrivals: str = "poisson"  # how at_rate times requests: poisson, gamma:CV or trace-times:TRACE (serving/sim/arrivals.py)
     _oracle: tuple | None = None
 
     @property
@@ -130,17 +134,22 @@ class Setup:
         return (len(w) - 1) / w.duration if w.duration > 0 else float("nan")
 
     def at_rate(self, rate: float) -> list[TraceRequest]:
-        """The same requests with arrivals for ``rate`` req/s: Poisson redraw, or the trace's gaps rescaled."""
+        """The same requests with arrivals for ``rate`` req/s, as ``arrivals`` says (drawn from the setup's seed). Under
+        ``poisson``, a scenario whose arrival is ``trace`` keeps the workload's own timestamps, rescaled to the rate;
+        ``gamma:CV`` and ``trace-times:TRACE`` replace them too."""
         reqs = self.requests
-        if self.scenario.arrival == "trace" and self.workload.has_timestamps:
+        process = parse_arrivals(self.arrivals)
+        if process.kind == "poisson" and self.scenario.arrival == "trace" and self.workload.has_timestamps:
             k = self.native_rate() / rate
             return [dataclasses.replace(r, arrival=r.arrival * k) for r in reqs]
-        times = poisson_arrivals(len(reqs), rate, self.seed)
+        times = process.times(len(reqs), rate, self.seed)
         return [dataclasses.replace(r, arrival=float(t)) for r, t in zip(reqs, times)]
 
     def predictions_for(self, policy: str) -> tuple[list[Prediction], LengthOracle]:
-        """``oracle`` runs ecoserve on true lengths; every other policy sees the scenario's predictor."""
-        if policy.strip().lower() != "oracle":
+        """``oracle`` runs ecoserve on true lengths, and ``POLICY+oracle`` any policy on them (what the same policy
+        reaches with exact lengths, in the same run); every other policy sees the scenario's predictor."""
+        name = policy.strip().lower()
+        if name != "oracle" and not name.endswith(EXACT_SUFFIX):
             return self.predictions, self.predictor
         if self._oracle is None:
             o = make_predictor("oracle")
@@ -151,13 +160,15 @@ class Setup:
 def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: str | None = None,
                 max_requests: int | None = None, latency: str | None = None, seed: int = 0, arrival: str | None = None,
                 tokenizer: str | None = None, overrides: dict | None = None, length_noise: float = 0.0,
-                **hardware) -> Setup:
+                arrivals: str = "poisson", **hardware) -> Setup:
     """Load the workload, price it, size the KV pool and derive the SLOs for ``scenario``.
 
     ``workload``/``arrival``/``tokenizer``/``latency``/``predictor`` and ``hardware`` (any Scenario field, e.g.
     ``model``, ``gpu``, ``kv_blocks``) replace the scenario's; ``overrides`` sets PolicyConfig fields.
-    ``length_noise``: SeaLLM's figure 13 (§5), see :func:`perturb_lengths`.
+    ``length_noise``: SeaLLM's figure 13 (§5), see :func:`perturb_lengths`. ``arrivals``: the arrival process of every
+    rate (:mod:`serving.sim.arrivals`), checked before the workload loads.
     """
+    arrivals = parse_arrivals(arrivals).spec
     if hardware:
         if "kv_bytes" in hardware and "kv_blocks" not in hardware:
             hardware["kv_blocks"] = None
@@ -186,7 +197,9 @@ def build_setup(scenario: Scenario, *, workload: str | None = None, predictor: s
     if length_noise:
         w = dataclasses.replace(w, requests=perturb_lengths(w.requests, length_noise, scenario.max_model_len, seed))
     slo = derive_slo(lat, [r.prompt_tokens for r in w.requests], [r.output_tokens for r in w.requests], cfg.slo_scale)
-    return Setup(scenario, w, lat, blocks, cfg, slo, pred, predictions, seed)
+    if cfg.ttft_s is None:  # the operator's TTFT target is the SLO's: a policy steered by TTFT reads it from its config
+        cfg = cfg.model_copy(update={"ttft_s": slo.ttft_s})
+    return Setup(scenario, w, lat, blocks, cfg, slo, pred, predictions, seed, arrivals)
 
 
 def perturb_lengths(reqs: list[TraceRequest], sigma: float, max_model_len: int, seed: int = 0) -> list[TraceRequest]:

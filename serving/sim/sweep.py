@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from serving.sim.engine import simulate
 from serving.sim.metrics import RunMetrics
-from serving.sim.scenarios import Setup
+from serving.sim.scenarios import EXACT_SUFFIX, Setup
 
 BENCH_POLICIES = ("vllm", "vllm-v0", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
                   "lengthwise-fcfs", "lengthwise-sjf", "lengthwise")
@@ -21,22 +21,25 @@ BENCH_POLICIES = ("vllm", "vllm-v0", "orca", "sarathi", "sjf", "ecoserve-D", "ec
 def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> RunMetrics:
     preds, oracle = setup.predictions_for(policy)
     reqs = setup.at_rate(rate)
-    m = simulate(reqs, preds, policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
+    m = simulate(reqs, preds, policy.removesuffix(EXACT_SUFFIX), setup.config, setup.kv_blocks, setup.latency, setup.slo,
                  repredict=oracle.repredict, check=check)
     m.extra["rate"] = rate
+    m.policy = policy
     return m
 
 
-def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: float = 1.25, max_points: int = 14,
-                 refine: int = 3, on_point: Callable[[str, float, RunMetrics], None] | None = None) -> dict:
-    """Max rate at ``target`` attainment for one policy, with every point it ran."""
+def sweep_policy(setup: Setup, policy: str, *, target: float = 0.9, factor: float = 1.25, max_points: int = 20,
+                 refine: int = 3, on_point: Callable[[str, float, RunMetrics], None] | None = None,
+                 key: str = "slo_attainment") -> dict:
+    """Max rate at ``target`` attainment (of ``key``: JCT, or ``ttft_tpot_attainment``) for one policy, with every
+    point it ran."""
     return max_rate(lambda rate: run_point(setup, policy, rate), setup.scenario.start_rate, target=target, factor=factor,
-                    max_points=max_points, refine=refine,
+                    max_points=max_points, refine=refine, key=key,
                     on_point=(lambda rate, m: on_point(policy, rate, m)) if on_point else None)
 
 
 def max_rate(run: Callable[[float], RunMetrics], start_rate: float, *, target: float = 0.9, key: str = "slo_attainment",
-             factor: float = 1.25, max_points: int = 14, refine: int = 3,
+             factor: float = 1.25, max_points: int = 20, refine: int = 3,
              on_point: Callable[[float, RunMetrics], None] | None = None) -> dict:
     """The highest rate whose ``key`` attainment is at least ``target``: a geometric walk from ``start_rate``, then bisection."""
     points: dict[float, RunMetrics] = {}

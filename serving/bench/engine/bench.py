@@ -65,8 +65,9 @@ from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.launch.models import Sampling, chat_prompt_ids, resolve_model
 from serving.perf.latency import FittedLatency, LatencyModel, StepShape, make_latency_model
 from serving.perf.slo import derive_slo
-from serving.policy.config import PolicyConfig
+from serving.policy.config import PolicyConfig, SloKind
 from serving.policy.request import Prediction
+from serving.sim.arrivals import parse_arrivals
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
 from serving.sim.predictions import LengthOracle, PredictorSpecError, check_spec, make_predictor
@@ -125,7 +126,12 @@ class EngineBenchConfig(BaseModel):
                                                         "at 90% SLO, as the calibrated simulator predicts")
     rate_factors: list[float] = Field(list(DEFAULT_RATE_FACTORS), description="the default rates: these multiples of "
                                       "the rate the calibrated simulator says stock sustains at 90% SLO")
+    arrivals: str = Field("poisson", description="the arrival process of every rate, the replays' and the simulator's "
+                                                 "alike: poisson, gamma:CV or trace-times:PATH_OR_NAME "
+                                                 "(serving/sim/arrivals.py)")
     slo_scale: float | None = Field(None, gt=0, description="EcoServe's SLO scale; default PolicyConfig's")
+    slo_kind: SloKind = Field("jct", description="the SLO the plug-in's posterior policies optimise (PolicyConfig.slo_kind, "
+                                                 "with the TTFT target the bench derives); every arm reports all three")
     calibration_requests: int = Field(96, ge=8)
     max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, stock and plug-in alike; default "
                                                            "the trace's longest response rounded up to a multiple of 256")
@@ -196,6 +202,12 @@ class EngineBenchConfig(BaseModel):
                 except PredictorSpecError as exc:
                     raise ValueError(str(exc)) from None
         return v
+
+    @field_validator("arrivals")
+    @classmethod
+    def _arrivals(cls, v: str) -> str:
+        """A bad spec (or an unreadable trace) is refused here, before the calibration."""
+        return parse_arrivals(v).spec
 
     @field_validator("rates", "rate_factors")
     @classmethod
@@ -383,7 +395,8 @@ def _job(scheduler: str, cfg: EngineBenchConfig, reqs: list[TraceRequest], preds
                       "extra_args": xargs, "slo_s": slo.jct_limit(max(1.0, min(p.length, cfg.max_tokens))),
                       **_real_fields(cfg, r, prompts), **_service_fields(cfg, r)})
     return {"scheduler": scheduler, "tag": tag, "engine": _engine_args(cfg), "max_tokens": cfg.max_tokens, "requests": items,
-            "plugin": {"tfs": tfs}, "sampling": cfg.sampling.model_dump()}
+            "plugin": {"tfs": tfs, "knobs": {"slo_kind": cfg.slo_kind, "ttft_s": slo.ttft_s}},
+            "sampling": cfg.sampling.model_dump()}
 
 
 def _real_fields(cfg: EngineBenchConfig, r: TraceRequest, prompts: dict[int, list[int]] | None) -> dict[str, Any]:
@@ -475,21 +488,29 @@ def _services(cfg: EngineBenchConfig, work: Path, console: Console) -> tuple[Wor
     return wl, svc, cfg
 
 
+SERVICE_KINDS = (("slo_attainment", "JCT SLO att.", ".2f"), ("ttft_tpot_attainment", "TTFT+TPOT att.", ".2f"),
+                 ("normalized_latency_s", "norm. lat. s/tok", ".4f"))
+"""The three SLO kinds the services' table shows, each arm's beside its stock run's (:func:`serving.sim.metrics.slo_kinds`)."""
+
+
 def _service_table(points: list[dict], console: Console) -> None:
-    """Each arm's SLO attainment per service beside its stock run's, at every rate (SeaLLM reports per service: a
+    """Each arm's three SLO kinds per service beside its stock run's, at every rate (SeaLLM reports per service: a
     policy that serves one service by starving another shows here, not in the totals)."""
-    t = Table(title="attainment per service (stock -> arm)")
+    t = Table(title="SLO kinds per service (stock -> arm)")
     t.add_column("rate")
     t.add_column("arm")
+    t.add_column("SLO kind")
     names = sorted({n for p in points for a in p["arms"].values() for n in a["run"].get("extra", {}).get("per_service", {})})
     for n in names:
-        t.add_column(n or "base")
+        t.add_column(n or "base", justify="right")
+    nan = float("nan")
     for p in points:
         for label, a in p["arms"].items():
             mine = a["run"].get("extra", {}).get("per_service", {})
             theirs = a["stock"].get("extra", {}).get("per_service", {})
-            t.add_row(f"{p['rate']:g}", label, *(f"{theirs.get(n, {}).get('slo_attainment', float('nan')):.2f} -> "
-                                                f"{mine.get(n, {}).get('slo_attainment', float('nan')):.2f}" for n in names))
+            for key, kind, fmt in SERVICE_KINDS:
+                t.add_row(f"{p['rate']:g}", label, kind, *(f"{theirs.get(n, {}).get(key, nan):{fmt}} -> "
+                                                         f"{mine.get(n, {}).get(key, nan):{fmt}}" for n in names))
     console.print(t)
 
 
@@ -551,8 +572,9 @@ def _simulated(at: list[TraceRequest], setup: Setup, policy: str, label: str, ma
 
 
 def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int, list[int]] | None]:
-    """The trace (Poisson arrivals are drawn again for each rate) and, with a real model, each request's prompt as
-    token ids in the model's chat template (requests whose prompt leaves no room for ``max_tokens`` are skipped)."""
+    """The trace (its arrivals are made again for each rate, as ``cfg.arrivals`` says: :meth:`Setup.at_rate`) and,
+    with a real model, each request's prompt as token ids in the model's chat template (requests whose prompt leaves no
+    room for ``max_tokens`` are skipped)."""
     tok = cfg.tokenizer or (str(Path(cfg.model) / "tokenizer.json") if cfg.model
                             else str(data_path("tokenizers/gpt2/tokenizer.json")))
     with console.status("loading the trace..."):
@@ -622,7 +644,7 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Con
     scale = cfg.slo_scale or pc.slo_scale
     slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], scale)
     tfs = saturating_forward_size(lat, cfg.max_num_batched_tokens)
-    pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale})
+    pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale, "slo_kind": cfg.slo_kind, "ttft_s": slo.ttft_s})
     what = (f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "
             f"{lat.c2 * 1e6:.1f} µs/decode token + {lat.c3 * 1e9:.1f} ns/KV token (R² {lat.r2:.3f}, "
             f"MAPE {lat.mape:.1%}, {lat.n_rows} steps)" if isinstance(lat, FittedLatency) else f"step model {lat.name}")
@@ -630,7 +652,7 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Con
     arms = _arms(cfg, reqs, console, services)
     main = arms[0]
     setup = Setup(_scenario(cfg, alone_rate(lat, reqs)), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor,
-                  main.predictions, cfg.seed)
+                  main.predictions, cfg.seed, cfg.arrivals)  # at_rate: one set of arrivals for replays and simulations
     return setup, arms
 
 
@@ -854,8 +876,9 @@ def _compared(out: dict[str, Any], at: list[TraceRequest], setup: Setup, label: 
     m = summarize_run(out, at, setup.slo, label, served)
     s = simulate(at, setup.predictions, sim_policy, setup.config, setup.kv_blocks, setup.latency, setup.slo,
                  repredict=setup.predictor.repredict, max_tokens=max_tokens)
-    m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps",
-                                                  "slo_attainment", "goodput_rps", "preemptions")}
+    m.extra["sim"] = {k: getattr(s, k) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s", "throughput_rps", "slo_attainment",
+                                                  "ttft_tpot_attainment", "normalized_latency_s", "goodput_rps",
+                                                  "preemptions")}
     m.extra["sim_error"] = {k: _rel(getattr(s, k), getattr(m, k)) for k in ("jct_mean_s", "jct_p50_s", "throughput_rps")}
     return m
 
@@ -949,9 +972,12 @@ def _ratio(a: float, b: float) -> float | None:
 
 def _table(points: list[dict], console: Console,
            title: str = "real engine: stock vLLM vs the plug-in (each arm beside its own stock run, same trace)") -> None:
+    """Every arm beside its stock run; the three SLO kinds side by side: EcoServe's JCT attainment, DistServe's
+    TTFT+TPOT attainment and SeaLLM's normalised latency (:func:`serving.sim.metrics.slo_kinds`)."""
     t = Table(title=title)
-    for col in ("rate", "arm", "scheduler", "goodput r/s", "thru r/s", "SLO att.", "JCT p50 s", "JCT p99 s", "TTFT p50 s",
-                "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err", "sim thru err"):
+    for col in ("rate", "arm", "scheduler", "goodput r/s", "thru r/s", "JCT SLO att.", "TTFT+TPOT att.", "norm. lat. s/tok",
+                "JCT p50 s", "JCT p99 s", "TTFT p50 s", "TBT p50 ms", "preempt", "sched µs/step", "lost", "sim JCT err",
+                "sim thru err"):
         t.add_column(col, justify="right", overflow="fold")
     for p in points:
         for label, pair in p["arms"].items():
@@ -959,11 +985,12 @@ def _table(points: list[dict], console: Console,
                 m = pair[lab]
                 e = m["extra"]["sim_error"]
                 t.add_row(f"{p['rate']:g}", label, "stock" if lab == "stock" else pair["policy"], f"{m['goodput_rps']:.3f}",
-                          f"{m['throughput_rps']:.3f}", f"{m['slo_attainment']:.1%}", f"{m['jct_p50_s']:.2f}",
+                          f"{m['throughput_rps']:.3f}", f"{m['slo_attainment']:.1%}", f"{m['ttft_tpot_attainment']:.1%}",
+                          f"{m['normalized_latency_s']:.4f}", f"{m['jct_p50_s']:.2f}",
                           f"{m['jct_p99_s']:.2f}", f"{m['ttft_p50_s']:.2f}", f"{m['tbt_p50_s'] * 1e3:.1f}",
                           f"{m['preemptions']:g}", f"{m['sched_us_per_step']:.0f}", str(m["extra"]["wrong_or_lost"]),
                           f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}")
-            t.add_row("", label, "ratio", _ratio_text(pair), *[""] * 11)
+            t.add_row("", label, "ratio", _ratio_text(pair), *[""] * 13)
     console.print(t)
 
 

@@ -14,9 +14,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
         "engine", help="stock vLLM scheduling vs the lengthwise plug-in on the real engine, same trace",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Replay one trace (ShareGPT prompts, their real response lengths, Poisson arrivals) through a real "
-                    "vLLM engine twice per rate: stock scheduling, then the lengthwise plug-in, with a KV pool small "
-                    "enough to create memory pressure. Random weights; every request asks for the same max_tokens "
+        description="Replay one trace (ShareGPT prompts, their real response lengths, Poisson arrivals or --arrivals) "
+                    "through a real vLLM engine twice per rate: stock scheduling, then the lengthwise plug-in, with a "
+                    "KV pool small enough to create memory pressure. Random weights; every request asks for the same max_tokens "
                     "(--max-tokens), and a logits processor ends it at exactly its real length, out of both schedulers' "
                     "sight. A calibration run first fits the simulator's step-latency model to the engine; the same "
                     "trace is then simulated with the same cap and the simulator's error against the engine is reported. "
@@ -25,6 +25,8 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                "  lengthwise bench engine --max-requests 300 --rates 2,3 --kv-blocks 192 --json /tmp/engine.json\n"
                "  lengthwise bench engine --policy ecoserve --predictor models:/length-predictor@champion\n"
                "  lengthwise bench engine --preset cpu-smoke --max-requests 16\n"
+               "  lengthwise bench engine --arrivals gamma:3 --seed 1   # bursty arrivals at the same mean rates\n"
+               "  lengthwise bench engine --arrivals trace-times:azure-code   # the Azure code trace's gaps\n"
                "  lengthwise bench engine --preset h200-llama8b   # on one GPU, after make gpu-pack\n\n"
                "It runs for minutes: each rate replays the trace twice in real time (requests / rate seconds each).\n"
                "A preset sets the flags you leave out: h200-llama8b is EcoServe's KV-bound setting on a Llama-3-8B-shaped\n"
@@ -47,6 +49,12 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                    help="arrival rates in req/s (default: 1.0x, 1.25x, 1.5x and 2x the rate stock vLLM sustains at 90%% "
                         "SLO, as the calibrated simulator predicts). The JSON's top level reports the lowest rate at "
                         "which stock attains < 90%% of SLOs (else the highest), and each scheduler's max rate at >= 90%%")
+    p.add_argument("--arrivals", default="poisson", metavar="SPEC",
+                   help="arrival process at every rate, the same for the replays and the simulator's predictions: "
+                        "poisson | gamma:CV (Gamma gaps with coefficient of variation CV, e.g. gamma:3: bursts at the "
+                        "same mean rate; the seed draws them) | trace-times:PATH_OR_NAME (a real trace's gaps scaled to "
+                        "the rate, repeated when it runs out; names: azure-code, mooncake-conversation) "
+                        "(default: %(default)s)")
     p.add_argument("--rate-factors", metavar="F,F,...", type=comma_list(float, "1,1.5"), default=[1.0, 1.25, 1.5, 2.0],
                    help="without --rates: replay at these multiples of the rate the calibrated simulator says stock vLLM "
                         "sustains at 90%% SLO (default: 1,1.25,1.5,2)")
@@ -70,6 +78,9 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--calibration-requests", type=int, default=96,
                    help="requests in the calibration burst that fits the step model (default: %(default)s)")
     p.add_argument("--slo-scale", type=float, help="EcoServe's SLO scale (default: the policy config's)")
+    p.add_argument("--slo-kind", choices=["jct", "ttft+tpot", "normalised"], default="jct",
+                   help="the SLO the plug-in's posterior policies optimise (every arm reports all three kinds side by "
+                        "side): jct, ttft+tpot or normalised (default: %(default)s)")
     from serving.launch.models import Sampling
 
     served = Sampling.model_fields
@@ -162,6 +173,7 @@ def run_cli(a: argparse.Namespace) -> int:
                                 kv_blocks=a.kv_blocks, shape=a.shape, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_num_seqs=a.max_num_seqs, seed=a.seed, max_model_len=a.max_model_len, threads=a.threads,
                                 calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
+                                arrivals=a.arrivals, slo_kind=a.slo_kind,
                                 compare_predictors=a.compare_predictors, swap_cores=a.swap_cores,
                                 sequential=a.sequential, async_scheduling=a.async_scheduling,
                                 gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
@@ -170,7 +182,7 @@ def run_cli(a: argparse.Namespace) -> int:
         json_path = Path(a.json or "bench-results/engine/bench_engine.json")
         console = Console()
         if not console.is_terminal:
-            console = Console(width=170)  # the table has 14 columns; logs and pipes get them unsquashed
+            console = Console(width=200)  # the table has 17 columns; logs and pipes get them unsquashed
         if a.predict:
             predict(cfg, a.predict, a.sim_model, a.sim_gpu, json_path, console)
         else:

@@ -30,9 +30,12 @@ from serving.bench.engine.presets import PRESETS
 from serving.perf.latency import FittedLatency
 
 
-def score(preset: str, profile: Path, runs: list[tuple[str, str, Path]], console: Console) -> list[dict[str, Any]]:
-    """Each ``(policy, predictor spec or "", OUT.json)`` scored; returns one row per run."""
-    cfg = bench.EngineBenchConfig(**{k: v for k, v in PRESETS[preset].items() if k in bench.EngineBenchConfig.model_fields})
+def score(preset: str, profile: Path, runs: list[tuple[str, str, Path]], console: Console,
+          arrivals: str = "poisson") -> list[dict[str, Any]]:
+    """Each ``(policy, predictor spec or "", OUT.json)`` scored; returns one row per run. ``arrivals``: the bench's
+    ``--arrivals`` (the replays' arrival times are rebuilt from it, the preset and the seed)."""
+    cfg = bench.EngineBenchConfig(**{k: v for k, v in PRESETS[preset].items() if k in bench.EngineBenchConfig.model_fields},
+                                  arrivals=arrivals)
     wl, _ = bench._trace(cfg, console)
     cfg = bench._with_cap(cfg, wl)
     setup, arms = bench._setup(cfg, wl, FittedLatency.from_csv(profile), console)
@@ -65,13 +68,14 @@ def _rate_of(job: dict[str, Any]) -> float:
 
 def table(rows: list[dict[str, Any]], console: Console) -> None:
     t = Table(title="engine replays scored from their files")
-    for col in ("rate", "requests", "policy", "predictor", "goodput r/s", "SLO att.", "JCT mean s", "JCT p99 s",
-                "preempt", "lost", "sim JCT err", "sim thru err", "preds = job"):
+    for col in ("rate", "requests", "policy", "predictor", "goodput r/s", "JCT SLO att.", "TTFT+TPOT att.",
+                "norm. lat. s/tok", "JCT mean s", "JCT p99 s", "preempt", "lost", "sim JCT err", "sim thru err", "preds = job"):
         t.add_column(col, justify="right")
     for r in rows:
         e = r["extra"]["sim_error"]
         t.add_row(f"{r['rate']:g}", str(r["requests"]), r["policy"], r["predictor"], f"{r['goodput_rps']:.3f}",
-                  f"{r['slo_attainment']:.1%}", f"{r['jct_mean_s']:.2f}", f"{r['jct_p99_s']:.2f}", f"{r['preemptions']:g}",
+                  f"{r['slo_attainment']:.1%}", f"{r['ttft_tpot_attainment']:.1%}", f"{r['normalized_latency_s']:.4f}",
+                  f"{r['jct_mean_s']:.2f}", f"{r['jct_p99_s']:.2f}", f"{r['preemptions']:g}",
                   str(r["extra"]["wrong_or_lost"]), f"{e['jct_mean_s']:+.1%}", f"{e['throughput_rps']:+.1%}",
                   str(r["predictions_match_job"]))
     console.print(t)
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, required=True, help="the calibration's step_profile.csv")
     ap.add_argument("--run", action="append", default=[], metavar="POLICY[+SPEC]=OUT.json",
                     help="a replay's output (its job beside it); +SPEC for another predictor than the preset's main")
+    ap.add_argument("--arrivals", default="poisson", metavar="SPEC",
+                    help="the run's --arrivals (poisson, gamma:CV, trace-times:TRACE; default: %(default)s)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args(argv)
     runs = []
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--run {item!r}: give POLICY=OUT.json of an existing output")
         runs.append((policy, spec, Path(path)))
     console = Console(width=170)
-    rows = score(a.preset, a.profile, runs, console)
+    rows = score(a.preset, a.profile, runs, console, a.arrivals)
     table(rows, console)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench", required=True)
     _add_bench_predictor(bsub)
     _add_bench_sim(bsub)
+    _add_bench_hotpath(bsub)
     from serving.bench.predictor.sidecar import add_parser as add_bench_sidecar
     from serving.bench.predictor.variants import add_parser as add_bench_variants
 
@@ -280,6 +281,37 @@ def _add_bench_predictor(bsub) -> None:
     bp.add_argument("--work-dir")
     bp.add_argument("-v", "--verbose", action="store_true")
     bp.set_defaults(func=_bench_predictor)
+
+
+def _bench_hotpath(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from serving.bench.hotpath import bench_hotpath
+
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    for p in policies:
+        make_policy(p, PolicyConfig(), 64)
+    if a.steps < 10 or a.rounds < 1:
+        raise ValueError("--steps must be at least 10 and --rounds at least 1")
+    bench_hotpath(policies, a.steps, a.rounds, Path(a.json), Console())
+    return 0
+
+
+def _add_bench_hotpath(bsub) -> None:
+    """``lengthwise bench hotpath``: a policy's decision time per step at 256 running and 1,000 waiting requests."""
+    bh = bsub.add_parser(
+        "hotpath", help="microseconds a policy adds to each engine step at 256 running and 1,000 waiting requests",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Drive each policy as a host does (add, schedule, update) with 256 requests running, at least 1,000 "
+                    "waiting and each finished request replaced, after 1,200 finishes (learnt priors settled); the "
+                    "policies interleaved round by round. Prints the table, writes JSON.",
+        epilog="example:\n  lengthwise bench hotpath --policies lengthwise,lengthwise-posterior,sarathi")
+    bh.add_argument("--policies", default="lengthwise,lengthwise-posterior,sarathi",
+                    help="comma-separated policy names; ratios are to the first (default: %(default)s)")
+    bh.add_argument("--steps", type=int, default=500, help="timed steps per policy and round (default: %(default)s)")
+    bh.add_argument("--rounds", type=int, default=3, help="rounds, the order reversed every other (default: %(default)s)")
+    bh.add_argument("--json", default="bench-results/hotpath.json", help="(default: %(default)s)")
+    bh.set_defaults(func=_bench_hotpath)
 
 
 def _add_bench_sim(bsub) -> None:
@@ -379,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     bench = getattr(args, "bench", None)
     # the simulator's errors are the user's (a policy setting, a trace); the other commands say their own
-    user_errors = _user_errors() if args.command == "simulate" or bench == "sim" else ()
+    user_errors = _user_errors() if args.command == "simulate" or bench in ("sim", "hotpath") else ()
     try:
         return int(args.func(args) or 0)
     except user_errors as exc:

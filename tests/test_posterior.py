@@ -115,10 +115,10 @@ def test_skill_decides_between_prediction_and_service_prior():
     good, blind = make_policy("lengthwise-posterior", cfg, 4000), make_policy("lengthwise-posterior", cfg, 4000)
     for i in range(300):
         n = 20 + (i * 37) % 400
-        good.priors.learn(_req(i, n, "s", generated=n))
-        blind.priors.learn(_req(i, 20 + (i * 101) % 397, "s", generated=n))
-    assert good.priors.profile("s").skill == pytest.approx(1.0)
-    assert blind.priors.profile("s").skill < 0.1
+        good._completed(_req(i, n, "s", generated=n))  # the host's report of a finished request
+        blind._completed(_req(i, 20 + (i * 101) % 397, "s", generated=n))
+    assert good.priors.profile("s").skill > 0.95 and good.priors.profile("s").tau == pytest.approx(1.0)
+    assert blind.priors.profile("s").skill < 0.1 and abs(blind.priors.profile("s").tau) < 0.1
     probe_short, probe_long = _req(9001, 30, "s"), _req(9002, 400, "s")
     assert good.belief_of(probe_short).mean_total(0) < 60
     assert good.belief_of(probe_long).mean_total(0) > 300
@@ -170,3 +170,29 @@ def test_every_slo_kind_runs_a_workload_through_with_the_ledger_checked():
             r.deadline = r.arrival + 400
         run = drive(pol, reqs)
         assert len(run.done) == 60
+
+
+def test_hotpath_bench_measures_every_policy_in_steady_state(tmp_path):
+    """The fast counterpart of ``lengthwise bench hotpath``: it runs, each policy with 256 running and a queue of at
+    least 1,000 behind them, and writes a positive cost per step for each."""
+    import json
+
+    from serving.bench.hotpath import measure
+    from serving.cli import main
+
+    m = measure("lengthwise-posterior", steps=10)
+    assert m["running"] == 256 and m["waiting_at_start"] == 1000 and m["us_mean"] > 0
+    out = tmp_path / "hot.json"
+    assert main(["bench", "hotpath", "--policies", "sarathi,lengthwise-posterior", "--steps", "10", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"sarathi", "lengthwise-posterior"} and all(v["us_per_step_mean"] > 0 for v in data.values())
+
+
+def test_the_mixture_weight_is_the_one_under_which_the_lengths_were_likeliest():
+    from serving.policy.priors import mixture_weight
+
+    assert mixture_weight([(0.9, 0.1)] * 50) > 0.99        # the request's own belief always had the length
+    assert mixture_weight([(0.0, 0.2)] * 50) < 0.01        # it never had it: the prior alone
+    half = mixture_weight([(0.9, 0.1)] * 25 + [(0.0, 0.3)] * 25)
+    assert 0.3 < half < 0.7

@@ -84,6 +84,12 @@ class LengthBelief:
                 ps.extend(w * p for p in b.ps)
         return cls(xs, ps, cap)
 
+    def mass_near(self, length: float) -> float:
+        """The probability of the half-octave ``[2^(k/2), 2^((k+1)/2))`` that holds ``length``: how likely the belief
+        found the length that came, at the resolution a length prediction has."""
+        k = math.floor(2 * math.log2(max(1.0, length)))
+        return math.fsum(p for x, p in zip(self.xs, self.ps) if math.floor(2 * math.log2(x)) == k)
+
     # -- reading it at an age --------------------------------------------------------------------------------------
     def _segment(self, age: int) -> list:
         """[k, next point, tail mass, sum p*x over the tail, point below, quantiles] for the points above ``age``,

@@ -94,14 +94,14 @@ class ClientWindow:
         if size < 1 or not 0 < share <= 1:
             raise ValueError(f"a window needs size >= 1 and share in (0, 1], got {size} and {share}")
         self.size, self.cap = size, max(1, int(size * share))
-        # (client, length, the length predicted for it or None): the prediction lets a learner judge its predictor
-        self.samples: deque[tuple[str | None, float, float | None]] = deque()
+        # (client, length, what the learner keeps beside it or None: e.g. what was predicted, to judge its predictor by)
+        self.samples: deque[tuple[str | None, float, Any]] = deque()
         self.per_client: dict[str, int] = {}
         self.over_share = 0  # samples that pushed out their own key's oldest
         self.added = 0       # samples ever taken (a learner refreshes what it derives every so many)
         self._moments: tuple[float, float] | None = None
 
-    def add(self, length: float, client: str | None = None, predicted: float | None = None) -> None:
+    def add(self, length: float, client: str | None = None, note: Any = None) -> None:
         if client is not None and self.per_client.get(client, 0) >= self.cap:
             self.over_share += 1
             index = next(i for i, s in enumerate(self.samples) if s[0] == client)
@@ -109,7 +109,7 @@ class ClientWindow:
             self._forget(client)
         elif len(self.samples) >= self.size:
             self._forget(self.samples.popleft()[0])
-        self.samples.append((client, float(length), predicted))
+        self.samples.append((client, float(length), note))
         if client is not None:
             self.per_client[client] = self.per_client.get(client, 0) + 1
         self.added += 1

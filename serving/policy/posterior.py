@@ -74,18 +74,22 @@ class PosteriorPolicy(LengthwisePolicy):
     def _build(self, req: Request) -> LengthBelief:
         cap = max(1, self.max_seq_len(req) - req.prompt_len)
         profile = self.priors.profile(req.service) if self.use_prior else None
-        pred = req.pred
         if not self.use_prediction and profile is not None and profile.prior is not None:
             return LengthBelief(profile.prior.xs, profile.prior.ps, cap)
-        if pred.edges and pred.probs:
-            own = LengthBelief.from_buckets(pred.edges, pred.probs, cap)
-        elif profile is not None and profile.ratios:
-            own = LengthBelief.scaled(pred.length, profile.ratios, cap)
-        else:
-            own = LengthBelief.point(pred.length, cap)
+        own = self._own(req, profile, cap)
         if profile is None or profile.prior is None or profile.skill >= 1.0:
             return own
         return LengthBelief.mixture([(profile.skill, own), (1.0 - profile.skill, profile.prior)], cap)
+
+    @staticmethod
+    def _own(req: Request, profile, cap: float) -> LengthBelief:
+        """The per-request belief: the bucket distribution, or the point widened by the predictor's measured ratios."""
+        pred = req.pred
+        if pred.edges and pred.probs:
+            return LengthBelief.from_buckets(pred.edges, pred.probs, cap)
+        if profile is not None and profile.ratios:
+            return LengthBelief.scaled(pred.length, profile.ratios, cap)
+        return LengthBelief.point(pred.length, cap)
 
     def rank(self, req: Request) -> float:
         b = self.belief_of(req)
@@ -152,7 +156,11 @@ class PosteriorPolicy(LengthwisePolicy):
 
     # -- learning and forgetting -----------------------------------------------------------------------------------
     def _completed(self, req: Request) -> None:
-        changed = self.priors.learn(req)
+        own = None
+        if req.extra.get("predicted", True):  # what the per-request belief gave the length that came
+            cap = max(1, self.max_seq_len(req) - req.prompt_len)
+            own = self._own(req, self.priors.profile(req.service), cap).mass_near(req.generated)
+        changed = self.priors.learn(req, own)
         if not changed or not self.waiting:
             return
         # early on a profile moves a lot: the waiting requests it describes get new beliefs and the queue is re-sorted;

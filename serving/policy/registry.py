@@ -41,6 +41,7 @@ FACTORIES: dict[str, Factory] = {
     "fcfs-max-alloc": MaxAllocPolicy,
     "ecoserve": EcoServe,
     "lengthwise": LengthwisePolicy,
+    "lengthwise-point": LengthwisePolicy,  # lengthwise by its other name, for benches whose main arm is labelled lengthwise
     "lengthwise-sjf": partial(LengthwisePolicy, late_tier=False),
     "lengthwise-fcfs": partial(LengthwisePolicy, fcfs=True),
     "lengthwise-posterior": PosteriorPolicy,

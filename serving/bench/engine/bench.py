@@ -715,6 +715,9 @@ def _arms(cfg: EngineBenchConfig, reqs: list[TraceRequest], console: Console,
         return made[spec]
 
     specs = [("lengthwise", cfg.policy, cfg.predictor)]
+    if cfg.policy != "lengthwise" and "lengthwise" in cfg.ablation:  # the main arm's label: one would hide the other
+        raise EngineBenchError("the main arm is reported as 'lengthwise'; to compare the lengthwise policy with "
+                               f"--policy {cfg.policy}, name it lengthwise-point in --ablation")
     specs += [(pol, pol, cfg.predictor) for pol in cfg.ablation]
     specs += [(f"{cfg.policy}+{spec}", cfg.policy, spec) for spec in cfg.compare_predictors]
     arms = []

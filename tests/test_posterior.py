@@ -196,3 +196,10 @@ def test_the_mixture_weight_is_the_one_under_which_the_lengths_were_likeliest():
     assert mixture_weight([(0.0, 0.2)] * 50) < 0.01        # it never had it: the prior alone
     half = mixture_weight([(0.9, 0.1)] * 25 + [(0.0, 0.3)] * 25)
     assert 0.3 < half < 0.7
+
+
+@pytest.mark.parametrize("kind", ["jct", "ttft+tpot", "normalised"])
+def test_each_posterior_policy_reports_its_own_name(kind):
+    cfg = PolicyConfig(slo_kind=kind)
+    for name in ("lengthwise-posterior", "lengthwise-own", "lengthwise-prior", "lengthwise-gittins"):
+        assert make_policy(name, cfg, 64).name == name

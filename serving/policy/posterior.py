@@ -47,6 +47,7 @@ class PosteriorPolicy(LengthwisePolicy):
         kind = args[0].slo_kind if args else kwargs["config"].slo_kind
         super().__init__(*args, late_tier=kind == "jct", **kwargs)
         self.index = index or self.cfg.posterior_index
+        self.name = type(self).name  # the parent names itself by its late tier; this policy's name is its own
         if not use_prior:
             self.name = "lengthwise-own"
         elif not use_prediction:

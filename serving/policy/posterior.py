@@ -1,29 +1,31 @@
-"""The posterior policy: every request's length as a belief that sharpens as it runs, ranked by its Gittins index.
+"""The posterior policy: every request's length as a belief that sharpens as it runs, ranked by what it is worth.
 
 What it knows of a request, and how it uses it:
 
 - **The prediction as a distribution**: the bucket probabilities the gateway forwards, or a point prediction widened
   by the actual/predicted ratios its predictor has shown on this service (:mod:`serving.policy.priors`).
 - **The service's history**: a prior over lengths learnt from the service's finished requests (SeaLLM's profile,
-  kept as a histogram), mixed with the per-request prediction by how well the predictor has ranked this service's
-  requests lately (Kendall's tau): a predictor that knows nothing leaves the service prior, as SeaLLM has it; one
-  that ranks perfectly leaves its own distribution, and the order becomes SRPT.
+  kept as a histogram), mixed with the per-request belief by the weight under which the service's recent lengths
+  were likeliest: a predictor that knows nothing leaves the service prior, as SeaLLM has it; one whose beliefs were
+  right leaves its own, and with exact lengths the order is SRPT.
 - **What a request has written**: the belief is conditioned on the tokens written so far
   (:class:`~serving.policy.belief.LengthBelief`), for the rank of a preempted request, the KV it is projected to
   need and which running request yields under KV pressure.
-- **The SLO the operator set** (``slo_kind``): ``normalised`` and ``jct`` rank by the Gittins index with each finish
-  weighted by ``1 / L`` (the c-mu rule for mean normalised latency; a JCT deadline also scales with the length), and
-  ``jct`` keeps the late tier (a request that can no longer meet its deadline yields); ``ttft+tpot`` ranks by the
-  unweighted index (most first tokens soonest) and puts a request that has already waited past its TTFT target behind
-  those that can still make it.
+- **The SLO the operator set** (``slo_kind``): ``normalised`` and ``jct`` weight each finish by ``1 / L`` (mean
+  normalised latency; a JCT deadline also scales with the length), and ``jct`` keeps the late tier (a request that
+  can no longer meet its deadline yields); ``ttft+tpot`` ranks unweighted (most first tokens soonest) and puts a
+  request that has already waited past its TTFT target behind those that can still make it.
+
+The rank (``posterior_index``) is the c-mu rule on the posterior, expected remaining tokens times expected length
+(SeaLLM's priority with the belief in place of its doubling budget), or the Gittins index of the whole belief (the
+``lengthwise-gittins`` ablation: it lost, since a step serves 256 requests, not one).
 
 Admission is the projected peak of :class:`~serving.policy.lengthwise.LengthwisePolicy`, each request projected at the
 ``kv_quantile`` of its remaining length instead of one padded number; the step budget is the TFS. A request that
 has waited ``aging_s`` goes ahead of everything (the starvation bound).
 
-Special cases, as named ablations: with exact lengths the rank is SRPT; ``lengthwise-prior`` (the service prior
-alone, no per-request prediction) is SeaLLM's order with the doubling budget replaced by the Gittins index of the
-service's histogram; ``lengthwise-gittins`` (the per-request distribution alone, no service prior).
+Named ablations: ``lengthwise-prior`` (the service prior alone, no per-request prediction: SeaLLM's order with the
+histogram's posterior in place of the budget), ``lengthwise-own`` (the per-request belief alone, no service prior).
 """
 
 from __future__ import annotations

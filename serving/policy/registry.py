@@ -30,6 +30,14 @@ def _orca(cfg: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None)
     return p
 
 
+def _lengthwise_point(cfg: PolicyConfig, kv_blocks: int, repredict: Repredict | None = None) -> Policy:
+    """``lengthwise`` by another name (the policy of one point prediction), for a bench whose main arm is labelled
+    ``lengthwise`` and runs another policy."""
+    p = LengthwisePolicy(cfg, kv_blocks, repredict)
+    p.name = "lengthwise-point"
+    return p
+
+
 FACTORIES: dict[str, Factory] = {
     "vllm": VLLMPolicy,
     "vllm-v0": VLLMV0Policy,
@@ -41,7 +49,7 @@ FACTORIES: dict[str, Factory] = {
     "fcfs-max-alloc": MaxAllocPolicy,
     "ecoserve": EcoServe,
     "lengthwise": LengthwisePolicy,
-    "lengthwise-point": LengthwisePolicy,  # lengthwise by its other name, for benches whose main arm is labelled lengthwise
+    "lengthwise-point": _lengthwise_point,
     "lengthwise-sjf": partial(LengthwisePolicy, late_tier=False),
     "lengthwise-fcfs": partial(LengthwisePolicy, fcfs=True),
     "lengthwise-posterior": PosteriorPolicy,

@@ -399,10 +399,14 @@ def _train(cfg: TrainConfig, module: Any, train_dl: Any, val_dl: Any, work: Path
 
     logger = MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=store.tracking_uri(), run_id=run_id, prefix=prefix)
     ckpt = ModelCheckpoint(dirpath=work / "ckpt", monitor="val_acc", mode="max", save_top_k=1, save_weights_only=True)
+    from training.progress import PlainProgress, on_a_terminal
+
+    bar = on_a_terminal()  # Lightning's bar on a terminal; plain lines a log file shows, elsewhere
     trainer = L.Trainer(
         max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=logger, deterministic=False,
-        callbacks=[EarlyStopping(monitor="val_acc", mode="max", patience=cfg.patience), ckpt],
-        enable_progress_bar=True, log_every_n_steps=20, num_sanity_val_steps=0, enable_model_summary=False,
+        callbacks=[EarlyStopping(monitor="val_acc", mode="max", patience=cfg.patience), ckpt,
+                   *([] if bar else [PlainProgress()])],
+        enable_progress_bar=bar, log_every_n_steps=20, num_sanity_val_steps=0, enable_model_summary=False,
     )
     t_train = time.perf_counter()
     trainer.fit(module, train_dl, val_dl)

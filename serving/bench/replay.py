@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from predictor.common import default_tokenizer
+from serving.progress import logged
 
 CONTEXT_MARGIN = 64  # tokens kept free for the chat template and tokenizer differences when fitting the context
 DEFAULT_MAX_REQUESTS = 100
@@ -481,7 +482,7 @@ def run_with_progress(jobs: list[Job], s: Settings, console=None) -> tuple[list[
     console = console or Console(stderr=True)
     failed = 0
     with Progress(TextColumn("[bold]replay[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
+                  TimeElapsedColumn(), console=console, transient=False) as bar, logged(bar, "replay"):
         task = bar.add_task("", total=len(jobs))
 
         def tick(res: Result) -> None:

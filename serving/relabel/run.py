@@ -521,6 +521,8 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from serving.progress import logged
+
     console = Console(stderr=True)
     if a.lora is not None:
         from serving.launch.adapters import merged_model
@@ -532,7 +534,7 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "ab") as out, Progress(TextColumn("[bold]relabel[/] prompts"), BarColumn(), MofNCompleteColumn(),
                                             TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                            console=console) as bar:
+                                            console=console) as bar, logged(bar, "relabel"):
         task = bar.add_task("", total=total, completed=total - len(todo), rate="")
         run_ = _Run(llm, model_dir, settings, a.samples, a.chunk, out, (bar, task),
                     "vllm, LoRA merged into the base" if a.lora is not None else "vllm")

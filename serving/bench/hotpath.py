@@ -56,30 +56,27 @@ def measure(policy_name: str, steps: int, running: int = 256, waiting: int = 100
         policy.add(req, now)
         rid += 1
 
-    for _ in range(running + waiting):
-        arrive()
-    samples: list[float] = []
-    finished = 0
-    while finished < SETTLE:  # past the learning policies' early refreshes: steady state is what every step pays
-        plan = policy.schedule(now)
-        done = [r for r in plan.tokens if policy.requests[r].generated + 1 >= truth[r]
-                and policy.requests[r].computed + plan.tokens[r] == policy.requests[r].seq_len]
-        policy.update(plan, done, now)
-        finished += len(done)
-        now += 0.02
-        for _ in done:
-            arrive()
-    for i in range(steps):
+    def step() -> tuple[float, int]:
+        """One step as a host runs it, timed from schedule to update; a new arrival for each finish, so the queue
+        stays at its size. Returns the seconds and the finishes."""
+        nonlocal now
         t0 = time.perf_counter()
         plan = policy.schedule(now)
         done = [r for r in plan.tokens if policy.requests[r].generated + 1 >= truth[r]
                 and policy.requests[r].computed + plan.tokens[r] == policy.requests[r].seq_len]
         policy.update(plan, done, now)
         dt = time.perf_counter() - t0
-        samples.append(dt)
         now += 0.02
-        for _ in done:  # a new arrival for each finish: the queue stays at its size
+        for _ in done:
             arrive()
+        return dt, len(done)
+
+    for _ in range(running + waiting):
+        arrive()
+    finished = 0
+    while finished < SETTLE:  # past the learning policies' early refreshes: steady state is what every step pays
+        finished += step()[1]
+    samples = [step()[0] for _ in range(steps)]
     return {"policy": policy_name, "us_mean": statistics.fmean(samples) * 1e6, "us_p50": statistics.median(samples) * 1e6,
             "steps": steps, "running": running, "waiting_at_start": waiting}
 

@@ -80,7 +80,7 @@ def bench_seeds(setups: dict[int, Setup], policies: list[str], judge: str, basel
     out = {"summary": summary, "per_seed": per, "_meta": meta}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(out, indent=1, default=float))
-    _plot(per, seeds, judge, json_path.with_suffix(".png"), meta["scenario"])
+    _plot(per, summary, seeds, judge, json_path.with_suffix(".png"), meta["scenario"])
     console.print(f"JSON: {json_path}\nPNG:  {json_path.with_suffix('.png')}")
     return out
 
@@ -105,7 +105,7 @@ def _table(summary: dict, baselines: list[str], judge: str, setups: dict[int, Se
     Console(width=max(console.width, 200)).print(t)
 
 
-def _plot(per: dict, seeds: list[int], judge: str, path: Path, scenario: str) -> None:
+def _plot(per: dict, summary: dict, seeds: list[int], judge: str, path: Path, scenario: str) -> None:
     fig = Figure(figsize=(12, 4.5))
     ax1, ax2 = fig.subplots(1, 2)
     key = JUDGE_KEY[judge]
@@ -113,10 +113,9 @@ def _plot(per: dict, seeds: list[int], judge: str, path: Path, scenario: str) ->
         curve = runs[seeds[0]]["curve"]
         style = line_style(i)
         ax1.plot([c["rate"] for c in curve], [c[key] for c in curve], label=p, **style)
-        ax2.errorbar([i], [statistics.fmean(runs[s]["max_rate"] for s in seeds)],
-                     yerr=[[statistics.fmean(runs[s]["max_rate"] for s in seeds) - min(runs[s]["max_rate"] for s in seeds)],
-                           [max(runs[s]["max_rate"] for s in seeds) - statistics.fmean(runs[s]["max_rate"] for s in seeds)]],
-                     fmt="o", color=style["color"])
+        rate = summary[p]["max_rate"]
+        ax2.errorbar([i], [rate["mean"]], yerr=[[rate["mean"] - rate["min"]], [rate["max"] - rate["mean"]]], fmt="o",
+                     color=style["color"])
     ax1.axhline(0.9, color="grey", ls="--", lw=0.8)
     ax1.set_xlabel(f"request rate (req/s), seed {seeds[0]}")
     ax1.set_ylabel(f"{judge} attainment")

@@ -59,9 +59,13 @@ class LengthwisePolicy(SJFPolicy):
             return ()
         return (self.tier is not None and req.rid in self.tier.late, *super()._key(req))
 
+    def _expected_remaining(self, req: Request) -> int:
+        """Tokens the late tier expects ``req`` still to write: what its prediction has left."""
+        return req.planned_rl - req.generated
+
     def _yields(self, req: Request, now: float, budget: int) -> bool:
         tier = self.tier
-        if tier is None or not tier.is_late(req, now, req.planned_rl - req.generated, budget):
+        if tier is None or not tier.is_late(req, now, self._expected_remaining(req), budget):
             return False
         self.waiting.pop()
         tier.demote(req)

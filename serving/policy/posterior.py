@@ -136,17 +136,10 @@ class PosteriorPolicy(LengthwisePolicy):
             self._requeue(req)
         return super()._schedule(now)
 
-    def _yields(self, req: Request, now: float, budget: int) -> bool:
-        tier = self.tier
-        if tier is None or req.rid in self.aged:
-            return False
-        if not tier.is_late(req, now, math.ceil(self.belief_of(req).remaining(req.generated)), budget):
-            return False
-        self.waiting.pop()
-        tier.demote(req)
-        self.waiting.push(self._rank(req), req)
-        self.stats["late"] += 1
-        return True
+    def _expected_remaining(self, req: Request) -> int:
+        """The late tier's estimate: the belief's conditional mean (a request aged past ``aging_s`` is never late:
+        :meth:`LateTier.is_late` says so by its wait)."""
+        return math.ceil(self.belief_of(req).remaining(req.generated))
 
     # -- KV: the projected peak at a quantile of each remaining length ----------------------------------------------
     def _remaining(self, r: Request) -> int:

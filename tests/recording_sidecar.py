@@ -7,14 +7,11 @@ sidecar's own behaviour is tested with the real sidecar (tests/test_sidecar*.py)
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from serving.launch.process import free_port
+from tests.threaded_server import ThreadedServer
 
 PREDICTION = {"bucket": 1, "range": [64, 256], "expected_tokens": 120.0, "quantile_tokens": 200.0, "prediction_id": "p-1",
               "model_name": "length-predictor", "model_version": "7"}
@@ -54,18 +51,11 @@ class RecordingSidecar:
         def feedback():
             return {"status": "ok"}
 
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    timeout_keep_alive=keep_alive_s))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.02)
+        self._http = ThreadedServer(app, "the recording sidecar", timeout_keep_alive=keep_alive_s)
+        self.url = self._http.url
 
     def paths(self, path: str) -> list[tuple[str, str | None, dict | None]]:
         return [c for c in self.calls if c[0] == path]
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._http.stop()

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from serving.launch.process import free_port
+from tests.threaded_server import ThreadedServer
 
 MODEL = "m"
 
@@ -46,15 +43,8 @@ class StandInEngine:
                                 Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [
                                     {"id": MODEL, "object": "model", "max_model_len": 2048}]})),
                                 Route("/v1/completions", self._complete, methods=["POST"])])
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the stand-in engine did not start"
-            time.sleep(0.02)
+        self._http = ThreadedServer(app, "the stand-in engine")
+        self.port, self.url = self._http.port, self._http.url
 
     async def _complete(self, request: Request) -> Response:
         body = await request.json()
@@ -94,5 +84,4 @@ class StandInEngine:
 
     def stop(self) -> None:
         self.release()
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._http.stop()

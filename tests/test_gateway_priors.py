@@ -11,12 +11,9 @@ feedback side. No vLLM: what is under test is what the gateway learns from the a
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.applications import Starlette
@@ -27,9 +24,9 @@ from starlette.routing import Route
 from registry.online import Feedback
 from serving.gateway.app import create_app
 from serving.gateway.settings import GatewaySettings
-from serving.launch.process import free_port
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
+from tests.threaded_server import ThreadedServer
 
 NAME = "smollm2-terse"
 HONEST = (12, 15, 17, 19, 20, 22, 24, 27)  # the model's own lengths of the honest prompts: mean 19.5
@@ -48,15 +45,8 @@ class LengthEngine:
                                 Route("/metrics", lambda r: PlainTextResponse("")),
                                 Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": cards})),
                                 Route("/v1/completions", self._complete, methods=["POST"])])
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]),
-                                                     log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the length engine did not start"
-            time.sleep(0.02)
+        self._http = ThreadedServer(app, "the length engine")
+        self.url = self._http.url
 
     async def _complete(self, request: Request) -> Response:
         body = await request.json()
@@ -72,8 +62,7 @@ class LengthEngine:
                                        "total_tokens": 2 + n * tokens}})
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._http.stop()
 
 
 @pytest.fixture

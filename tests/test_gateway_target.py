@@ -15,12 +15,10 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, HTTPException
 
 from predictor.target import make_target, model_id
@@ -28,6 +26,7 @@ from serving.gateway.gateway import Call, Gateway
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.target import TargetCheck, judge
 from serving.launch.process import free_port
+from tests.threaded_server import ThreadedServer
 
 OVERRIDE = "--allow-predictor-for-other-model"
 
@@ -57,17 +56,11 @@ class StandInSidecar:
             return {"predictions": [{"bucket": 1, "range": [64, 256], "expected_tokens": 120.0, "quantile_tokens": 200.0,
                                      "prediction_id": "p", "model_name": "length-predictor", "model_version": "7"}]}
 
-        self.url = f"http://127.0.0.1:{port or free_port()}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(self.url.rsplit(":", 1)[1]),
-                                                     log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.02)
+        self._http = ThreadedServer(app, "the stand-in sidecar", port=port)
+        self.url = self._http.url
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._http.stop()
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ from serving.bench.replay import (
 )
 from serving.launch.models import Sampling, predictor_fit
 from serving.launch.process import Child, Children, StartError, cpu_cores, free_port, wait_child
+from serving.progress import status
 
 if TYPE_CHECKING:
     from serving.bench.replay import Job, Plan
@@ -70,6 +71,10 @@ WORK_DIR/demo.json.
 
 
 CALIBRATION_REQUESTS = 3  # lone requests that measure t_p and t_g (prompts that are not part of the trace)
+# The pace the docs quote, measured on an idle 2-core machine (docs/results/engine.md, the endpoint end to end): a
+# calibration far slower than this means other work holds the cores, and the user is told before a long wait.
+DOCUMENTED_T_P_S, DOCUMENTED_T_G_S = 0.217, 0.0491
+SLOW_FACTOR = 3.0
 CALIBRATION_TOKENS = 32  # output tokens of each (ignore_eos)
 MET_ENOUGH = 0.9  # SLO attainment at which the report says the engine kept up
 
@@ -78,10 +83,12 @@ class DemoError(StartError):
     """A step failed; the message says which and where its log is."""
 
 
-def calibrate(url: str, model: str, jobs, n: int, tokens: int) -> tuple[float, float, list]:
+def calibrate(url: str, model: str, jobs, n: int, tokens: int,
+              headers: dict[str, str] | None = None) -> tuple[float, float, list]:
     """Median TTFT and time per output token of ``n`` requests sent one at a time (real prompts, exactly ``tokens``
-    output tokens each): the lone-request t_p and t_g of EcoServe's SLO on this machine. Warms the engine up too."""
-    s = Settings(url, model, ignore_eos=True, timeout_s=300)
+    output tokens each): the lone-request t_p and t_g of EcoServe's SLO on this machine. Warms the engine up too.
+    ``headers`` go with every request (an engine's ``Authorization``); ``lengthwise calibrate --url`` runs this too."""
+    s = Settings(url, model, ignore_eos=True, timeout_s=300, extra_headers=dict(headers or {}))
 
     async def one_by_one():
         async with httpx.AsyncClient(timeout=300) as client:
@@ -123,6 +130,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "reaches N, so the prediction is judged against the served model's own length; the default is "
                         "the cap the committed SmolLM2 labels were drawn with, so a prediction is not cut below what "
                         "the predictor learned (default: %(default)s)")
+    p.add_argument("--max-replay-minutes", type=float, default=10.0, metavar="M",
+                   help="bound on the replay's length: when the calibrated pace and the rate would make --requests take "
+                        "longer, only the first requests whose arrivals and lone service fit in M minutes are replayed "
+                        "(at the same rate; said before the replay starts) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals (default: %(default)s)")
     p.add_argument("--policy", default="lengthwise", help="the engine's scheduling policy (default: %(default)s)")
     p.add_argument("--engine-cores", default="1", metavar="N|all",
@@ -155,7 +166,8 @@ def _check(a: argparse.Namespace) -> tuple[Path, Path]:
     for name in ("requests", "max_tokens", "max_model_len", "sidecar_threads"):
         if getattr(a, name) < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
-    for name in ("load", "rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout"):
+    for name in ("load", "rate", "kv_cache_gib", "predictor_timeout_ms", "slo_scale", "start_timeout",
+                 "max_replay_minutes"):
         if getattr(a, name) is not None and not getattr(a, name) > 0:
             raise DemoError(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name):g}")
     cpu_cores(a.engine_cores)
@@ -235,6 +247,8 @@ class Load:
     given: bool  # --rate set it (else --load x capacity)
     mean_predicted_tokens: float
     lone_service_s: float  # t_p + t_g x mean_predicted_tokens
+    asked: int = 0  # --requests
+    estimated_s: float = 0.0  # the replayed trace's last arrival + one lone service: the replay's expected length
 
     @property
     def capacity(self) -> float:
@@ -252,7 +266,8 @@ class Load:
 
     def report(self) -> dict:
         return {"rate_req_s": self.rate, "given": self.given, "load": self.load, "capacity_req_s": self.capacity,
-                "mean_predicted_tokens": self.mean_predicted_tokens, "lone_service_s": self.lone_service_s}
+                "mean_predicted_tokens": self.mean_predicted_tokens, "lone_service_s": self.lone_service_s,
+                "requests_asked": self.asked, "estimated_replay_s": self.estimated_s}
 
 
 def verdict(report: dict, load: Load) -> str:
@@ -324,7 +339,7 @@ def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
     if not cached:  # (a cached model costs nothing: no torch import)
         from predictor.convert import convert_gguf
 
-        with con.status(f"converting {gguf.name} to {model_dir} ..."):
+        with status(con, f"converting {gguf.name} to {model_dir} ..."):
             convert_gguf(gguf, model_dir)
     timings["convert_s"] = time.monotonic() - t
     how = "cached" if cached else f"converted in {timings['convert_s']:.0f} s"
@@ -342,7 +357,7 @@ def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dic
         "--max-actual-tokens", str(a.max_model_len)], logs / "sidecar.log")  # no answer is longer than the context
     sc_url = f"http://127.0.0.1:{sc_port}"
     t = time.monotonic()
-    with con.status(f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
+    with status(con, f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
         wait_child(sidecar, sc_url + "/ready", a.start_timeout, "ready")
     timings["sidecar_ready_s"] = time.monotonic() - t
     ready = httpx.get(sc_url + "/ready", timeout=10).json()
@@ -376,7 +391,7 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
     """... and the trace, loaded while the engine starts: ``--requests`` prompts with Poisson arrivals to replay, and
     a few more, outside the trace, for the calibration; tokens are counted with the served model's tokenizer so that
     prompts too long for its context are left out before sending."""
-    with con.status("loading the ShareGPT trace while the engine starts ..."):
+    with status(con, "loading the ShareGPT trace while the engine starts ..."):
         try:
             plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=None,
                              max_tokens=a.max_tokens,
@@ -393,7 +408,7 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
 def _gateway_ready(a: argparse.Namespace, gateway: Gateway, logs: Path, n_jobs: int, timings: dict, con: Console) -> None:
     """Wait for the gateway's ``/health``: it answers once its engine serves (a minute more than the engine's own
     start-up timeout, for the gateway's)."""
-    with con.status(f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ..."):
+    with status(con, f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ..."):
         wait_child(gateway.child, gateway.url + "/health", a.start_timeout + 60, "serving")
     timings["engine_ready_s"] = time.monotonic() - gateway.started
     con.print(f"[3/5] lengthwise serve on {gateway.url}: one engine ({a.policy}, cores {gateway.cores}, "
@@ -406,12 +421,17 @@ def _calibrate_slo(a: argparse.Namespace, gw_url: str, model_dir: Path, calib_jo
     """4. The SLO, from lone requests: a deadline means something only relative to what this machine does with no
     queue, so t_p and t_g are measured here (and warm the engine up) before the replay's headers are set from them."""
     t = time.monotonic()
-    with con.status(f"calibrating: {len(calib_jobs)} requests alone ..."):
+    with status(con, f"calibrating: {len(calib_jobs)} requests alone ..."):
         t_p, t_g, calib = calibrate(gw_url, str(model_dir), calib_jobs, len(calib_jobs), CALIBRATION_TOKENS)
     timings["calibrate_s"] = time.monotonic() - t
     c = Calibration(t_p, t_g, a.slo_scale, calib)
     con.print(f"[4/5] lone request here: t_p {t_p * 1000:.0f} ms to the first token, t_g {t_g * 1000:.1f} ms per token; "
               f"SLO headers x-slo-ttft-ms {c.slo_ttft_ms:.0f}, x-slo-tpot-ms {c.slo_tpot_ms:.1f} (scale {a.slo_scale:g})")
+    slower = max(t_p / DOCUMENTED_T_P_S, t_g / DOCUMENTED_T_G_S)
+    if slower > SLOW_FACTOR:
+        con.print(f"      [yellow]warning[/]: this machine runs SmolLM2 {slower:.0f}x slower than the documented pace "
+                  f"(t_p {DOCUMENTED_T_P_S * 1000:.0f} ms, t_g {DOCUMENTED_T_G_S * 1000:.0f} ms a token on an idle 2-core "
+                  "machine): is other work holding its cores? The replay is bounded by --max-replay-minutes.")
     return c
 
 
@@ -440,7 +460,22 @@ def _offered_load(a: argparse.Namespace, sidecar_url: str, plan: Plan, calibrati
     for j, arrival in zip(plan.jobs, poisson_arrivals(len(plan.jobs), rate, a.seed)):
         j.arrival = arrival
     con.print(f"      {load.line()}")
+    load.asked = len(plan.jobs)
+    plan.jobs = plan.jobs[:requests_within([j.arrival for j in plan.jobs], service, a.max_replay_minutes * 60)]
+    load.estimated_s = plan.jobs[-1].arrival + service
+    if len(plan.jobs) < load.asked:
+        con.print(f"      at this pace {load.asked} requests would take longer than --max-replay-minutes "
+                  f"{a.max_replay_minutes:g}: replaying the first {len(plan.jobs)} (about "
+                  f"{load.estimated_s / 60:.1f} min; raise --max-replay-minutes to replay them all)")
     return load
+
+
+def requests_within(arrivals: list[float], service_s: float, budget_s: float) -> int:
+    """How many of the trace's first requests fit the replay's time bound: the last one's arrival plus a lone
+    request's service must end within ``budget_s`` (queueing can add to that, so the bound is "about"). At least one
+    request is replayed, so a very slow machine still shows the path end to end."""
+    n = sum(1 for t in arrivals if t + service_s <= budget_s)
+    return max(n, 1)
 
 
 def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, calibration: Calibration, load: Load,
@@ -451,7 +486,7 @@ def _replay(a: argparse.Namespace, gw_url: str, model_dir: Path, plan: Plan, cal
     s = Settings(gw_url, str(model_dir), slo_ttft_ms=round(calibration.slo_ttft_ms, 1),
                  slo_tpot_ms=round(calibration.slo_tpot_ms, 2), timeout_s=600, extra_body=Sampling().model_dump())
     con.print(f"[5/5] replaying {len(plan.jobs)} ShareGPT first turns at {load.rate:.3g} req/s (Poisson, seed {a.seed}), "
-              f"max_tokens {a.max_tokens}: each answer ends where SmolLM2 stops")
+              f"max_tokens {a.max_tokens}, about {load.estimated_s / 60:.1f} min: each answer ends where SmolLM2 stops")
     t = time.monotonic()
     results, duration = run_with_progress(plan.jobs, s, con)
     timings["replay_s"] = time.monotonic() - t

@@ -60,7 +60,7 @@ def _args(work: Path, **kw) -> argparse.Namespace:
     a = {"work_dir": work, "gguf": None, "predictor": "models:/length-predictor@champion", "requests": 4, "load": 0.5,
          "rate": None, "max_tokens": 256, "seed": 0, "policy": "lengthwise", "engine_cores": "1", "engine_compile": False,
          "engine_arg": [], "kv_cache_gib": 1.0, "max_model_len": 2048, "predictor_timeout_ms": 1000.0, "sidecar_threads": 1,
-         "slo_scale": 2.0, "start_timeout": 900.0}
+         "slo_scale": 2.0, "start_timeout": 900.0, "max_replay_minutes": 10.0}
     return argparse.Namespace(**(a | kw))
 
 
@@ -198,17 +198,23 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     gw = "http://127.0.0.1:5002"
     assert _lines(err) == [
         f"[1/5] model: {model} (cached)",
+        # each wait, told as a line when the output is not a terminal (a spinner there), so a log shows what it waits on
+        f"starting predictor-sidecar (models:/length-predictor@champion) on {sc} ...",
         f"[2/5] predictor-sidecar: length-predictor v3 on {sc}, ready in 1 s (log {logs / 'sidecar.log'})",
         "      the predictor records no target model: whose lengths it learned is unknown",
+        "loading the ShareGPT trace while the engine starts ...",
+        "starting lengthwise serve with one vLLM engine on cores 7 (about a minute) ...",
         (f"[3/5] lengthwise serve on {gw}: one engine (lengthwise, cores 7, KV 1 GiB), ready in 2 s "
          f"(logs {logs / 'gateway.log'}, {logs / 'engines'}); 4 prompts loaded meanwhile in 1 s"),
+        "calibrating: 3 requests alone ...",
         ("[4/5] lone request here: t_p 250 ms to the first token, t_g 12.5 ms per token; "
          "SLO headers x-slo-ttft-ms 500, x-slo-tpot-ms 25.0 (scale 2)"),
         # predictions 20, 30, 34 and 500 capped at max_tokens 256: mean 85; 0.25 + 0.0125 x 85 = 1.3125 s a request
         ("      offered load 0.381 req/s (--load): 0.50 x one engine's lone-request capacity 0.762 req/s "
          "(t_p + t_g x 85 predicted tokens = 1.3 s a request)"),
+        # the last arrival (6 s) and one lone service (1.3125 s): 0.1 min
         ("[5/5] replaying 4 ShareGPT first turns at 0.381 req/s (Poisson, seed 0), "
-         "max_tokens 256: each answer ends where SmolLM2 stops"),
+         "max_tokens 256, about 0.1 min: each answer ends where SmolLM2 stops"),
         f"reports: {work / 'replay.json'}, {work / 'demo.json'}; logs: {logs}",
     ]
     assert "TABLE lengthwise demo: SmolLM2-135M-Instruct behind lengthwise serve" in out
@@ -258,7 +264,7 @@ def test_the_demo_tells_its_story_in_five_steps(world, tmp_path, capsys):
     assert report["replay"] == replay_json
     assert report["load"] == {"rate_req_s": pytest.approx(0.5 / 1.3125), "given": False, "load": pytest.approx(0.5),
                               "capacity_req_s": pytest.approx(1 / 1.3125), "mean_predicted_tokens": 85.0,
-                              "lone_service_s": 1.3125}
+                              "lone_service_s": 1.3125, "requests_asked": 4, "estimated_replay_s": 7.3125}
     assert report["verdict"] == verdict
     assert report["gateway_metrics"] == ["lengthwise_gateway_requests_total 4", "lengthwise_gateway_inflight 0"]
     # one clock reading a second: every step's time is the number of readings between its start and its end
@@ -316,6 +322,32 @@ def test_a_given_rate_is_replayed_as_it_is_and_reported_against_the_capacity(wor
     assert ("offered load 1.5 req/s (--rate): 1.97 x one engine's lone-request capacity 0.762 req/s "
             "(t_p + t_g x 85 predicted tokens = 1.3 s a request)") in err
     assert json.loads((work / "demo.json").read_text())["load"]["given"] is True
+
+
+def test_a_slow_machine_is_warned_of_and_the_replay_cut_to_its_time_bound(world, tmp_path, capsys, monkeypatch):
+    """A calibration 10x slower than the documented pace: the user is told before the replay, and only the requests
+    whose arrival and lone service fit --max-replay-minutes are sent, at the same rate."""
+    work = tmp_path / "work"
+    _cached(work)
+
+    def slow(url, model, jobs, n, tokens):
+        return 2.5, 0.5, [SimpleNamespace(prompt_tokens=10, output_tokens=32, ttft=2.5, jct=18.0)] * n
+
+    monkeypatch.setattr(demo, "calibrate", slow)
+    # lone service 2.5 + 0.5 x 85 = 45 s; arrivals 0, 2, 4, 6 s; a 0.8-minute (48 s) bound fits the first two
+    assert demo.run(_args(work, rate=0.5, max_replay_minutes=0.8)) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "this machine runs SmolLM2 12x slower than the documented pace" in err
+    assert ("at this pace 4 requests would take longer than --max-replay-minutes 0.8: replaying the first 2 "
+            "(about 0.8 min; raise --max-replay-minutes to replay them all)") in err
+    assert [i for i, _ in world.replay_args[0]] == [0, 1] and world.arrivals_rate == 0.5
+    load = json.loads((work / "demo.json").read_text())["load"]
+    assert (load["requests_asked"], load["estimated_replay_s"]) == (4, 47.0)
+
+
+def test_requests_within_keeps_at_least_one():
+    assert demo.requests_within([0.0, 10.0, 20.0], 5.0, 16.0) == 2
+    assert demo.requests_within([0.0, 10.0], 100.0, 16.0) == 1
 
 
 def _report(met: int, n: int, failed: int = 0, slack: float | None = 2.0, missed: list | None = None) -> dict:

@@ -67,9 +67,9 @@ def _write_json(path: str | Path, obj: dict) -> None:
 @contextmanager
 def sweep_progress(desc: str) -> Iterator[Callable[[str, float, RunMetrics], None]]:
     """A progress bar over a sweep's runs; yields the ``on_point`` callback :func:`sweep_policy` reports each run to."""
-    from tqdm import tqdm
+    from serving.progress import Counter
 
-    bar = tqdm(desc=desc, unit="run", leave=False, disable=None)
+    bar = Counter(desc, unit="run")
 
     def on_point(policy: str, rate: float, m: RunMetrics) -> None:
         bar.update(1)

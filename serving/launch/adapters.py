@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.launch.models import DEFAULT_MODEL_CACHE
+from serving.progress import logged
 
 LORA_RANK = 8  # the adapters' rank on the query and value projections: the committed ones, the benches' random ones
 TERSE_MAX_WORDS = 40
@@ -161,7 +162,8 @@ def train_adapter(model_dir: Path, pairs: list[Pair], out: Path, rank: int = LOR
     t0 = time.monotonic()
     lora.train()
     with Progress(TextColumn(f"[bold]train-adapter[/] {out.name}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+                  TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()) as bar, \
+            logged(bar, "train-adapter"):
         task = bar.add_task("", total=sum(map(len, plan)), loss="-")
         for epoch, batches in enumerate(plan):
             for batch in batches:

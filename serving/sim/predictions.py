@@ -249,15 +249,15 @@ class ModelPredictor:
         if not requests:
             return []
         _need_text(self.spec, requests)
-        from tqdm.auto import tqdm
+        from serving.progress import Counter
 
         scheme: BucketScheme = self.predictor.scheme
         prompts = [[(str(role), str(text)) for role, text in _turn_pairs(r.turns)] for r in requests]
         q = self.quantile if self.quantile is not None else 0.9
         chunk = 256
         buckets, probs, lengths = [], [], []
-        with tqdm(total=len(prompts), desc=f"predicting ({self.spec})", unit="prompt",
-                  disable=len(prompts) <= PROGRESS_MIN) as bar:
+        with Counter(f"predicting ({self.spec})", total=len(prompts), unit="prompt",
+                     quiet=len(prompts) <= PROGRESS_MIN) as bar:
             for i in range(0, len(prompts), chunk):
                 out = self.predictor.predict(prompts[i : i + chunk], quantile=q)
                 buckets.append(np.asarray(out.buckets))

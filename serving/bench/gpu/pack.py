@@ -42,6 +42,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from serving.progress import logged
+
 VLLM_VERSION = "0.26.0"
 # The GPU machine: an H200, compute capability 9.0; only its kernels are kept.
 TARGET_SM = 90
@@ -490,7 +492,7 @@ def stripped_vllm(cache: Path, sm: int, console: Console) -> tuple[Path, StripRe
     with zipfile.ZipFile(source) as zf:
         total = sum(i.file_size for i in zf.infolist())
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+                  console=console, transient=True) as progress, logged(progress, "gpu-pack"):
         task = progress.add_task("stripping vllm", total=total)
 
         def advance(name: str, size: int) -> None:

@@ -242,6 +242,7 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
     from rich.progress import Progress
 
     from serving.bench.models.fidelity import FidelityConfig, calibrated, fidelity, summary
+    from serving.progress import logged
 
     def config(level) -> FidelityConfig:
         return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays)
@@ -250,7 +251,7 @@ def run_fidelity(levels: dict, chosen: list[str], calibrate_on: str, lengths: st
                              "policy": FidelityConfig.policy, "gpu": "a100-80gb",
                              "systems": list(systems)},
                  "levels": {}}
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=console, transient=True) as progress, logged(progress, "bench models"):
         engines, calibration = calibrated(levels, calibrate_on, config, progress)
         if calibration:
             res["calibration"] = calibration

@@ -261,10 +261,12 @@ def run_drift(levels: dict[str, Level], level_name: str, arms: list[str], dc: Dr
     from rich.progress import Progress
 
     from serving.bench.models.fidelity import calibrated
+    from serving.progress import logged
 
     level = levels[level_name]
     base = FidelityConfig(lengths="per-model", seed=seed, lengths_limit=first_turns)
-    with Progress(console=console, transient=True) as progress:  # fitted on the requests MuxServe ran, as --gpus-needed
+    # fitted on the requests MuxServe ran, as --gpus-needed
+    with Progress(console=console, transient=True) as progress, logged(progress, "bench models"):
         engines, _ = calibrated(levels, calibrate_on, lambda _lv: base, progress)
     engine = engines.get("calibrated", engines["roofline"])
     cfg = dataclasses.replace(base, lengths=lengths_kind, engine=engine)

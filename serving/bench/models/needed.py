@@ -51,6 +51,8 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
     the results so far after each level (a long run keeps what it has done)."""
     from rich.progress import Progress
 
+    from serving.progress import logged
+
     def config(level) -> FidelityConfig:
         return FidelityConfig(lengths=lengths, seed=seed, lengths_limit=first_turns, replays=replays,
                               arrival_cv=arrival_cv)
@@ -60,7 +62,7 @@ def run_needed(levels: dict, chosen: list[str], placements: list[str], calibrate
                              "target": CRITERION.overall, "each": CRITERION.each, "slo_scale": CRITERION.slo_scale,
                              "gpu": GPU},
                  "levels": {}}
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=console, transient=True) as progress, logged(progress, "bench models"):
         # the engine is fitted to MuxServe's measurements on the requests MuxServe ran, whatever lengths are sized here
         engines, calibration = calibrated(levels, calibrate_on, lambda lv: dataclasses.replace(
             config(lv), lengths="per-model", arrival_cv=1.0), progress)

@@ -58,7 +58,6 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
 
 def run_cli(a: argparse.Namespace) -> int:
     from rich.console import Console
-    from tqdm import tqdm
 
     from serving.bench.placement.bench import (
         MEASURES,
@@ -75,6 +74,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
     from serving.policy.registry import make_policy
+    from serving.progress import Counter
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
@@ -98,7 +98,7 @@ def run_cli(a: argparse.Namespace) -> int:
         for name in names:
             with Console(stderr=True).status(f"loading {name}..."):
                 setup = build_placement_setup(name, max_requests=a.max_requests, predictor=a.predictor, seed=a.seed)
-            bar = tqdm(desc=name, unit="run", leave=False, disable=None)
+            bar = Counter(name, unit="run")
 
             def tick(what: str, att: float, bar=bar) -> None:
                 bar.update(1)

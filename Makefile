@@ -7,7 +7,7 @@ EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
 export LENGTHWISE_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test test-serial test-slow test-fast faults lint vllm-schema gpu-pack adapters
+.PHONY: setup demo test test-serial test-slow test-fast test-compat faults lint vllm-schema gpu-pack adapters
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ test-slow: setup
 # buckets, batcher, the plug-in against vLLM's scheduler class); under 3 minutes on 2 cores.
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m unit tests
+
+# The plug-in's scheduler-level tests against the CUDA vLLM wheels people run, here on CPU: the `gpu` extra's
+# vllm==0.32.0 from PyPI and the GPU pack's 0.26.0, each unpacked first on PYTHONPATH (tests/compat.py); prints one
+# table. Wheels and their unpacked copies are cached in ~/.cache/lengthwise/compat (2.1 GB). Not part of `make test`.
+test-compat: setup
+	$(VENV)/bin/python -m tests.compat
 
 # The fault matrix: every test that injects a fault into running parts (an engine killed or frozen, the sidecar killed
 # or hung, MLflow down, a corrupt or deleted model version, the gateway restarted, ...); prints fault -> what the

@@ -24,6 +24,7 @@ from serving.perf.hardware import HardwareError
 from serving.policy.base import PolicyError
 from serving.policy.config import PolicyConfig
 from serving.policy.registry import make_policy, policy_help
+from serving.progress import waiting
 from serving.ray.cli import serve_ray
 
 
@@ -79,7 +80,7 @@ def _setup(a: argparse.Namespace, scenario_name: str):
                          "give one of the two")
     from rich.console import Console
 
-    with Console(stderr=True).status("loading workload and pricing requests..."):
+    with waiting(Console(stderr=True), "loading workload and pricing requests..."):
         return build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor, max_requests=a.max_requests,
                            latency=a.latency_model, seed=a.seed, arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
                            overrides={**_knobs(a.set), **({"slo_kind": a.slo_kind} if a.slo_kind else {})},

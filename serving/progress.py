@@ -3,7 +3,7 @@
 Rich renders a :class:`~rich.progress.Progress` live on a terminal; written to a file (``nohup``, CI, a notebook's
 captured output) it shows only its last state, when it stops, so an hour of relabelling or a replay looks like a hung
 process. :func:`logged` prints each task's state as one plain line every ``every_s`` seconds while the bar runs on
-such a console, and does nothing on a terminal. :func:`status` does the same for a wait with no count (an engine
+such a console, and does nothing on a terminal. :func:`waiting` does the same for a wait with no count (an engine
 starting), :class:`Counter` for the benches' tqdm bars.
 """
 
@@ -20,6 +20,12 @@ from rich.console import Console
 from rich.progress import Progress
 
 LOG_EVERY_S = 60.0
+
+
+def _log_file(console: Console) -> TextIO:
+    """Where a console's progress lines go when it is not a terminal: its own file, unless that is standard output,
+    which holds a command's results (its table, its JSON path) and stays clean of progress."""
+    return sys.stderr if console.file is sys.stdout else console.file
 
 
 def _line(label: str, task) -> str:
@@ -41,9 +47,10 @@ def logged(progress: Progress, label: str, every_s: float = LOG_EVERY_S) -> Iter
 
     def report() -> None:
         while not stop.wait(every_s):
+            out = _log_file(progress.console)
             for task in progress.tasks:
-                progress.console.file.write(_line(label, task) + "\n")
-                progress.console.file.flush()
+                out.write(_line(label, task) + "\n")
+                out.flush()
 
     thread = threading.Thread(target=report, name=f"{label}-progress", daemon=True)
     thread.start()
@@ -55,22 +62,23 @@ def logged(progress: Progress, label: str, every_s: float = LOG_EVERY_S) -> Iter
 
 
 @contextmanager
-def status(console: Console, message: str, every_s: float = LOG_EVERY_S) -> Iterator[None]:
+def waiting(console: Console, message: str, every_s: float = LOG_EVERY_S) -> Iterator[None]:
     """``console.status(message)`` on a terminal; elsewhere the message as a line when the wait starts and a line every
     ``every_s`` seconds while it lasts, so starting an engine for minutes does not read as a hang in a log."""
     if console.is_terminal:
         with console.status(message):
             yield
         return
-    console.file.write(message + "\n")
-    console.file.flush()
+    out = _log_file(console)
+    out.write(message + "\n")
+    out.flush()
     stop = threading.Event()
     started = time.monotonic()
 
     def report() -> None:
         while not stop.wait(every_s):
-            console.file.write(f"{message} still running, {time.monotonic() - started:.0f} s\n")
-            console.file.flush()
+            out.write(f"{message} still running, {time.monotonic() - started:.0f} s\n")
+            out.flush()
 
     thread = threading.Thread(target=report, name="status-progress", daemon=True)
     thread.start()

@@ -409,10 +409,11 @@ def test_dockerfile_installs_this_package_with_the_cuda_extra(objects):
     assert tag.endswith(":" + project["project"]["version"])
 
 
-# --- the README -------------------------------------------------------------------------------------
+# --- the several-machines guide -------------------------------------------------------------------------
 def readme_commands() -> list[list[str]]:
-    """The shell commands in the README's "Several machines" section, continuation lines joined."""
-    text = (ROOT / "README.md").read_text()
+    """The shell commands in the "Several machines" section of docs/operations.md (where the README sends a reader),
+    continuation lines joined."""
+    text = (ROOT / "docs" / "operations.md").read_text()
     start = text.index("\n## Several machines\n")
     section = text[start:text.index("\n## ", start + 1)]
     out = []
@@ -445,5 +446,5 @@ def test_readme_commands_parse(capsys):
         else:
             continue
         seen.add(argv[0])
-    assert seen == {"lengthwise", "predictor-sidecar", "python"}, ("expected the three roles' commands in the README, "
+    assert seen == {"lengthwise", "predictor-sidecar", "python"}, ("expected the three roles' commands in the guide, "
                                                                    f"found {cmds}")

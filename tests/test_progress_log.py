@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from serving.progress import Counter, logged, status
+from serving.progress import Counter, logged, waiting
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +43,7 @@ def test_a_terminal_gets_only_the_bar():
 
 def test_a_wait_with_no_count_is_said_at_its_start_and_every_interval():
     out = io.StringIO()
-    with status(Console(file=out, force_terminal=False), "starting the engine ...", every_s=0.05):
+    with waiting(Console(file=out, force_terminal=False), "starting the engine ...", every_s=0.05):
         while out.getvalue().count("still running") < 2:
             time.sleep(0.01)
     lines = out.getvalue().splitlines()
@@ -53,7 +53,7 @@ def test_a_wait_with_no_count_is_said_at_its_start_and_every_interval():
 
 def test_a_wait_on_a_terminal_is_a_spinner_only():
     out = io.StringIO()
-    with status(Console(file=out, force_terminal=True), "starting the engine ...", every_s=0.01):
+    with waiting(Console(file=out, force_terminal=True), "starting the engine ...", every_s=0.01):
         time.sleep(0.05)
     assert "still running" not in out.getvalue()
 

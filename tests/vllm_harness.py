@@ -478,9 +478,12 @@ def drain(scheduler: Scheduler) -> list[StepRecord]:
 
 
 def check_queues(scheduler: Scheduler) -> None:
-    """Every unfinished request is in exactly one of ``running``, ``waiting``, ``kv_holding_waiting``."""
+    """Every unfinished request is in exactly one of ``running``, ``waiting`` and the queue of requests that wait
+    holding KV (``kv_holding_waiting`` in 0.32, ``skipped_waiting`` in 0.26: the name the plug-in finds)."""
+    from serving.engine.levers import kv_queue_name
+
     seen: dict[str, int] = {}
-    for queue in (scheduler.running, scheduler.waiting, scheduler.kv_holding_waiting):
+    for queue in (scheduler.running, scheduler.waiting, getattr(scheduler, kv_queue_name(scheduler))):
         for r in queue:
             seen[r.request_id] = seen.get(r.request_id, 0) + 1
     live = {rid for rid, r in scheduler.requests.items() if not r.is_finished()}

@@ -48,7 +48,7 @@ from registry.online import Feedback, WindowStats, window_history
 from serving.bench.replay import CONTEXT_MARGIN, Job, Plan, Settings, build_report, poisson_arrivals, run_with_progress
 from serving.launch.models import Sampling, predictor_fit, resolve_model
 from serving.launch.process import Children, StartError, cpu_cores, free_port, wait_child
-from serving.progress import status
+from serving.progress import waiting
 from training.data.example import DataError
 from training.data.loaders import load_sharegpt
 from training.evaluate import censored_tau
@@ -146,7 +146,7 @@ def start(a: argparse.Namespace, model_dir: Path, logs: Path, children: Children
         "--threads", "1", "--reload-interval", f"{a.reload_interval:g}", "--window-size", str(a.window_size),
         "--window-seconds", f"{a.window_seconds:g}"], logs / "sidecar.log")
     sc_url = f"http://127.0.0.1:{sc_port}"
-    with status(con, f"starting predictor-sidecar ({a.predictor}) ..."):
+    with waiting(con, f"starting predictor-sidecar ({a.predictor}) ..."):
         wait_child(sc, sc_url + "/ready", a.start_timeout, "ready")
     ready = httpx.get(sc_url + "/ready", timeout=10).json()
     fit = predictor_fit(model_dir, ready)
@@ -167,7 +167,7 @@ def start(a: argparse.Namespace, model_dir: Path, logs: Path, children: Children
         env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_cache_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": bind,
              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     gw_url = f"http://127.0.0.1:{gw_port}"
-    with status(con, f"starting lengthwise serve over one vLLM engine (cores {bind}) ..."):
+    with waiting(con, f"starting lengthwise serve over one vLLM engine (cores {bind}) ..."):
         wait_child(gw, gw_url + "/health", a.start_timeout + 60, "serving")
     flag = " with --allow-predictor-for-other-model" if fit["verdict"] == "different" else ""
     con.print(f"      lengthwise serve on {gw_url}{flag} (logs {logs})")
@@ -369,7 +369,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     from training.retrain import RetrainError, Settings, retrain_once
 
     t0 = time.time()
-    with status(con, "the model (a GGUF is converted once) and the prompts ..."):
+    with waiting(con, "the model (a GGUF is converted once) and the prompts ..."):
         model_dir = resolve_model(a.model_dir or _gguf(), work / "models")
         jobs1, jobs2, replayed = plan_prompts(sharegpt, a.phase1, a.phase2, model_dir, a.max_tokens, a.max_model_len, a.seed)
     procs = start(a, model_dir, work / "logs", children, con)
@@ -390,7 +390,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
                  base_served_lengths=None if a.base_served_lengths is None else str(a.base_served_lengths),
                  base_exclude_groups=replayed, epochs=a.epochs, max_prompt_tokens=a.max_prompt_tokens,
                  work_dir=str(work / "retrain"))
-    with status(con, f"retrain (trigger {a.trigger}) ..."):
+    with waiting(con, f"retrain (trigger {a.trigger}) ..."):
         try:
             outcome = retrain_once(s)
         except (RetrainError, DataError) as exc:  # DataError: too few decided rows for train, val and test splits
@@ -406,7 +406,7 @@ def loop(a: argparse.Namespace, name: str, alias: str, sharegpt: Path, work: Pat
     if outcome.action == "promoted":
         after = str(outcome.challenger)
         report["promoted_at"] = promoted_at
-        with status(con, f"waiting for predictor-sidecar to hot-reload v{after} ..."):
+        with waiting(con, f"waiting for predictor-sidecar to hot-reload v{after} ..."):
             report["reload_s"] = wait_version(procs.sidecar_url, after, max(60.0, 20 * a.reload_interval))
         if report["reload_s"] is None:
             raise LoopError(f"predictor-sidecar still serves v{health(procs.sidecar_url)['model_version']} "

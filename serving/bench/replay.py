@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from predictor.common import default_tokenizer
-from serving.progress import logged
+from serving.progress import logged, waiting
 
 CONTEXT_MARGIN = 64  # tokens kept free for the chat template and tokenizer differences when fitting the context
 DEFAULT_MAX_REQUESTS = 100
@@ -581,7 +581,7 @@ def run(a: argparse.Namespace) -> int:
         model, max_len = probe_endpoint(a.url, headers=auth)
         model = a.model or model
         tokenizer = Path(a.tokenizer).expanduser() if a.tokenizer else default_tokenizer_for(model)
-        with err.status(f"loading {workload.name} (tokens counted with {tokenizer})..."):
+        with waiting(err, f"loading {workload.name} (tokens counted with {tokenizer})..."):
             plan = plan_jobs(workload, max_requests=a.max_requests, max_tokens_cap=a.max_tokens_cap, rate=a.rate,
                              seed=a.seed, tokenizer=tokenizer, max_model_len=a.max_model_len or max_len,
                              max_tokens=a.max_tokens)

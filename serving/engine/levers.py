@@ -6,7 +6,8 @@ rename in any release. :class:`~serving.engine.scheduler.LengthwiseScheduler` to
 ``_free_request``, which it overrides by name (the one place vLLM frees every request). What is used, and where:
 
 - the queues: ``running`` (a list), ``waiting`` and the queue of requests that wait holding KV
-  (``kv_holding_waiting`` in vLLM 0.32, ``skipped_waiting`` in 0.26), with ``remove_requests`` /
+  (``kv_holding_waiting`` in vLLM 0.32; ``skipped_waiting`` in 0.26, which holds requests blocked on a grammar, remote
+  KV or a stream, and those a step skipped, e.g. over ``max_loras``), with ``remove_requests`` /
   ``prepend_requests``, and ``FCFSRequestQueue`` for the views a step is shown;
 - a step's budget ``max_num_scheduled_tokens``, ``current_step``, the scheduler's ``policy`` (FCFS or PRIORITY); at start
   ``block_size``, ``max_num_running_reqs``, ``max_model_len``, ``kv_cache_config.num_blocks`` and ``lora_config``;

@@ -521,15 +521,15 @@ def _label(model_dir: Path, a: argparse.Namespace, settings: Settings, todo: lis
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from serving.progress import logged
+    from serving.progress import logged, waiting
 
     console = Console(stderr=True)
     if a.lora is not None:
         from serving.launch.adapters import merged_model
 
-        with console.status(f"merging {a.lora} into {model_dir} ..."):
+        with waiting(console, f"merging {a.lora} into {model_dir} ..."):
             model_dir = merged_model(model_dir, a.lora, a.model_cache.expanduser())
-    with console.status(f"starting the engine on {model_dir} ..."):
+    with waiting(console, f"starting the engine on {model_dir} ..."):
         llm = _engine(model_dir, a)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "ab") as out, Progress(TextColumn("[bold]relabel[/] prompts"), BarColumn(), MofNCompleteColumn(),

@@ -67,6 +67,7 @@ from serving.perf.latency import FittedLatency, LatencyModel, StepShape, make_la
 from serving.perf.slo import derive_slo
 from serving.policy.config import PolicyConfig, SloKind
 from serving.policy.request import Prediction
+from serving.progress import waiting
 from serving.sim.arrivals import parse_arrivals
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
@@ -472,7 +473,7 @@ def _services(cfg: EngineBenchConfig, work: Path, console: Console) -> tuple[Wor
 
     try:
         files = parse_services(cfg.services or "")
-        with console.status("the services' lengths, and each labelled prompt predicted out of fold (TF-IDF)..."):
+        with waiting(console, "the services' lengths, and each labelled prompt predicted out of fold (TF-IDF)..."):
             svc = load_services(files, data_path(cfg.workload), cfg.max_requests, cfg.seed, cfg.max_model_len,
                                 cfg.max_tokens)
     except ServicesError as exc:
@@ -577,7 +578,7 @@ def _trace(cfg: EngineBenchConfig, console: Console) -> tuple[Workload, dict[int
     room for ``max_tokens`` are skipped)."""
     tok = cfg.tokenizer or (str(Path(cfg.model) / "tokenizer.json") if cfg.model
                             else str(data_path("tokenizers/gpt2/tokenizer.json")))
-    with console.status("loading the trace..."):
+    with waiting(console, "loading the trace..."):
         if not cfg.model:
             wl = load_workload(data_path(cfg.workload), arrival="poisson", rate=1.0, max_requests=cfg.max_requests,
                                seed=cfg.seed, max_prompt_tokens=cfg.max_model_len, tokenizer=tok)
@@ -737,7 +738,7 @@ def _rates(cfg: EngineBenchConfig, setup: Setup, console: Console) -> tuple[list
     sim_cap: dict[str, float] = {}
     if cfg.rates is None:
         start = setup.scenario.start_rate
-        with console.status(f"simulating the saturation point of stock vLLM and of the plug-in (from {start:g} req/s, "
+        with waiting(console, f"simulating the saturation point of stock vLLM and of the plug-in (from {start:g} req/s, "
                             "the rate of serving one request at a time)..."):
             for name in ("vllm", cfg.policy):
                 sim_cap[name] = sweep_policy(setup, name)["max_rate_at_90_slo"]

@@ -261,7 +261,7 @@ def run_drift(levels: dict[str, Level], level_name: str, arms: list[str], dc: Dr
     from rich.progress import Progress
 
     from serving.bench.models.fidelity import calibrated
-    from serving.progress import logged
+    from serving.progress import logged, waiting
 
     level = levels[level_name]
     base = FidelityConfig(lengths="per-model", seed=seed, lengths_limit=first_turns)
@@ -279,9 +279,9 @@ def run_drift(levels: dict[str, Level], level_name: str, arms: list[str], dc: Dr
                            "requests": sum(len(v) for v in stream.values()), "arms": {}}
     for arm in arms:
         t_start = time.perf_counter()
-        with console.status(f"{arm}: deciding..."):
+        with waiting(console, f"{arm}: deciding..."):
             decisions = decide(arm, dc, level, stream, lengths, cfg, criterion)
-        with console.status(f"{arm}: {len(decisions)} plan(s) on {dc.gpus} GPUs, simulating..."):
+        with waiting(console, f"{arm}: {len(decisions)} plan(s) on {dc.gpus} GPUs, simulating..."):
             per_model, records = simulate_timeline(decisions, stream, level, cfg, 0.0, dc.duration_s, criterion, seed)
         met, total = tally(per_model)
         row = {"attainment": met / total, "worst_model": min(r["attainment"] for r in per_model.values()),

@@ -74,7 +74,7 @@ def run_cli(a: argparse.Namespace) -> int:
     from serving.policy.base import PolicyError
     from serving.policy.config import PolicyConfig
     from serving.policy.registry import make_policy
-    from serving.progress import Counter
+    from serving.progress import Counter, waiting
     from serving.sim.predictions import PredictorSpecError
     from serving.sim.workload import WorkloadError
 
@@ -96,7 +96,7 @@ def run_cli(a: argparse.Namespace) -> int:
         json_path = Path(a.json) if a.json else Path(a.out_dir) / "bench_placement.json"
         results = {}
         for name in names:
-            with Console(stderr=True).status(f"loading {name}..."):
+            with waiting(Console(stderr=True), f"loading {name}..."):
                 setup = build_placement_setup(name, max_requests=a.max_requests, predictor=a.predictor, seed=a.seed)
             bar = Counter(name, unit="run")
 

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from predictor.common import default_sharegpt
 from serving.launch.process import StartError, free_port, wait_http
+from serving.progress import waiting
 
 DEFAULT_LEVELS = "1,8,32,128"
 # The gateway's default --predictor-timeout-ms (serving.gateway.settings, which this package may not import; a test
@@ -273,17 +274,17 @@ def bench(model: str, url: str | None, levels: list[int], duration: float, warmu
             proc = start_sidecar(model, int(url.rsplit(":", 1)[1]), log_path, sidecar_args)
         try:
             if prompts is None:
-                with console.status("loading ShareGPT prompts ..."):  # while the sidecar starts
+                with waiting(console, "loading ShareGPT prompts ..."):  # while the sidecar starts
                     prompts = sharegpt_prompts(n_prompts)
             bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
-            with console.status(f"waiting for the sidecar at {url} ..."):
+            with waiting(console, f"waiting for the sidecar at {url} ..."):
                 ready = wait_ready(url, proc, log_path if proc else None, timeout=180.0 if proc else 15.0)
             report = {"model": ready.get("model_uri", model), "model_name": ready.get("model_name"),
                       "model_version": ready.get("model_version"), "url": url, "started_sidecar": proc is not None,
                       "sidecar_args": sidecar_args, "duration_s": duration, "warmup_s": warmup, "prompts": len(bodies),
                       "cpus": os.cpu_count(), "fallback_timeout_ms": timeout_ms, "levels": {}}
             for n in levels:
-                with console.status(f"concurrency {n}: {warmup + duration:.0f} s of closed-loop load ..."):
+                with waiting(console, f"concurrency {n}: {warmup + duration:.0f} s of closed-loop load ..."):
                     report["levels"][str(n)] = run_level(url, bodies, n, duration, warmup, proc.pid if proc else None,
                                                          timeout_ms)
         finally:

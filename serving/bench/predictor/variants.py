@@ -41,6 +41,7 @@ from rich.table import Table
 from predictor.buckets import BucketScheme
 from predictor.common import default_sharegpt, quiet_libraries
 from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, BenchError, bench, parse_levels
+from serving.progress import waiting
 
 DEFAULT_BUDGETS = (32, 64, 96, 128)
 
@@ -289,7 +290,7 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
     rows = []
     for precision in precisions:
         for budget in budgets:
-            with console.status(f"{precision} at {budget} tokens: scoring {len(test.turns)} test prompts ..."):
+            with waiting(console, f"{precision} at {budget} tokens: scoring {len(test.turns)} test prompts ..."):
                 pred = OnnxLengthPredictor(package, threads=layouts[0].threads, precision=precision, max_prompt_tokens=budget)
                 encoded = pred.encode(test.turns)
                 logits = pred.logits_encoded([e.ids for e in encoded])
@@ -303,7 +304,7 @@ def bench_variants(package: Path, precisions: list[str], budgets: list[int], lay
                     "truncated": float(np.mean([e.truncated for e in encoded])),
                     "mean_prompt_tokens": float(np.mean([len(e.ids) for e in encoded]))}
             for layout in layouts:
-                with console.status(f"{precision} at {budget} tokens, {layout.name}: timing ..."):
+                with waiting(console, f"{precision} at {budget} tokens, {layout.name}: timing ..."):
                     kw = {"threads": layout.threads, "precision": precision, "max_prompt_tokens": budget,
                           "token_budget": token_budget}
                     lone = OnnxLengthPredictor(package, **kw)
@@ -327,7 +328,7 @@ def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledT
     loaded but never run: every prompt's slice is routed), its bucket agreement with the fp32 encoder."""
     from predictor.runtime import OnnxLengthPredictor
 
-    with console.status("fitting the per-slice TF-IDF route on the package's training split ..."):
+    with waiting(console, "fitting the per-slice TF-IDF route on the package's training split ..."):
         routed, fit = tfidf_package(package, test, dst)
         pred = OnnxLengthPredictor(routed, threads=layouts[0].threads)
         probs = pred.predict(test.turns).probs
@@ -337,7 +338,7 @@ def _tfidf_rows(package: Path, dst: Path, layouts: list[Layout], test: LabelledT
             "truncated": None, "mean_prompt_tokens": None}
     rows = []
     for layout in layouts:
-        with console.status(f"tfidf-logreg, {layout.name}: timing ..."):
+        with waiting(console, f"tfidf-logreg, {layout.name}: timing ..."):
             lone = OnnxLengthPredictor(routed, threads=layout.threads)
             workers = [OnnxLengthPredictor(routed, threads=layout.threads) for _ in range(layout.workers)]
             row = dict(base, layout=layout.name, threads=layout.threads, workers=layout.workers,
@@ -473,7 +474,7 @@ def run_cli(a: argparse.Namespace) -> int:
                        "token_budget": a.token_budget}
         from training.data import DataError
 
-        with console.status("rebuilding the labelled test split ..."):
+        with waiting(console, "rebuilding the labelled test split ..."):
             try:
                 test = labelled_test(meta, a)
             except (DataError, FileNotFoundError, ValueError) as exc:

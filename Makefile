@@ -5,7 +5,9 @@ VENV := .venv
 ENGINE ?= cpu
 EXTRAS ?= $(ENGINE),convert,dev,ray
 STAMP := $(VENV)/.installed-$(ENGINE)
-export LENGTHWISE_DATA ?= $(abspath ../shared/data)
+# The data directory: $LENGTHWISE_DATA, else ../shared/data when it exists, else ~/.cache/lengthwise/data, which
+# `lengthwise data fetch` fills (predictor/common.py data_dir; `lengthwise data dir` prints it).
+DATA = $$($(VENV)/bin/lengthwise data dir)
 
 .PHONY: setup demo test test-serial test-slow test-fast test-compat faults lint vllm-schema gpu-pack adapters
 
@@ -31,7 +33,8 @@ setup: $(STAMP)
 # (converted from the GGUF once, cached), a short real ShareGPT trace replayed through the endpoint, the serving
 # report (lengthwise demo stops every process it started, also on Ctrl-C or an error).
 demo: setup
-	$(VENV)/bin/train-predictor --data $(LENGTHWISE_DATA)/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz \
+	$(VENV)/bin/lengthwise data fetch --only demo
+	$(VENV)/bin/train-predictor --data $(DATA)/prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz \
 		--format sharegpt --served-lengths training/labels/smollm2-135m-instruct.sharegpt.lengths.jsonl.xz \
 		--max-tokens 512 --epochs 2 --label soft --pretrain-epochs 1 --promote --work-dir demo-results/predictor \
 		--output-json demo-results/predictor/metrics.json
@@ -42,16 +45,19 @@ demo: setup
 # MLflow, Ray), in two lanes at once and then the deadline tests alone (tests/lanes.py); prints each lane's 15
 # slowest and its own wall time. `make test-serial` runs the same tests in one process.
 test: setup lint
+	@$(VENV)/bin/lengthwise data fetch --only tests || echo "make test: the tests of the missing files will skip, saying which"
 	@start=$$(date +%s); $(VENV)/bin/python -m tests.lanes -q -m "not slow" --durations=15 tests; rc=$$?; \
 	echo "make test: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-serial: setup lint
+	@$(VENV)/bin/lengthwise data fetch --only tests || echo "make test: the tests of the missing files will skip, saying which"
 	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m "not slow" --durations=30 tests; rc=$$?; \
 	echo "make test-serial: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The long real runs (marked slow): the benches at full length, the feedback loop, retraining, the real-model engine
 # bench. Run before resolving work that touches them (docs/development.md).
 test-slow: setup
+	@$(VENV)/bin/lengthwise data fetch --only tests || echo "make test-slow: the tests of the missing files will skip, saying which"
 	@start=$$(date +%s); $(VENV)/bin/python -m pytest -q -m slow --durations=30 tests; rc=$$?; \
 	echo "make test-slow: tests took $$(( $$(date +%s) - start )) s"; exit $$rc
 

@@ -1,4 +1,4 @@
-"""The floor every package may import: where the shared data lives, and keeping libraries' logs quiet.
+"""The floor every package may import: where the data files live, and keeping libraries' logs quiet.
 
 Nothing here imports another module of the project, so the simulator, the sidecar's benchmark, training and the
 command lines can all find the data directory and quiet the same loggers without importing each other.
@@ -13,11 +13,22 @@ from pathlib import Path
 
 
 def data_dir() -> Path:
-    """``$LENGTHWISE_DATA``, else ``../shared/data`` beside the checkout (the documented default)."""
+    """Where the data files of ``predictor/datafiles/manifest.toml`` are read from, and ``lengthwise data fetch`` writes.
+
+    ``$LENGTHWISE_DATA`` when set; else ``../shared/data`` beside the checkout when that folder exists (the team's
+    machines and CI have it, with every file); else the per-user cache, ``~/.cache/lengthwise/data``
+    (``$XDG_CACHE_HOME`` honoured), which ``lengthwise data fetch`` fills on a fresh machine.
+    """
     env = os.environ.get("LENGTHWISE_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    shared = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return shared if shared.is_dir() else user_cache_dir() / "data"
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lengthwise``, else ``~/.cache/lengthwise``: what can be downloaded again (data, wheels)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lengthwise"
 
 
 def default_sharegpt() -> Path:

@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.demo import add_parser as add_demo
 
     add_demo(sub)
+    from serving.calibrate import add_parser as add_calibrate
+
+    add_calibrate(sub)
+    from serving.datafetch import add_parser as add_data
+
+    add_data(sub)
 
     add_registry(sub).set_defaults(func=_registry)
     from training.retrain import add_parser as add_retrain

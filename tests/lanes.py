@@ -40,6 +40,7 @@ LANE_A = frozenset({
     "test_baselines_sliced", "test_buckets", "test_evaluate_slices", "test_feedback_store", "test_architecture",
     "test_serve_flags", "test_sidecar_settings", "test_train_config", "test_catalogue",  # the fleet, in its slow test
     "test_sim_workload", "test_placement_engines", "test_fleet_bench",
+    "test_calibrate", "test_adopt_guide",  # the fleet; SmolLM2 in the guide's slow test
 })
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.launch.process import free_port
+from tests.datafiles import need_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARGS = ["--load-format dummy", "--enforce-eager", "--max-model-len 2048", "--max-num-seqs 8", "--seed 0"]
@@ -39,7 +40,7 @@ def start_app(model_dir: Path, data: Path, work: Path, **overrides: Any) -> Iter
     from serving.ray.local import local_ray
     from tests.tiny_package import tiny_packages
 
-    pkg = tiny_packages(work / "pkg", data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
+    pkg = tiny_packages(work / "pkg", need_data("tokenizers/gpt2/tokenizer.json"), {"pkg": None})["pkg"]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "LENGTHWISE_HOME": str(work / "home"), "LENGTHWISE_DATA": str(data)}
     with local_ray(4, env):
         port = free_port()

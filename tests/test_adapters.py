@@ -10,6 +10,7 @@ import pytest
 
 from serving.cli import main
 from serving.launch.adapters import STYLES, detailed_answer, terse_answer
+from tests.datafiles import need_data
 
 
 @pytest.mark.unit
@@ -45,7 +46,8 @@ def tiny_base(data, tmp_path_factory) -> Path:
 
     from serving.launch.models import dummy_model
 
-    d = Path(dummy_model("micro", 512, tmp_path_factory.mktemp("tiny-base") / "tiny", data / "tokenizers/gpt2/tokenizer.json"))
+    d = Path(dummy_model("micro", 512, tmp_path_factory.mktemp("tiny-base") / "tiny",
+                         need_data("tokenizers/gpt2/tokenizer.json")))
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig.from_pretrained(d)).save_pretrained(d)
     return d

@@ -13,9 +13,15 @@ from serving.bench.models.muxserve import SYSTEMS, load_levels, load_placement
 from serving.cli import main
 from serving.perf.hardware import get_model, kv_blocks
 from tests.cli_inproc import run_main
+from tests.datafiles import need_files
+
+# MuxServe's trace; lengths from ShareGPT's or AlpacaEval's answers in Llama-2 tokens (serving/bench/models/lengths.py)
+NEEDS = ("traces/muxserve_chatlmsys_day55.json", "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz",
+         "prompts/alpaca_eval_model_outputs.62models.jsonl.xz", "tokenizers/llama2/tokenizer.model")
 
 
 def test_each_level_places_its_sixteen_models_once_per_system_within_the_cluster(data):
+    need_files(*NEEDS)
     levels = load_levels()
     assert list(levels) == ["condense500", "condense800", "condense1200", "condense1600", "condense2000"]
     for name, level in levels.items():
@@ -37,6 +43,7 @@ def test_each_level_places_its_sixteen_models_once_per_system_within_the_cluster
 
 
 def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(data):
+    need_files(*NEEDS)
     level = load_levels()["condense500"]
     cfg = FidelityConfig(lengths_limit=1500, replays=1)
     rows = fidelity(level, "spatial", cfg)
@@ -74,6 +81,7 @@ def test_a_spatial_level_is_simulated_per_model_against_its_measured_figures(dat
 
 
 def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
+    need_files(*NEEDS)
     out = tmp_path / "fid.json"
     r = run_main(main, ["bench", "models", "--fidelity", "--levels", "condense500", "--calibrate-on", "none",
                         "--first-turns", "1500", "--replays", "1", "--json", str(out)])
@@ -98,6 +106,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, said):
 
 
 def test_spatial_sizing_gives_each_model_the_fewest_gpus_that_keep_it_at_the_target(data):
+    need_files(*NEEDS)
     import dataclasses
 
     from serving.bench.models.sizing import size_spatial, smallest_mesh
@@ -118,6 +127,7 @@ def test_spatial_sizing_gives_each_model_the_fewest_gpus_that_keep_it_at_the_tar
 
 
 def test_the_gpus_needed_cli_sizes_spatial_and_ours_beside_what_muxserve_ran_on(data, tmp_path):
+    need_files(*NEEDS)
     out = tmp_path / "gpus.json"
     r = run_main(main, ["bench", "models", "--gpus-needed", "--levels", "condense500", "--calibrate-on", "none",
                         "--placements", "spatial,lengthwise", "--first-turns", "1500", "--replays", "1",
@@ -169,6 +179,7 @@ def test_spatial_is_allocated_at_the_fleets_criterion_from_each_models_curve():
 
 
 def test_the_alpaca_eval_variant_gives_each_model_a_different_llms_lengths(data):
+    need_files(*NEEDS)
     from serving.bench.models.fidelity import requests_for
     from serving.bench.models.lengths import alpaca_generators
 
@@ -182,6 +193,7 @@ def test_the_alpaca_eval_variant_gives_each_model_a_different_llms_lengths(data)
 
 
 def test_seallms_placement_grows_its_plan_by_the_unserved_index_its_simulator_scores(data):
+    need_files(*NEEDS)
     import dataclasses
 
     from serving.bench.models.placing import predicted_demands, seallm_score
@@ -222,6 +234,7 @@ def test_seallms_interval_shrinks_when_its_estimate_misses_and_grows_when_it_hol
 
 
 def test_drifting_levels_keep_the_total_rate_and_the_decisions_read_only_the_past(data):
+    need_files(*NEEDS)
     from serving.bench.models.drift import DriftConfig, arrivals, decide, drifted_levels, observed, simulate_timeline
     from serving.bench.models.fidelity import FidelityConfig
     from serving.bench.models.muxserve import load_levels
@@ -259,6 +272,7 @@ def test_drifting_levels_keep_the_total_rate_and_the_decisions_read_only_the_pas
 def test_the_drift_cli_writes_each_arms_attainment_and_plot(data, tmp_path):
     """The whole --drift run, short (fast counterparts: the decisions and the mesh lifetimes above, the exit-2 lines
     below)."""
+    need_files(*NEEDS)
     out = tmp_path / "drift.json"
     r = run_main(main, ["bench", "models", "--drift", "--levels", "condense500", "--calibrate-on", "none", "--gpus", "40",
                         "--arms", "lengthwise", "--phases", "2", "--phase-s", "60", "--first-turns", "1500", "--json",
@@ -273,6 +287,7 @@ def test_the_drift_cli_writes_each_arms_attainment_and_plot(data, tmp_path):
 
 
 def test_the_drift_cli_says_a_bad_arm_or_too_few_gpus_in_one_line(data, tmp_path):
+    need_files(*NEEDS)
     out = tmp_path / "drift.json"
     bad = run_main(main, ["bench", "models", "--drift", "--arms", "alpaserve"])
     assert bad.returncode == 2 and "unknown arm 'alpaserve'" in bad.stderr

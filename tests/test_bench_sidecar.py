@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, fallback_rate
+from tests.datafiles import need_data
 from tests.tiny_package import tiny_packages
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
@@ -38,7 +39,7 @@ def test_a_fused_sidecar_with_a_smaller_budget_reports_its_fallback_rate(data, t
     """A real run against a started sidecar serving a tiny package's fused-int8 graph at a cut input budget: with a
     timeout no prediction can meet, sent with each request as the gateway sends it, the sidecar drops every one (504)
     and every one is a fallback; the flags reach the sidecar."""
-    pkg = tiny_packages(tmp_path, data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
+    pkg = tiny_packages(tmp_path, need_data("tokenizers/gpt2/tokenizer.json"), {"pkg": None})["pkg"]
     out = tmp_path / "bench.json"
     env = {**os.environ, "LENGTHWISE_HOME": str(tmp_path / "home")}
     r = subprocess.run([LENGTHWISE, "bench", "sidecar", "--model", str(pkg), "--levels", "1,4", "--duration", "1",

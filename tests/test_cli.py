@@ -11,6 +11,7 @@ import pytest
 from serving.launch.process import free_port
 from tests.cli_inproc import run_main
 from tests.conftest import SHAREGPT
+from tests.datafiles import need_data
 from tests.sidecar_proc import wait_for
 from training.cli import main
 
@@ -30,8 +31,8 @@ def files(tmp_path_factory, data):
 
 @pytest.mark.parametrize("case", ["missing", "wrong-format", "empty", "tokenizer", "one-bucket", "bad-edges", "base-model"])
 def test_bad_input_exits_2_with_one_line(case, files, data, home):
-    sg = str(data / SHAREGPT)
-    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    sg = str(need_data(SHAREGPT))
+    tok = str(need_data("tokenizers/gpt2/tokenizer.json"))
     args = {
         "missing": ["--data", str(files / "nope.json"), "--tokenizer", tok],
         "wrong-format": ["--data", str(files / "table.csv"), "--format", "sharegpt", "--tokenizer", tok],
@@ -54,7 +55,7 @@ def test_bad_input_exits_2_with_one_line(case, files, data, home):
 def test_an_unreachable_tracking_server_is_one_line_before_any_training(data, home):
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    r = run_cli("--data", str(data / SHAREGPT), "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"),
+    r = run_cli("--data", str(need_data(SHAREGPT)), "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")),
                 "--max-samples", "200", env={**os.environ, "MLFLOW_TRACKING_URI": dead})
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
@@ -72,8 +73,8 @@ def test_a_tracking_server_killed_mid_run_is_one_line(data, home, mlflow_server,
 
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
            "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}  # MLflow's own retries (7, with backoff) would take minutes here
-    job = subprocess.Popen([sys.executable, "-m", "training.cli", "--data", str(data / SHAREGPT), "--tokenizer",
-                            str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "300", "--epochs", "2",
+    job = subprocess.Popen([sys.executable, "-m", "training.cli", "--data", str(need_data(SHAREGPT)), "--tokenizer",
+                            str(need_data("tokenizers/gpt2/tokenizer.json")), "--max-samples", "300", "--epochs", "2",
                             "--max-prompt-tokens", "64", "--no-baselines", "--route-slices", "off", "--work-dir",
                             str(tmp_path / "work")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

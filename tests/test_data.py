@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import ALPACA, SHAREGPT
+from tests.datafiles import need_data
 from training.data import DataError, load_examples
 from training.data.labels import attach_labels, load_counter
 from training.data.loaders import sharegpt_examples
@@ -13,7 +14,7 @@ from training.split import cap_groups, split_by_group
 
 @pytest.fixture(scope="module")
 def sharegpt(data):
-    return load_examples(data / SHAREGPT, "sharegpt")
+    return load_examples(need_data(SHAREGPT), "sharegpt")
 
 
 def test_sharegpt_one_example_per_answered_human_turn(sharegpt):
@@ -40,19 +41,19 @@ def test_sharegpt_parts_share_a_group():
 
 
 def test_first_turn_only(data):
-    ex = load_examples(data / SHAREGPT, "sharegpt", first_turn_only=True)
+    ex = load_examples(need_data(SHAREGPT), "sharegpt", first_turn_only=True)
     assert len({e.group for e in ex}) > 0.9 * len(ex) * 0.5
     assert all(len([t for t in e.turns if t.role == "user"]) == 1 for e in ex[:500])
 
 
 def test_alpaca_eval_generator(data):
-    ex = load_examples(data / ALPACA, "alpaca-eval", generator="gpt4_1106_preview")
+    ex = load_examples(need_data(ALPACA), "alpaca-eval", generator="gpt4_1106_preview")
     assert len(ex) == 805
     assert len({e.group for e in ex}) == 805
     with pytest.raises(DataError, match="available"):
-        load_examples(data / ALPACA, "alpaca-eval", generator="no-such-model")
+        load_examples(need_data(ALPACA), "alpaca-eval", generator="no-such-model")
     with pytest.raises(DataError, match="--generator is required"):
-        load_examples(data / ALPACA, "alpaca-eval")
+        load_examples(need_data(ALPACA), "alpaca-eval")
 
 
 @pytest.mark.unit
@@ -107,18 +108,19 @@ def test_bad_files(tmp_path, content, fmt, match):
 
 
 def test_token_counts_with_real_tokenizers(data):
-    t = data / "tokenizers"
-    assert load_counter(t / "gpt2/tokenizer.json").count(["Hello world"]).tolist() == [2]
-    assert load_counter(t / "llama3/tokenizer.model").count(["Hello world, this is a test."]).tolist() == [8]
-    sp = load_counter(t / "llama2/tokenizer.model").count(["Hello world"])
+    t = {name: need_data(f"tokenizers/{name}") for name in
+         ("gpt2/tokenizer.json", "llama3/tokenizer.model", "llama2/tokenizer.model", "mistral_v1/tokenizer.model")}
+    assert load_counter(t["gpt2/tokenizer.json"]).count(["Hello world"]).tolist() == [2]
+    assert load_counter(t["llama3/tokenizer.model"]).count(["Hello world, this is a test."]).tolist() == [8]
+    sp = load_counter(t["llama2/tokenizer.model"]).count(["Hello world"])
     assert sp.tolist() == [2]
-    assert load_counter(t / "mistral_v1/tokenizer.model").count(["Hello world"])[0] >= 2
+    assert load_counter(t["mistral_v1/tokenizer.model"]).count(["Hello world"])[0] >= 2
     from predictor.model import default_backbone_path
 
     assert load_counter(default_backbone_path()).count(["hello world"]).tolist() == [2]
     with pytest.raises(DataError, match="tokenizer not found"):
-        load_counter(t / "nope.json")
-    bad = data / SHAREGPT  # exists, but is not a tokenizer
+        load_counter(data / "nope.json")
+    bad = need_data(SHAREGPT)  # exists, but is not a tokenizer
     with pytest.raises(DataError, match="unknown or unreadable tokenizer"):
         load_counter(bad)
 
@@ -126,7 +128,7 @@ def test_token_counts_with_real_tokenizers(data):
 def test_labels_and_split_without_leakage(sharegpt, data):
     ex = cap_groups(sharegpt, 4000, seed=1)
     assert len(ex) == 4000
-    attach_labels(ex, load_counter(data / "tokenizers/gpt2/tokenizer.json"))
+    attach_labels(ex, load_counter(need_data("tokenizers/gpt2/tokenizer.json")))
     assert all(e.response_tokens > 0 for e in ex)
     s1, s2 = split_by_group(ex, seed=3), split_by_group(ex, seed=3)
     assert s1.fingerprint() == s2.fingerprint()

@@ -15,6 +15,7 @@ import pytest
 
 from predictor.model import layers_kept
 from tests.cli_inproc import run_main
+from tests.datafiles import need_data
 from training.cli import main
 from training.distill import judge, student_targets
 
@@ -58,8 +59,8 @@ def test_the_student_ships_only_within_the_agreed_loss_on_both_top1_and_tau():
 
 
 def _args(data: Path, work: Path, *extra: str) -> list[str]:
-    return ["--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
-            "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "1200", "--epochs", "1",
+    return ["--data", str(need_data(SHAREGPT)), "--format", "sharegpt", "--first-turn-only",
+            "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")), "--max-samples", "1200", "--epochs", "1",
             "--max-prompt-tokens", "64", "--batch-size", "32", "--lr", "3e-3", "--experiment", "tests-distill",
             "--register", "distill-test", "--work-dir", str(work), "--output-json", str(work / "metrics.json"),
             "--route-slices", "off", "--no-baselines", *extra]
@@ -75,7 +76,7 @@ def test_a_tiny_teachers_student_ships_with_its_layers_and_tag(home, data, tmp_p
     distilled to two, on the same path (train the teacher, distil, score both, ship, register with the variant tag)."""
     from tests.tiny_package import tiny_base
 
-    base = tiny_base(tmp_path / "base", data / "tokenizers/gpt2/tokenizer.json", layers=3)
+    base = tiny_base(tmp_path / "base", need_data("tokenizers/gpt2/tokenizer.json"), layers=3)
     r = _train(data, tmp_path, "--base-model", str(base), "--max-samples", "300", "--distill-to", "2",
                "--distill-max-top1-drop", "1", "--distill-max-tau-drop", "2", "--experiment", "tests-distill-tiny",
                "--register", "distill-tiny")

@@ -21,6 +21,7 @@ from serving.bench.engine.services import (
 )
 from serving.cli import main
 from tests.conftest import SHAREGPT
+from tests.datafiles import need_data
 
 
 def _subset(src: Path, out: Path, prompts: int) -> Path:
@@ -59,7 +60,7 @@ def test_each_request_is_one_of_its_services_own_answers_predicted_by_folds_that
                                                                                              tmp_path):
     from training.data.served import read_served
 
-    trace = load_services(small_services, data / SHAREGPT, 90, seed=3, max_model_len=2048, cache=tmp_path / "cache")
+    trace = load_services(small_services, need_data(SHAREGPT), 90, seed=3, max_model_len=2048, cache=tmp_path / "cache")
     reqs = trace.requests
     assert trace.base == "base" and len(reqs) == 90 and [r.rid for r in reqs] == list(range(90))
     counts = Counter(r.service for r in reqs)
@@ -78,7 +79,7 @@ def test_each_request_is_one_of_its_services_own_answers_predicted_by_folds_that
     assert terse < 100 < base  # each service's profile is its own: the terse adapter's answers are short
     # a second load reads the predictions back instead of fitting them again, and draws the same trace
     assert len(list((tmp_path / "cache").glob("folds-*.npz"))) == 1
-    again = load_services(small_services, data / SHAREGPT, 90, seed=3, max_model_len=2048, cache=tmp_path / "cache")
+    again = load_services(small_services, need_data(SHAREGPT), 90, seed=3, max_model_len=2048, cache=tmp_path / "cache")
     assert again.requests == reqs and again.predictions["tfidf"] == trace.predictions["tfidf"]
     given = GivenPredictions("folds:tfidf", {r.rid: p for r, p in zip(reqs, trace.predictions["tfidf"])})
     assert given.predict(reqs[::-1]) == trace.predictions["tfidf"][::-1]

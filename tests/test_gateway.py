@@ -34,6 +34,7 @@ from serving.launch.process import free_port
 from tests.cli_inproc import run_main
 from tests.conftest import FLEET_MAX_NUM_SEQS as MAX_NUM_SEQS
 from tests.conftest import HTTP, SHAREGPT
+from tests.datafiles import need_data
 from tests.gateway_proc import Gateway, engine_extra_args, plugin_stats, start_gateway
 from tests.sidecar_proc import start_sidecar, wait_for
 from tests.vllm_bench import bench_sharegpt
@@ -68,8 +69,8 @@ def predictor_package(home, data, tmp_path_factory) -> Path:
     from training.cli import main
 
     work = tmp_path_factory.mktemp("gateway-predictor")
-    rc = main(["--data", str(data / SHAREGPT), "--format", "sharegpt", "--first-turn-only",
-               "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-samples", "300", "--epochs", "1",
+    rc = main(["--data", str(need_data(SHAREGPT)), "--format", "sharegpt", "--first-turn-only",
+               "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")), "--max-samples", "300", "--epochs", "1",
                "--max-prompt-tokens", "32", "--batch-size", "32", "--lr", "3e-3", "--no-baselines", "--no-register",
                "--experiment", "gateway-tests", "--work-dir", str(work)])
     assert rc == 0

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import ENGINE_START, HTTP
+from tests.datafiles import need_data
 from tests.gateway_proc import Gateway, dummy_llama, start_gateway
 from tests.sidecar_proc import wait_for
 
@@ -31,7 +32,7 @@ def engines(data, tmp_path_factory):
     """``lengthwise serve --engines 1 --prefill-engines 1`` with a KV-transfer connector on both: a disaggregated
     gateway that started its engines; the gateway under test (``disagg``) attaches to the same engines by URL."""
     tmp = tmp_path_factory.mktemp("disagg")
-    model = dummy_llama(tmp / "model", data / "tokenizers/gpt2/tokenizer.json")
+    model = dummy_llama(tmp / "model", need_data("tokenizers/gpt2/tokenizer.json"))
     kv = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": str(tmp / "kv")}})
     gw = start_gateway(tmp, "--model", str(model), "--engines", "1", "--prefill-engines", "1",

@@ -36,6 +36,7 @@ from serving.gateway.gateway import Call
 from serving.gateway.prediction import LengthPrediction
 from serving.launch.process import free_port
 from serving.policy.hints import HINT_KEYS
+from tests.datafiles import need_data
 from tests.gateway_proc import Gateway, engine_extra_args, start_gateway
 from tests.recording_sidecar import RecordingSidecar
 from tests.sidecar_proc import wait_for
@@ -1046,7 +1047,7 @@ def long_predictor(logs, data, tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         store.configure()
-        package = tiny_packages(tmp_path_factory.mktemp("attack-pkg"), data / "tokenizers/gpt2/tokenizer.json",
+        package = tiny_packages(tmp_path_factory.mktemp("attack-pkg"), need_data("tokenizers/gpt2/tokenizer.json"),
                                 {"long": None}, head_bias=[0.0, 0.0, 10.0])["long"]
         with mlflow.start_run(experiment_id=store.ensure_experiment("attack")):
             store.register_package(package, "lp-attack", {"accuracy": 0.9, "kendall_tau": 0.3}, "split", [64, 256])

@@ -26,6 +26,7 @@ from serving.gateway.gateway import Call, Gateway
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.target import TargetCheck, judge
 from serving.launch.process import free_port
+from tests.datafiles import need_data
 from tests.threaded_server import ThreadedServer
 
 OVERRIDE = "--allow-predictor-for-other-model"
@@ -76,7 +77,7 @@ def served(data, tmp_path_factory) -> tuple[Path, str]:
     d = tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 50257}))
-    shutil.copyfile(data / "tokenizers/gpt2/tokenizer.json", d / "tokenizer.json")
+    shutil.copyfile(need_data("tokenizers/gpt2/tokenizer.json"), d / "tokenizer.json")
     return d, model_id(d, d.name)
 
 
@@ -260,7 +261,7 @@ def test_the_real_sidecar_serving_a_package_for_another_model_stops_the_gateway(
     from tests.tiny_package import tiny_packages
 
     model_dir, me = served
-    pkgs = tiny_packages(tmp_path, data / "tokenizers/gpt2/tokenizer.json", {"other": target_for(OTHER),
+    pkgs = tiny_packages(tmp_path, need_data("tokenizers/gpt2/tokenizer.json"), {"other": target_for(OTHER),
                                                                                "mine": target_for(me)})
     env = {"LENGTHWISE_HOME": str(tmp_path / "home")}
     sc = start_sidecar(tmp_path, "--model", str(pkgs["other"]), env=env)

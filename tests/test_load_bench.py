@@ -24,6 +24,7 @@ from serving.bench.load.soak import WARMUP_SHARE, growth, soak_jobs, tree_sample
 from serving.bench.replay import Result
 from serving.cli import main
 from serving.perf.slo import SLO
+from tests.datafiles import need_files
 
 SLO_ = SLO(scale=2.0, t_p=0.05, t_g=0.01, ttft_s=1.0, tpot_s=0.1)
 
@@ -64,6 +65,8 @@ def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
 
 
 def test_soak_without_a_registered_model_exits_2_saying_to_train_one(home, data, capsys):
+    # the fleet's workload and tokenizer (serving/bench/fleet.py)
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     with pytest.raises(SystemExit) as exc:
         sys.exit(main(["bench", "soak", "--duration", "10", "--model", "models:/no-such-predictor@champion"]))
     err = capsys.readouterr().err.strip()
@@ -303,6 +306,7 @@ SOAK_S, SOAK_SAMPLE_S = 30, 2  # half a minute, sampled 15 times: the long soaks
 @pytest.fixture(scope="module")
 def soak(trained, data, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One real soak of half a minute (its own calibration burst); the overload point below reuses its step profile."""
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     pytest.importorskip("vllm")
     work = tmp_path_factory.mktemp("soak")
     out = work / "soak.json"
@@ -406,6 +410,7 @@ def test_a_step_profile_of_other_settings_exits_2_before_anything_starts(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_path):
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     res = _overload_at([1, 3], ["--calibration-requests", "16"], tmp_path)
     assert res["calibration"]["reused_from"] is None
 
@@ -415,6 +420,7 @@ def test_overload_with_a_tiny_bound_refuses_and_unbounded_does_not(data, tmp_pat
 def test_ctrl_c_mid_run_stops_the_bench_and_everything_it_started_in_one_line(data, tmp_path):
     """SIGINT (Ctrl-C in a terminal) while requests are in flight: the bench stops within seconds, with one line and
     no traceback, exit 130, and leaves none of its engines or gateways running."""
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     pytest.importorskip("vllm")
     log = tmp_path / "overload.log"
     with log.open("w") as out:

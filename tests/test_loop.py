@@ -16,6 +16,7 @@ import json
 import pytest
 
 from tests.conftest import SHAREGPT
+from tests.datafiles import need_data
 
 NAME = "loop-test"
 CONTEXT = 1024  # short prompts only: prefill stays cheap on two cores
@@ -30,7 +31,7 @@ def champion(home, data, tmp_path) -> str:
 
     rows = tmp_path / "other-model.jsonl"
     with rows.open("w") as f:
-        for i, e in enumerate(load_examples(str(data / SHAREGPT), "sharegpt", first_turn_only=True)[:240]):
+        for i, e in enumerate(load_examples(str(need_data(SHAREGPT)), "sharegpt", first_turn_only=True)[:240]):
             f.write(json.dumps({"id": f"c{i}", "messages": [{"role": t.role, "content": t.text} for t in e.turns],
                                 "response_tokens": 40 if len(e.latest.split()) >= 40 else 5, "model": "gpt-3.5-turbo",
                                 "sampling": None, "max_tokens": None, "source": "a rule standing in for ChatGPT"}) + "\n")

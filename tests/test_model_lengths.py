@@ -13,20 +13,21 @@ from predictor.conditioning import conditioned_text
 from serving.bench.predictor.models import load_answers
 from serving.cli import main
 from tests.cli_inproc import run_main
+from tests.datafiles import need_data
 
 TWO = "alpaca-7b,gpt4"  # a terse and a verbose answerer (mean about 100 and 250 GPT-2 tokens)
 
 
 @pytest.fixture(scope="module")
 def answers(data):
-    return load_answers(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz",
-                        data / "tokenizers/gpt2/tokenizer.json", TWO.split(","))
+    return load_answers(need_data("prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
+                        need_data("tokenizers/gpt2/tokenizer.json"), TWO.split(","))
 
 
 @pytest.fixture(scope="module")
 def report(data, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("model-lengths") / "ml.json"
-    r = run_main(main, ["bench", "model-lengths", "--data", str(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
+    r = run_main(main, ["bench", "model-lengths", "--data", str(need_data("prompts/alpaca_eval_model_outputs.62models.jsonl.xz")),
                         "--models", TWO, "--json", str(out)])
     assert r.returncode == 0, r.stderr
     assert out.with_suffix(".png").stat().st_size > 0
@@ -74,7 +75,7 @@ def test_no_test_instruction_is_in_training_for_any_model(answers):
 
 def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, answers, tmp_path):
     out = tmp_path / "cond.jsonl"
-    r = run_main(main, ["bench", "model-lengths", "--data", str(data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"),
+    r = run_main(main, ["bench", "model-lengths", "--data", str(need_data("prompts/alpaca_eval_model_outputs.62models.jsonl.xz")),
                         "--models", TWO, "--write-conditioned", str(out)])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -108,6 +109,7 @@ def test_the_conditioned_rows_split_in_train_predictor_as_in_the_bench(data, ans
     (["--folds", "2"], "--folds takes K >= 3"),
 ])
 def test_bad_input_exits_2_in_one_line(data, args, said):
+    need_data("prompts/alpaca_eval_model_outputs.62models.jsonl.xz")  # the default --data
     r = run_main(main, ["bench", "model-lengths", *args], env={"LENGTHWISE_DATA": str(data), "PATH": "/usr/bin"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
 

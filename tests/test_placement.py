@@ -21,6 +21,12 @@ from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import simulate
 from serving.sim.scenarios import SCENARIOS, build_setup
 from tests.cli_inproc import run_main
+from tests.datafiles import need_files
+
+# the placement scenarios' workloads and tokenizers (serving/bench/placement/scenarios.py, serving/sim/scenarios.py)
+NEEDS = ("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json",
+         "tokenizers/llama3/tokenizer.model", "traces/AzureLLMInferenceTrace_code_2023.csv",
+         "traces/mooncake_conversation_trace.jsonl", "traces/mooncake_synthetic_trace.jsonl")
 
 LAT = make_latency_model("blis", "llama-3.1-8b", "a100-80gb")
 
@@ -230,6 +236,7 @@ def test_scaling_fit_recovers_a_linear_history_and_refuses_one_rate():
 
 @pytest.fixture(scope="module")
 def setup(data):
+    need_files(*NEEDS)
     return build_setup(SCENARIOS["ecoserve-paper"], max_requests=300)
 
 
@@ -280,6 +287,7 @@ def _assert_fewest_instances(p: dict) -> None:
 
 
 def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_path):
+    need_files(*NEEDS)
     out = tmp_path / "p.json"
     r, d = _bench_placement(out, "--max-requests", "150", "--placements", "jsq,aladdin", "--gateways", "1,2")
     for name in ("jsq", "aladdin"):
@@ -297,6 +305,7 @@ def test_bench_placement_cli_writes_the_contract_and_scale_reads_it(data, tmp_pa
 
 
 def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
+    need_files(*NEEDS)
     r, d = _bench_placement(tmp_path / "a.json", "--max-requests", "120", "--placements", "jsq,lengthwise", "--measures", "a")
     assert d["_meta"]["measures"] == ["a"] and d["scaling"] == {}
     for p in d["policies"].values():
@@ -308,6 +317,7 @@ def test_bench_placement_measures_a_alone_skips_b_and_eq7(data, tmp_path):
 
 def test_bench_placement_reports_a_decode_pools_fluid_floor_and_no_placement_beats_it(data, tmp_path):
     """The floor's mean is the fluid model's bound: a fleet much smaller than it cannot keep requests on pace."""
+    need_files(*NEEDS)
     r, d = _bench_placement(tmp_path / "d.json", "--max-requests", "150", "--placements", "jsq,least-kv,lengthwise",
                             "--measures", "a", scenario="sharegpt-decode")
     fl = d["floor"]
@@ -347,6 +357,7 @@ def test_scale_from_points():
 
 
 def test_decode_pool_scenarios_keep_the_colocated_slo_and_drop_prompt_compute(data):
+    need_files(*NEEDS)
     from serving.bench.placement.scenarios import build_placement_setup
     from serving.perf.latency import DecodePoolLatency, StepShape
 

@@ -16,6 +16,7 @@ from serving.placement.models.engines import SPLIT_ABOVE, ServiceLoad, everywher
 from serving.sim.cluster import ClusterConfig, simulate_cluster
 from serving.sim.engine import SimulationError
 from serving.sim.scenarios import SCENARIOS, build_setup
+from tests.datafiles import need_files
 
 # a vLLM-CPU engine's step model as the on-engines bench fitted it (5.6 ms a step, 0.4 ms a prompt token, 1.8 ms a decode)
 CPU = FittedLatency(5.6e-3, 4.0e-4, 1.8e-3, 2.7e-7)
@@ -77,6 +78,8 @@ def test_the_plans_catalogue_starts_the_engines_it_says(tmp_path):
 
 @pytest.fixture(scope="module")
 def setup(data):
+    # the ecoserve-paper scenario's workload and tokenizer
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     return build_setup(SCENARIOS["ecoserve-paper"], max_requests=120)
 
 
@@ -102,6 +105,7 @@ def test_a_plan_is_served_on_real_engines_as_it_says(data, tmp_path):
     places the base only on its engine and both adapters only on theirs, every answer ends at its true length, and each
     model's attainment stands beside the simulator's. (The fast counterparts: the plan, its catalogue and the
     simulator's placement above.)"""
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     from serving.cli import main
     from tests.cli_inproc import run_main
 

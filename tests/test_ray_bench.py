@@ -17,6 +17,8 @@ import json
 
 import pytest
 
+from tests.datafiles import need_files
+
 N = 8
 
 
@@ -46,6 +48,8 @@ def _check_contract(out: dict, tmp_path, arms: list[str]) -> None:
 def test_bench_ray_steps_with_each_arm_stood_in_for(tmp_path, data, monkeypatch):
     """Every request answered at its true length by one of two replicas, and the router counters a Ray ingress's /health
     reports: the trace, the predictions, the default SLO, the rows, the table, the PNG and the JSON are the bench's own."""
+    # the fleet's workload and tokenizer (serving/bench/fleet.py)
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     from rich.console import Console
 
     from serving.bench.ray import bench
@@ -76,6 +80,7 @@ def test_bench_ray_steps_with_each_arm_stood_in_for(tmp_path, data, monkeypatch)
 
 @pytest.mark.slow
 def test_bench_ray_json_contract(tmp_path, data):
+    need_files("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "tokenizers/gpt2/tokenizer.json")
     pytest.importorskip("ray")
     pytest.importorskip("vllm")
     from rich.console import Console

@@ -13,6 +13,7 @@ import pytest
 
 from serving.cli import main
 from serving.relabel.run import Prompt, Settings, in_shard, load_prompts, model_id, pending, record, resume, sample_seed, shard_of
+from tests.datafiles import need_data
 from training.data import DataError, Turn, load_examples
 from training.data.served import join_served_lengths, prompt_hash, read_served
 
@@ -290,7 +291,7 @@ def test_train_predictor_reads_both_outputs_with_the_served_lengths(tmp_path, da
     prompts = load_prompts(str(sharegpt), "sharegpt")
     want = {(r["group"], r["response_tokens"]) for r in _relabelled(prompts, tmp_path / "text.jsonl", text=True)}
     _relabelled(prompts, tmp_path / "lengths.jsonl", text=False)
-    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    tok = str(need_data("tokenizers/gpt2/tokenizer.json"))
     for cfg in (TrainConfig(data=str(tmp_path / "text.jsonl"), fmt="jsonl", tokenizer=tok),
                 TrainConfig(data=str(sharegpt), fmt="sharegpt", tokenizer=tok, served_lengths=str(tmp_path / "lengths.jsonl"))):
         s = prepare(cfg).splits
@@ -347,12 +348,12 @@ def test_relabel_runs_the_engine_appends_nothing_twice_and_resumes(tmp_path, dat
     from serving.launch.models import dummy_model
     from training.data.loaders import load_sharegpt
 
-    short = [e for e in load_sharegpt(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", True)
+    short = [e for e in load_sharegpt(need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"), True)
              if len(e.turns) == 1 and len(e.latest) < 300][:6]
     prompts = tmp_path / "six.json"
     prompts.write_text(json.dumps([{"id": e.group, "conversations": [{"from": "human", "value": e.latest},
                                                                       {"from": "gpt", "value": e.response}]} for e in short]))
-    model = dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json")
+    model = dummy_model("micro", 512, tmp_path / "model", tokenizer_json=need_data("tokenizers/gpt2/tokenizer.json"))
     out = tmp_path / "out.jsonl"
     args = ["--model", model, "--data", str(prompts), "--out", str(out), "--samples", "2", "--max-tokens", "16",
             "--load-format", "dummy", "--kv-cache-gib", "0.25", "--chunk", "4"]
@@ -396,7 +397,7 @@ def test_relabel_through_a_lora_adapter_on_the_engine(tmp_path, data):
 
     from serving.launch.models import dummy_model
 
-    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json"))
+    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=need_data("tokenizers/gpt2/tokenizer.json")))
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig.from_pretrained(model))
     base.save_pretrained(model)

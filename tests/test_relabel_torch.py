@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from serving.cli import main
 from serving.relabel.transformers_engine import Job, SamplingSpec, batches, generate, noise_at, sample
 from serving.relabel.transformers_engine import main as relabel_torch_main
+from tests.datafiles import need_data
 from training.data.served import read_served
 
 
@@ -100,7 +101,7 @@ def test_jobs_out_results_in_gives_the_records_vllm_would_write(tmp_path, data):
     engine named, read back by train-predictor's reader; importing again adds nothing."""
     from serving.launch.models import dummy_model
 
-    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=data / "tokenizers/gpt2/tokenizer.json"))
+    model = Path(dummy_model("micro", 512, tmp_path / "model", tokenizer_json=need_data("tokenizers/gpt2/tokenizer.json")))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from serving.launch.process import free_port
+from tests.datafiles import need_data
 from tests.gateway_proc import Gateway, start_gateway
 
 pytest.importorskip("vllm")
@@ -91,7 +92,7 @@ def test_max_tokens_is_what_a_client_sends_not_the_traces_length(data, tmp_path)
     from serving.bench.replay import plan_jobs
 
     wl = _sharegpt(tmp_path / "s.json", [f"question {i}?" for i in range(6)])
-    tok = data / "tokenizers/gpt2/tokenizer.json"
+    tok = need_data("tokenizers/gpt2/tokenizer.json")
     fixed = plan_jobs(wl, max_requests=6, max_tokens_cap=None, rate=None, seed=0, tokenizer=tok, max_model_len=None,
                       max_tokens=64)
     capped = plan_jobs(wl, max_requests=6, max_tokens_cap=8, rate=None, seed=0, tokenizer=tok, max_model_len=None)
@@ -219,7 +220,7 @@ def test_missed_deadlines_and_failed_requests_are_counted(gateway, data, tmp_pat
     long_prompt = " ".join(["word"] * 2500)  # over 2048 tokens: vLLM refuses it
     wl = _sharegpt(tmp_path / "wl.json", ["Say hello.", long_prompt, "Name three colours."])
     out = tmp_path / "r.json"
-    gpt2 = str(data / "tokenizers/gpt2/tokenizer.json")  # the model's own tokenizer, without importing transformers
+    gpt2 = str(need_data("tokenizers/gpt2/tokenizer.json"))  # the model's own tokenizer, without importing transformers
     r = replay("--url", gateway.url, "--workload", str(wl), "--ignore-eos", "--max-model-len", "100000", "--tokenizer", gpt2,
                "--slo-ttft-ms", "1", "--slo-tpot-ms", "0.01", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -240,7 +241,7 @@ def test_plain_completions_straight_to_the_engine_without_gateway_headers(gatewa
     """Straight to an engine that wants a key: without one, one line that says so; with the engine's key (from
     OPENAI_API_KEY, as the OpenAI SDK reads it), plain completions."""
     args = ["--url", gateway.engines[0], "--no-chat", "--no-stream", "--max-requests", "4", "--max-tokens-cap", "8",
-            "--ignore-eos", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json")]
+            "--ignore-eos", "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json"))]
     _one_line_error(replay(*args, timeout=120, env={"OPENAI_API_KEY": ""}), "wants a key; give it with --api-key")
     out = tmp_path / "engine.json"
     r = replay(*args, "--json", str(out), env={"OPENAI_API_KEY": gateway.engine_key})
@@ -255,7 +256,7 @@ def test_plain_completions_straight_to_the_engine_without_gateway_headers(gatewa
 
 
 def test_workload_without_prompt_text_exits_2(gateway, data):
-    _one_line_error(replay("--url", gateway.url, "--workload", str(data / "traces/AzureLLMInferenceTrace_code_2023.csv"),
+    _one_line_error(replay("--url", gateway.url, "--workload", str(need_data("traces/AzureLLMInferenceTrace_code_2023.csv")),
                            timeout=120), "no prompt text")
 
 

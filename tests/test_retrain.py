@@ -17,6 +17,7 @@ import pytest
 from predictor.buckets import BucketScheme
 from registry.feedback_store import FeedbackRow, FeedbackStore
 from serving.launch.process import free_port
+from tests.datafiles import need_data
 from training.retrain import RetrainError, Settings, decided, retrain_once, split_window
 
 NAME = "retrain-test"
@@ -66,7 +67,7 @@ def champion(trained, home) -> str:
 def feedback(data, tmp_path) -> Path:
     from training.data import load_examples
 
-    examples = load_examples(str(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"), "sharegpt",
+    examples = load_examples(str(need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz")), "sharegpt",
                              first_turn_only=True)[:420]
     rows = [_row(i, [(t.role, t.text) for t in e.turns], _served_length(e.latest)) for i, e in enumerate(examples[:400])]
     # long answers cut at 300 of [200, 400), older than the rest: they train as "at least 300", not as 300

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from predictor.runtime import OnnxLengthPredictor
 from registry import store
 from serving.launch.process import free_port
+from tests.datafiles import need_data
 from tests.sidecar_proc import SIDECAR, start_sidecar, wait_for
 
 NAME = "length-predictor"
@@ -104,7 +105,7 @@ def test_health_ready_openapi_metrics(sidecar, trained):
 def test_concurrent_requests_share_batches(sidecar, data):
     from training.data import load_examples
 
-    prompts = [e.latest for e in load_examples(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz",
+    prompts = [e.latest for e in load_examples(need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"),
                                                "sharegpt", first_turn_only=True)[:96]]
     s0, n0 = sidecar.metric("lengthwise_sidecar_batch_size_sum"), sidecar.metric("lengthwise_sidecar_batch_size_count")
     with ThreadPoolExecutor(32) as pool:
@@ -125,7 +126,7 @@ def test_predictions_the_encoder_cannot_make_in_time_come_from_the_fast_tier(sid
 
     from training.data import load_examples
 
-    prompts = [e.latest for e in load_examples(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz",
+    prompts = [e.latest for e in load_examples(need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"),
                                                "sharegpt", first_turn_only=True)[:96]]
     s0 = sidecar.metric("lengthwise_sidecar_fast_tier_prompts_total") or 0.0
     p0 = sidecar.metric("lengthwise_sidecar_predictions_total")

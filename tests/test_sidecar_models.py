@@ -16,6 +16,7 @@ from predictor.runtime import OnnxLengthPredictor
 from predictor.sidecar.app import create_app
 from predictor.sidecar.cache import ResolvedModel, parse_uri
 from predictor.sidecar.settings import SidecarSettings
+from tests.datafiles import need_data
 from tests.sidecar_proc import wait_for
 from tests.tiny_package import tiny_packages
 
@@ -26,7 +27,7 @@ MODELS = ["smol", "smol-terse"]
 def packages(data, tmp_path_factory) -> dict[str, Path]:
     """A tiny package, and the same one conditioned on two models (its meta.json lists them)."""
     work = tmp_path_factory.mktemp("tiny-models")
-    plain = tiny_packages(work, data / "tokenizers/gpt2/tokenizer.json", {"plain": None})["plain"]
+    plain = tiny_packages(work, need_data("tokenizers/gpt2/tokenizer.json"), {"plain": None})["plain"]
     cond = work / "conditioned"
     shutil.copytree(plain, cond)
     meta = json.loads((cond / "meta.json").read_text())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from serving.sim.arrivals import ArrivalSpecError, arrival_times, parse_arrivals
+from tests.datafiles import need_data
 
 
 def _rate(t: np.ndarray) -> float:
@@ -61,7 +62,7 @@ def test_trace_times_keep_the_traces_pattern_at_the_rate_and_wrap_around(tmp_pat
 def test_trace_times_by_name_replay_the_azure_code_traces_bursts(data):
     t = arrival_times("trace-times:azure-code", 20_000, 2.0)  # 8,819 arrivals in the trace: it wraps twice
     assert _rate(t) == pytest.approx(2.0) and _cv(t) > 5  # the code trace is far burstier than Poisson
-    assert parse_arrivals("trace-times:mooncake-conversation").trace == data / "traces/mooncake_conversation_trace.jsonl"
+    assert parse_arrivals("trace-times:mooncake-conversation").trace == need_data("traces/mooncake_conversation_trace.jsonl")
 
 
 @pytest.mark.unit
@@ -91,7 +92,7 @@ def test_a_trace_without_timestamps_is_refused(tmp_path):
 def test_a_setups_rates_use_its_arrivals_and_its_seed(data):
     from serving.sim.scenarios import SCENARIOS, build_setup
 
-    wl = str(data / "traces/length_only/sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    wl = str(need_data("traces/length_only/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"))
     s0, s1 = (build_setup(SCENARIOS["ecoserve-paper"], workload=wl, max_requests=300, seed=s, arrivals="gamma:3")
               for s in (0, 1))
     assert s0.arrivals == "gamma:3"
@@ -106,6 +107,7 @@ def test_a_setups_rates_use_its_arrivals_and_its_seed(data):
 
 
 def test_arrivals_other_than_poisson_replace_a_trace_scenarios_own_timestamps(data):
+    need_data("traces/mooncake_conversation_trace.jsonl")  # the long-context scenario's trace
     from serving.sim.scenarios import SCENARIOS, build_setup
 
     own = build_setup(SCENARIOS["long-context"], max_requests=200)

@@ -15,6 +15,7 @@ from nbclient import NotebookClient
 from serving.cli import main
 from tests.cli_inproc import run_main
 from tests.conftest import SHAREGPT
+from tests.datafiles import need_data
 
 LENGTHS = "traces/length_only/sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
 MOONCAKE = "traces/mooncake_conversation_trace.jsonl"
@@ -32,7 +33,7 @@ def test_simulate_writes_the_json_contract_and_is_deterministic(data, tmp_path):
     runs = []
     for i in range(2):
         out = tmp_path / f"run{i}.json"
-        r = lengthwise("simulate", "--workload", str(data / LENGTHS), "--policy", "ecoserve", "--rate", "1.5",
+        r = lengthwise("simulate", "--workload", str(need_data(LENGTHS)), "--policy", "ecoserve", "--rate", "1.5",
                        "--max-requests", "200", "--predictor", "noise:0.55", "--json", str(out))
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(out.read_text()))
@@ -47,7 +48,7 @@ def test_simulate_writes_the_json_contract_and_is_deterministic(data, tmp_path):
 
 def test_simulate_replays_trace_timestamps(data, tmp_path):
     out = tmp_path / "mooncake.json"
-    r = lengthwise("simulate", "--workload", str(data / MOONCAKE), "--policy", "vllm", "--arrival", "trace", "--scenario",
+    r = lengthwise("simulate", "--workload", str(need_data(MOONCAKE)), "--policy", "vllm", "--arrival", "trace", "--scenario",
                    "long-context", "--max-requests", "150", "--json", str(out))
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
@@ -60,7 +61,7 @@ def test_simulate_with_bursty_gamma_arrivals(data, tmp_path):
     runs = {}
     for seed in (0, 1):
         out = tmp_path / f"gamma{seed}.json"
-        r = run_main(main, ["simulate", "--workload", str(data / LENGTHS), "--policy", "vllm", "--rate", "2",
+        r = run_main(main, ["simulate", "--workload", str(need_data(LENGTHS)), "--policy", "vllm", "--rate", "2",
                             "--max-requests", "80", "--arrivals", "gamma:3", "--seed", str(seed), "--json", str(out)])
         assert r.returncode == 0, r.stderr
         runs[seed] = json.loads(out.read_text())
@@ -73,7 +74,7 @@ def test_simulate_with_bursty_gamma_arrivals(data, tmp_path):
 def test_simulate_with_the_registered_predictor(trained, data, tmp_path):
     """The real ONNX model from the registry predicts ShareGPT lengths for the simulator."""
     out = tmp_path / "model.json"
-    r = lengthwise("simulate", "--workload", str(data / SHAREGPT), "--policy", "sjf", "--rate", "1",
+    r = lengthwise("simulate", "--workload", str(need_data(SHAREGPT)), "--policy", "sjf", "--rate", "1",
                    "--max-requests", "60", "--predictor", f"models:/length-predictor/{trained['registered_version']}",
                    "--json", str(out))
     assert r.returncode == 0, r.stderr
@@ -92,7 +93,7 @@ def bad_trace(tmp_path_factory) -> Path:
                                   "bad-knob", "missing-file", "unknown-scenario", "one-predictor", "negative-noise",
                                   "one-noise", "bad-noises", "bad-arrivals", "arrivals-and-trace"])
 def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
-    wl = str(data / LENGTHS)
+    wl = str(need_data(LENGTHS))
     args = {
         "unknown-policy": ["simulate", "--workload", wl, "--policy", "fifo-magic"],
         "negative-rate": ["simulate", "--workload", wl, "--policy", "vllm", "--rate", "-2"],
@@ -121,7 +122,7 @@ def test_bad_input_exits_2_with_one_line(case, data, bad_trace):
 
 def test_bench_sim_sweep_and_notebook(data, tmp_path):
     out = tmp_path / "bench.json"
-    r = lengthwise("bench", "sim", "--workload", str(data / LENGTHS), "--max-requests", "150", "--policies",
+    r = lengthwise("bench", "sim", "--workload", str(need_data(LENGTHS)), "--max-requests", "150", "--policies",
                    "vllm,ecoserve,oracle", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
@@ -151,7 +152,7 @@ def test_bench_sim_sweep_and_notebook(data, tmp_path):
 def test_bench_sim_length_noise_sweep(data, tmp_path):
     """SeaLLM's figure 13: every policy's max rate as lengths get noisier than the predictions know."""
     out = tmp_path / "noise.json"
-    r = lengthwise("bench", "sim", "--workload", str(data / LENGTHS), "--max-requests", "120", "--policies", "vllm,sjf",
+    r = lengthwise("bench", "sim", "--workload", str(need_data(LENGTHS)), "--max-requests", "120", "--policies", "vllm,sjf",
                    "--length-noises", "0,2", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())
@@ -165,7 +166,7 @@ def test_bench_sim_length_noise_sweep(data, tmp_path):
 def test_bench_sim_quality_sweep(data, tmp_path):
     """Benefit against prediction quality: blind policies once, length-aware ones per predictor."""
     out = tmp_path / "quality.json"
-    r = lengthwise("bench", "sim", "--workload", str(data / LENGTHS), "--max-requests", "120", "--policies", "vllm,sjf",
+    r = lengthwise("bench", "sim", "--workload", str(need_data(LENGTHS)), "--max-requests", "120", "--policies", "vllm,sjf",
                    "--predictors", "oracle,noise:0.5", "--json", str(out), timeout=900)
     assert r.returncode == 0, r.stderr
     d = json.loads(out.read_text())

@@ -17,6 +17,7 @@ from serving.sim.predictions import (
     names_a_model,
 )
 from serving.sim.workload import TraceRequest, WorkloadError, load_workload
+from tests.datafiles import need_data
 from training.evaluate import kendall_tau
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
@@ -27,13 +28,13 @@ SERVICES = ("alpaca-7b_concise", "Meta-Llama-3-8B-Instruct")  # mean answers abo
 @pytest.fixture(scope="module")
 def sharegpt(data):
     """600 ShareGPT requests, about a third of them later turns (fewer rank too noisily to test on)."""
-    return load_workload(data / SHAREGPT, rate=2.0, max_requests=600, max_prompt_tokens=2048, seed=1).requests
+    return load_workload(need_data(SHAREGPT), rate=2.0, max_requests=600, max_prompt_tokens=2048, seed=1).requests
 
 
 @pytest.fixture(scope="module")
 def services(data):
     """Two AlpacaEval generators answering the same instructions, shuffled together (one service each)."""
-    return load_workload(data / ALPACA, rate=1.0, max_requests=400, generator=",".join(SERVICES)).requests
+    return load_workload(need_data(ALPACA), rate=1.0, max_requests=400, generator=",".join(SERVICES)).requests
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from serving.sim.predictions import (
     make_predictor,
 )
 from serving.sim.workload import TraceRequest, WorkloadError, detect_format, load_workload
+from tests.datafiles import need_data
 
 AZURE = "traces/AzureLLMInferenceTrace_code_2023.csv"
 MOONCAKE = "traces/mooncake_conversation_trace.jsonl"
@@ -32,12 +33,12 @@ ALPACA = "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
 @pytest.fixture(scope="module")
 def sharegpt(data):
     """300 ShareGPT first turns (parsing the whole file takes a few seconds, so once per module)."""
-    return load_workload(data / SHAREGPT, rate=2.0, max_requests=300, max_prompt_tokens=2048, seed=1)
+    return load_workload(need_data(SHAREGPT), rate=2.0, max_requests=300, max_prompt_tokens=2048, seed=1)
 
 
 @pytest.fixture(scope="module")
 def lengths(data):
-    return load_workload(data / LENGTHS, rate=4.0, max_requests=2000)
+    return load_workload(need_data(LENGTHS), rate=4.0, max_requests=2000)
 
 
 # --- formats -----------------------------------------------------------------------------------------
@@ -46,21 +47,21 @@ def lengths(data):
 @pytest.mark.parametrize("rel, kind", [(AZURE, "azure"), (MOONCAKE, "mooncake"), (LENGTHS, "lengths"), (SHAREGPT, "sharegpt"),
                                        (ALPACA, "alpaca-eval"), ("traces/mooncake_synthetic_trace.jsonl", "mooncake")])
 def test_detect_format_real_files(data, rel, kind):
-    assert detect_format(data / rel) == kind
+    assert detect_format(need_data(rel)) == kind
 
 
 def test_detect_format_ignores_the_name(data, tmp_path):
     renamed = tmp_path / "trace.txt"
-    shutil.copy(data / AZURE, renamed)
+    shutil.copy(need_data(AZURE), renamed)
     assert detect_format(renamed) == "azure"
     packed = tmp_path / "lengths.data"
-    packed.write_bytes(lzma.compress((data / LENGTHS).read_bytes()[:5000].rsplit(b"\n", 1)[0] + b"\n"))
+    packed.write_bytes(lzma.compress((need_data(LENGTHS)).read_bytes()[:5000].rsplit(b"\n", 1)[0] + b"\n"))
     assert detect_format(packed) == "lengths"
     assert load_workload(packed, rate=1.0).kind == "lengths"
 
 
 def test_azure_trace_arrivals(data):
-    w = load_workload(data / AZURE, max_requests=500)
+    w = load_workload(need_data(AZURE), max_requests=500)
     assert (w.kind, w.has_timestamps, w.arrival, len(w.requests)) == ("azure", True, "trace", 500)
     r = w.requests
     assert r[0].arrival == 0.0 and r[0].prompt_tokens == 4808 and r[0].output_tokens == 10
@@ -73,14 +74,14 @@ def test_azure_trace_arrivals(data):
 
 
 def test_azure_full_trace_matches_readme(data):
-    w = load_workload(data / AZURE)
+    w = load_workload(need_data(AZURE))
     assert len(w.requests) == 8819 and w.dropped == 0
     assert w.duration == pytest.approx(3436, abs=1)
     assert np.mean([x.prompt_tokens for x in w.requests]) == pytest.approx(2048, abs=1)
 
 
 def test_mooncake_trace(data):
-    w = load_workload(data / MOONCAKE, max_requests=1000)
+    w = load_workload(need_data(MOONCAKE), max_requests=1000)
     assert (w.kind, w.arrival, len(w.requests)) == ("mooncake", "trace", 1000)
     assert w.requests[0].prompt_tokens == 6758 and w.requests[0].output_tokens == 500
     assert w.requests[-1].arrival > 0
@@ -90,8 +91,8 @@ def test_mooncake_ticks_are_spread_not_bursts(data):
     """Mooncake stamps arrivals in 3-second ticks; requests sharing a tick are spread over it, counts kept."""
     import json
 
-    raw = [json.loads(line)["timestamp"] / 1000.0 for line in (data / MOONCAKE).open()][:1000]
-    w = load_workload(data / MOONCAKE, max_requests=1000)
+    raw = [json.loads(line)["timestamp"] / 1000.0 for line in (need_data(MOONCAKE)).open()][:1000]
+    w = load_workload(need_data(MOONCAKE), max_requests=1000)
     arr = np.array([r.arrival for r in w.requests])
     assert len(set(raw)) < 200 and len(np.unique(arr)) == 1000       # ~9 requests per tick before, none tied after
     assert np.all(np.diff(arr) > 0) and [r.rid for r in w.requests] == list(range(1000))
@@ -110,7 +111,7 @@ def test_spread_ties_unit():
 
 
 def test_max_prompt_tokens_drops_and_counts(data):
-    w = load_workload(data / "traces/mooncake_synthetic_trace.jsonl", max_prompt_tokens=2048)
+    w = load_workload(need_data("traces/mooncake_synthetic_trace.jsonl"), max_prompt_tokens=2048)
     assert w.dropped > 0 and len(w.requests) + w.dropped == 3993
     assert all(r.prompt_tokens + r.output_tokens <= 2048 for r in w.requests)
     assert w.requests[0].arrival == 0.0  # rebased to the first kept request
@@ -120,9 +121,9 @@ def test_lengths_need_a_rate(data, lengths):
     assert (lengths.kind, lengths.has_timestamps, lengths.arrival) == ("lengths", False, "poisson")
     assert lengths.requests[0].prompt_tokens == 74 and lengths.requests[0].output_tokens == 918
     with pytest.raises(WorkloadError, match="no timestamps"):
-        load_workload(data / LENGTHS)
+        load_workload(need_data(LENGTHS))
     with pytest.raises(WorkloadError, match="no timestamps"):
-        load_workload(data / LENGTHS, arrival="trace")
+        load_workload(need_data(LENGTHS), arrival="trace")
 
 
 def test_sharegpt_keeps_turns(sharegpt):
@@ -136,9 +137,9 @@ def test_sharegpt_keeps_turns(sharegpt):
 
 
 def test_alpaca_eval_generator(data):
-    w = load_workload(data / ALPACA, rate=1.0, max_requests=50)
+    w = load_workload(need_data(ALPACA), rate=1.0, max_requests=50)
     assert w.kind == "alpaca-eval" and "gpt4_1106_preview" in w.name and len(w.requests) == 50
-    short = load_workload(data / ALPACA, rate=1.0, max_requests=50, generator="text_davinci_001")
+    short = load_workload(need_data(ALPACA), rate=1.0, max_requests=50, generator="text_davinci_001")
     assert np.mean([r.output_tokens for r in short.requests]) < np.mean([r.output_tokens for r in w.requests])
     assert [r.turns for r in short.requests] == [r.turns for r in w.requests]  # same instructions, other answers
 
@@ -151,16 +152,16 @@ def test_alpaca_eval_unknown_generator(data, tmp_path):
     with pytest.raises(WorkloadError, match="not-a-model"):
         load_workload(p, rate=1.0, generator="not-a-model")
     with pytest.raises(WorkloadError, match="only to AlpacaEval"):
-        load_workload(data / LENGTHS, rate=1.0, generator="m1")
+        load_workload(need_data(LENGTHS), rate=1.0, generator="m1")
 
 
 # --- arrivals ----------------------------------------------------------------------------------------
 
 
 def test_poisson_rate_and_determinism(data):
-    a = load_workload(data / LENGTHS, rate=5.0, max_requests=4000, seed=3)
-    b = load_workload(data / LENGTHS, rate=5.0, max_requests=4000, seed=3)
-    c = load_workload(data / LENGTHS, rate=5.0, max_requests=4000, seed=4)
+    a = load_workload(need_data(LENGTHS), rate=5.0, max_requests=4000, seed=3)
+    b = load_workload(need_data(LENGTHS), rate=5.0, max_requests=4000, seed=3)
+    c = load_workload(need_data(LENGTHS), rate=5.0, max_requests=4000, seed=4)
     ta = np.array([r.arrival for r in a.requests])
     assert ta[0] == 0.0 and np.all(np.diff(ta) > 0)
     assert (len(ta) - 1) / ta[-1] == pytest.approx(5.0, rel=0.1)  # 4000 gaps: sd of the rate estimate is ~1.6%
@@ -169,7 +170,7 @@ def test_poisson_rate_and_determinism(data):
     assert a.requests == b.requests
     assert [r.arrival for r in c.requests] != [r.arrival for r in a.requests]
     # a trace re-timed with Poisson arrivals keeps its order and lengths
-    az = load_workload(data / AZURE, rate=10.0, max_requests=100)
+    az = load_workload(need_data(AZURE), rate=10.0, max_requests=100)
     assert az.arrival == "poisson" and az.requests[0].prompt_tokens == 4808
 
 
@@ -184,7 +185,7 @@ def test_poisson_rate_and_determinism(data):
 ])
 def test_bad_options(data, kw, msg):
     with pytest.raises(WorkloadError, match=msg):
-        load_workload(data / AZURE, **kw)
+        load_workload(need_data(AZURE), **kw)
 
 
 # --- malformed files ---------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def test_zero_lengths_are_dropped_and_timestamps_sorted(tmp_path):
 
 def test_all_rows_dropped_is_an_error(data):
     with pytest.raises(WorkloadError, match="max_prompt_tokens"):
-        load_workload(data / MOONCAKE, max_prompt_tokens=10)
+        load_workload(need_data(MOONCAKE), max_prompt_tokens=10)
 
 
 # --- predictions ---------------------------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_noisy_predictors_repredict_from_the_first_prediction_alone(lengths, spe
 
 def test_noise_unreachable_accuracy_is_explained(data):
     # Azure code: 95% of outputs are < 200 tokens, so even random guesses are right half the time
-    w = load_workload(data / AZURE, max_requests=2000)
+    w = load_workload(need_data(AZURE), max_requests=2000)
     with pytest.raises(PredictorSpecError, match="gauss:SIGMA"):
         make_predictor("noise:0.2").predict(w.requests)
 
@@ -377,7 +378,7 @@ def test_several_alpaca_eval_generators_are_services_of_one_workload(data):
     from serving.sim.scenarios import SCENARIOS, build_setup
     from serving.sim.sweep import run_point
 
-    path = data / "prompts/alpaca_eval_model_outputs.62models.jsonl.xz"
+    path = need_data("prompts/alpaca_eval_model_outputs.62models.jsonl.xz")
     w = load_workload(path, rate=1.0, generator="alpaca-7b,gpt4", max_requests=300)
     again = load_workload(path, rate=1.0, generator="alpaca-7b,gpt4", max_requests=300)
     assert [r.service for r in w.requests] == [r.service for r in again.requests]

@@ -19,6 +19,7 @@ import pytest
 from predictor.runtime import OnnxLengthPredictor
 from predictor.slices import MODEL, TFIDF, SliceModelError, routes_tag, slice_of
 from tests.conftest import SHAREGPT
+from tests.datafiles import need_data
 from training.baselines import TfidfLogReg, rows_of
 from training.data import Example, load_examples
 from training.data.labels import attach_labels, load_counter
@@ -41,8 +42,8 @@ def _rows(examples: list[Example]):
 def splits(data):
     """About 3,000 ShareGPT examples, first and later turns, whole conversations, labelled in GPT-2 tokens; a fifth of
     the conversations each for validation and test (a long conversation holds dozens of rows)."""
-    examples = cap_groups(load_examples(data / SHAREGPT, "sharegpt"), 3000, seed=0)
-    attach_labels(examples, load_counter(data / "tokenizers/gpt2/tokenizer.json"))
+    examples = cap_groups(load_examples(need_data(SHAREGPT), "sharegpt"), 3000, seed=0)
+    attach_labels(examples, load_counter(need_data("tokenizers/gpt2/tokenizer.json")))
     return split_by_group(examples, val=0.2, test=0.2, seed=0)
 
 
@@ -54,7 +55,7 @@ def shipped(data, splits, tmp_path_factory):
     from tests.tiny_package import tiny_packages
 
     work = tmp_path_factory.mktemp("routing")
-    plain = tiny_packages(work, data / "tokenizers/gpt2/tokenizer.json", {"plain": None})["plain"]
+    plain = tiny_packages(work, need_data("tokenizers/gpt2/tokenizer.json"), {"plain": None})["plain"]
     scheme = OnnxLengthPredictor(plain).scheme
     train, val, test = (_rows([e for e in part if e.first_turn]) for part in (splits.train, splits.val, splits.test))
     fitted = {"first_turn": TfidfLogReg(c_grid=(2.0,)).fit(train, val, scheme)}
@@ -303,10 +304,10 @@ def _train(data: Path, work: Path, *flags: str) -> dict:
 
     base = work.parent / "tiny-base"
     if not base.exists():
-        tiny_base(base, data / "tokenizers/gpt2/tokenizer.json")
+        tiny_base(base, need_data("tokenizers/gpt2/tokenizer.json"))
     out = work / "metrics.json"
-    rc = main(["--data", str(data / SHAREGPT), "--format", "sharegpt",
-               "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--base-model", str(base),
+    rc = main(["--data", str(need_data(SHAREGPT)), "--format", "sharegpt",
+               "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")), "--base-model", str(base),
                "--max-samples", "1200", "--epochs", "1", "--max-prompt-tokens", "32",
                "--edges", "64,256", "--max-tokens", "1024", "--experiment", "tests-routing", "--register", "routing-train",
                "--alias", "", "--work-dir", str(work), "--output-json", str(out), *flags])

@@ -20,6 +20,7 @@ from predictor.target import (
     served_model_id,
     split_id,
 )
+from tests.datafiles import need_data
 
 TARGET = make_target("SmolLM2-135M-Instruct@0123456789ab", "served model's own output tokens",
                      "relabel of sharegpt by the served model", {"temperature": 0.7, "top_p": 0.9,
@@ -96,7 +97,7 @@ def test_two_conversions_of_the_gguf_from_two_spellings_of_its_path_are_one_mode
     would make it: one identity with the session's."""
     from predictor.convert import convert_gguf
 
-    (tmp_path / "models").symlink_to(data / "models", target_is_directory=True)
+    (tmp_path / "models").symlink_to(need_data("models/SmolLM2-135M-Instruct.Q4_1.gguf").parent, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     again = convert_gguf(Path("models") / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "cache" / "SmolLM2-135M-Instruct")
     assert json.loads((again / "config.json").read_text()).get("_name_or_path") != json.loads(
@@ -138,7 +139,7 @@ def packages(data, tmp_path_factory) -> dict[str, Path]:
     """The same tiny classifier exported twice: with the target and without one (as before targets were recorded)."""
     from tests.tiny_package import tiny_packages
 
-    return tiny_packages(tmp_path_factory.mktemp("packages"), data / "tokenizers/gpt2/tokenizer.json",
+    return tiny_packages(tmp_path_factory.mktemp("packages"), need_data("tokenizers/gpt2/tokenizer.json"),
                          {"with": TARGET, "without": None})
 
 

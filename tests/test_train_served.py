@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from predictor.buckets import BucketScheme
+from tests.datafiles import need_data
 from training.cli import main
 from training.config import TrainConfig
 from training.data import DataError, Example, Turn, load_examples
@@ -40,7 +41,7 @@ def served_set(data, tmp_path_factory) -> tuple[Path, Path]:
     """The first 160 ShareGPT conversations (first and later turns) and two seeded samples of every prompt, whose
     lengths follow the request (first turns) or the previous answer (later turns), up to a cap of 256."""
     d = tmp_path_factory.mktemp("served")
-    with lzma.open(data / "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz", "rt") as f:
+    with lzma.open(need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"), "rt") as f:
         convs = json.load(f)[:160]
     prompts = d / "set.json"
     prompts.write_text(json.dumps(convs))
@@ -70,7 +71,7 @@ def test_the_file_says_whose_lengths_they_are_and_refuses_a_mixture(tmp_path):
 
 @pytest.mark.unit
 def test_dataset_answers_are_recorded_as_such(data):
-    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    tok = str(need_data("tokenizers/gpt2/tokenizer.json"))
     cfg = TrainConfig(data="x.json", fmt="alpaca-eval", generator="gpt4", tokenizer=tok, max_tokens=1024)
     assert _target(cfg, None) == {"model": "dataset answers (gpt4)", "label_tokenizer": "tokenizer.json",
                                   "sampling": None, "max_tokens": 1024, "source": "dataset answers"}
@@ -79,7 +80,7 @@ def test_dataset_answers_are_recorded_as_such(data):
 
 @pytest.mark.unit
 def test_a_jsonl_dataset_whose_rows_name_their_model_records_that_model(data, tmp_path):
-    tok = str(data / "tokenizers/gpt2/tokenizer.json")
+    tok = str(need_data("tokenizers/gpt2/tokenizer.json"))
     rows = [{**_record("a" * 64, "g", s, 20 + s, 64), "messages": [{"role": "user", "content": "hi"}]} for s in range(2)]
     named = _write(tmp_path / "relabelled.jsonl", rows)  # what `lengthwise relabel` writes with the text
     assert _target(TrainConfig(data=str(named), fmt="jsonl", tokenizer=tok), None) == load_served(named).target()
@@ -171,7 +172,7 @@ def _fail_line(capsys, argv: list[str]) -> str:
 
 def test_bad_label_settings_exit_2_with_one_line(served_set, data, capsys, home):
     prompts, lengths = served_set
-    tok = ["--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json")]
+    tok = ["--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json"))]
     assert main(["--data", str(prompts), *tok, "--label", "soft"]) == 2
     assert capsys.readouterr().err.strip() == ("train-predictor: error: --label soft needs --served-lengths: soft labels "
                                                "are the bucket histogram of a prompt's samples")
@@ -207,7 +208,7 @@ def test_pre_training_takes_the_datas_own_answers_of_training_conversations_only
     from training.split import split_of
 
     prompts, lengths = served_set
-    cfg = TrainConfig(data=str(prompts), served_lengths=str(lengths), tokenizer=str(data / "tokenizers/gpt2/tokenizer.json"),
+    cfg = TrainConfig(data=str(prompts), served_lengths=str(lengths), tokenizer=str(need_data("tokenizers/gpt2/tokenizer.json")),
                       max_tokens=256, bucket_width=64, pretrain_epochs=1, pretrain_samples=None)
     prep = prepare(cfg)
     every = [e for e in load_examples(prompts, "sharegpt") if e.response]
@@ -229,7 +230,7 @@ def test_soft_labels_with_the_ranking_term_train_score_per_slice_and_record_the_
     prompts, lengths = served_set
     out = tmp_path / "metrics.json"
     rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--rank-loss-weight", "0.5",
-               "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens", "256", "--bucket-width", "64",
+               "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")), "--max-tokens", "256", "--bucket-width", "64",
                "--max-samples", "300", "--epochs", "1", "--max-prompt-tokens", "24", "--experiment", "tests-served",
                "--pretrain-epochs", "1", "--pretrain-samples", "120", "--finetune-lr", "5e-4",
                "--register", "served-predictor", "--work-dir", str(tmp_path / "work"), "--output-json", str(out)])
@@ -310,7 +311,7 @@ def test_a_two_headed_run_trains_on_the_datas_answers_beside_the_served_labels(s
     prompts, lengths = served_set
     out = tmp_path / "metrics.json"
     rc = main(["--data", str(prompts), "--served-lengths", str(lengths), "--label", "soft", "--aux-weight", "0.5",
-               "--pretrain-samples", "80", "--tokenizer", str(data / "tokenizers/gpt2/tokenizer.json"), "--max-tokens",
+               "--pretrain-samples", "80", "--tokenizer", str(need_data("tokenizers/gpt2/tokenizer.json")), "--max-tokens",
                "256", "--bucket-width", "64", "--max-samples", "160", "--epochs", "1", "--max-prompt-tokens", "16",
                "--experiment", "tests-served", "--no-baselines", "--register", "two-headed", "--work-dir",
                str(tmp_path / "work"), "--output-json", str(out)])

@@ -26,6 +26,7 @@ from predictor.runtime import (
     model_file,
 )
 from serving.bench.predictor.sidecar import sharegpt_prompts
+from tests.datafiles import need_data
 from tests.tiny_package import tiny_packages
 
 LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
@@ -35,7 +36,7 @@ LENGTHWISE = str(Path(sys.executable).parent / "lengthwise")
 def tiny(data, tmp_path_factory) -> Path:
     """A one-layer BERT package (2 heads, hidden 16) exported as train-predictor exports, prompts cut at 32 tokens."""
     work = tmp_path_factory.mktemp("tiny-variants")
-    return tiny_packages(work, data / "tokenizers/gpt2/tokenizer.json", {"pkg": None})["pkg"]
+    return tiny_packages(work, need_data("tokenizers/gpt2/tokenizer.json"), {"pkg": None})["pkg"]
 
 
 @pytest.fixture(scope="module")

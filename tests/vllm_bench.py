@@ -33,8 +33,9 @@ def bench_sharegpt(base_url: str, model: str, data: Path, work: Path, prompts: i
     import sys
 
     from tests.conftest import SHAREGPT
+    from tests.datafiles import need_data
 
-    with lzma.open(data / SHAREGPT, "rt") as f:
+    with lzma.open(need_data(SHAREGPT), "rt") as f:
         convs = json.load(f)[:200]
     sharegpt = work / "sharegpt-200.json"
     sharegpt.write_text(json.dumps(convs))

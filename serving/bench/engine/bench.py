@@ -64,7 +64,7 @@ from serving.launch.engines import is_cpu_build
 from serving.launch.malloc import engine_malloc, with_tcmalloc
 from serving.launch.models import Sampling, chat_prompt_ids, resolve_model
 from serving.perf.latency import FittedLatency, LatencyModel, StepShape, make_latency_model
-from serving.perf.slo import derive_slo
+from serving.perf.slo import SLO, derive_slo
 from serving.policy.config import PolicyConfig, SloKind
 from serving.policy.request import Prediction
 from serving.progress import waiting
@@ -633,6 +633,44 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
                   f"({relabel['capped_share']:.0%}, censored)")
     served = [dataclasses.replace(r, output_tokens=max(1, lengths[r.rid])) for r in reqs]
     return dataclasses.replace(wl, requests=served), csv_path, relabel
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCalibration:
+    """Step 1 alone on a real model (``lengthwise calibrate --model``): the step model and the SLO times it gives."""
+
+    config: EngineBenchConfig  # the model resolved to a directory, the cap set
+    profile: Path  # step_profile.csv: what `lengthwise serve --latency-profile` and `--latency-model fitted:CSV` read
+    latency: FittedLatency
+    slo: SLO  # t_p and t_g of a request running alone, derived from the step model on the burst's own requests
+    served: dict[str, Any]  # the burst's own lengths: requests, mean, median, p90, capped
+
+
+def calibrate_model(cfg: EngineBenchConfig, work: Path, console: Console, model_cache: Path,
+                    slo_scale: float) -> ModelCalibration:
+    """:func:`_calibrate` on ``cfg.model`` with nothing after it: the trace's prompts in the model's chat template, as one
+    burst through stock vLLM on one engine at a time (the one-GPU layout, :class:`Sessions`), every step recorded; the
+    step model fitted to it, and t_p and t_g derived from that model over the burst's prompts and answers."""
+    if not cfg.model:
+        raise ValueError("calibrate_model needs a real model: cfg.model")
+    cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, model_cache).resolve()),
+                                 "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
+    wl, prompts = _trace(cfg, console)
+    if len(wl.requests) < 2:
+        raise EngineBenchError(f"{cfg.workload}: {len(wl.requests)} prompts leave room for {cfg.max_tokens} output tokens "
+                               f"in a {cfg.max_model_len}-token context; raise --max-model-len or lower --max-tokens")
+    sessions = Sessions(work, console)
+    try:
+        wl, csv_path, served = _calibrate(cfg, wl, prompts, work, console,
+                                          lambda jobs: [sessions.run(j, f"{j['scheduler']}-{j['tag']}") for j in jobs])
+    except SessionError as exc:
+        raise EngineBenchError(str(exc)) from None
+    finally:
+        sessions.close()
+    lat = FittedLatency.from_csv(csv_path)
+    reqs = wl.requests
+    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], slo_scale)
+    return ModelCalibration(cfg, csv_path, lat, slo, served or {})
 
 
 def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Console,

@@ -166,6 +166,15 @@ def parse_layouts(spec: str | None) -> list[Layout]:
     return list(dict.fromkeys(out))
 
 
+def split_source(meta: dict, a: argparse.Namespace) -> str:
+    """The data to rebuild the test split from: --data, else what the package trained on, else the default ShareGPT."""
+    recorded = meta.get("trained_on")
+    data = a.data or (recorded if recorded and Path(recorded).exists() else str(default_sharegpt()))
+    if not Path(data).exists():
+        raise BenchError(f"the test data {data} does not exist; pass --data")
+    return data
+
+
 def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
     """The test split ``train-predictor`` made from the same data and settings, labelled, with the package's buckets."""
     from training.config import TrainConfig
@@ -173,10 +182,7 @@ def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
     from training.pipeline import prepare
 
     scheme = BucketScheme.from_dict(meta["buckets"])
-    recorded = meta.get("trained_on")
-    data = a.data or (recorded if recorded and Path(recorded).exists() else str(default_sharegpt()))
-    if not Path(data).exists():
-        raise BenchError(f"the test data {data} does not exist; pass --data")
+    data = split_source(meta, a)
     cfg = TrainConfig(data=data, fmt=a.fmt or meta.get("format") or "sharegpt", tokenizer=a.tokenizer,
                       generator=a.generator or meta.get("generator"), first_turn_only=a.first_turn_only,
                       served_lengths=a.served_lengths, bucket_width=None, edges=",".join(map(str, scheme.edges[1:])),
@@ -474,6 +480,7 @@ def run_cli(a: argparse.Namespace) -> int:
                        "token_budget": a.token_budget}
         from training.data import DataError
 
+        split_source(meta, a)  # a missing file is said before the wait starts
         with waiting(console, "rebuilding the labelled test split ..."):
             try:
                 test = labelled_test(meta, a)

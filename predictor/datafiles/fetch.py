@@ -88,15 +88,15 @@ def fetch_one(f: DataFile, dest: Path, github: GitHub, cache: Path | None = None
         try:
             data = _build(src, github, cache, step)
         except Unavailable as exc:
-            why.append(f"{src.describe()}: {exc}")
+            why.append(f"{src.describe(github.base)}: {exc}")
             continue
         got = hashlib.sha256(data).hexdigest()
         if got != f.sha256:
-            why.append(f"{src.describe()}: sha256 {got[:16]}... is not the manifest's {f.sha256[:16]}...: refused")
+            why.append(f"{src.describe(github.base)}: sha256 {got[:16]}... is not the manifest's {f.sha256[:16]}...: refused")
             continue
         step("writing")
         write_atomic(dest / f.path, data)
-        return Outcome(f, FETCHED, src.describe(), time.perf_counter() - t0)
+        return Outcome(f, FETCHED, src.describe(github.base), time.perf_counter() - t0)
     return Outcome(f, UNAVAILABLE, "; ".join(why) or "no source", time.perf_counter() - t0)
 
 

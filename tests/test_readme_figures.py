@@ -119,6 +119,15 @@ ROWS: dict[str, list[Figure]] = {
         Figure("models_on_engines.json", "plan {:.2f}", lambda d: d["plans"]["lengthwise"]["real"]["slo_attainment"]),
         Figure("models_on_engines.json", "none {:.2f}", lambda d: d["plans"]["everywhere"]["real"]["slo_attainment"]),
     ],
+    "Predictor on the served model's lengths": [
+        Figure("demo/make_demo_predictor.json", "tau {:.3f} pre-trained", lambda d: d["kendall_tau"]),
+        Figure("demo/make_demo_predictor.json", "TF-IDF {:.3f}", lambda d: d["baselines"]["tfidf-logreg"]["kendall_tau"]),
+    ],
+    "The endpoint end to end": [
+        Figure("demo/make_demo_serving.json", "{} of {} ShareGPT requests",
+               lambda d: (d["replay"]["summary"]["requests"]["completed"], d["replay"]["summary"]["requests"]["sent"])),
+        Figure("demo/make_demo_serving.json", "{:.0%} within SLO", lambda d: d["replay"]["summary"]["slo"]["attainment"]),
+    ],
     "KV-bound, 8B shape, one H200": [
         Figure("gpu/h200_llama8b_graphs_bench.json", "{:.2f}× stock's goodput at the knee", _h200(9.51)),
         Figure("gpu/h200_llama8b_graphs_bench.json", "{:.2f}× at 1.5×", _h200(14.3)),

@@ -339,7 +339,7 @@ def _model(gguf: Path, work: Path, timings: dict, con: Console) -> Path:
     if not cached:  # (a cached model costs nothing: no torch import)
         from predictor.convert import convert_gguf
 
-        with waiting(con, f"converting {gguf.name} to {model_dir} ..."):
+        with waiting(con, f"converting {gguf.name} to {model_dir} ...", first_s=0):
             convert_gguf(gguf, model_dir)
     timings["convert_s"] = time.monotonic() - t
     how = "cached" if cached else f"converted in {timings['convert_s']:.0f} s"
@@ -357,7 +357,7 @@ def _sidecar(a: argparse.Namespace, logs: Path, children: Children, timings: dic
         "--max-actual-tokens", str(a.max_model_len)], logs / "sidecar.log")  # no answer is longer than the context
     sc_url = f"http://127.0.0.1:{sc_port}"
     t = time.monotonic()
-    with waiting(con, f"starting predictor-sidecar ({a.predictor}) on {sc_url} ..."):
+    with waiting(con, f"starting predictor-sidecar ({a.predictor}) on {sc_url} ...", first_s=0):
         wait_child(sidecar, sc_url + "/ready", a.start_timeout, "ready")
     timings["sidecar_ready_s"] = time.monotonic() - t
     ready = httpx.get(sc_url + "/ready", timeout=10).json()
@@ -391,7 +391,7 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
     """... and the trace, loaded while the engine starts: ``--requests`` prompts with Poisson arrivals to replay, and
     a few more, outside the trace, for the calibration; tokens are counted with the served model's tokenizer so that
     prompts too long for its context are left out before sending."""
-    with waiting(con, "loading the ShareGPT trace while the engine starts ..."):
+    with waiting(con, "loading the ShareGPT trace while the engine starts ...", first_s=0):
         try:
             plan = plan_jobs(sharegpt, max_requests=a.requests + CALIBRATION_REQUESTS, max_tokens_cap=None,
                              max_tokens=a.max_tokens,
@@ -408,7 +408,7 @@ def _load_trace(a: argparse.Namespace, sharegpt: Path, model_dir: Path, gateway:
 def _gateway_ready(a: argparse.Namespace, gateway: Gateway, logs: Path, n_jobs: int, timings: dict, con: Console) -> None:
     """Wait for the gateway's ``/health``: it answers once its engine serves (a minute more than the engine's own
     start-up timeout, for the gateway's)."""
-    with waiting(con, f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ..."):
+    with waiting(con, f"starting lengthwise serve with one vLLM engine on cores {gateway.cores} (about a minute) ...", first_s=0):
         wait_child(gateway.child, gateway.url + "/health", a.start_timeout + 60, "serving")
     timings["engine_ready_s"] = time.monotonic() - gateway.started
     con.print(f"[3/5] lengthwise serve on {gateway.url}: one engine ({a.policy}, cores {gateway.cores}, "
@@ -421,7 +421,7 @@ def _calibrate_slo(a: argparse.Namespace, gw_url: str, model_dir: Path, calib_jo
     """4. The SLO, from lone requests: a deadline means something only relative to what this machine does with no
     queue, so t_p and t_g are measured here (and warm the engine up) before the replay's headers are set from them."""
     t = time.monotonic()
-    with waiting(con, f"calibrating: {len(calib_jobs)} requests alone ..."):
+    with waiting(con, f"calibrating: {len(calib_jobs)} requests alone ...", first_s=0):
         t_p, t_g, calib = calibrate(gw_url, str(model_dir), calib_jobs, len(calib_jobs), CALIBRATION_TOKENS)
     timings["calibrate_s"] = time.monotonic() - t
     c = Calibration(t_p, t_g, a.slo_scale, calib)

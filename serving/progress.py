@@ -62,20 +62,31 @@ def logged(progress: Progress, label: str, every_s: float = LOG_EVERY_S) -> Iter
 
 
 @contextmanager
-def waiting(console: Console, message: str, every_s: float = LOG_EVERY_S) -> Iterator[None]:
-    """``console.status(message)`` on a terminal; elsewhere the message as a line when the wait starts and a line every
-    ``every_s`` seconds while it lasts, so starting an engine for minutes does not read as a hang in a log."""
+def waiting(console: Console, message: str, every_s: float = LOG_EVERY_S, first_s: float = 2.0) -> Iterator[None]:
+    """``console.status(message)`` on a terminal; elsewhere the message as a line once the wait has lasted ``first_s``
+    and a line every ``every_s`` seconds after, so starting an engine for minutes does not read as a hang in a log,
+    while a wait that ends at once (or a command that fails at once on bad input) leaves no line behind; ``first_s``
+    0 says it as it starts."""
     if console.is_terminal:
         with console.status(message):
             yield
         return
     out = _log_file(console)
-    out.write(message + "\n")
-    out.flush()
     stop = threading.Event()
     started = time.monotonic()
 
+    def say() -> None:
+        out.write(message + "\n")
+        out.flush()
+
+    if first_s <= 0:  # a step the command narrates (the demo's): said as it starts, however short
+        say()
+
     def report() -> None:
+        if first_s > 0:
+            if stop.wait(first_s):
+                return
+            say()
         while not stop.wait(every_s):
             out.write(f"{message} still running, {time.monotonic() - started:.0f} s\n")
             out.flush()

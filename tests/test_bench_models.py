@@ -101,6 +101,7 @@ def test_the_cli_writes_the_tables_json_and_plot(data, tmp_path):
     (["--systems", "spatial,alpaserve"], "unknown system 'alpaserve'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, said):
+    need_files(*NEEDS)  # the levels and systems are checked against MuxServe's file
     r = run_main(main, ["bench", "models", "--fidelity", *argv])
     assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
 

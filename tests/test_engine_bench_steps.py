@@ -133,7 +133,8 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
 
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     assert lines.pop(0) == f"work dir {result['work_dir']} (every engine's job, output and log)"
-    assert lines.pop(0) == "loading the trace..."  # a wait, said as a line on a console that is not a terminal
+    if lines[0] == "loading the trace...":  # a wait, said as a line on a console that is not a terminal once it lasts 2 s
+        lines.pop(0)
     assert lines[0] == "calibrating: 8 requests through stock vLLM (tiny model, 128 KV blocks, max_tokens 768)"
     assert lines[1].startswith("fitted step model: 3.00 ms + 4.0 µs/prefill token + 30.0 µs/decode token + 0.0 ns/KV token")
     assert lines[2].startswith("arm lengthwise: policy lengthwise, predictor noise:0.55: Kendall tau ")

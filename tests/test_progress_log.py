@@ -41,9 +41,16 @@ def test_a_terminal_gets_only_the_bar():
     assert "relabel: " not in out.getvalue()
 
 
-def test_a_wait_with_no_count_is_said_at_its_start_and_every_interval():
+def test_a_wait_that_ends_at_once_leaves_no_line():
     out = io.StringIO()
-    with waiting(Console(file=out, force_terminal=False), "starting the engine ...", every_s=0.05):
+    with waiting(Console(file=out, force_terminal=False), "loading ...", every_s=0.05, first_s=5.0):
+        pass
+    assert out.getvalue() == ""
+
+
+def test_a_wait_with_no_count_is_said_once_it_lasts_and_every_interval():
+    out = io.StringIO()
+    with waiting(Console(file=out, force_terminal=False), "starting the engine ...", every_s=0.05, first_s=0.02):
         while out.getvalue().count("still running") < 2:
             time.sleep(0.01)
     lines = out.getvalue().splitlines()

@@ -341,7 +341,7 @@ def run_cli(a: argparse.Namespace) -> int:
     try:
         path = a.data or data_dir() / DEFAULT_DATA
         tokenizer = a.tokenizer or default_tokenizer()
-        if not Path(path).exists():
+        if not a.relabelled and not Path(path).exists():  # --relabelled reads its own files and --prompts instead
             raise ModelLengthsError(f"{path} not found (set LENGTHWISE_DATA or give --data)")
         for flag, value in (("--conditioned-package", a.conditioned_package), ("--per-model-packages", a.per_model_packages)):
             if value is not None and not value.is_dir():

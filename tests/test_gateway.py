@@ -409,9 +409,10 @@ def test_hints_reach_the_engine_and_client_hints_cannot_jump_the_queue(fleet):
     r = HTTP.post(fleet.engines[0] + "/v1/completions", json={"model": fleet.model, "prompt": "direct", "max_tokens": 4},
                   headers={"Authorization": f"Bearer {fleet.engine_key}"}, timeout=60)
     assert r.status_code == 200
-    after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] >= 1 and s, timeout=30,
+    base = before[0]["fallback"] if before[0] else 0  # other modules' direct requests (a calibration's) came first
+    after = wait_for(lambda: (s := plugin_stats(fleet.engine_logs[0])) and s["fallback"] > base and s, timeout=30,
                      what="the plug-in's stats line")
-    assert after["policy"] == "lengthwise" and after["fallback"] == 1  # only the direct request, of all requests so far
+    assert after["policy"] == "lengthwise" and after["fallback"] == base + 1  # only the direct request, since before
     assert after["requests"] >= 2 and (before[0] is None or after["requests"] > before[0]["requests"])
 
 

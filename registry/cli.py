@@ -51,10 +51,13 @@ def dispatch(a: argparse.Namespace) -> int:
             rows = []
             for v in sorted(versions, key=lambda v: int(v.version)):
                 target = store.tags_target(v.tags) or {}
-                rows.append((str(v.version), ",".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
+                rows.append((str(v.version), ", ".join(aliases.get(str(v.version), [])), v.tags.get("accuracy", ""),
                              v.tags.get("kendall_tau", ""), v.tags.get("mae_tokens", ""), v.tags.get(store.TAG_SPLIT, ""),
                              target.get("model") or "unknown", str(target.get("max_tokens") or ""), v.run_id or ""))
-            for c in ("version", "aliases", "accuracy", "kendall_tau", "mae_tokens", "eval_split"):
+            t.add_column("version")
+            # an alias cut to "cham…" is no answer to "which is champion": one alias a line if need be, never cut
+            t.add_column("aliases", min_width=max([len(x) for names in aliases.values() for x in names] + [7]))
+            for c in ("accuracy", "kendall_tau", "mae_tokens", "eval_split"):
                 t.add_column(c)
             # the target model is what an operator matches against the served model: never cut; the run id may fold
             t.add_column("target_model", no_wrap=True, min_width=max([len(r[6]) for r in rows] + [12]))

@@ -300,9 +300,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
                 p.wait()
 
 
-SMALL = {"N_PROMPTS": "60", "SAMPLES": "2", "MAX_TOKENS": "64", "KV_CACHE_GIB": "1", "MAX_MODEL_LEN": "2048",
+SMALL = {"N_PROMPTS": "240", "SAMPLES": "2", "MAX_TOKENS": "64", "KV_CACHE_GIB": "1", "MAX_MODEL_LEN": "2048",
          "BUCKET_WIDTH": "16", "EPOCHS": "1", "PRETRAIN_SAMPLES": "200", "CALIBRATION_PROMPTS": "8"}
-"""The page's sizes for two CPU cores: what the slow test changes besides the model, the ports and the work directory."""
+"""The page's sizes for two CPU cores: what the slow test changes besides the model, the ports and the work directory.
+240 prompts are about 45 of ShareGPT's conversations, enough for a split by conversation into train, val and test
+(60 were 10, and left no validation conversation)."""
 
 
 @pytest.mark.slow

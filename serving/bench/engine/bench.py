@@ -425,10 +425,8 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
     console.print(f"work dir {work} (every engine's job, output and log)")
-    if cfg.model:  # a real model's lengths are unknown until it runs: its cap is given or REAL_MAX_TOKENS
-        # absolute: the engine processes run from the repository root, not necessarily from here
-        cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, Path("bench-results/models")).resolve()),
-                                     "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
+    if cfg.model:
+        cfg = _real_model(cfg, Path("bench-results/models"))
     services = None
     if cfg.services:
         wl, services, cfg = _services(cfg, work, console)
@@ -635,6 +633,19 @@ def _calibrate(cfg: EngineBenchConfig, wl: Workload, prompts: dict[int, list[int
     return dataclasses.replace(wl, requests=served), csv_path, relabel
 
 
+def _real_model(cfg: EngineBenchConfig, model_cache: Path) -> EngineBenchConfig:
+    """``cfg`` with its model resolved to an absolute directory (the engine processes run from the repository root, not
+    necessarily from here) and its cap set: a real model's lengths are unknown until it runs, so the cap is the one
+    given or REAL_MAX_TOKENS."""
+    return cfg.model_copy(update={"model": str(resolve_model(cfg.model, model_cache).resolve()),
+                                  "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
+
+
+def _slo_of(lat: LatencyModel, wl: Workload, scale: float) -> SLO:
+    """t_p and t_g of a request running alone under ``lat``, over the workload's own prompts and answers."""
+    return derive_slo(lat, [r.prompt_tokens for r in wl.requests], [r.output_tokens for r in wl.requests], scale)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCalibration:
     """Step 1 alone on a real model (``lengthwise calibrate --model``): the step model and the SLO times it gives."""
@@ -653,8 +664,7 @@ def calibrate_model(cfg: EngineBenchConfig, work: Path, console: Console, model_
     step model fitted to it, and t_p and t_g derived from that model over the burst's prompts and answers."""
     if not cfg.model:
         raise ValueError("calibrate_model needs a real model: cfg.model")
-    cfg = cfg.model_copy(update={"model": str(resolve_model(cfg.model, model_cache).resolve()),
-                                 "max_tokens": cfg.max_tokens or REAL_MAX_TOKENS})
+    cfg = _real_model(cfg, model_cache)
     wl, prompts = _trace(cfg, console)
     if len(wl.requests) < 2:
         raise EngineBenchError(f"{cfg.workload}: {len(wl.requests)} prompts leave room for {cfg.max_tokens} output tokens "
@@ -668,9 +678,7 @@ def calibrate_model(cfg: EngineBenchConfig, work: Path, console: Console, model_
     finally:
         sessions.close()
     lat = FittedLatency.from_csv(csv_path)
-    reqs = wl.requests
-    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], slo_scale)
-    return ModelCalibration(cfg, csv_path, lat, slo, served or {})
+    return ModelCalibration(cfg, csv_path, lat, _slo_of(lat, wl, slo_scale), served or {})
 
 
 def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Console,
@@ -681,7 +689,7 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Con
     pc = PolicyConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                       max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len)
     scale = cfg.slo_scale or pc.slo_scale
-    slo = derive_slo(lat, [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs], scale)
+    slo = _slo_of(lat, wl, scale)
     tfs = saturating_forward_size(lat, cfg.max_num_batched_tokens)
     pc = pc.model_copy(update={"tfs": tfs, "slo_scale": scale, "slo_kind": cfg.slo_kind, "ttft_s": slo.ttft_s})
     what = (f"fitted step model: {lat.c0 * 1e3:.2f} ms + {lat.c1 * 1e6:.1f} µs/prefill token + "

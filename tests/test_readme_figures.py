@@ -126,7 +126,8 @@ ROWS: dict[str, list[Figure]] = {
     "The endpoint end to end": [
         Figure("demo/make_demo_serving.json", "{} of {} ShareGPT requests",
                lambda d: (d["replay"]["summary"]["requests"]["completed"], d["replay"]["summary"]["requests"]["sent"])),
-        Figure("demo/make_demo_serving.json", "{:.0%} within SLO", lambda d: d["replay"]["summary"]["slo"]["attainment"]),
+        Figure("demo/make_demo_serving.json", "{:.0%} within the gateway's JCT deadline",
+               lambda d: d["replay"]["summary"]["slo"]["attainment"]),
     ],
     "KV-bound, 8B shape, one H200": [
         Figure("gpu/h200_llama8b_graphs_bench.json", "{:.2f}× stock's goodput at the knee", _h200(9.51)),

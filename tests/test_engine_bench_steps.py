@@ -54,11 +54,12 @@ class Engines:
         outs = []
         for job in jobs:
             per_token = 0.005 if job["scheduler"] == "stock" else 0.004
-            recs = [{"id": r["id"], "first": r["arrival"] + 0.01,
+            recs = [{"id": r["id"], "arrival": r["arrival"], "first": r["arrival"] + 0.01,
                      "finished": r["arrival"] + 0.01 + per_token * r["output_tokens"], "tokens": r["output_tokens"]}
                     for r in job["requests"]]
             plugin = {} if job["scheduler"] == "stock" else {"requests": len(recs), "pauses": 1, "hosted": 2}
-            outs.append({"profile": _profile(40), "records": recs, "preemptions": 0, "plugin_stats": plugin,
+            outs.append({"scheduler": job["scheduler"], "profile": _profile(40), "records": recs, "preemptions": 0,
+                         "plugin_stats": plugin,
                          "wall_s": max(r["finished"] for r in recs)})
         return outs
 
@@ -114,7 +115,7 @@ def test_calibrates_then_runs_both_schedulers_at_each_rate_and_reports(engines, 
     assert Path(result["calibration"]["profile_csv"]).name == "step_profile.csv"
     assert result["calibration"]["sim_max_rate_at_90_slo"] == {}  # rates given: no saturation sweep
     assert set(result) == {"config", "device", "stock", "lengthwise", "goodput_ratio", "rate", "headline_rule", "points",
-                           "capacity", "calibration", "work_dir", "arms", "relabel", "cut"}
+                           "capacity", "calibration", "work_dir", "arms", "relabel", "cut", "elapsed_s"}
     assert result["cut"] is None
     assert result["relabel"] is None and set(result["arms"]) == {"lengthwise"}
     assert result["arms"]["lengthwise"]["predictor"] == "noise:0.55" and -1 <= result["arms"]["lengthwise"]["quality"][
@@ -247,6 +248,7 @@ class StandInSessions:
 
     def __init__(self, engines: Engines, cut_at: set[str]) -> None:
         self.engines, self.cut_at, self.closed = engines, cut_at, False
+        self.startups: list[float] = []
 
     def __call__(self, work: Path, console: Console) -> StandInSessions:
         return self
@@ -281,6 +283,77 @@ def test_sequential_runs_stock_the_main_arm_the_baselines_then_the_oracle_and_a_
         assert set(arms) == ({"lengthwise", "sarathi"} if cut and p["rate"] == 4.0
                              else {"lengthwise", "lengthwise+oracle", "sarathi"})
     assert (result["cut"] is not None) == cut and (result["cut"] or "").startswith("KeyboardInterrupt" if cut else "")
+
+
+def test_a_plan_replays_every_seed_then_stock_again_and_keeps_every_request_and_prediction(monkeypatch, tmp_path):
+    """Seeds 1 and 2 and stock again: each engine once (stock, the arms, stock in a second process, the oracle), each
+    seed with its own arrivals; the table has every arm, rate and seed on every SLO kind, stock again beside stock
+    (the stand-in is deterministic: a ratio of exactly 1), and the records file every replay's requests."""
+    import gzip
+
+    e = Engines()
+    monkeypatch.setattr(bench, "Sessions", StandInSessions(e, set()))
+    con, buf = _console()
+    out = tmp_path / "out" / "engine.json"
+    result = run_bench(_cfg(tmp_path, rates=[2.0], sequential=True, seed=1, seeds=[1, 2], stock_again=True,
+                            ablation=["sarathi"], compare_predictors=["oracle"]), out, None, con)
+    jobs = [j for jobs in e.calls for j in jobs][1:]  # after the calibration
+    assert [(j["scheduler"], j["tag"], j.get("process", "")) for j in jobs] == [
+        ("stock", "r2-s1", ""), ("stock", "r2-s2", ""), ("lengthwise", "r2-0-s1", ""), ("lengthwise", "r2-0-s2", ""),
+        ("sarathi", "r2-1-s1", ""), ("sarathi", "r2-1-s2", ""), ("stock", "r2-s1-again", "again"),
+        ("stock", "r2-s2-again", "again"), ("lengthwise", "r2-2-s1", ""), ("lengthwise", "r2-2-s2", "")]
+    assert [r["arrival"] for r in jobs[0]["requests"]] != [r["arrival"] for r in jobs[1]["requests"]]
+    assert [r["arrival"] for r in jobs[0]["requests"]] == [r["arrival"] for r in jobs[6]["requests"]]
+    rows = {(r["arm"], r["seed"]): r for r in result["table"]}
+    assert set(rows) == {(a, s) for a in ("stock", "lengthwise", "sarathi", "lengthwise+oracle", "stock-again")
+                         for s in (1, 2)}
+    for r in rows.values():
+        assert {"jct_goodput_ratio", "ttft+tpot_goodput_ratio", "normalised_latency_ratio", "ttft+tpot_attainment"} <= set(r)
+    assert rows[("stock-again", 2)]["jct_goodput_ratio"] == pytest.approx(1.0)
+    assert result["stock_spread"]["max_departure_jct_goodput_ratio"] == pytest.approx(0.0)
+    assert [p["seed"] for p in result["points"]] == [1] and len(result["points_all_seeds"]) == 2
+    assert "stock-again" in buf.getvalue() and "TTFT+TPOT att." in buf.getvalue()
+    with gzip.open(out.with_name("engine.records.json.gz"), "rt") as f:
+        rec = json.load(f)
+    assert len(rec["runs"]) == 10 and rec["columns"][:4] == ["rid", "arrival_s", "first_token_s", "finished_s"]
+    assert all(len(run["rows"]) == 12 for run in rec["runs"])
+    oracle = rec["predictions"]["lengthwise+oracle"]["2"]["rows"]
+    truth = {r["id"]: r["output_tokens"] for r in jobs[1]["requests"]}
+    assert all(length == truth[rid] for rid, length, _ in oracle)
+    assert json.loads(out.read_text())["records_file"] == "engine.records.json.gz"
+
+
+def test_a_plan_over_budget_runs_what_fits_in_order_of_value_and_names_the_rest(monkeypatch, tmp_path):
+    """A budget that holds the first rate's stock, stock again and main arm but nothing more: the rest is named."""
+    from serving.bench.engine import plan
+
+    e = Engines()
+    monkeypatch.setattr(bench, "Sessions", StandInSessions(e, set()))
+    monkeypatch.setattr(plan, "replay_estimate", lambda setup, rate, cap: 10.0)
+    con, buf = _console()
+    result = run_bench(_cfg(tmp_path, rates=[4.0, 2.0], sequential=True, stock_again=True, ablation=["sarathi"],
+                            budget_s=48.0, engine_start_s=5.0), None, None, con)
+    assert result["plan"]["chosen"] == ["stock at 4 req/s, seed 0", "lengthwise at 4 req/s, seed 0",
+                                        "stock-again at 4 req/s, seed 0"]
+    assert result["plan"]["left_out"][0] == "sarathi at 4 req/s, seed 0" and len(result["plan"]["left_out"]) == 5
+    assert "left out: sarathi at 4 req/s" in " ".join(buf.getvalue().split())
+
+
+def test_a_cut_during_calibration_still_writes_the_json(monkeypatch, tmp_path):
+    e = Engines()
+    monkeypatch.setattr(bench, "Sessions", StandInSessions(e, {"stock-calibration0"}))
+    out = tmp_path / "cut.json"
+    with pytest.raises(bench.EngineBenchError, match="cut during calibration"):
+        run_bench(_cfg(tmp_path, rates=[2.0], sequential=True), out, None, _console()[0])
+    d = json.loads(out.read_text())
+    assert d["cut"] == "KeyboardInterrupt during calibration" and d["points"] == []
+
+
+def test_plan_flags_need_engines_one_after_another(tmp_path):
+    with pytest.raises(ValueError, match="add --sequential"):
+        _cfg(tmp_path, seeds=[1, 2])
+    with pytest.raises(ValueError, match="no such file"):
+        _cfg(tmp_path, sequential=True, calibration_profile=str(tmp_path / "none.csv"))
 
 
 def test_arrivals_are_the_same_for_the_replays_and_the_simulation_and_every_arm_reports_three_slo_kinds(

@@ -14,12 +14,12 @@ import pytest
 from serving.bench.engine.services import (
     SMOLLM2_SERVICES,
     VARIANTS,
-    GivenPredictions,
     ServicesError,
     load_services,
     parse_services,
 )
 from serving.cli import main
+from serving.sim.predictions import GivenPredictions
 from tests.conftest import SHAREGPT
 from tests.datafiles import need_data
 

@@ -21,7 +21,7 @@ import atexit
 import csv
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -37,12 +37,13 @@ COLUMNS = ("start_s", "step_s", "prefill_tokens", "decode_tokens", "kv_read_toke
 
 
 class StepRecorder:
-    """Mixin for a vLLM scheduler class: one row per executed step, and a preemption count."""
+    """Mixin for a vLLM scheduler class: one row per executed step, and a preemption count, in all and per request."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.profile_rows: list[dict[str, float]] = []
         self.profile_preemptions = 0
+        self.profile_preempted: Counter[str] = Counter()  # request id -> times preempted
         self._pending: deque[dict[str, float] | None] = deque()  # scheduled steps whose output is not back yet
         self._last_done = 0.0
         path = os.environ.get(ENV_CSV)
@@ -82,6 +83,9 @@ class StepRecorder:
 
     def _preempt_request(self, *args: Any, **kwargs: Any) -> None:
         self.profile_preemptions += 1
+        request = args[0] if args else kwargs.get("request")
+        if request is not None:
+            self.profile_preempted[request.request_id] += 1
         return super()._preempt_request(*args, **kwargs)
 
     def step_rows(self) -> list[dict[str, float]]:

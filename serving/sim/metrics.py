@@ -72,6 +72,7 @@ class RunMetrics:
     makespan_s: float
     wall_s: float
     sim_requests_per_s: float
+    ttft_tpot_goodput_rps: float = float("nan")  # goodput on DistServe's per-token SLO (goodput_rps is on the JCT SLO)
     slo: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
@@ -133,6 +134,7 @@ def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float
         batch_size=batch_size, preemptions=preemptions, pauses=pauses, hosted=hosted,
         sched_us_per_step=sched_us_per_step, steps=steps, makespan_s=makespan, wall_s=wall_s,
         sim_requests_per_s=n / wall_s if wall_s > 0 else float("inf"),
+        ttft_tpot_goodput_rps=kinds["ttft_tpot_attainment"] * n / span,
         slo={"scale": slo.scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         extra={"busy_s": busy_s, **({"per_service": per_service(records, slo)} if any(r.service for r in records) else {})},
     )

@@ -14,7 +14,9 @@ A predictor spec names where predictions come from:
   folds (default 2) so that no request is predicted by a model that saw its length, one model per service;
 * ``blind`` — another request's true length for each request: the workload's spread, no information (Kendall tau about 0);
 * ``point:SPEC`` — SPEC's predictions without their bucket distribution (a request that outlives its
-  prediction is then re-predicted by doubling): what the distribution is worth, measured.
+  prediction is then re-predicted by doubling): what the distribution is worth, measured;
+* ``given:PATH`` — predictions a trained predictor made elsewhere for exactly this workload, read from a file
+  (:mod:`serving.bench.gpu.predictions` writes one for the GPU run, whose machine has neither text nor predictor).
 
 Noise is drawn from a hash of ``(seed, rid, generated)``, so a request's prediction does not depend on
 which other requests are in the workload, and re-running gives the same numbers.
@@ -23,6 +25,7 @@ which other requests are in the workload, and re-running gives the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Protocol
@@ -40,7 +43,7 @@ PROGRESS_MIN = 500  # show a progress bar when the real model predicts more prom
 
 _VALID = ("oracle, noise:ACC (0 < ACC <= 1, e.g. noise:0.55), gauss:SIGMA (SIGMA >= 0, e.g. gauss:0.2), "
           "models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH, a predictor package directory, "
-          "tfidf[:K] (K >= 2 folds, e.g. tfidf:5), blind, or point:SPEC")
+          "tfidf[:K] (K >= 2 folds, e.g. tfidf:5), blind, point:SPEC, or given:PATH (a predictions file)")
 _SALT_PREDICT = 0
 
 
@@ -376,6 +379,46 @@ class Blind:
         return _as_the_engine_does(prediction, generated)
 
 
+class GivenPredictions:
+    """Predictions made elsewhere for exactly these requests, looked up by request id (``given:PATH``, or a bench's
+    cross-fitted folds). A request the predictions do not cover, or whose length differs from the one they were made
+    for, is an error: predictions for another workload would pass for a weak predictor."""
+
+    def __init__(self, spec: str, by_rid: dict[int, Prediction], made_for: dict[int, int] | None = None) -> None:
+        self.spec, self._by_rid, self._made_for = spec, by_rid, made_for or {}
+
+    @classmethod
+    def from_file(cls, spec: str, path: Path) -> GivenPredictions:
+        """Read a file of :func:`serving.bench.gpu.predictions.make`: ``{"predictions": {rid: {length, hi, bucket,
+        edges, probs, truth_tokens}}}``."""
+        try:
+            doc = json.loads(path.expanduser().read_text())
+            rows = doc["predictions"]
+            by_rid = {int(k): Prediction(length=float(v["length"]), hi=v.get("hi"), bucket=v.get("bucket"),
+                                         edges=tuple(v["edges"]) if v.get("edges") else None,
+                                         probs=tuple(v["probs"]) if v.get("probs") else None) for k, v in rows.items()}
+            made_for = {int(k): int(v["truth_tokens"]) for k, v in rows.items() if "truth_tokens" in v}
+        except FileNotFoundError:
+            raise PredictorSpecError(f"{spec}: no file {path}; make one with python -m serving.bench.gpu.predictions") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PredictorSpecError(f"{spec}: {path} is not a predictions file ({type(exc).__name__}: {exc})") from None
+        return cls(spec, by_rid, made_for)
+
+    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
+        missing = [r.rid for r in requests if r.rid not in self._by_rid]
+        if missing:
+            raise PredictorSpecError(f"{self.spec}: no prediction for {len(missing)} request(s) (e.g. rid {missing[0]}); "
+                                     "the file was made for a smaller or another workload")
+        other = [r.rid for r in requests if self._made_for.get(r.rid, r.output_tokens) != r.output_tokens]
+        if other:
+            raise PredictorSpecError(f"{self.spec}: request {other[0]} is not the request its prediction was made for "
+                                     f"({len(other)} differ in length): the file belongs to another workload")
+        return [self._by_rid[r.rid] for r in requests]
+
+    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
+        return _as_the_engine_does(prediction, generated)
+
+
 class PointOnly:
     """Another predictor's point predictions without their bucket distribution, so that re-prediction doubles."""
 
@@ -436,7 +479,7 @@ def names_a_model(spec: str) -> bool:
         return names_a_model(s[len("point:"):])
     kind = s.partition(":")[0].lower()
     return s.startswith(("models:/", "runs:/")) or (
-        kind not in ("oracle", "noise", "gauss", "tfidf", "blind") and ("/" in s or Path(s).expanduser().is_dir()))
+        kind not in ("oracle", "noise", "gauss", "tfidf", "blind", "given") and ("/" in s or Path(s).expanduser().is_dir()))
 
 
 def check_spec(spec: str) -> None:
@@ -466,6 +509,8 @@ def make_predictor(spec: str, seed: int = 0, quantile: float | None = None) -> L
             raise PredictorSpecError(f"quantile must be in (0, 1), got {quantile}")
     if is_model:
         return ModelPredictor(s, _load_model(s), quantile)
+    if kind_l == "given" and value:
+        return GivenPredictions.from_file(s, Path(value))
     if kind_l == "blind" and not value:
         return Blind(seed)
     if kind_l == "oracle" and not value:

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,10 @@ from rich.console import Console
 from rich.table import Table
 
 from predictor.common import usable_cores
+from serving.bench.engine import plan
 from serving.bench.engine.realmodel import predictor_quality, request_seed, served_lengths
 from serving.bench.engine.services import (
     FOLDS,
-    GivenPredictions,
     ServicesError,
     ServicesTrace,
     check_variant,
@@ -71,7 +72,7 @@ from serving.progress import waiting
 from serving.sim.arrivals import parse_arrivals
 from serving.sim.engine import simulate
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
-from serving.sim.predictions import LengthOracle, PredictorSpecError, check_spec, make_predictor
+from serving.sim.predictions import GivenPredictions, LengthOracle, PredictorSpecError, check_spec, make_predictor
 from serving.sim.scenarios import SHAREGPT, Scenario, Setup, data_path, saturating_forward_size
 from serving.sim.sweep import sweep_policy
 from serving.sim.workload import TraceRequest, Workload, load_workload
@@ -137,6 +138,17 @@ class EngineBenchConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="every request's max_tokens, stock and plug-in alike; default "
                                                            "the trace's longest response rounded up to a multiple of 256")
     seed: int = 0
+    seeds: list[int] = Field(default_factory=list, description="with sequential: replay every arm and rate on each of "
+                             "these seeds (arrivals and noise drawn from each; the calibration is shared); default [seed]")
+    stock_again: bool = Field(False, description="with sequential: replay stock a second time, in a second engine process "
+                              "after the arms, at every rate and seed: the noise between two stock runs, measured")
+    budget_s: float | None = Field(None, gt=0, description="with sequential: the bench's time in seconds; the replays "
+                                   "that fit it are chosen in order of value (serving/bench/engine/plan.py), the rest "
+                                   "left out and named")
+    engine_start_s: float = Field(60.0, gt=0, description="what the plan charges an engine's start when no start has "
+                                  "been measured yet (an 8B engine with CUDA graphs on one H200: about 60 s)")
+    calibration_profile: str | None = Field(None, description="a step profile (CSV) from an earlier calibration of the "
+                                            "same engine shape on the same machine: no calibration burst is run")
     tokenizer: str | None = None
     model: str | None = Field(None, description="real weights: a Hugging Face model directory or a GGUF (converted once "
                                                 "into bench-results/models); default random weights of --shape")
@@ -164,6 +176,18 @@ class EngineBenchConfig(BaseModel):
                                  "weights and a random rank-8 adapter per service")
     service_adapters: dict[str, str] = Field(default_factory=dict, description="set by the bench: where each adapter "
                                              "service's random LoRA was written")
+
+    @model_validator(mode="after")
+    def _plan(self) -> EngineBenchConfig:
+        """Seeds, stock again and a budget are a plan of one engine at a time; side by side has its own pairs."""
+        if not self.sequential and (self.seeds or self.stock_again or self.budget_s):
+            raise ValueError("--seeds, --stock-again and --budget-s plan engines run one after another: add --sequential")
+        if self.calibration_profile and self.model:
+            raise ValueError("--calibration-profile applies to random weights: a real model's calibration is also its "
+                             "relabel, which measures every request's length")
+        if self.calibration_profile and not Path(self.calibration_profile).is_file():
+            raise ValueError(f"--calibration-profile {self.calibration_profile}: no such file")
+        return self
 
     @model_validator(mode="after")
     def _services(self) -> EngineBenchConfig:
@@ -422,7 +446,11 @@ class Arm:
 
 def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None, console: Console) -> dict[str, Any]:
     """The module's three steps on ``cfg``'s trace, then the result (written to ``json_path`` and plotted to
-    ``png_path`` when given); the engines' jobs, outputs and logs stay in a fresh work dir the result names."""
+    ``png_path`` when given; with ``sequential``, every request's record beside the JSON as ``.records.json.gz``);
+    the engines' jobs, outputs and logs stay in a fresh work dir the result names. A run cut before any replay
+    finished still writes the JSON, saying where it was cut."""
+    t0 = time.monotonic()
+    deadline = t0 + cfg.budget_s if cfg.budget_s else None
     work = Path(tempfile.mkdtemp(prefix="lengthwise-bench-engine-"))
     console.print(f"work dir {work} (every engine's job, output and log)")
     if cfg.model:
@@ -435,31 +463,76 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
         wl, prompts = _trace(cfg, console)
     cfg = _with_cap(cfg, wl)
     sessions = Sessions(work, console) if cfg.sequential else None
+    info: dict[str, Any] = {}
+    phase = "calibration"
     try:
         run = ((lambda jobs: [sessions.run(j, f"{j['scheduler']}-{j['tag']}") for j in jobs]) if sessions
                else (lambda jobs: run_engines(jobs, work, console)))
-        wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console, run)
+        if cfg.calibration_profile:
+            csv_path, relabel = Path(cfg.calibration_profile), None
+            console.print(f"calibration: the step profile {csv_path} (no burst run)")
+        else:
+            wl, csv_path, relabel = _calibrate(cfg, wl, prompts, work, console, run)
+        phase = "the rate search"
         setup, arms = _setup(cfg, wl, FittedLatency.from_csv(csv_path), console, services)
         rates, sim_cap = _rates(cfg, setup, console)
+        phase = "the replays"
         if sessions:
-            points = _replay_sequential(cfg, setup, arms, prompts, rates, run, console)
-            _table(points, console)
+            setups = {cfg.seed: (setup, arms)}
+            for seed in cfg.seeds:
+                if seed not in setups:
+                    console.print(f"seed {seed}:")
+                    setups[seed] = _setup(cfg.model_copy(update={"seed": seed}), wl, setup.latency, console, services)
+            start_s = max(sessions.startups, default=cfg.engine_start_s)
+            points, info = _replay_sequential(cfg, setups, prompts, rates, run, console, deadline, start_s)
+            if points:
+                _table([p for p in points if p.get("seed", cfg.seed) == cfg.seed], console)
         else:
             points = []
             for rate in rates:
                 points.append(_replay_at(cfg, setup, arms, prompts, rate, work, console))
                 _table(points, console)
+    except KeyboardInterrupt:
+        _write({"config": cfg.model_dump(), "device": _device(), "cut": f"KeyboardInterrupt during {phase}",
+                "points": [], "work_dir": str(work), "elapsed_s": time.monotonic() - t0}, json_path, None, console)
+        raise EngineBenchError(f"cut during {phase}, before any replay finished; what finished is in {work}") from None
     finally:
         if sessions:
             sessions.close()
     if not points:
+        _write({"config": cfg.model_dump(), "device": _device(), "cut": info.get("cut") or "no rate has both a stock "
+                f"and a {cfg.policy} replay", "points": [], "work_dir": str(work), "elapsed_s": time.monotonic() - t0,
+                **({"plan": {k: v for k, v in info.items() if k != "runs"}} if info else {})}, json_path, None, console)
         raise EngineBenchError(f"no rate has both a stock and a {cfg.policy} replay (cut short); what finished is in {work}")
-    result = _result(cfg, setup, arms, csv_path, sim_cap, points, relabel, work, console)
+    first = [p for p in points if p.get("seed", cfg.seed) == cfg.seed] or points
+    result = _result(cfg, setup, arms, csv_path, sim_cap, first, relabel, work, console)
+    if info:
+        _with_plan(result, points, info, setups, json_path, console)
     if services is not None:
         result["services"] = services.summary
         _service_table(points, console)
+    result["elapsed_s"] = time.monotonic() - t0
     _write(result, json_path, png_path, console)
     return result
+
+
+def _with_plan(result: dict[str, Any], points: list[dict[str, Any]], info: dict[str, Any],
+               setups: dict[int, tuple[Setup, list[Arm]]], json_path: Path | None, console: Console) -> None:
+    """A plan's run added to ``result``: every point of every seed, the arm × rate × seed table on every SLO kind, stock
+    against stock again, the plan itself, and the records file (every request of every replay, every arm's
+    predictions)."""
+    rows = plan.table_rows(points)
+    plan.print_table(rows, console)
+    result.update(points_all_seeds=points, table=rows, stock_spread=plan.spread(rows),
+                  plan={k: v for k, v in info.items() if k != "runs"})
+    if json_path:
+        preds: dict[str, dict[str, Any]] = {}
+        for seed, (setup, arms) in setups.items():
+            for a in arms:
+                preds.setdefault(a.label, {})[str(seed)] = plan.prediction_rows(setup.requests, a.predictions)
+        path = plan.write_records(json_path.with_name(json_path.stem + ".records.json.gz"), info["runs"], preds)
+        result["records_file"] = path.name
+        console.print(f"wrote {path}")
 
 
 def _services(cfg: EngineBenchConfig, work: Path, console: Console) -> tuple[Workload, ServicesTrace, EngineBenchConfig]:
@@ -529,27 +602,38 @@ def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_pat
     lat = make_latency_model(latency, model=model, gpu=gpu)
     setup, arms = _setup(cfg, wl, lat, console)
     rates, sim_cap = _rates(cfg, setup, console)
+    setups = {cfg.seed: (setup, arms)}
+    for seed in cfg.seeds:
+        if seed not in setups:
+            setups[seed] = _setup(cfg.model_copy(update={"seed": seed}), wl, lat, console)
     points = []
     for rate in rates:
-        at = setup.at_rate(rate)
-        point: dict[str, Any] = {"rate": rate, "arms": {}}
-        for arm in arms:
-            arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
-            stock, run = (_simulated(at, arm_setup, name, label, cfg.max_tokens)
-                          for name, label in (("vllm", "stock"), (arm.policy, arm.label)))
-            point["arms"][arm.label] = _pair(rate, arm, stock, run, cfg.predictor)
-        points.append(_point(point, arms))
-    _table(points, console, title="PREDICTION (simulator, no engine ran): stock vLLM vs the plug-in, same trace")
+        for seed, (seed_setup, seed_arms) in setups.items():
+            at = seed_setup.at_rate(rate)
+            point: dict[str, Any] = {"rate": rate, "seed": seed, "arms": {}}
+            for arm in seed_arms:
+                arm_setup = dataclasses.replace(seed_setup, predictor=arm.predictor, predictions=arm.predictions)
+                stock, run = (_simulated(at, arm_setup, name, label, cfg.max_tokens)
+                              for name, label in (("vllm", "stock"), (arm.policy, arm.label)))
+                point["arms"][arm.label] = _pair(rate, arm, stock, run, cfg.predictor)
+            points.append(_point(point, seed_arms))
+    first = [p for p in points if p["seed"] == cfg.seed]
+    _table(first, console, title="PREDICTION (simulator, no engine ran): stock vLLM vs the plug-in, same trace")
+    rows = plan.table_rows(points)
+    if len(setups) > 1:
+        plan.print_table(rows, console)
+    expected_plan = _expected_plan(cfg, setups, arms, rates, console) if cfg.sequential and cfg.budget_s else None
     # the main arm's capacity is the one _rates swept already (same setup, same predictions)
     capacity = {a.label: sim_cap[a.policy] if a is arms[0] else
                 sweep_policy(dataclasses.replace(setup, predictor=a.predictor, predictions=a.predictions),
                              a.policy)["max_rate_at_90_slo"] for a in arms}
     result = {"prediction": True, "config": cfg.model_dump(), "latency_model": lat.describe(), "rates": rates,
-              "sim_max_rate_at_90_slo": {"stock": sim_cap.get("vllm"), **capacity}, "points": points,
+              "sim_max_rate_at_90_slo": {"stock": sim_cap.get("vllm"), **capacity}, "points": first,
+              "points_all_seeds": points, "table": rows,
               "arms": {a.label: {"policy": a.policy, "predictor": getattr(a.predictor, "spec", None),
                                  "quality": a.quality} for a in arms},
               "slo": {"scale": setup.config.slo_scale, "t_p_s": setup.slo.t_p, "t_g_s": setup.slo.t_g},
-              "tfs": setup.config.tfs}
+              "tfs": setup.config.tfs, "plan": expected_plan}
     console.print("simulated max rate at 90% SLO: " + ", ".join(f"{k} {v:.3g} req/s"
                                                                 for k, v in result["sim_max_rate_at_90_slo"].items()))
     if json_path:
@@ -557,6 +641,24 @@ def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_pat
         json_path.write_text(json.dumps(result, indent=2, default=float))
         console.print(f"wrote {json_path}")
     return result
+
+
+def _expected_plan(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, list[Arm]]], arms: list[Arm],
+                   rates: list[float], console: Console) -> dict[str, Any]:
+    """The replays a run of ``cfg`` would choose within ``budget_s`` (the whole budget, as if calibration took no
+    time), each replay's time estimated by this prediction's step model and each engine start charged
+    ``engine_start_s``: what a GPU run of this plan will hold, known before it starts."""
+    labels = [a.label for a in arms]
+    ceilings = {a.label for a in arms[1:] if a.policy == arms[0].policy}
+    est = {(r, s): plan.replay_estimate(setups[s][0], r, cfg.max_tokens) for r in rates for s in setups}
+    slots = plan.value_order(labels, ceilings, rates, list(setups), cfg.stock_again)
+    chosen, left = plan.choose(slots, cfg.budget_s, cfg.engine_start_s, lambda x: est[(x.rate, x.seed)])
+    total = sum(est[(x.rate, x.seed)] for x in chosen) + cfg.engine_start_s * len({x.arm for x in chosen})
+    console.print(f"plan within {cfg.budget_s:.0f} s (engine starts of {cfg.engine_start_s:.0f} s): {len(chosen)} of "
+                  f"{len(slots)} replays, about {total:.0f} s: {', '.join(x.name for x in chosen)}")
+    return {"budget_s": cfg.budget_s, "engine_start_s": cfg.engine_start_s, "estimated_s": total,
+            "chosen": [x.name for x in plan.run_order(chosen, labels, ceilings)], "left_out": [x.name for x in left],
+            "estimates_s": {f"{r:g} req/s, seed {s}": round(v, 1) for (r, s), v in est.items()}}
 
 
 def _simulated(at: list[TraceRequest], setup: Setup, policy: str, label: str, max_tokens: int | None) -> dict[str, Any]:
@@ -846,54 +948,84 @@ def _point(point: dict[str, Any], arms: list[Arm]) -> dict[str, Any]:
     return {**point, "stock": main["stock"], "lengthwise": main["run"], "goodput_ratio": main["goodput_ratio"]}
 
 
-def _replay_sequential(cfg: EngineBenchConfig, setup: Setup, arms: list[Arm], prompts: dict[int, list[int]] | None,
-                       rates: list[float], run, console: Console) -> list[dict[str, Any]]:
-    """2. Replay, one engine at a time (``sequential``): stock at every rate (on the engine that calibrated), then the
-    main arm, then the prediction-free baselines (the other policies' arms), and last the main policy's other
-    predictors (the oracle: a ceiling, worth less than the baseline a gain must beat, so the one a time limit takes
-    first, although it costs one more engine start), each arm at every rate; every arm of a rate is set beside that
-    rate's one stock replay, whose deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an
-    engine that died) keeps every replay that finished: the points hold the arms measured at each rate, and the first
-    point says what was cut. Returns the points as :func:`_replay_at` does."""
+def _replay_sequential(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, list[Arm]]],
+                       prompts: dict[int, list[int]] | None, rates: list[float], run, console: Console,
+                       deadline: float | None, start_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """2. Replay, one engine at a time (``sequential``), as a plan (:mod:`serving.bench.engine.plan`): the replays of
+    every arm, rate and seed that fit the time left before ``deadline`` in order of value, run engine by engine (stock on
+    the engine that calibrated), every arm of a rate and seed set beside that rate and seed's one stock replay, whose
+    deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every
+    replay that finished: the points hold the arms measured at each rate and seed, and the first point says what was
+    cut. Returns the points as :func:`_replay_at` does (each with its ``seed``, and ``stock_again`` when replayed) and
+    the plan: what was chosen, skipped and run, and each replay's output for the records."""
     served = prompts is not None
-    ats = {rate: setup.at_rate(rate) for rate in rates}
-    tfs = setup.config.tfs
-    stock_out: dict[float, dict[str, Any]] = {}
-    arm_out: dict[tuple[int, float], dict[str, Any]] = {}
-    order = sorted(range(len(arms)), key=lambda i: (i > 0, arms[i].policy == arms[0].policy, i))
-    cut = None
-    try:
-        for rate in rates:
-            console.print(f"[bold]stock[/] at {rate:g} req/s ({len(ats[rate])} requests)")
-            job = _job("stock", cfg, ats[rate], arms[0].predictions, setup.slo, f"r{rate:g}", tfs, prompts)
-            stock_out[rate] = run([job])[0]
-        for i in order:
-            arm = arms[i]
-            for rate in rates:
-                console.print(f"[bold]{arm.label}[/] at {rate:g} req/s ({len(ats[rate])} requests)")
-                job = _job(arm.policy, cfg, ats[rate], arm.predictions, setup.slo, f"r{rate:g}-{i}", tfs, prompts)
-                arm_out[(i, rate)] = run([job])[0]
-    except (KeyboardInterrupt, SessionError) as exc:
-        cut = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        console.print(f"[red]replays cut short[/] ({cut}); keeping the {len(stock_out) + len(arm_out)} that finished")
+    seeds = list(setups)
+    arms0 = setups[seeds[0]][1]
+    labels = [a.label for a in arms0]
+    ceilings = {a.label for a in arms0[1:] if a.policy == arms0[0].policy}  # the main policy with other predictors
+    ats = {(rate, s): setups[s][0].at_rate(rate) for rate in rates for s in seeds}
+    estimates: dict[tuple[float, int], float] = {}
+
+    def replay_s(slot: plan.Slot) -> float:
+        key = (slot.rate, slot.seed)
+        if key not in estimates:
+            estimates[key] = plan.replay_estimate(setups[slot.seed][0], slot.rate, cfg.max_tokens)
+        return estimates[key]
+
+    def tag(slot: plan.Slot, i: int | None) -> str:
+        seed = f"-s{slot.seed}" if len(seeds) > 1 else ""
+        return f"r{slot.rate:g}" + ("" if i is None else f"-{i}") + seed + ("-again" if slot.arm == plan.STOCK_AGAIN else "")
+
+    def job_of(slot: plan.Slot) -> dict[str, Any]:
+        setup, arms = setups[slot.seed]
+        arm = arms[slot.index if slot.index is not None else 0]
+        job = _job("stock" if slot.index is None else arm.policy, cfg, ats[(slot.rate, slot.seed)], arm.predictions,
+                   setup.slo, tag(slot, slot.index), setup.config.tfs, prompts)
+        if slot.arm == plan.STOCK_AGAIN:
+            job["process"] = "again"
+        return job
+
+    slots = plan.value_order(labels, ceilings, rates, seeds, cfg.stock_again)
+    budget = None if deadline is None else deadline - time.monotonic()
+    chosen, left = plan.choose(slots, budget, start_s, replay_s)
+    order = plan.run_order(chosen, labels, ceilings)
+    if budget is not None:
+        total = sum(replay_s(s) for s in chosen) + start_s * len({s.arm for s in chosen})
+        console.print(f"plan: {len(chosen)} of {len(slots)} replays fit {budget:.0f} s (about {total:.0f} s, "
+                      f"engine starts of {start_s:.0f} s included); left out: "
+                      f"{', '.join(s.name for s in left) or 'none'}")
+    outs, skipped, cut = plan.execute(order, job_of, run, console, deadline, start_s, replay_s)
     points = []
     for rate in rates:
-        if rate not in stock_out or (0, rate) not in arm_out:
-            continue
-        point: dict[str, Any] = {"rate": rate, "arms": {}}
-        if cut and not points:
-            point["cut"] = cut
-        for i, arm in enumerate(arms):
-            if (i, rate) not in arm_out:
+        for seed in seeds:
+            stock_slot, main_slot = plan.Slot(plan.STOCK, None, rate, seed), plan.Slot(labels[0], 0, rate, seed)
+            if stock_slot not in outs or main_slot not in outs:
                 continue
-            arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
-            stock = _compared(stock_out[rate], ats[rate], arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
-            r = _compared(arm_out[(i, rate)], ats[rate], arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
-            replay = {"stock": stock, "run": r, "stock_first_cores": None,
-                      "goodput_ratio": _ratio(r["goodput_rps"], stock["goodput_rps"])}
-            point["arms"][arm.label] = _pair(rate, arm, stock, r, cfg.predictor, shared_stock=True, replays=[replay])
-        points.append(_point(point, arms))
-    return points
+            setup, arms = setups[seed]
+            at = ats[(rate, seed)]
+            point: dict[str, Any] = {"rate": rate, "seed": seed, "arms": {}}
+            if cut and not points:
+                point["cut"] = cut
+            for i, arm in enumerate(arms):
+                out = outs.get(plan.Slot(arm.label, i, rate, seed))
+                if out is None:
+                    continue
+                arm_setup = dataclasses.replace(setup, predictor=arm.predictor, predictions=arm.predictions)
+                stock = _compared(outs[stock_slot], at, arm_setup, "stock", "vllm", cfg.max_tokens, served).to_dict()
+                r = _compared(out, at, arm_setup, arm.label, arm.policy, cfg.max_tokens, served).to_dict()
+                replay = {"stock": stock, "run": r, "stock_first_cores": None,
+                          "goodput_ratio": _ratio(r["goodput_rps"], stock["goodput_rps"])}
+                point["arms"][arm.label] = _pair(rate, arm, stock, r, cfg.predictor, shared_stock=True, replays=[replay])
+            again = outs.get(plan.Slot(plan.STOCK_AGAIN, None, rate, seed))
+            if again is not None:
+                point["stock_again"] = {"rate": rate, **_compared(again, at, setup, plan.STOCK_AGAIN, "vllm", cfg.max_tokens,
+                                                                  served).to_dict()}
+            points.append(_point(point, arms))
+    info = {"budget_s": budget, "engine_start_s": start_s, "seeds": seeds, "stock_again": cfg.stock_again,
+            "chosen": [s.name for s in order], "left_out": [s.name for s in left], "skipped": skipped,
+            "estimates_s": {f"{r:g} req/s, seed {s}": round(v, 1) for (r, s), v in estimates.items()},
+            "runs": [(slot, outs[slot]) for slot in order if slot in outs]}
+    return points, info
 
 
 _SUMMED = frozenset({"wrong_or_lost", "relabel_mismatch"})  # losses are added up over replays, never averaged away

@@ -117,6 +117,23 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
     p.add_argument("--sequential", action="store_true",
                    help="engines one after another, each kept for every rate, one stock replay per rate shared by every "
                         "arm (one GPU: two engines cannot share it fairly)")
+    plan = p.add_argument_group("a plan for engines one after another (--sequential; serving/bench/engine/plan.py)")
+    plan.add_argument("--seeds", metavar="S,S,...", type=comma_list(int, "1,2"), default=[],
+                      help="replay every arm and rate on each seed (arrivals and noise drawn from it; one calibration "
+                           "for all; default: --seed alone)")
+    plan.add_argument("--stock-again", action="store_true",
+                      help="replay stock a second time in a second engine process after the arms, at every rate and "
+                           "seed: the noise between two stock runs of this machine, measured beside every ratio")
+    plan.add_argument("--budget-s", type=float, metavar="S",
+                      help="the bench's time: the replays that fit are chosen in order of value (rates in the order "
+                           "given, then arms, then seeds; the main policy's other predictors, e.g. the oracle, last) "
+                           "by the calibrated simulator's estimate of each, the rest named and left out")
+    plan.add_argument("--engine-start-s", type=float, default=60.0, metavar="S",
+                      help="an engine start as the plan charges it until one is measured (default: %(default)s, an 8B "
+                           "engine with CUDA graphs on one H200)")
+    plan.add_argument("--calibration-profile", metavar="CSV",
+                      help="the step profile of an earlier calibration of this engine shape on this kind of machine: "
+                           "no calibration burst runs (e.g. docs/results/gpu/h200_llama8b_graphs_step_profile.csv)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's async scheduling for every engine, stock and plug-in alike (default: vLLM's choice: on "
                         "with CUDA, off on CPU)")
@@ -175,7 +192,9 @@ def run_cli(a: argparse.Namespace) -> int:
                                 calibration_requests=a.calibration_requests, ablation=a.ablation, rate_factors=a.rate_factors,
                                 arrivals=a.arrivals, slo_kind=a.slo_kind,
                                 compare_predictors=a.compare_predictors, swap_cores=a.swap_cores,
-                                sequential=a.sequential, async_scheduling=a.async_scheduling,
+                                sequential=a.sequential, async_scheduling=a.async_scheduling, seeds=a.seeds,
+                                stock_again=a.stock_again, budget_s=a.budget_s, engine_start_s=a.engine_start_s,
+                                calibration_profile=a.calibration_profile,
                                 gpu_memory_utilization=a.gpu_memory_utilization, cuda_graphs=a.cuda_graphs,
                                 sampling={"temperature": a.temperature, "top_p": a.top_p,
                                           "repetition_penalty": a.repetition_penalty}, **kw)

@@ -42,9 +42,11 @@ DONE_MARK = "@@lengthwise-replay-done"
 
 
 def engine_key(job: dict[str, Any]) -> str:
-    """What decides the engine a job needs: two jobs with the same key can share one engine process."""
+    """What decides the engine a job needs: two jobs with the same key can share one engine process (``process``
+    names a second process of the same engine, e.g. stock again, whose runs measure the noise between two)."""
     plugin = job.get("plugin", {}) if job["scheduler"] != "stock" else {}  # stock vLLM reads no plug-in settings
-    return json.dumps({"engine": job["engine"], "scheduler": job["scheduler"], "plugin": plugin}, sort_keys=True)
+    return json.dumps({"engine": job["engine"], "scheduler": job["scheduler"], "plugin": plugin,
+                       "process": job.get("process", "")}, sort_keys=True)
 
 
 def scheduler_cls(job: dict[str, Any]) -> str:
@@ -168,12 +170,14 @@ def replay(job: dict[str, Any], progress: bool = True, engine=None, reuse: bool 
     _warm(engine)
     sched.profile_rows.clear()
     sched.profile_preemptions = 0
+    sched.profile_preempted.clear()
     if hasattr(sched, "lw_stats"):  # the warm-up requests are not the trace's
         for counters in (sched.lw_stats, sched.lw_policy.stats):
             for k in counters:
                 counters[k] = 0
     reqs = sorted(job["requests"], key=lambda r: (r["arrival"], r["id"]))
     rec: dict[str, dict[str, Any]] = {}
+    internal: dict[str, str] = {}  # the request's id -> the id vLLM gave it (which may carry a suffix)
     t0 = time.time()
     nxt, done, total = 0, 0, len(reqs)
     last_print = t0
@@ -188,6 +192,7 @@ def replay(job: dict[str, Any], progress: bool = True, engine=None, reuse: bool 
                                      lora_request=_lora(job, r.get("lora")))
             rec[str(r["id"])] = {"id": r["id"], "arrival": r["arrival"], "added": now, "first": None, "finished": None,
                                  "tokens": 0, **_seen(sched, iid)}
+            internal[str(r["id"])] = iid
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, reqs[nxt]["arrival"] - (time.time() - t0)))
@@ -208,6 +213,8 @@ def replay(job: dict[str, Any], progress: bool = True, engine=None, reuse: bool 
             last_print = time.time()
             print(f"  [{job['scheduler']}] t={t:6.1f}s arrived {nxt}/{total} finished {done}", file=sys.stderr, flush=True)
     wall = time.time() - t0
+    for key, r in rec.items():
+        r["preemptions"] = sched.profile_preempted.get(internal[key], 0)
     stats = sched.lengthwise_stats() if hasattr(sched, "lengthwise_stats") else {}
     return {"scheduler": job["scheduler"], "records": list(rec.values()), "profile": sched.step_rows(),
             "preemptions": sched.profile_preemptions, "plugin_stats": stats, "wall_s": wall,

@@ -167,14 +167,3 @@ def _labelled(records: list[dict]) -> dict[str, tuple[list[int], int]]:
     return out
 
 
-class GivenPredictions:
-    """Predictions made elsewhere for exactly these requests (``folds:VARIANT``), looked up by request id."""
-
-    def __init__(self, spec: str, by_rid: dict[int, Prediction]):
-        self.spec, self._by_rid = spec, by_rid
-
-    def predict(self, requests: list[TraceRequest]) -> list[Prediction]:
-        return [self._by_rid[r.rid] for r in requests]
-
-    def repredict(self, request: TraceRequest, generated: int, prediction: Prediction) -> float:
-        return float(prediction.remaining_after(generated))

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,6 +37,8 @@ class EngineSession:
         self._log: IO[str] = self.log_path.open("w")
         self._done: list[str] = []
         self._cv = threading.Condition()
+        self._born = time.monotonic()
+        self.startup_s: float | None = None  # the first job's time less its replay: the engine's start, measured
         self.proc = subprocess.Popen([sys.executable, "-m", "serving.bench.engine.replay", "--serve"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -74,7 +77,10 @@ class EngineSession:
             self._cv.wait_for(lambda: str(op) in self._done or self.proc.poll() is not None)
         if str(op) not in self._done:
             raise SessionError(self._died(tag))
-        return json.loads(op.read_text())
+        out = json.loads(op.read_text())
+        if self.startup_s is None:
+            self.startup_s = max(0.0, time.monotonic() - self._born - float(out.get("wall_s", 0.0)))
+        return out
 
     def _died(self, tag: str) -> str:
         self.proc.wait()
@@ -103,6 +109,7 @@ class Sessions:
         self.work, self.console, self.env = work, console, env
         self.current: EngineSession | None = None
         self.started = 0
+        self.startups: list[float] = []  # each engine's measured start (what a plan charges a new engine)
 
     def run(self, job: dict[str, Any], tag: str) -> dict[str, Any]:
         key = engine_key(job)
@@ -112,7 +119,10 @@ class Sessions:
             name = f"engine{self.started}-{job['scheduler']}"
             self.console.print(f"starting engine {name} ({job['scheduler']})")
             self.current = EngineSession(key, self.work, name, self.console, self.env)
-        return self.current.run(job, tag)
+        out = self.current.run(job, tag)
+        if self.current.startup_s is not None and len(self.startups) < self.started:
+            self.startups.append(self.current.startup_s)
+        return out
 
     def close(self) -> None:
         if self.current is not None:

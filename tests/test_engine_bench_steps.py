@@ -321,6 +321,17 @@ def test_a_plan_replays_every_seed_then_stock_again_and_keeps_every_request_and_
     truth = {r["id"]: r["output_tokens"] for r in jobs[1]["requests"]}
     assert all(length == truth[rid] for rid, length, _ in oracle)
     assert json.loads(out.read_text())["records_file"] == "engine.records.json.gz"
+    # the records alone give the table again, and at a looser SLO no arm attains less
+    from serving.bench.engine.rescore import main as rescore
+
+    assert rescore(["--records", str(out.with_name("engine.records.json.gz")), "--json", str(tmp_path / "re.json")]) == 0
+    again = {(r["arm"], r["seed"]): r for r in json.loads((tmp_path / "re.json").read_text())}
+    for key, row in rows.items():
+        for k in ("jct_attainment", "jct_goodput_rps", "ttft+tpot_attainment", "ttft+tpot_goodput_rps",
+                  "normalised_latency_s"):
+            assert again[key][k] == pytest.approx(row[k], rel=1e-4), (key, k)  # records keep 0.1 ms
+    loose = {(r["arm"], r["seed"]): r for r in bench.plan.rescore(out.with_name("engine.records.json.gz"), 100.0)}
+    assert all(loose[k]["jct_attainment"] >= rows[k]["jct_attainment"] for k in rows)
 
 
 def test_a_plan_over_budget_runs_what_fits_in_order_of_value_and_names_the_rest(monkeypatch, tmp_path):

@@ -530,7 +530,11 @@ def _with_plan(result: dict[str, Any], points: list[dict[str, Any]], info: dict[
         for seed, (setup, arms) in setups.items():
             for a in arms:
                 preds.setdefault(a.label, {})[str(seed)] = plan.prediction_rows(setup.requests, a.predictions)
-        path = plan.write_records(json_path.with_name(json_path.stem + ".records.json.gz"), info["runs"], preds)
+        setup, arms = next(iter(setups.values()))
+        slo = {k: getattr(setup.slo, k) for k in ("scale", "t_p", "t_g", "ttft_s", "tpot_s")}
+        labels = {a.label: (a.policy, result["arms"][a.label]["predictor"]) for a in arms}
+        path = plan.write_records(json_path.with_name(json_path.stem + ".records.json.gz"), info["runs"], preds, slo,
+                                  labels)
         result["records_file"] = path.name
         console.print(f"wrote {path}")
 

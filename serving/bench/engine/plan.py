@@ -141,22 +141,58 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def table_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per arm × rate × seed with every SLO kind, each goodput beside the same rate and seed's stock (for
-    ``stock-again``: the noise between two stock processes) and normalised latency as stock's over the arm's (above 1:
-    the arm's is lower)."""
-    rows = []
+    """One row per arm × rate × seed of the bench's points (:func:`kind_rows`)."""
+    runs = []
     for p in points:
-        stock = kind_figures(p["stock"])
-        runs = [(STOCK, None, stock)] + [(label, a, kind_figures(a["run"])) for label, a in p["arms"].items()]
+        runs.append((STOCK, p["rate"], p.get("seed", 0), "vllm", None, p["stock"]))
+        runs += [(label, p["rate"], p.get("seed", 0), a["policy"], a["predictor"], a["run"]) for label, a in p["arms"].items()]
         if p.get("stock_again") is not None:
-            runs.append((STOCK_AGAIN, None, kind_figures(p["stock_again"])))
-        for label, arm, f in runs:
-            ratios = {f"{k}_goodput_ratio": _ratio(f[f"{k}_goodput_rps"], stock[f"{k}_goodput_rps"]) for k in KINDS}
-            ratios["normalised_latency_ratio"] = _ratio(stock["normalised_latency_s"], f["normalised_latency_s"])
-            rows.append({"arm": label, "rate": p["rate"], "seed": p.get("seed", 0),
-                         "policy": arm["policy"] if arm else "vllm", "predictor": arm["predictor"] if arm else None,
-                         **f, **ratios})
+            runs.append((STOCK_AGAIN, p["rate"], p.get("seed", 0), "vllm", None, p["stock_again"]))
+    return kind_rows(runs)
+
+
+def kind_rows(runs: list[tuple[str, float, int, str, str | None, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per ``(arm, rate, seed, policy, predictor, metrics)`` with every SLO kind, each goodput beside the
+    same rate and seed's stock (for ``stock-again``: the noise between two stock processes) and normalised latency as
+    stock's over the arm's (above 1: the arm's is lower)."""
+    stock = {(rate, seed): kind_figures(m) for arm, rate, seed, _, _, m in runs if arm == STOCK}
+    rows = []
+    for arm, rate, seed, policy, predictor, m in runs:
+        f, base = kind_figures(m), stock.get((rate, seed))
+        if base is None:
+            continue
+        ratios = {f"{k}_goodput_ratio": _ratio(f[f"{k}_goodput_rps"], base[f"{k}_goodput_rps"]) for k in KINDS}
+        ratios["normalised_latency_ratio"] = _ratio(base["normalised_latency_s"], f["normalised_latency_s"])
+        rows.append({"arm": arm, "rate": rate, "seed": seed, "policy": policy, "predictor": predictor, **f, **ratios})
     return rows
+
+
+def rescore(path: Path, scale: float | None = None) -> list[dict[str, Any]]:
+    """Every replay of a records file scored again on every SLO kind (:func:`kind_rows`): at the SLO the run was judged
+    by, or with every target (JCT, TTFT and TPOT alike) rescaled to EcoServe's ``scale``. A request's length is the
+    tokens it produced (the bench ends each at its true length, and checks it did)."""
+    from serving.perf.slo import SLO
+    from serving.sim.metrics import RequestRecord, meets_jct, slo_kinds
+
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    slo = SLO(**doc["slo"])
+    if scale is not None:
+        k = scale / slo.scale
+        slo = SLO(scale, slo.t_p, slo.t_g, slo.ttft_s * k, slo.tpot_s * k)
+    runs = []
+    for run in doc["runs"]:
+        recs = [RequestRecord(rid, arrival, 0, max(1, tokens), slo.jct_limit(max(1, tokens)), first_token=first,
+                              last_token=done, finished=done, tokens=tokens)
+                for rid, arrival, first, done, tokens, _ in run["rows"]]
+        span = max(max((r.finished for r in recs if r.finished is not None), default=0.0)
+                   - min((r.arrival for r in recs), default=0.0), 1e-9)
+        kinds = slo_kinds(recs, slo)
+        m = {**kinds, "goodput_rps": sum(map(meets_jct, recs)) / span,
+             "ttft_tpot_goodput_rps": kinds["ttft_tpot_attainment"] * len(recs) / span,
+             "preemptions": run["preemptions"]}
+        runs.append((run["arm"], run["rate"], run["seed"], run.get("policy", run["scheduler"]), run.get("predictor"), m))
+    return kind_rows(runs)
 
 
 def spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,16 +226,19 @@ def print_table(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(t)
 
 
-def write_records(path: Path, runs: list[tuple[Slot, dict[str, Any]]], predictions: dict[str, dict[int, list]]) -> Path:
+def write_records(path: Path, runs: list[tuple[Slot, dict[str, Any]]], predictions: dict[str, dict[int, list]],
+                  slo: dict[str, float], arms: dict[str, tuple[str, str | None]]) -> Path:
     """Every replay's per-request records (arrival, first token, finish, tokens, preemptions; times in seconds from
-    the replay's start) and every arm's predicted distributions per seed, gzipped JSON: enough to score any run again
-    on any SLO."""
-    doc = {"columns": list(RECORD_COLUMNS), "runs": [], "predictions": predictions}
+    the replay's start), every arm's predicted distributions per seed and the SLO the run was judged by, gzipped JSON:
+    enough to score any run again on any SLO (:func:`rescore`). ``arms``: each label's policy and predictor."""
+    doc = {"columns": list(RECORD_COLUMNS), "slo": slo, "runs": [], "predictions": predictions}
     for slot, out in runs:
         rows = [[x["id"], round(x["arrival"], 4), None if x["first"] is None else round(x["first"], 4),
                  None if x["finished"] is None else round(x["finished"], 4), x["tokens"], x.get("preemptions", 0)]
                 for x in sorted(out["records"], key=lambda x: x["id"])]
+        policy, predictor = arms.get(slot.arm, ("vllm", None))
         doc["runs"].append({"arm": slot.arm, "rate": slot.rate, "seed": slot.seed, "scheduler": out["scheduler"],
+                            "policy": policy, "predictor": predictor,
                             "preemptions": out["preemptions"], "wall_s": out["wall_s"], "rows": rows})
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt") as f:

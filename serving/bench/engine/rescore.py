@@ -11,6 +11,11 @@ checked against the ones the job carried), each run set beside its simulation on
 Each ``--run POLICY=OUT.json`` (``POLICY`` ``stock``, or a plug-in policy: ``lengthwise``, ``sarathi``) is read with
 its job file beside it (``X.out.json`` → ``X.job.json``); ``--predictor`` names the arm's predictions when they are
 not the preset's main ones (``oracle``). A replay of the first N requests of a rate is scored against those N.
+
+A planned run (``--seeds``, ``--stock-again``) also writes every request of every replay beside its JSON; that file
+alone is scored again on every SLO kind, at the run's SLO or at another scale:
+
+    python -m serving.bench.engine.rescore --records bench_engine.records.json.gz --slo-scale 4 --json rescored.json
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from serving.bench.engine import bench
+from serving.bench.engine import bench, plan
 from serving.bench.engine.presets import PRESETS
 from serving.perf.latency import FittedLatency
 
@@ -84,14 +89,30 @@ def table(rows: list[dict[str, Any]], console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serving.bench.engine.rescore", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    ap.add_argument("--profile", type=Path, required=True, help="the calibration's step_profile.csv")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="with --run: the preset the run used")
+    ap.add_argument("--profile", type=Path, help="with --run: the calibration's step_profile.csv")
+    ap.add_argument("--records", type=Path, metavar="FILE",
+                    help="instead of --run: a planned run's records file (.records.json.gz), every replay scored again")
+    ap.add_argument("--slo-scale", type=float, metavar="S",
+                    help="with --records: judge every SLO kind at EcoServe's scale S instead of the run's")
     ap.add_argument("--run", action="append", default=[], metavar="POLICY[+SPEC]=OUT.json",
                     help="a replay's output (its job beside it); +SPEC for another predictor than the preset's main")
     ap.add_argument("--arrivals", default="poisson", metavar="SPEC",
                     help="the run's --arrivals (poisson, gamma:CV, trace-times:TRACE; default: %(default)s)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args(argv)
+    console = Console(width=170)
+    if a.records:
+        if not a.records.is_file():
+            ap.error(f"--records {a.records}: no such file")
+        if a.slo_scale is not None and not a.slo_scale > 0:
+            ap.error(f"--slo-scale must be > 0, got {a.slo_scale}")
+        rows = plan.rescore(a.records, a.slo_scale)
+        plan.print_table(rows, console)
+        _save(rows, a.json, console)
+        return 0
+    if not (a.preset and a.profile and a.run):
+        ap.error("give --records FILE, or --preset, --profile and at least one --run")
     runs = []
     for item in a.run:
         who, _, path = item.partition("=")
@@ -99,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         if not path or not Path(path).exists():
             ap.error(f"--run {item!r}: give POLICY=OUT.json of an existing output")
         runs.append((policy, spec, Path(path)))
-    console = Console(width=170)
     rows = score(a.preset, a.profile, runs, console, a.arrivals)
     table(rows, console)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(rows, indent=2, default=float))
-        console.print(f"wrote {a.json}")
+    _save(rows, a.json, console)
     return 0
+
+
+def _save(rows: list[dict[str, Any]], path: Path | None, console: Console) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2, default=float))
+        console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(ENGINE)
 # `lengthwise data fetch` fills (predictor/common.py data_dir; `lengthwise data dir` prints it).
 DATA = $$($(VENV)/bin/lengthwise data dir)
 
-.PHONY: setup demo test test-serial test-slow test-fast test-compat faults lint vllm-schema gpu-pack adapters
+.PHONY: setup demo test test-serial test-slow test-fast test-compat faults lint vllm-schema gpu-pack gpu-predictions adapters
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -96,6 +96,11 @@ vllm-schema: setup
 gpu-pack: setup
 	$(VENV)/bin/python -m serving.bench.gpu.pack --out .gpu-pack
 	$(VENV)/bin/python -m serving.bench.engine.presets --out .gpu-pack/sharegpt-first-turns.llama3.csv
+
+# The trained predictor's predictions for the GPU workload (committed; the preset reads them): the LoRA encoder trained
+# on ChatGPT's ShareGPT answers in Llama-3 tokens, every prompt of the workload held out (about 15 min on 2 cores).
+gpu-predictions: setup
+	$(VENV)/bin/python -m serving.bench.gpu.predictions --out docs/results/gpu/sharegpt_first_turns_llama3_predictions.json
 
 # The two LoRA adapters of SmolLM2 that answer shorter and longer than it (serving/launch/lora/, committed with the
 # training.json of each), trained again from the ShareGPT slice into adapters/ (on 2 cores: 1,174 s beside a test

@@ -132,7 +132,7 @@ def test_the_committed_gpu_predictions_belong_to_the_gpu_workload_and_rank_it():
     assert len(rows) == doc["workload_rows"] == 1000 and doc["dropped_as_run_prompts"] >= 1000
     assert all(abs(sum(r["probs"]) - 1) < 1e-3 and len(r["probs"]) == len(r["edges"]) + 1 for r in rows)
     tau = kendall_tau(np.array([r["length"] for r in rows]), np.array([r["truth_tokens"] for r in rows], dtype=float))
-    assert tau == pytest.approx(doc["kendall_tau_on_workload"], abs=1e-6) and tau > 0.2
+    assert tau == pytest.approx(doc["kendall_tau_on_workload"], abs=1e-3) and tau > 0.2  # lengths kept to 0.01
 
 
 def test_the_llama3_workload_is_length_only(llama3_csv):

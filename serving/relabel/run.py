@@ -113,13 +113,15 @@ class Settings:
     max_tokens: int
     seed: int
     text: bool
+    answers: bool = False  # keep each sample's answer (its token ids and text): what a remaining-length predictor reads
 
     def check(self, rec: dict[str, Any], out: Path) -> None:
         """Refuse to resume a file written with other settings: its labels and ours would be mixed."""
-        theirs = (rec.get("model"), rec.get("sampling"), rec.get("max_tokens"), "messages" in rec)
-        if theirs != (self.model, self.sampling, self.max_tokens, self.text):
+        theirs = (rec.get("model"), rec.get("sampling"), rec.get("max_tokens"), "messages" in rec, "answer_ids" in rec)
+        if theirs != (self.model, self.sampling, self.max_tokens, self.text, self.answers):
             raise ValueError(f"{out} holds labels of other settings (model {theirs[0]}, sampling {theirs[1]}, max_tokens "
-                             f"{theirs[2]}, {'with' if theirs[3] else 'without'} text); relabel into another --out")
+                             f"{theirs[2]}, {'with' if theirs[3] else 'without'} text, "
+                             f"{'with' if theirs[4] else 'without'} answers); relabel into another --out")
         if rec.get("seed") != sample_seed(self.seed, rec["prompt_hash"], int(rec["sample"])):
             raise ValueError(f"{out} was relabelled with another --seed; give that seed or another --out")
 
@@ -149,7 +151,7 @@ def pending(prompts: list[Prompt], records: list[dict[str, Any]], samples: int) 
 
 
 def record(p: Prompt, sample: int, seed: int, prompt_tokens: int, output_tokens: int, finish_reason: str | None,
-           settings: Settings, engine: str = "vllm") -> dict[str, Any]:
+           settings: Settings, engine: str = "vllm", answer: tuple[list[int], str] | None = None) -> dict[str, Any]:
     """One output line. ``response_tokens`` is the label (the jsonl loader's column for a counted length); a sample
     that stopped on the cap (finish_reason ``length``) is censored: its true length is at least that. ``engine`` says
     what drew it (vLLM, or :mod:`serving.relabel.transformers_engine` where vLLM was not at hand)."""
@@ -159,6 +161,8 @@ def record(p: Prompt, sample: int, seed: int, prompt_tokens: int, output_tokens:
            "sampling": settings.sampling, "max_tokens": settings.max_tokens, "engine": engine}
     if settings.text:
         rec["messages"] = [{"role": t.role, "content": t.text} for t in p.turns]
+    if settings.answers and answer is not None:
+        rec["answer_ids"], rec["answer"] = answer
     return rec
 
 
@@ -199,6 +203,11 @@ class _Run:
         self.left: dict[str, int] = {}  # prompt hash -> samples still running
         self.new: list[dict[str, Any]] = []
         self.output_tokens, self.too_long, self.t0 = 0, 0, time.monotonic()
+        self.tokenizer = None
+        if settings.answers:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
     def run(self, todo: list[tuple[Prompt, list[int]]]) -> None:
         engine, nxt = self.llm.llm_engine, 0
@@ -232,7 +241,9 @@ class _Run:
 
     def _finished(self, rid: str, out) -> None:
         p, s, seed, prompt_tokens = self.inflight.pop(rid)
-        rec = record(p, s, seed, prompt_tokens, len(out.token_ids), out.finish_reason, self.settings, self.engine)
+        ids = [int(t) for t in out.token_ids]
+        answer = (ids, self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer is not None else None
+        rec = record(p, s, seed, prompt_tokens, len(ids), out.finish_reason, self.settings, self.engine, answer)
         self.out.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
         self.out.flush()
         self.new.append(rec)
@@ -366,6 +377,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, type=Path, metavar="OUT.jsonl", help="the JSONL to append to (created if missing)")
     g.add_argument("--no-text", dest="text", action="store_false",
                    help="ids and lengths only, without the prompt's messages (for committing; see below)")
+    g.add_argument("--answers", action="store_true",
+                   help="also keep each sample's answer: its token ids (answer_ids) and text (answer), what a predictor "
+                        "of the remaining length learns from (python -m training.remaining); not with --no-text")
     s = p.add_argument_group("sampling (default: as the model is served)")
     s.add_argument("--samples", type=int, default=2, metavar="K", help="samples per prompt (default: %(default)s)")
     s.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="output cap; a sample that reaches it is "
@@ -413,6 +427,9 @@ def check_args(a: argparse.Namespace) -> None:
     if a.lora is not None and (a.export_jobs or a.import_results):
         raise ValueError("--lora runs on vLLM's engine here only; the transformers engine of --export-jobs does not load "
                          "adapters")
+    if getattr(a, "answers", False) and (not a.text or a.export_jobs or a.import_results):
+        raise ValueError("--answers keeps the prompt's text and the answer vLLM draws here: not with --no-text, "
+                         "--export-jobs or --import-results")
     if a.out.suffix == ".xz":
         raise ValueError(f"--out {a.out}: relabel appends to plain JSONL; compress the file when it is complete")
 
@@ -472,7 +489,7 @@ def run(a: argparse.Namespace) -> int:
 
             adapter_rank(a.lora)  # a CatalogueError (a ValueError) naming the directory when it is no adapter
             served = adapter_id(served, a.lora, a.lora.name)
-        settings = Settings(served, sampling, a.max_tokens, a.seed, a.text)
+        settings = Settings(served, sampling, a.max_tokens, a.seed, a.text, a.answers)
         prompts = in_shard(load_prompts(a.data, a.fmt, a.generator, a.first_turns_only, a.max_prompts), shard_of(a.shard))
         if a.split is not None:
             prompts = [p for p in prompts if split_of(p.group, seed=a.split_seed) == a.split]

@@ -122,7 +122,8 @@ def alpaca_eval_by_generator(path: str | Path, generators: Sequence[str] | None 
 
 def _row_turns(row: dict) -> tuple[Turn, ...] | None:
     """A table row's prompt: its ``messages`` (chat turns, e.g. what ``lengthwise relabel`` writes) or its ``prompt``
-    as one user turn; None if the latest turn is no non-empty user turn."""
+    as one user turn; None if the latest turn is no non-empty user turn. A row with ``generated_tokens`` above 0 is a
+    remaining-length example (:mod:`predictor.partial`): its messages end with the answer so far, after a user turn."""
     msgs = row.get("messages")
     if isinstance(msgs, list):
         turns = tuple(Turn(_SHAREGPT_ROLES[str(m.get("role")).lower()], m["content"]) for m in msgs
@@ -131,7 +132,14 @@ def _row_turns(row: dict) -> tuple[Turn, ...] | None:
     else:
         prompt = row.get("prompt")
         turns = (Turn("user", prompt),) if isinstance(prompt, str) else ()
+    if turns and _generated(row) > 0 and turns[-1].role == "assistant" and len(turns) >= 2:
+        return turns if turns[-2].role == "user" and turns[-2].text.strip() else None
     return turns if turns and turns[-1].role == "user" and turns[-1].text.strip() else None
+
+
+def _generated(row: dict) -> int:
+    n = row.get("generated_tokens")
+    return int(n) if isinstance(n, (int, float)) and not pd.isna(n) else 0
 
 
 def table_examples(df: pd.DataFrame, source: str) -> list[Example]:

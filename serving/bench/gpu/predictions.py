@@ -14,7 +14,7 @@ ChatGPT's lengths, not the served SmolLM2's. This module
 The bench reads the file with ``--predictor given:PATH`` (:class:`serving.sim.predictions.GivenPredictions`), the
 errors being the predictor's own, correlated with the prompt as a deployed predictor's are, unlike ``noise-tau``.
 
-    python -m serving.bench.gpu.predictions --out .gpu-pack/sharegpt-first-turns.llama3.predictions.json
+    python -m serving.bench.gpu.predictions   # writes docs/results/gpu/sharegpt_first_turns_llama3_predictions.json
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from pathlib import Path
 
 from serving.policy.request import Prediction
 
-PREDICTIONS_FILE = "sharegpt-first-turns.llama3.predictions.json"
-"""The predictions' name in the GPU pack, beside the workload they belong to."""
 EDGES = "32,64,128,256,384,512,768,1024,1536"
 """Buckets of the ChatGPT-length predictor: doubling where most answers fall, so that short answers can be ranked
 among themselves, up to the preset's 2,048-token context."""
@@ -102,10 +100,10 @@ def make(out: Path, n: int, max_samples: int, epochs: int, work: Path | None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.bench.engine.presets import GPU_WORKLOAD
+    from serving.bench.engine.presets import GPU_PREDICTIONS
 
     ap = argparse.ArgumentParser(prog="python -m serving.bench.gpu.predictions", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=GPU_WORKLOAD.with_name(PREDICTIONS_FILE),
+    ap.add_argument("--out", type=Path, default=GPU_PREDICTIONS,
                     help="JSON to write (default: %(default)s)")
     ap.add_argument("--requests", type=int, default=1000, help="workload rows, as the pack's CSV (default: %(default)s)")
     ap.add_argument("--max-samples", type=int, default=12000, help="training rows (default: %(default)s)")

@@ -251,7 +251,7 @@ def test_the_gpu_script_dry_run_checks_the_pack_and_runs_nothing(tmp_path):
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert "would run" in r.stdout and "1 wheels and 1 requests" in r.stdout
-    assert "--preset h200-llama8b" in r.stdout and "--budget-s 480" in r.stdout
+    assert "--preset h200-llama8b" in r.stdout and "--budget-s 510" in r.stdout
     assert not (tmp_path / "out" / "bench_engine.json").exists()
 
 

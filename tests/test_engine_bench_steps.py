@@ -335,7 +335,8 @@ def test_a_plan_replays_every_seed_then_stock_again_and_keeps_every_request_and_
 
 
 def test_a_plan_over_budget_runs_what_fits_in_order_of_value_and_names_the_rest(monkeypatch, tmp_path):
-    """A budget that holds the first rate's stock, stock again and main arm but nothing more: the rest is named."""
+    """A budget that holds the first rate's stock, main arm and baseline but nothing more (stock again comes after the
+    baselines within a rate and seed): the rest is named."""
     from serving.bench.engine import plan
 
     e = Engines()
@@ -345,9 +346,9 @@ def test_a_plan_over_budget_runs_what_fits_in_order_of_value_and_names_the_rest(
     result = run_bench(_cfg(tmp_path, rates=[4.0, 2.0], sequential=True, stock_again=True, ablation=["sarathi"],
                             budget_s=48.0, engine_start_s=5.0), None, None, con)
     assert result["plan"]["chosen"] == ["stock at 4 req/s, seed 0", "lengthwise at 4 req/s, seed 0",
-                                        "stock-again at 4 req/s, seed 0"]
-    assert result["plan"]["left_out"][0] == "sarathi at 4 req/s, seed 0" and len(result["plan"]["left_out"]) == 5
-    assert "left out: sarathi at 4 req/s" in " ".join(buf.getvalue().split())
+                                        "sarathi at 4 req/s, seed 0"]
+    assert result["plan"]["left_out"][0] == "stock-again at 4 req/s, seed 0" and len(result["plan"]["left_out"]) == 5
+    assert "left out: stock-again at 4 req/s" in " ".join(buf.getvalue().split())
 
 
 def test_a_cut_during_calibration_still_writes_the_json(monkeypatch, tmp_path):

@@ -57,6 +57,8 @@ FACTORIES: dict[str, Factory] = {
     "lengthwise-prior": partial(PosteriorPolicy, use_prediction=False),
     "lengthwise-gittins": partial(PosteriorPolicy, index="gittins"),
 }
+PREDICTION_FREE = frozenset({"vllm", "vllm-v0", "orca", "sarathi", "seallm", "muxserve", "fcfs-max-alloc"})
+"""Policies that read no per-request length prediction: the baselines a gain of prediction must beat."""
 ECOSERVE_FLAGS = "ecoserve-<flags>"
 ORACLE = "oracle"
 

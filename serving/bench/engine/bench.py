@@ -655,7 +655,7 @@ def _expected_plan(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, list[A
     labels = [a.label for a in arms]
     ceilings = {a.label for a in arms[1:] if a.policy == arms[0].policy}
     est = {(r, s): plan.replay_estimate(setups[s][0], r, cfg.max_tokens) for r in rates for s in setups}
-    slots = plan.value_order(labels, ceilings, rates, list(setups), cfg.stock_again)
+    slots = plan.value_order(labels, [a.policy for a in arms], ceilings, rates, list(setups), cfg.stock_again)
     chosen, left = plan.choose(slots, cfg.budget_s, cfg.engine_start_s, lambda x: est[(x.rate, x.seed)])
     total = sum(est[(x.rate, x.seed)] for x in chosen) + cfg.engine_start_s * len({x.arm for x in chosen})
     console.print(f"plan within {cfg.budget_s:.0f} s (engine starts of {cfg.engine_start_s:.0f} s): {len(chosen)} of "
@@ -989,7 +989,7 @@ def _replay_sequential(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, li
             job["process"] = "again"
         return job
 
-    slots = plan.value_order(labels, ceilings, rates, seeds, cfg.stock_again)
+    slots = plan.value_order(labels, [a.policy for a in arms0], ceilings, rates, seeds, cfg.stock_again)
     budget = None if deadline is None else deadline - time.monotonic()
     chosen, left = plan.choose(slots, budget, start_s, replay_s)
     order = plan.run_order(chosen, labels, ceilings)

@@ -3,13 +3,14 @@ at a time, every request's record kept.
 
 A GPU is lent for minutes. An 8B engine takes about a minute to start and a replay of 300 requests about 40 s, so a
 run holds a handful of engines and a dozen replays, and what it can hold is known before it starts: the calibrated
-simulator says how long each replay's requests take to drain. So the replays are chosen in order of value — every rate
-in the order given (the first the most wanted), at each the prediction-free arms and the plug-in's arms in the order
-given, each on every seed, the plug-in with other predictors (the oracle: a ceiling, not a baseline a gain must beat)
-after all of them — while their estimated time, engine starts included, fits the budget; and they run engine by
-engine, so that each engine starts once: stock, the plug-in's arms, then **stock again** in a second process, whose
-replays at the same rates and seeds measure how far two stock runs on this machine part (the noise a ratio carries,
-measured rather than assumed; stock's two processes bracket the arms in time), then the other predictors.
+simulator says how long each replay's requests take to drain. So the replays are chosen in order of value while their
+estimated time, engine starts included, fits the budget: rate by rate in the order given (the first the most wanted),
+seed by seed, the **core** arms — stock, the main arm, the prediction-free baselines (a gain must beat them), stock
+again — then the plug-in's other arms on every rate and seed, then the main policy with other predictors (the oracle:
+a ceiling, not a baseline a gain must beat). They run engine by engine, so that each engine starts once: stock, the
+plug-in's arms, then **stock again** in a second process, whose replays at the same rates and seeds measure how far two
+stock runs on this machine part (the noise a ratio carries, measured rather than assumed; stock's two processes
+bracket the arms in time), then the other predictors.
 
 A run cut short (a time limit's SIGINT, an engine that died) keeps what finished; a replay the budget cannot hold when
 its turn comes is skipped and named.
@@ -57,16 +58,21 @@ class Slot:
         return f"{self.arm} at {self.rate:g} req/s, seed {self.seed}"
 
 
-def value_order(labels: list[str], ceilings: set[str], rates: list[float], seeds: list[int],
+def value_order(labels: list[str], policies: list[str], ceilings: set[str], rates: list[float], seeds: list[int],
                 stock_again: bool) -> list[Slot]:
-    """Every replay in order of value (the module doc): rate by rate, stock, stock again, then the arms, on every seed;
-    the ``ceilings`` (the main policy with other predictors) after everything else, rate by rate."""
-    def arms_at(rate: float, names: list[str]) -> list[Slot]:
-        return [Slot(a, None if a in (STOCK, STOCK_AGAIN) else labels.index(a), rate, s) for a in names for s in seeds]
+    """Every replay in order of value (the module doc): rate by rate and seed by seed the core arms (stock, the main
+    arm ``labels[0]``, the arms whose policy reads no prediction, stock again); then the plug-in's other arms, then
+    the ``ceilings`` (the main policy with other predictors), each rate by rate and seed by seed."""
+    from serving.policy.registry import PREDICTION_FREE
 
-    first = [STOCK, *([STOCK_AGAIN] if stock_again else []), *(a for a in labels if a not in ceilings)]
-    out = [slot for rate in rates for slot in arms_at(rate, first)]
-    return out + [slot for rate in rates for slot in arms_at(rate, [a for a in labels if a in ceilings])]
+    def slot(arm: str, rate: float, seed: int) -> Slot:
+        return Slot(arm, None if arm in (STOCK, STOCK_AGAIN) else labels.index(arm), rate, seed)
+
+    core = [STOCK, labels[0], *(a for a, p in zip(labels[1:], policies[1:]) if p in PREDICTION_FREE and a not in ceilings),
+            *([STOCK_AGAIN] if stock_again else [])]
+    others = [a for a in labels if a not in core and a not in ceilings]
+    tiers = [core, others, [a for a in labels if a in ceilings]]
+    return [slot(a, r, s) for tier in tiers for r in rates for s in seeds for a in tier]
 
 
 def run_order(chosen: list[Slot], labels: list[str], ceilings: set[str]) -> list[Slot]:

@@ -44,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_num_batched_tokens": 2048, "max_num_seqs": 256, "workload": str(GPU_WORKLOAD),
         "predictor": f"given:{GPU_PREDICTIONS}", "ablation": ["sarathi", "lengthwise-posterior"],
         "compare_predictors": [f"noise-tau:{TRAINED_TAU}", "oracle"], "rate_factors": [1.5, 1.0], "seed": 1,
-        "seeds": [1, 2, 0], "stock_again": True, "budget_s": 480.0, "swap_cores": False, "sequential": True,
+        "seeds": [1, 2, 0], "stock_again": True, "budget_s": 510.0, "swap_cores": False, "sequential": True,
         "async_scheduling": True, "gpu_memory_utilization": 0.3, "max_requests": 300, "calibration_requests": 96,
         "cuda_graphs": True,
     },

@@ -14,7 +14,7 @@
 # Steps and their budgets (one command of at most 10 minutes in all):
 #   1. install the carried pack (.gpu-pack, built by `make gpu-pack`) into $LENGTHWISE_GPU_SITE   5-7 s measured
 #   2. check Python, torch, the GPU and every import the bench needs (serving.bench.gpu.check)     ~31 s, cut at 60
-#   3. the bench, given $LENGTHWISE_GPU_BENCH_S seconds (default 500): its plan is sized to that less 20 s (its own
+#   3. the bench, given $LENGTHWISE_GPU_BENCH_S seconds (default 530): its plan is sized to that less 20 s (its own
 #      --budget-s), and a SIGINT at the full time keeps what finished (a cut at any phase still writes the JSON)
 #   4. collect into OUT_DIR: bench_engine.json (+ .png, + .records.json.gz: every request of every replay), bench.log,
 #      steps.log, install.log, check.log and work.tar.gz (every engine's log, step profile, job and output)
@@ -35,7 +35,7 @@ fi
 PY=${PYTHON:-python3}
 PACK=${LENGTHWISE_GPU_PACK:-.gpu-pack}
 SITE=${LENGTHWISE_GPU_SITE:-/tmp/lengthwise-site}
-BENCH_S=${LENGTHWISE_GPU_BENCH_S:-500}
+BENCH_S=${LENGTHWISE_GPU_BENCH_S:-530}
 case "$BENCH_S" in
     ''|*[!0-9]*) echo "gpu run: LENGTHWISE_GPU_BENCH_S must be whole seconds, got '$BENCH_S'" >&2; exit 2 ;;
 esac

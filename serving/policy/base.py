@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from serving.policy.config import PolicyConfig
 from serving.policy.kv import BlockLedger
-from serving.policy.request import Phase, Request, blocks_for
+from serving.policy.request import Phase, Prediction, Request, blocks_for
 
 
 @dataclass(slots=True)
@@ -122,6 +122,21 @@ class Policy(ABC):
         self.kv.release(rid)
         return True
 
+    def refine(self, rid: int, pred: Prediction) -> bool:
+        """A sharper prediction for a request already in the engine (a remaining-length predictor read the answer so
+        far): it replaces the request's prediction, and every later decision (its rank, the KV it is planned to need)
+        starts from it. ``pred`` is of the whole length (tokens written so far included). False, and nothing changed,
+        when the request is gone: an update that comes after the answer ended is dropped."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        req.pred = pred
+        req.extra["refined"] = req.extra.get("refined", 0) + 1
+        self.plan_rl(req, pred.length)
+        self._on_refine(req)
+        self.stats["refinements"] = self.stats.get("refinements", 0) + 1
+        return True
+
     def host_preempted(self, rid: int, now: float) -> bool:
         """The host dropped ``rid``'s KV on its own (vLLM's recompute preemption when a block allocation failed).
 
@@ -178,6 +193,9 @@ class Policy(ABC):
 
     def _completed(self, req: Request) -> None:
         """``req``'s whole answer came out (``generated`` is its length): for policies that learn from lengths."""
+
+    def _on_refine(self, req: Request) -> None:
+        """What a subclass derived from the old prediction (a queue position, a cached belief) is made again."""
 
     def _on_host_preempt(self, req: Request, now: float) -> None:
         """Default for ``host_preempted``: out of every queue as on abort, KV gone, queued again as on arrival."""

@@ -49,6 +49,11 @@ class VLLMPolicy(Policy):
         priority policy takes it), then the policy's own key within the class."""
         return (req.priority, *self._key(req))
 
+    def _on_refine(self, req: Request) -> None:
+        if req in self.waiting:  # a preempted request waits by a rank its old prediction gave
+            self.waiting.remove(req)
+            self.waiting.push(self._rank(req), req)
+
     def _enqueue_new(self, req: Request, now: float) -> None:
         self.prioritised = self.prioritised or req.priority != 0
         self.waiting.push(self._rank(req), req)

@@ -73,6 +73,10 @@ class LengthwisePolicy(SJFPolicy):
         self.stats["late"] += 1
         return True
 
+    def _on_refine(self, req: Request) -> None:
+        self._projection = None  # the KV it is projected to need changed
+        super()._on_refine(req)
+
     def _on_finish(self, req: Request, now: float) -> None:
         super()._on_finish(req, now)
         if self.tier is not None:

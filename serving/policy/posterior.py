@@ -179,6 +179,11 @@ class PosteriorPolicy(LengthwisePolicy):
         profile = own or self.priors.profiles.get(ServicePriors.POOLED)
         return key in changed and profile is not None and profile.samples <= 256
 
+    def _on_refine(self, req: Request) -> None:
+        self.beliefs.pop(req.rid, None)  # the belief starts again from the refined distribution
+        self._spans.pop(req.rid, None)
+        super()._on_refine(req)
+
     def _forget(self, rid: int) -> None:
         self.beliefs.pop(rid, None)
         self._spans.pop(rid, None)

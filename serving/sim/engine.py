@@ -22,6 +22,7 @@ from serving.policy.registry import make_policy
 from serving.policy.request import Prediction, Request
 from serving.sim.instance import SimInstance, new_request
 from serving.sim.metrics import RequestRecord, RunMetrics, summarize
+from serving.sim.refinement import RefinedNoise
 
 
 class SimulationError(RuntimeError):
@@ -32,10 +33,12 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
              kv_blocks: int, latency: LatencyModel, slo: SLO,
              repredict: Callable[[object, int, Prediction], float] | None = None,
              check: bool = False, max_steps: int = 50_000_000, max_tokens: int | None = None,
-             records: dict[int, RequestRecord] | None = None) -> RunMetrics:
+             records: dict[int, RequestRecord] | None = None, refinements: RefinedNoise | None = None) -> RunMetrics:
     """Run ``requests`` (objects with rid, arrival, prompt_tokens, output_tokens) through one policy; ``max_tokens``
     is every request's cap, as an engine would get it (see :func:`~serving.sim.instance.new_request`). ``records``,
-    when given, receives each request's record (a bench that reports means the summary leaves out)."""
+    when given, receives each request's record (a bench that reports means the summary leaves out).
+    ``refinements``: a sharper prediction handed to the policy when a request has written each of its points
+    (:mod:`serving.sim.refinement`)."""
     by_rid = {r.rid: r for r in requests}
     preds = {r.rid: p for r, p in zip(requests, predictions)}
     policy = make_policy(policy_name, config, kv_blocks, repredict_hook(repredict, by_rid, preds))
@@ -44,6 +47,7 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
     inst = SimInstance("instance-0", policy, latency, {r.rid: r.output_tokens for r in requests}, records, check)
     now = 0.0
     nxt = 0
+    refined: set[tuple[int, int]] = set()
     t_wall = time.perf_counter()
     while nxt < len(order) or inst.has_work:
         while nxt < len(order) and order[nxt].arrival <= now:
@@ -59,19 +63,37 @@ def simulate(requests: Sequence, predictions: Sequence[Prediction], policy_name:
             raise SimulationError(f"policy {policy_name} scheduled nothing with {len(policy.requests)} requests left "
                                   f"and no arrivals pending (KV {policy.kv.used}/{policy.kv.total} blocks)")
         now = inst.end().now
+        if refinements is not None:
+            _refine(policy, refinements, by_rid, refined)
         if inst.steps >= max_steps:
             raise SimulationError(f"policy {policy_name}: step cap {max_steps} reached at t={now:.1f}s")
-    return summarize_instances(policy_name, [inst], records, slo, config, kv_blocks, now, time.perf_counter() - t_wall)
+    m = summarize_instances(policy_name, [inst], records, slo, config, kv_blocks, now, time.perf_counter() - t_wall)
+    if refinements is not None:
+        m.extra["refinements"] = policy.stats.get("refinements", 0)
+    return m
 
 
 def repredict_hook(repredict: Callable[[object, int, Prediction], float] | None, by_rid: dict, preds: dict):
-    """The policy's re-prediction callback, answered by the host's length oracle (None: the policy's own rule)."""
+    """The policy's re-prediction callback, answered by the host's length oracle (None: the policy's own rule), from
+    the request's refined prediction once it has one."""
     if repredict is None:
         return None
 
     def hook(req: Request) -> float:
-        return repredict(by_rid[req.rid], req.generated, preds[req.rid])
+        return repredict(by_rid[req.rid], req.generated, req.pred if req.extra.get("refined") else preds[req.rid])
     return hook
+
+
+def _refine(policy, refinements: RefinedNoise, by_rid: dict, done: set[tuple[int, int]]) -> None:
+    """Hand the policy each refinement due: a request that has just written one of the points' tokens."""
+    points = refinements.sigma
+    for req in list(policy.requests.values()):
+        k = req.generated
+        if k in points and (req.rid, k) not in done:
+            done.add((req.rid, k))
+            pred = refinements.at(by_rid[req.rid], k)
+            if pred is not None:
+                policy.refine(req.rid, pred)
 
 
 def _stat(instances: Sequence[SimInstance], key: str) -> float:

@@ -81,10 +81,21 @@ def _setup(a: argparse.Namespace, scenario_name: str):
     from rich.console import Console
 
     with waiting(Console(stderr=True), "loading workload and pricing requests..."):
-        return build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor, max_requests=a.max_requests,
-                           latency=a.latency_model, seed=a.seed, arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
-                           overrides={**_knobs(a.set), **({"slo_kind": a.slo_kind} if a.slo_kind else {})},
-                           length_noise=a.length_noise, arrivals=a.arrivals, **hw)
+        setup = build_setup(SCENARIOS[scenario_name], workload=a.workload, predictor=a.predictor,
+                            max_requests=a.max_requests, latency=a.latency_model, seed=a.seed,
+                            arrival=getattr(a, "arrival", None), tokenizer=a.tokenizer,
+                            overrides={**_knobs(a.set), **({"slo_kind": a.slo_kind} if a.slo_kind else {})},
+                            length_noise=a.length_noise, arrivals=a.arrivals, **hw)
+    if getattr(a, "refine", None):
+        from serving.sim.refinement import RefinedNoise, RefinementQuality
+
+        try:
+            quality = RefinementQuality.from_file(Path(a.refine))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--refine {a.refine}: not a table of python -m training.remaining --out "
+                             f"({type(exc).__name__}: {exc})") from None
+        setup.refinements = RefinedNoise(quality, setup.requests, a.seed)
+    return setup
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -106,7 +117,10 @@ def _bench_sim(a: argparse.Namespace) -> int:
 
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     for p in policies:  # fail before minutes of work, not after
-        make_policy(p.removesuffix("+oracle"), PolicyConfig(), 64)
+        make_policy(p.removesuffix("+refined").removesuffix("+oracle"), PolicyConfig(), 64)
+    if any(p.endswith("+refined") for p in policies) != bool(a.refine):
+        raise ValueError("POLICY+refined and --refine QUALITY.json go together: the refinements' quality is measured "
+                         "(python -m training.remaining --out QUALITY.json), never assumed")
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
     if a.length_noises:
@@ -349,6 +363,10 @@ def _add_bench_sim(bsub) -> None:
     bs.add_argument("--seeds", metavar="SEED,SEED,...",
                     help="sweep every policy on each seed (arrivals and prediction noise redrawn) and report the mean "
                          "and spread of each max rate and of its ratio to --baselines, seed by seed; e.g. 0,1,2")
+    bs.add_argument("--refine", metavar="QUALITY.json",
+                    help="predictions refined as answers are written, as well as measured: the table python -m "
+                         "training.remaining --out writes (Kendall tau of the remaining length at each k); run "
+                         "POLICY+refined beside POLICY, e.g. --policies vllm,sarathi,lengthwise,lengthwise+refined")
     bs.add_argument("--baselines", default="vllm,sarathi,seallm",
                     help="with --seeds: the policies every ratio is taken against (default: %(default)s)")
     _add_sim_options(bs, workload_required=False)

@@ -68,3 +68,21 @@ def test_the_simulator_hands_each_due_refinement_to_the_policy_once():
     plain = simulate(reqs, preds, "lengthwise", PolicyConfig(), 200, lat, slo)
     assert m.extra["refinements"] == due and "refinements" not in plain.extra
     assert (m.jct_mean_s, m.preemptions) != (plain.jct_mean_s, plain.preemptions) or m.jct_p99_s != plain.jct_p99_s
+
+
+def test_bench_sim_runs_a_policy_beside_itself_refined_and_refuses_refinement_without_a_measured_table(tmp_path, capsys):
+    from serving.cli import main
+    from tests.datafiles import need_data
+
+    need_data("prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz")
+    quality = tmp_path / "remaining.json"
+    quality.write_text(json.dumps({"rows": [{"k": 16, "tau_refined": 0.5}, {"k": 128, "tau_refined": 0.7}]}))
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--scenario", "ecoserve-paper", "--max-requests", "60", "--policies",
+                 "lengthwise,lengthwise+refined", "--refine", str(quality), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert {"lengthwise", "lengthwise+refined"} <= set(d)
+    refined = [c for c in d["lengthwise+refined"]["curve"]]
+    assert refined and all(c["requests_total"] == 60 for c in refined)
+    assert main(["bench", "sim", "--policies", "lengthwise+refined", "--json", str(tmp_path / "x.json")]) == 2
+    assert "--refine" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from serving.policy.config import PolicyConfig
 from serving.policy.request import Prediction
 from serving.sim.arrivals import parse_arrivals
 from serving.sim.predictions import LengthOracle, make_predictor
+from serving.sim.refinement import RefinedNoise
 from serving.sim.workload import TraceRequest, Workload, load_workload
 
 SHAREGPT = "prompts/sharegpt_v3_unfiltered_cleaned_split.first15000.json.xz"
@@ -28,6 +29,7 @@ SEALLM_SERVICES = "alpaca-7b_concise,vicuna-7b,llama-2-7b-chat-hf,Meta-Llama-3-8
 
 
 EXACT_SUFFIX = "+oracle"  # POLICY+oracle: that policy fed true lengths
+REFINED_SUFFIX = "+refined"  # POLICY+refined: that policy, its predictions refined as answers are written
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class Setup:
     predictions: list[Prediction]
     seed: int = 0
     arrivals: str = "poisson"  # how at_rate times requests: poisson, gamma:CV or trace-times:TRACE (serving/sim/arrivals.py)
+    refinements: RefinedNoise | None = None  # what POLICY+refined gets as its answers are written (sim/refinement.py)
     _oracle: tuple | None = None
 
     @property

@@ -12,17 +12,22 @@ from collections.abc import Callable, Sequence
 
 from serving.sim.engine import simulate
 from serving.sim.metrics import RunMetrics
-from serving.sim.scenarios import EXACT_SUFFIX, Setup
+from serving.sim.scenarios import EXACT_SUFFIX, REFINED_SUFFIX, Setup
 
 BENCH_POLICIES = ("vllm", "vllm-v0", "orca", "sarathi", "sjf", "ecoserve-D", "ecoserve-SD", "ecoserve-SDO", "ecoserve", "oracle",
                   "lengthwise-fcfs", "lengthwise-sjf", "lengthwise")
 
 
 def run_point(setup: Setup, policy: str, rate: float, check: bool = False) -> RunMetrics:
-    preds, oracle = setup.predictions_for(policy)
+    """One run at ``rate``; ``POLICY+refined`` runs POLICY with the setup's refinements (none given: an error)."""
+    refined = policy.endswith(REFINED_SUFFIX)
+    if refined and setup.refinements is None:
+        raise ValueError(f"{policy}: no refinements in this setup (lengthwise bench sim --refine QUALITY.json)")
+    preds, oracle = setup.predictions_for(policy.removesuffix(REFINED_SUFFIX))
     reqs = setup.at_rate(rate)
-    m = simulate(reqs, preds, policy.removesuffix(EXACT_SUFFIX), setup.config, setup.kv_blocks, setup.latency, setup.slo,
-                 repredict=oracle.repredict, check=check)
+    m = simulate(reqs, preds, policy.removesuffix(REFINED_SUFFIX).removesuffix(EXACT_SUFFIX), setup.config,
+                 setup.kv_blocks, setup.latency, setup.slo, repredict=oracle.repredict, check=check,
+                 refinements=setup.refinements if refined else None)
     m.extra["rate"] = rate
     m.policy = policy
     return m

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+META_KEY = "remaining_length"
+"""meta.json's mark of a package trained on answers so far: it predicts the tokens still to come of an answer after
+``generated`` tokens (with none, the whole length), and the sidecar takes ``answer_so_far`` for it only."""
 ANSWER_HEAD_CHARS = 200
 ANSWER_TAIL_CHARS = 200
 """What of the answer so far the predictor reads: its first and last characters (about 50 tokens each)."""

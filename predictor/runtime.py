@@ -27,6 +27,7 @@ from predictor.buckets import BucketScheme
 from predictor.common import available_cores
 from predictor.conditioning import META_KEY as CONDITIONED_KEY
 from predictor.optimize import fuse
+from predictor.partial import META_KEY as REMAINING_KEY
 from predictor.prompt import Encoded, InputFormat, encode_turns
 from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
 from predictor.target import check_target
@@ -254,6 +255,8 @@ class OnnxLengthPredictor:
         self.target = self._target(self.meta.get("target"))
         # a predictor for several served models reads the model's name before the request (predictor.conditioning)
         self.conditioned_models: list[str] | None = self.meta.get(CONDITIONED_KEY) or None
+        # trained on answers so far (predictor.partial): it also predicts what is left of an answer being written
+        self.remaining_length: bool = bool(self.meta.get(REMAINING_KEY))
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()

@@ -395,3 +395,34 @@ def test_cache_follows_the_registry_it_was_resolved_from(trained, package, share
         mlflow.MlflowClient().get_model_version(NAME, "1").run_id
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     store.configure()
+
+
+def test_an_answer_so_far_is_refused_by_a_prompt_only_version_and_read_by_a_remaining_length_one(sidecar, package,
+                                                                                               tmp_path):
+    """``answer_so_far``: a version trained on prompts alone says so (422, nothing predicted); one trained on answers so
+    far (meta.json's remaining_length) reads the prompt and the answer as training built them (predictor.partial) and
+    says after how many tokens its distribution starts."""
+    import json
+
+    from predictor.partial import with_answer
+
+    body = {"prompt": "List ten facts about Paris.", "answer_so_far": {"text": "1. Paris is the capital of France.",
+                                                                       "tokens": 12}}
+    r = sidecar.post("/v1/predict", json=body)
+    assert r.status_code == 422 and "predicts from the prompt alone" in r.json()["detail"]
+    r = sidecar.post("/v1/predict", json={"prompts": ["a", "b"], "answer_so_far": body["answer_so_far"]})
+    assert r.status_code == 422 and "answer_so_far belongs to one request" in r.text
+    marked = tmp_path / "remaining"
+    shutil.copytree(package, marked)
+    meta = json.loads((marked / "meta.json").read_text())
+    (marked / "meta.json").write_text(json.dumps({**meta, "remaining_length": True}))
+    sc = start_sidecar(tmp_path, "--model", str(marked), "--reload-interval", "0")
+    try:
+        p = _predict(sc, body)["predictions"][0]
+        local = OnnxLengthPredictor(marked).predict([with_answer([("user", body["prompt"])],
+                                                                 body["answer_so_far"]["text"], 12)])
+        assert p["generated_tokens"] == 12 and p["probs"] == pytest.approx(list(local.probs[0]), abs=1e-5)
+        plain = _predict(sc, {"prompt": body["prompt"]})["predictions"][0]
+        assert plain.get("generated_tokens") is None and plain["probs"] != pytest.approx(p["probs"], abs=1e-5)
+    finally:
+        sc.stop()

@@ -424,15 +424,18 @@ def _export(cfg: TrainConfig, prep: Prepared, inputs: _Inputs, model: Any, work:
     """The ONNX package (``out``, default ``work/package``; ``extra_meta`` added to its meta.json), its predictor, and
     the largest logit difference from the torch model on test prompts: (package, ONNX predictor, parity)."""
     from predictor.conditioning import META_KEY
+    from predictor.partial import META_KEY as REMAINING_KEY
     from predictor.runtime import OnnxLengthPredictor
     from training.export import export_package, parity_max_abs_diff
 
     base, splits = inputs.base, prep.splits
+    remaining = any(e.turns[-1].role == "assistant" for e in splits.train)  # trained on answers so far
     package = export_package(model, out or work / "package", base, prep.scheme, inputs.fmt_in, {
         "backbone": str(base.name), "model_type": inputs.model_type,
         "label_tokenizer": Path(str(cfg.tokenizer or default_tokenizer())).name,
         "trained_on": str(cfg.data), "format": cfg.fmt, "generator": cfg.generator, "eval_split": splits.fingerprint(),
-        "stages": _stages(cfg, prep), **({META_KEY: prep.models} if prep.models else {}), **(extra_meta or {}),
+        "stages": _stages(cfg, prep), **({META_KEY: prep.models} if prep.models else {}),
+        **({REMAINING_KEY: True} if remaining else {}), **(extra_meta or {}),
     }, target=prep.target)
     onnx_pred = OnnxLengthPredictor(package)
     test_ids = [e.ids for e in inputs.enc["test"]]

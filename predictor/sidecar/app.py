@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from predictor.conditioning import condition_turns
+from predictor.partial import with_answer
 from predictor.sidecar.auth import BearerAuth, send_error
 from predictor.sidecar.batcher import Expired
 from predictor.sidecar.cache import ModelRef, ResolvedModel
@@ -224,7 +225,7 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
     t0 = time.perf_counter()
     served = _require_model(state)
     convs = req.conversations()  # as the client sent them: what feedback and retraining keep
-    asked = _for_model(served, req.model, convs)
+    asked = _for_model(served, req.model, _with_answer(served, req, convs))
     expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
     try:
         results = await state.batcher.submit([PredictItem(c, req.quantile) for c in asked], expires)
@@ -240,7 +241,10 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
             pid = req.request_id if len(results) == 1 else f"{req.request_id}/{i}"
         d["prediction_id"] = pid
         d["latency_ms"] = ms
-        state.remember(pid, d, model, convs[i], _served_model(state, served, req.model))
+        if req.answer_so_far is not None:  # of the tokens still to come: no feedback of a whole length scores it
+            d["generated_tokens"] = req.answer_so_far.tokens
+        else:
+            state.remember(pid, d, model, convs[i], _served_model(state, served, req.model))
         truncated += d["truncated"]
         preds.append(d)
     state.metrics.predictions.inc(len(preds))
@@ -248,6 +252,19 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
         state.metrics.truncated.inc(truncated)
     last = results[-1][1]
     return JSONResponse({"predictions": preds, "model_name": last.name, "model_version": last.version, "latency_ms": ms})
+
+
+def _with_answer(served: ServedModel, req: PredictRequest,
+                 convs: list[list[tuple[str, str]]]) -> list[list[tuple[str, str]]]:
+    """The conversation followed by the answer so far when the request gives one (:mod:`predictor.partial`); a version
+    trained on prompts alone refuses it (422): it would answer as if nothing had been written."""
+    if req.answer_so_far is None:
+        return convs
+    if not served.predictor.remaining_length:
+        raise HTTPException(422, f"model {served.name} version {served.version} predicts from the prompt alone: "
+                                 "answer_so_far needs a version trained on answers so far (python -m training.remaining "
+                                 "--register NAME)")
+    return [with_answer(c, req.answer_so_far.text, req.answer_so_far.tokens) for c in convs]
 
 
 def _for_model(served: ServedModel, model: str | None, convs: list[list[tuple[str, str]]]) -> list[list[tuple[str, str]]]:

@@ -47,6 +47,14 @@ class Message(BaseModel):
         return self.content or ""
 
 
+class AnswerSoFar(BaseModel):
+    """The answer being written to the request, as far as it has come: a remaining-length predictor reads it."""
+
+    model_config = ConfigDict(strict=True)
+    text: str = Field(description="the answer's text so far")
+    tokens: int = Field(ge=1, le=10_000_000, description="how many tokens the engine has written of it")
+
+
 class PredictRequest(BaseModel):
     """Exactly one of ``prompt``, ``prompts`` or ``messages``."""
 
@@ -72,6 +80,10 @@ class PredictRequest(BaseModel):
                                                           "OpenAI request): needed by a predictor conditioned on the "
                                                           "model, which answers only for the models it was trained on")
 
+    answer_so_far: AnswerSoFar | SkipJsonSchema[None] = Field(
+        None, description="with prompt or messages: the answer written so far; the prediction is then of the tokens "
+                          "still to come (a version trained on answers so far only: python -m training.remaining)")
+
     @model_validator(mode="before")
     @classmethod
     def _no_nulls(cls, data):
@@ -88,6 +100,8 @@ class PredictRequest(BaseModel):
             raise ValueError(f"give exactly one of prompt, prompts or messages (got {', '.join(given) or 'none'})")
         if self.messages is not None and not any(m.text().strip() for m in self.messages):
             raise ValueError("messages hold no text: at least one message needs non-empty content")
+        if self.answer_so_far is not None and self.prompts is not None:
+            raise ValueError("answer_so_far belongs to one request: give it with prompt or messages, not prompts")
         return self
 
     def conversations(self) -> list[list[tuple[str, str]]]:
@@ -123,6 +137,8 @@ class Prediction(BaseModel):
                                   "model) or the baseline its package routes this prompt's slice to (e.g. 'tfidf-logreg' "
                                   "for first turns; such a row reads the text directly: truncated false, prompt_tokens 0); "
                                   "absent from sidecars older than this field")
+    generated_tokens: int | None = Field(None, description="with answer_so_far: the tokens written when this was "
+                                                           "predicted; the distribution is of the tokens after them")
     overflow: bool = Field(False, description="true when the encoder could not reach this prompt before the caller's "
                            "x-lengthwise-timeout-ms and the package's fast tier answered it instead (predictor says which)")
 

@@ -179,7 +179,10 @@ class EngineBenchConfig(BaseModel):
 
     @model_validator(mode="after")
     def _plan(self) -> EngineBenchConfig:
-        """Seeds, stock again and a budget are a plan of one engine at a time; side by side has its own pairs."""
+        """Seeds, stock again and a budget are a plan of one engine at a time; side by side has its own pairs. With
+        ``seeds``, the first is the seed (its setup picks the rates) unless ``seed`` is among them."""
+        if self.seeds and self.seed not in self.seeds:
+            self.seed = self.seeds[0]
         if not self.sequential and (self.seeds or self.stock_again or self.budget_s):
             raise ValueError("--seeds, --stock-again and --budget-s plan engines run one after another: add --sequential")
         if self.calibration_profile and self.model:

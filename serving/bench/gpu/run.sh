@@ -17,7 +17,9 @@
 #   3. the bench, given $LENGTHWISE_GPU_BENCH_S seconds (default 530): its plan is sized to that less 20 s (its own
 #      --budget-s), and a SIGINT at the full time keeps what finished (a cut at any phase still writes the JSON)
 #   4. collect into OUT_DIR: bench_engine.json (+ .png, + .records.json.gz: every request of every replay), bench.log,
-#      steps.log, install.log, check.log and work.tar.gz (every engine's log, step profile, job and output)
+#      steps.log, install.log, check.log, step_profile.csv (the calibration: a second command on the same machine
+#      passes --calibration-profile OUT_DIR/step_profile.csv --rates R,R --seeds S,S for what the first left out) and
+#      work.tar.gz (every engine's log, step profile, job and output)
 # Exit status: 2 for a missing pack, a wrong Python or torch, no GPU, or a failed install or import (one line each);
 # otherwise the bench's own.
 set -u -o pipefail
@@ -104,6 +106,8 @@ if [ -z "$work" ]; then
 fi
 if [ -n "$work" ] && [ -d "$work" ]; then
     tar -czf "$OUT/work.tar.gz" -C "$(dirname "$work")" "$(basename "$work")"
+    # the calibration, for a second command on this machine: --calibration-profile OUT_DIR/step_profile.csv
+    [ -f "$work/step_profile.csv" ] && cp "$work/step_profile.csv" "$OUT/step_profile.csv"
     step "collected $work ($(du -sh "$OUT/work.tar.gz" | cut -f1))"
 fi
 exit "$rc"

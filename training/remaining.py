@@ -98,15 +98,17 @@ def _predict(pred, turns_list: list[list[tuple[str, str]]], model: str):
     return pred.predict(turns_list)
 
 
-def evaluate(package: Path, answers: list[Answer], tokenizer, ks: tuple[int, ...] = EVAL_KS) -> list[dict[str, Any]]:
-    """Step 3 of the module on ``answers`` (held out): one row per ``k``."""
+def evaluate(package: Path, answers: list[Answer], tokenizer, ks: tuple[int, ...] = EVAL_KS,
+             as_model: str | None = None) -> list[dict[str, Any]]:
+    """Step 3 of the module on ``answers`` (held out): one row per ``k``. ``as_model``: the model a conditioned package
+    is told wrote them (default: the one that did), to score how a predictor of one writer carries to another."""
     from predictor.runtime import OnnxLengthPredictor
     from serving.policy.request import Prediction
     from training.evaluate import kendall_tau, paired_gap
 
     pred = OnnxLengthPredictor(package)
     scheme = pred.scheme
-    model = answers[0].model
+    model = as_model or answers[0].model
     base = _predict(pred, [list(a.turns) for a in answers], model)
     edges = tuple(int(e) for e in scheme.edges[1:])
     rows = []
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path)
     ap.add_argument("--register", metavar="NAME", help="register the model in MLflow under NAME (default: not)")
     ap.add_argument("--package", type=Path, help="score this package instead of training one")
+    ap.add_argument("--as-model", metavar="NAME", help="with --package: tell a conditioned package the answers are "
+                    "NAME's (e.g. ChatGPT), to score a predictor of one writer on another's answers")
     ap.add_argument("--out", type=Path, help="write the table as JSON")
     a = ap.parse_args(argv)
     from tokenizers import Tokenizer
@@ -192,12 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         print("running: " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
         package = next((work / "train").rglob("model.onnx")).parent
-    table = evaluate(package, test, tok)
+    table = evaluate(package, test, tok, as_model=a.as_model)
     print_table(table)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"package": str(package), "train_command": " ".join(cmd[2:]),
-                                     "held_out_answers": len(test), "rows": table}, indent=2))
+        a.out.write_text(json.dumps({"package": str(package), "train_command": " ".join(cmd[2:]) or None,
+                                     "command": "python -m training.remaining " + " ".join(argv or sys.argv[1:]),
+                                     "held_out_answers": len(test), "written_by": test[0].model if test else None,
+                                     "read_as": a.as_model, "rows": table}, indent=2))
         print(f"wrote {a.out}")
     return 0
 

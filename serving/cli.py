@@ -92,7 +92,7 @@ def _setup(a: argparse.Namespace, scenario_name: str):
         try:
             quality = RefinementQuality.from_file(Path(a.refine))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--refine {a.refine}: not a table of python -m training.remaining --out "
+            raise ValueError(f"--refine {a.refine}: not a table of python -m serving.bench.predictor.remaining --out "
                              f"({type(exc).__name__}: {exc})") from None
         setup.refinements = RefinedNoise(quality, setup.requests, a.seed)
     return setup
@@ -120,7 +120,7 @@ def _bench_sim(a: argparse.Namespace) -> int:
         make_policy(p.removesuffix("+refined").removesuffix("+oracle"), PolicyConfig(), 64)
     if any(p.endswith("+refined") for p in policies) != bool(a.refine):
         raise ValueError("POLICY+refined and --refine QUALITY.json go together: the refinements' quality is measured "
-                         "(python -m training.remaining --out QUALITY.json), never assumed")
+                         "(python -m serving.bench.predictor.remaining --out QUALITY.json), never assumed")
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     out_dir = Path(a.out_dir)
     if a.length_noises:
@@ -365,7 +365,8 @@ def _add_bench_sim(bsub) -> None:
                          "and spread of each max rate and of its ratio to --baselines, seed by seed; e.g. 0,1,2")
     bs.add_argument("--refine", metavar="QUALITY.json",
                     help="predictions refined as answers are written, as well as measured: the table python -m "
-                         "training.remaining --out writes (Kendall tau of the remaining length at each k); run "
+                         "serving.bench.predictor.remaining --out writes (Kendall tau of the remaining length at each "
+                         "k); run "
                          "POLICY+refined beside POLICY, e.g. --policies vllm,sarathi,lengthwise,lengthwise+refined")
     bs.add_argument("--baselines", default="vllm,sarathi,seallm",
                     help="with --seeds: the policies every ratio is taken against (default: %(default)s)")

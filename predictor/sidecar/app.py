@@ -262,8 +262,8 @@ def _with_answer(served: ServedModel, req: PredictRequest,
         return convs
     if not served.predictor.remaining_length:
         raise HTTPException(422, f"model {served.name} version {served.version} predicts from the prompt alone: "
-                                 "answer_so_far needs a version trained on answers so far (python -m training.remaining "
-                                 "--register NAME)")
+                                 "answer_so_far needs a version trained on answers so far (python -m "
+                                 "serving.bench.predictor.remaining --register NAME)")
     return [with_answer(c, req.answer_so_far.text, req.answer_so_far.tokens) for c in convs]
 
 

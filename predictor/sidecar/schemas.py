@@ -82,7 +82,7 @@ class PredictRequest(BaseModel):
 
     answer_so_far: AnswerSoFar | SkipJsonSchema[None] = Field(
         None, description="with prompt or messages: the answer written so far; the prediction is then of the tokens "
-                          "still to come (a version trained on answers so far only: python -m training.remaining)")
+                          "still to come (a version trained on answers so far only: python -m serving.bench.predictor.remaining)")
 
     @model_validator(mode="before")
     @classmethod

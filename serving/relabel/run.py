@@ -379,7 +379,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="ids and lengths only, without the prompt's messages (for committing; see below)")
     g.add_argument("--answers", action="store_true",
                    help="also keep each sample's answer: its token ids (answer_ids) and text (answer), what a predictor "
-                        "of the remaining length learns from (python -m training.remaining); not with --no-text")
+                        "of the remaining length learns from (python -m serving.bench.predictor.remaining); not with --no-text")
     s = p.add_argument_group("sampling (default: as the model is served)")
     s.add_argument("--samples", type=int, default=2, metavar="K", help="samples per prompt (default: %(default)s)")
     s.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="output cap; a sample that reaches it is "

@@ -3,7 +3,7 @@ good as it was measured to be.
 
 A remaining-length predictor reads the prompt and the answer so far (:mod:`predictor.partial`); on held-out answers
 it ranks what is left of the answers still running at ``k`` tokens at a Kendall tau measured per ``k``
-(``python -m training.remaining`` writes the table). The simulator has no text, so a refinement here is the true
+(``python -m serving.bench.predictor.remaining`` writes the table). The simulator has no text, so a refinement here is the true
 remaining length times log-normal noise, its spread set per point so that over the workload's requests still running
 there the noisy remaining ranks the true one at the measured tau: the quality measured, not assumed. The host
 (:func:`serving.sim.engine.simulate`) hands it to the policy through :meth:`serving.policy.base.Policy.refine` when a
@@ -33,7 +33,7 @@ class RefinementQuality:
 
     @classmethod
     def from_file(cls, path: Path) -> RefinementQuality:
-        """The table ``python -m training.remaining --out`` writes (its rows' ``k`` and ``tau_refined``)."""
+        """The table ``python -m serving.bench.predictor.remaining --out`` writes (its rows' ``k`` and ``tau_refined``)."""
         doc = json.loads(Path(path).read_text())
         return cls({int(r["k"]): float(r["tau_refined"]) for r in doc["rows"]}, str(path))
 

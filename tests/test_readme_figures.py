@@ -42,6 +42,11 @@ def _seeds(policy: str, ratio: str) -> Callable[[Any], float]:
     return lambda d: d["summary"][policy][ratio]["mean"]
 
 
+def _tau_at(d: dict, k: int) -> float:
+    """The refined Kendall tau at ``k`` of a remaining-length table."""
+    return next(r["tau_refined"] for r in d["rows"] if r["k"] == k)
+
+
 def _goodput(arm: str, side: str = "run") -> Callable[[Any], float]:
     return lambda d: d["points"][0]["arms"][arm][side]["goodput_rps"]
 
@@ -99,6 +104,19 @@ ROWS: dict[str, list[Figure]] = {
                _seeds("lengthwise-posterior", "x_sarathi")),
         Figure("posterior_seeds_ecoserve-paper_ttft_tpot_gamma3.json", "bursty arrivals {:.2f}×",
                _seeds("lengthwise-posterior", "x_sarathi")),
+    ],
+    "Predictions refined as the answer is written": [
+        Figure("remaining_chatgpt.json", "tau of what is left {:.2f}–{:.2f} at 16–64 tokens",
+               lambda d: (_tau_at(d, 16), _tau_at(d, 64))),
+        Figure("remaining_chatgpt.json", "{:.2f} at 128", lambda d: _tau_at(d, 128)),
+        Figure("remaining_chatgpt.json", "+{:.2f} to +{:.2f} over prompt-only",
+               lambda d: (min(r["tau_gap"][0] for r in d["rows"]), max(r["tau_gap"][0] for r in d["rows"]))),
+        Figure("sim_refined_jct.json", "JCT {:.2f}×/{:.2f}× unrefined",
+               lambda d: (_seeds("lengthwise+refined", "x_lengthwise")(d),
+                          _seeds("lengthwise-posterior+refined", "x_lengthwise-posterior")(d))),
+        Figure("sim_refined_ttft_tpot.json", "TTFT+TPOT {:.2f}×/{:.2f}×",
+               lambda d: (_seeds("lengthwise+refined", "x_lengthwise")(d),
+                          _seeds("lengthwise-posterior+refined", "x_lengthwise-posterior")(d))),
     ],
     "Several services in one engine (SeaLLM's)": [
         Figure("posterior_seeds_seallm-services_normalised.json", "`lengthwise-posterior` {:.2f}× `seallm`'s knee",

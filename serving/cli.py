@@ -366,8 +366,7 @@ def _add_bench_sim(bsub) -> None:
     bs.add_argument("--refine", metavar="QUALITY.json",
                     help="predictions refined as answers are written, as well as measured: the table python -m "
                          "serving.bench.predictor.remaining --out writes (Kendall tau of the remaining length at each "
-                         "k); run "
-                         "POLICY+refined beside POLICY, e.g. --policies vllm,sarathi,lengthwise,lengthwise+refined")
+                         "k); run POLICY+refined beside POLICY, e.g. --policies vllm,sarathi,lengthwise,lengthwise+refined")
     bs.add_argument("--baselines", default="vllm,sarathi,seallm",
                     help="with --seeds: the policies every ratio is taken against (default: %(default)s)")
     _add_sim_options(bs, workload_required=False)

@@ -111,6 +111,13 @@ def slo_kinds(records: list[RequestRecord], slo) -> dict[str, float]:
             "normalized_latency_s": normalized_latency(records)}
 
 
+def kinds_and_goodputs(records: list[RequestRecord], slo, span: float) -> dict[str, float]:
+    """:func:`slo_kinds` and each attainment's goodput: requests within that SLO per second of ``span``."""
+    kinds = slo_kinds(records, slo)
+    return {**kinds, "goodput_rps": sum(map(meets_jct, records)) / span,
+            "ttft_tpot_goodput_rps": kinds["ttft_tpot_attainment"] * len(records) / span}
+
+
 def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float, steps: int, kv_utilization: float,
               kv_allocated: float, forward_size: float, batch_size: float, preemptions: int, pauses: int, hosted: int,
               sched_us_per_step: float, wall_s: float, busy_s: float) -> RunMetrics:
@@ -119,14 +126,13 @@ def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float
     out = np.array([r.output_tokens for r in done], dtype=float)
     ttft = np.array([r.first_token - r.arrival for r in done])
     tbt = np.array([(r.finished - r.first_token) / (r.tokens - 1) for r in done if r.tokens > 1])
-    kinds = slo_kinds(records, slo)
-    met = sum(map(meets_jct, done))
     span = max(makespan - min((r.arrival for r in records), default=0.0), 1e-9)
+    kinds = kinds_and_goodputs(records, slo, span)
     n = len(records)
     return RunMetrics(
         policy=policy, requests_total=n, requests_completed=len(done),
         slo_attainment=kinds["slo_attainment"], ttft_tpot_attainment=kinds["ttft_tpot_attainment"],
-        throughput_rps=len(done) / span, goodput_rps=met / span, tokens_per_s=float(out.sum()) / span,
+        throughput_rps=len(done) / span, goodput_rps=kinds["goodput_rps"], tokens_per_s=float(out.sum()) / span,
         normalized_latency_s=kinds["normalized_latency_s"],
         jct_mean_s=float(jct.mean()) if done else float("nan"), jct_p50_s=_pct(jct, 50), jct_p90_s=_pct(jct, 90),
         jct_p99_s=_pct(jct, 99), ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99), tbt_p50_s=_pct(tbt, 50),
@@ -134,7 +140,7 @@ def summarize(*, policy: str, records: list[RequestRecord], slo, makespan: float
         batch_size=batch_size, preemptions=preemptions, pauses=pauses, hosted=hosted,
         sched_us_per_step=sched_us_per_step, steps=steps, makespan_s=makespan, wall_s=wall_s,
         sim_requests_per_s=n / wall_s if wall_s > 0 else float("inf"),
-        ttft_tpot_goodput_rps=kinds["ttft_tpot_attainment"] * n / span,
+        ttft_tpot_goodput_rps=kinds["ttft_tpot_goodput_rps"],
         slo={"scale": slo.scale, "t_p_s": slo.t_p, "t_g_s": slo.t_g, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         extra={"busy_s": busy_s, **({"per_service": per_service(records, slo)} if any(r.service for r in records) else {})},
     )

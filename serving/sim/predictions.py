@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -122,14 +123,21 @@ def calibrate_sigma(truth: np.ndarray, z: np.ndarray, accuracy: float, scheme: B
                     f"with ACC >= {math.ceil(floor * 100) / 100:.2f} or gauss:SIGMA"
                 )
             return hi
-    lo = 0.0  # acc(lo) > accuracy >= acc(hi)
-    for _ in range(60):
+    lo, hi = bracket_spread(acc, accuracy, 0.0, hi, 60)  # acc(lo) > accuracy >= acc(hi)
+    return lo if abs(acc(lo) - accuracy) < abs(acc(hi) - accuracy) else hi
+
+
+def bracket_spread(metric: Callable[[float], float], target: float, lo: float, hi: float,
+                   steps: int) -> tuple[float, float]:
+    """Bisect ``[lo, hi]`` ``steps`` times for a noise spread whose ``metric`` (an accuracy, a Kendall tau) falls as the
+    spread grows, ``metric(lo) > target >= metric(hi)``: the last bracket, whose ends straddle ``target``."""
+    for _ in range(steps):
         mid = (lo + hi) / 2.0
-        if acc(mid) > accuracy:
+        if metric(mid) > target:
             lo = mid
         else:
             hi = mid
-    return lo if abs(acc(lo) - accuracy) < abs(acc(hi) - accuracy) else hi
+    return lo, hi
 
 
 def bucket_predictions(scheme: BucketScheme, buckets: np.ndarray, probs: np.ndarray,

@@ -76,16 +76,12 @@ def _sigma_for_tau(rem: np.ndarray, z: np.ndarray, tau: float) -> tuple[float, f
     """The log-normal spread whose noisy ``rem`` ranks ``rem`` closest to ``tau`` (tau falls as the spread grows)."""
     from scipy.stats import kendalltau
 
+    from serving.sim.predictions import bracket_spread
+
     def achieved(sigma: float) -> float:
         t = kendalltau(rem * np.exp(sigma * z), rem).statistic
         return float(0.0 if np.isnan(t) else t)
 
-    lo, hi = 0.0, 8.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        if achieved(mid) > tau:
-            lo = mid
-        else:
-            hi = mid
+    lo, hi = bracket_spread(achieved, tau, 0.0, 8.0, 40)
     sigma = (lo + hi) / 2
     return sigma, achieved(sigma)

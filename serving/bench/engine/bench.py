@@ -467,6 +467,7 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     cfg = _with_cap(cfg, wl)
     sessions = Sessions(work, console) if cfg.sequential else None
     info: dict[str, Any] = {}
+    runs: list[tuple[plan.Slot, dict[str, Any]]] = []
     phase = "calibration"
     try:
         run = ((lambda jobs: [sessions.run(j, f"{j['scheduler']}-{j['tag']}") for j in jobs]) if sessions
@@ -481,13 +482,9 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
         rates, sim_cap = _rates(cfg, setup, console)
         phase = "the replays"
         if sessions:
-            setups = {cfg.seed: (setup, arms)}
-            for seed in cfg.seeds:
-                if seed not in setups:
-                    console.print(f"seed {seed}:")
-                    setups[seed] = _setup(cfg.model_copy(update={"seed": seed}), wl, setup.latency, console, services)
+            setups = _seed_setups(cfg, wl, (setup, arms), console, services)
             start_s = max(sessions.startups, default=cfg.engine_start_s)
-            points, info = _replay_sequential(cfg, setups, prompts, rates, run, console, deadline, start_s)
+            points, info, runs = _replay_sequential(cfg, setups, prompts, rates, run, console, deadline, start_s)
             if points:
                 _table([p for p in points if p.get("seed", cfg.seed) == cfg.seed], console)
         else:
@@ -505,12 +502,12 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
     if not points:
         _write({"config": cfg.model_dump(), "device": _device(), "cut": info.get("cut") or "no rate has both a stock "
                 f"and a {cfg.policy} replay", "points": [], "work_dir": str(work), "elapsed_s": time.monotonic() - t0,
-                **({"plan": {k: v for k, v in info.items() if k != "runs"}} if info else {})}, json_path, None, console)
+                **({"plan": info} if info else {})}, json_path, None, console)
         raise EngineBenchError(f"no rate has both a stock and a {cfg.policy} replay (cut short); what finished is in {work}")
     first = [p for p in points if p.get("seed", cfg.seed) == cfg.seed] or points
     result = _result(cfg, setup, arms, csv_path, sim_cap, first, relabel, work, console)
     if info:
-        _with_plan(result, points, info, setups, json_path, console)
+        _with_plan(result, points, info, runs, setups, json_path, console)
     if services is not None:
         result["services"] = services.summary
         _service_table(points, console)
@@ -520,14 +517,14 @@ def run_bench(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | N
 
 
 def _with_plan(result: dict[str, Any], points: list[dict[str, Any]], info: dict[str, Any],
-               setups: dict[int, tuple[Setup, list[Arm]]], json_path: Path | None, console: Console) -> None:
+               runs: list[tuple[plan.Slot, dict[str, Any]]], setups: dict[int, tuple[Setup, list[Arm]]],
+               json_path: Path | None, console: Console) -> None:
     """A plan's run added to ``result``: every point of every seed, the arm × rate × seed table on every SLO kind, stock
     against stock again, the plan itself, and the records file (every request of every replay, every arm's
     predictions)."""
     rows = plan.table_rows(points)
     plan.print_table(rows, console)
-    result.update(points_all_seeds=points, table=rows, stock_spread=plan.spread(rows),
-                  plan={k: v for k, v in info.items() if k != "runs"})
+    result.update(points_all_seeds=points, table=rows, stock_spread=plan.spread(rows), plan=info)
     if json_path:
         preds: dict[str, dict[str, Any]] = {}
         for seed, (setup, arms) in setups.items():
@@ -536,8 +533,7 @@ def _with_plan(result: dict[str, Any], points: list[dict[str, Any]], info: dict[
         setup, arms = next(iter(setups.values()))
         slo = {k: getattr(setup.slo, k) for k in ("scale", "t_p", "t_g", "ttft_s", "tpot_s")}
         labels = {a.label: (a.policy, result["arms"][a.label]["predictor"]) for a in arms}
-        path = plan.write_records(json_path.with_name(json_path.stem + ".records.json.gz"), info["runs"], preds, slo,
-                                  labels)
+        path = plan.write_records(json_path.with_name(json_path.stem + ".records.json.gz"), runs, preds, slo, labels)
         result["records_file"] = path.name
         console.print(f"wrote {path}")
 
@@ -609,10 +605,7 @@ def predict(cfg: EngineBenchConfig, latency: str, model: str, gpu: str, json_pat
     lat = make_latency_model(latency, model=model, gpu=gpu)
     setup, arms = _setup(cfg, wl, lat, console)
     rates, sim_cap = _rates(cfg, setup, console)
-    setups = {cfg.seed: (setup, arms)}
-    for seed in cfg.seeds:
-        if seed not in setups:
-            setups[seed] = _setup(cfg.model_copy(update={"seed": seed}), wl, lat, console)
+    setups = _seed_setups(cfg, wl, (setup, arms), console)
     points = []
     for rate in rates:
         for seed, (seed_setup, seed_arms) in setups.items():
@@ -655,17 +648,13 @@ def _expected_plan(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, list[A
     """The replays a run of ``cfg`` would choose within ``budget_s`` (the whole budget, as if calibration took no
     time), each replay's time estimated by this prediction's step model and each engine start charged
     ``engine_start_s``: what a GPU run of this plan will hold, known before it starts."""
-    labels = [a.label for a in arms]
-    ceilings = {a.label for a in arms[1:] if a.policy == arms[0].policy}
-    est = {(r, s): plan.replay_estimate(setups[s][0], r, cfg.max_tokens) for r in rates for s in setups}
-    slots = plan.value_order(labels, [a.policy for a in arms], ceilings, rates, list(setups), cfg.stock_again)
-    chosen, left = plan.choose(slots, cfg.budget_s, cfg.engine_start_s, lambda x: est[(x.rate, x.seed)])
-    total = sum(est[(x.rate, x.seed)] for x in chosen) + cfg.engine_start_s * len({x.arm for x in chosen})
-    console.print(f"plan within {cfg.budget_s:.0f} s (engine starts of {cfg.engine_start_s:.0f} s): {len(chosen)} of "
-                  f"{len(slots)} replays, about {total:.0f} s: {', '.join(x.name for x in chosen)}")
-    return {"budget_s": cfg.budget_s, "engine_start_s": cfg.engine_start_s, "estimated_s": total,
-            "chosen": [x.name for x in plan.run_order(chosen, labels, ceilings)], "left_out": [x.name for x in left],
-            "estimates_s": {f"{r:g} req/s, seed {s}": round(v, 1) for (r, s), v in est.items()}}
+    times = plan.ReplayTimes({s: setup for s, (setup, _) in setups.items()}, cfg.max_tokens)
+    p = plan.make_plan([a.label for a in arms], [a.policy for a in arms], rates, list(setups), cfg.stock_again,
+                       cfg.budget_s, cfg.engine_start_s, times)
+    console.print(f"plan within {cfg.budget_s:.0f} s (engine starts of {cfg.engine_start_s:.0f} s): {len(p.order)} of "
+                  f"{len(p.slots)} replays, about {p.total_s:.0f} s: {', '.join(x.name for x in p.order)}")
+    return {"budget_s": cfg.budget_s, "engine_start_s": cfg.engine_start_s, "estimated_s": p.total_s,
+            "chosen": [x.name for x in p.order], "left_out": [x.name for x in p.left], "estimates_s": times.to_dict()}
 
 
 def _simulated(at: list[TraceRequest], setup: Setup, policy: str, label: str, max_tokens: int | None) -> dict[str, Any]:
@@ -810,6 +799,18 @@ def _setup(cfg: EngineBenchConfig, wl: Workload, lat: LatencyModel, console: Con
     setup = Setup(_scenario(cfg, alone_rate(lat, reqs)), wl, lat, cfg.kv_blocks - 1, pc, slo, main.predictor,
                   main.predictions, cfg.seed, cfg.arrivals)  # at_rate: one set of arrivals for replays and simulations
     return setup, arms
+
+
+def _seed_setups(cfg: EngineBenchConfig, wl: Workload, first: tuple[Setup, list[Arm]], console: Console,
+                 services: ServicesTrace | None = None) -> dict[int, tuple[Setup, list[Arm]]]:
+    """``first`` (``cfg.seed``'s setup and arms) and one more per other seed of ``cfg.seeds``: its arrivals and noise
+    drawn from that seed, on the same step model."""
+    setups = {cfg.seed: first}
+    for seed in cfg.seeds:
+        if seed not in setups:
+            console.print(f"seed {seed}:")
+            setups[seed] = _setup(cfg.model_copy(update={"seed": seed}), wl, first[0].latency, console, services)
+    return setups
 
 
 def alone_rate(lat: LatencyModel, reqs: list[TraceRequest]) -> float:
@@ -957,27 +958,22 @@ def _point(point: dict[str, Any], arms: list[Arm]) -> dict[str, Any]:
 
 def _replay_sequential(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, list[Arm]]],
                        prompts: dict[int, list[int]] | None, rates: list[float], run, console: Console,
-                       deadline: float | None, start_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       deadline: float | None,
+                       start_s: float) -> tuple[list[dict[str, Any]], dict[str, Any], list[tuple[plan.Slot, dict]]]:
     """2. Replay, one engine at a time (``sequential``), as a plan (:mod:`serving.bench.engine.plan`): the replays of
     every arm, rate and seed that fit the time left before ``deadline`` in order of value, run engine by engine (stock on
     the engine that calibrated), every arm of a rate and seed set beside that rate and seed's one stock replay, whose
     deadlines are the main arm's. A run cut short (Ctrl-C, a time limit's SIGINT, an engine that died) keeps every
     replay that finished: the points hold the arms measured at each rate and seed, and the first point says what was
-    cut. Returns the points as :func:`_replay_at` does (each with its ``seed``, and ``stock_again`` when replayed) and
-    the plan: what was chosen, skipped and run, and each replay's output for the records."""
+    cut. Returns the points as :func:`_replay_at` does (each with its ``seed``, and ``stock_again`` when replayed), the
+    plan (what was chosen, left out and skipped, and what cut the run) and each finished replay's output, for the
+    records."""
     served = prompts is not None
     seeds = list(setups)
     arms0 = setups[seeds[0]][1]
     labels = [a.label for a in arms0]
-    ceilings = {a.label for a in arms0[1:] if a.policy == arms0[0].policy}  # the main policy with other predictors
     ats = {(rate, s): setups[s][0].at_rate(rate) for rate in rates for s in seeds}
-    estimates: dict[tuple[float, int], float] = {}
-
-    def replay_s(slot: plan.Slot) -> float:
-        key = (slot.rate, slot.seed)
-        if key not in estimates:
-            estimates[key] = plan.replay_estimate(setups[slot.seed][0], slot.rate, cfg.max_tokens)
-        return estimates[key]
+    replay_s = plan.ReplayTimes({s: setup for s, (setup, _) in setups.items()}, cfg.max_tokens)
 
     def tag(slot: plan.Slot, i: int | None) -> str:
         seed = f"-s{slot.seed}" if len(seeds) > 1 else ""
@@ -992,16 +988,13 @@ def _replay_sequential(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, li
             job["process"] = "again"
         return job
 
-    slots = plan.value_order(labels, [a.policy for a in arms0], ceilings, rates, seeds, cfg.stock_again)
     budget = None if deadline is None else deadline - time.monotonic()
-    chosen, left = plan.choose(slots, budget, start_s, replay_s)
-    order = plan.run_order(chosen, labels, ceilings)
+    chosen = plan.make_plan(labels, [a.policy for a in arms0], rates, seeds, cfg.stock_again, budget, start_s, replay_s)
     if budget is not None:
-        total = sum(replay_s(s) for s in chosen) + start_s * len({s.arm for s in chosen})
-        console.print(f"plan: {len(chosen)} of {len(slots)} replays fit {budget:.0f} s (about {total:.0f} s, "
-                      f"engine starts of {start_s:.0f} s included); left out: "
-                      f"{', '.join(s.name for s in left) or 'none'}")
-    outs, skipped, cut = plan.execute(order, job_of, run, console, deadline, start_s, replay_s)
+        console.print(f"plan: {len(chosen.order)} of {len(chosen.slots)} replays fit {budget:.0f} s (about "
+                      f"{chosen.total_s:.0f} s, engine starts of {start_s:.0f} s included); left out: "
+                      f"{', '.join(s.name for s in chosen.left) or 'none'}")
+    outs, skipped, cut = plan.execute(chosen.order, job_of, run, console, deadline, start_s, replay_s)
     points = []
     for rate in rates:
         for seed in seeds:
@@ -1029,10 +1022,9 @@ def _replay_sequential(cfg: EngineBenchConfig, setups: dict[int, tuple[Setup, li
                                                                   served).to_dict()}
             points.append(_point(point, arms))
     info = {"budget_s": budget, "engine_start_s": start_s, "seeds": seeds, "stock_again": cfg.stock_again,
-            "chosen": [s.name for s in order], "left_out": [s.name for s in left], "skipped": skipped,
-            "estimates_s": {f"{r:g} req/s, seed {s}": round(v, 1) for (r, s), v in estimates.items()},
-            "runs": [(slot, outs[slot]) for slot in order if slot in outs]}
-    return points, info
+            "chosen": [s.name for s in chosen.order], "left_out": [s.name for s in chosen.left], "skipped": skipped,
+            "estimates_s": replay_s.to_dict(), **({"cut": cut} if cut else {})}
+    return points, info, [(slot, outs[slot]) for slot in chosen.order if slot in outs]
 
 
 _SUMMED = frozenset({"wrong_or_lost", "relabel_mismatch"})  # losses are added up over replays, never averaged away

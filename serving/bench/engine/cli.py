@@ -125,9 +125,10 @@ def add_parser(bench_sub) -> argparse.ArgumentParser:
                       help="replay stock a second time in a second engine process after the arms, at every rate and "
                            "seed: the noise between two stock runs of this machine, measured beside every ratio")
     plan.add_argument("--budget-s", type=float, metavar="S",
-                      help="the bench's time: the replays that fit are chosen in order of value (rates in the order "
-                           "given, then arms, then seeds; the main policy's other predictors, e.g. the oracle, last) "
-                           "by the calibrated simulator's estimate of each, the rest named and left out")
+                      help="the bench's time: the replays that fit are chosen in order of value (rate by rate in the "
+                           "order given and seed by seed: stock, the main arm, the prediction-free baselines, stock "
+                           "again; then the other arms; the main policy's other predictors, e.g. the oracle, last) by "
+                           "the calibrated simulator's estimate of each, the rest named and left out")
     plan.add_argument("--engine-start-s", type=float, default=60.0, metavar="S",
                       help="an engine start as the plan charges it until one is measured (default: %(default)s, an 8B "
                            "engine with CUDA graphs on one H200)")

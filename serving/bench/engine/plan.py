@@ -100,6 +100,44 @@ def choose(slots: list[Slot], budget_s: float | None, start_s: float, replay_s) 
     return chosen, left
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every replay in order of value, the ones that fit the budget (in the order they run) and the ones left out."""
+
+    slots: list[Slot]
+    order: list[Slot]
+    left: list[Slot]
+    total_s: float  # the chosen replays' estimated time, engine starts included
+
+
+def make_plan(labels: list[str], policies: list[str], rates: list[float], seeds: list[int], stock_again: bool,
+              budget_s: float | None, start_s: float, replay_s) -> Plan:
+    """The plan of a run whose arms are ``labels`` (the main arm first) running ``policies``: the ceilings are the arms
+    of the main policy with other predictors; :func:`value_order`, :func:`choose`, :func:`run_order`."""
+    ceilings = {a for a, p in zip(labels[1:], policies[1:]) if p == policies[0]}
+    slots = value_order(labels, policies, ceilings, rates, seeds, stock_again)
+    chosen, left = choose(slots, budget_s, start_s, replay_s)
+    total = sum(replay_s(x) for x in chosen) + start_s * len({x.arm for x in chosen})
+    return Plan(slots, run_order(chosen, labels, ceilings), left, total)
+
+
+class ReplayTimes:
+    """Each replay's estimated time (:func:`replay_estimate`), once per rate and seed: ``times(slot)``."""
+
+    def __init__(self, setups: dict[int, Setup], max_tokens: int | None) -> None:
+        self.setups, self.max_tokens = setups, max_tokens
+        self.estimates: dict[tuple[float, int], float] = {}
+
+    def __call__(self, slot: Slot) -> float:
+        key = (slot.rate, slot.seed)
+        if key not in self.estimates:
+            self.estimates[key] = replay_estimate(self.setups[slot.seed], slot.rate, self.max_tokens)
+        return self.estimates[key]
+
+    def to_dict(self) -> dict[str, float]:
+        return {f"{r:g} req/s, seed {s}": round(v, 1) for (r, s), v in self.estimates.items()}
+
+
 def replay_estimate(setup: Setup, rate: float, max_tokens: int | None) -> float:
     """How long a replay at ``rate`` takes here: the calibrated simulator's stock makespan with a margin."""
     at = setup.at_rate(rate)
@@ -178,7 +216,7 @@ def rescore(path: Path, scale: float | None = None) -> list[dict[str, Any]]:
     by, or with every target (JCT, TTFT and TPOT alike) rescaled to EcoServe's ``scale``. A request's length is the
     tokens it produced (the bench ends each at its true length, and checks it did)."""
     from serving.perf.slo import SLO
-    from serving.sim.metrics import RequestRecord, meets_jct, slo_kinds
+    from serving.sim.metrics import RequestRecord, kinds_and_goodputs
 
     with gzip.open(path, "rt") as f:
         doc = json.load(f)
@@ -193,10 +231,7 @@ def rescore(path: Path, scale: float | None = None) -> list[dict[str, Any]]:
                 for rid, arrival, first, done, tokens, _ in run["rows"]]
         span = max(max((r.finished for r in recs if r.finished is not None), default=0.0)
                    - min((r.arrival for r in recs), default=0.0), 1e-9)
-        kinds = slo_kinds(recs, slo)
-        m = {**kinds, "goodput_rps": sum(map(meets_jct, recs)) / span,
-             "ttft_tpot_goodput_rps": kinds["ttft_tpot_attainment"] * len(recs) / span,
-             "preemptions": run["preemptions"]}
+        m = {**kinds_and_goodputs(recs, slo, span), "preemptions": run["preemptions"]}
         runs.append((run["arm"], run["rate"], run["seed"], run.get("policy", run["scheduler"]), run.get("predictor"), m))
     return kind_rows(runs)
 
@@ -232,7 +267,7 @@ def print_table(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(t)
 
 
-def write_records(path: Path, runs: list[tuple[Slot, dict[str, Any]]], predictions: dict[str, dict[int, list]],
+def write_records(path: Path, runs: list[tuple[Slot, dict[str, Any]]], predictions: dict[str, dict[str, Any]],
                   slo: dict[str, float], arms: dict[str, tuple[str, str | None]]) -> Path:
     """Every replay's per-request records (arrival, first token, finish, tokens, preemptions; times in seconds from
     the replay's start), every arm's predicted distributions per seed and the SLO the run was judged by, gzipped JSON:

@@ -113,14 +113,15 @@ class Sessions:
 
     def run(self, job: dict[str, Any], tag: str) -> dict[str, Any]:
         key = engine_key(job)
-        if self.current is None or self.current.key != key:
+        new = self.current is None or self.current.key != key
+        if new:
             self.close()
             self.started += 1
             name = f"engine{self.started}-{job['scheduler']}"
             self.console.print(f"starting engine {name} ({job['scheduler']})")
             self.current = EngineSession(key, self.work, name, self.console, self.env)
         out = self.current.run(job, tag)
-        if self.current.startup_s is not None and len(self.startups) < self.started:
+        if new:  # its first job: the start is measured
             self.startups.append(self.current.startup_s)
         return out
 

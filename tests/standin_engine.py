@@ -7,8 +7,12 @@ machine's cores while it runs; the session's real engines (``engine_fleet``) cov
 
 A completion's ``prompt`` says what the stand-in does: ``hold`` streams one event, then waits for :meth:`release`
 (or for the gateway to leave); ``flood`` streams 4 KB events every millisecond until the gateway leaves; anything
-else is answered at once (``big``: with 8 MB of text, more than a socket buffers). ``streams`` counts the streams in
-progress, ``cut`` those the gateway left before their end.
+else is answered at once (``big``: with 8 MB of text, more than a socket buffers). ``count:N`` streams N one-token
+events 20 ms apart (``lost:N`` too, as an engine that never heard of the request's ``ref``). ``streams`` counts the streams in progress, ``cut`` those the gateway left before their end.
+
+With ``plugin=True`` the stand-in also has the scheduler plug-in's own port (the real :mod:`serving.engine.channel`,
+at ``metrics_url``): a request whose ``vllm_xargs`` carry a ``ref`` is open to refinements while its stream runs, and
+``inbox.take()`` shows what the gateway delivered.
 """
 
 from __future__ import annotations
@@ -31,8 +35,27 @@ def _event(text: str) -> bytes:
                                    "choices": [{"index": 0, "text": text, "finish_reason": None}]}).encode() + b"\n\n"
 
 
+def _recording_inbox():
+    from serving.engine.channel import RefinementInbox
+
+    class Recording(RefinementInbox):
+        """The plug-in's inbox, keeping every refinement it queued (``seen``): no scheduler takes them here."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def offer(self, update) -> bool:
+            queued = super().offer(update)
+            if queued:
+                self.seen.append(update)
+            return queued
+
+    return Recording()
+
+
 class StandInEngine:
-    def __init__(self) -> None:
+    def __init__(self, plugin: bool = False) -> None:
         self.streams = 0  # in progress
         self.cut = 0  # left by the gateway before their end
         self.bodies: list[dict] = []
@@ -45,6 +68,15 @@ class StandInEngine:
                                 Route("/v1/completions", self._complete, methods=["POST"])])
         self._http = ThreadedServer(app, "the stand-in engine")
         self.port, self.url = self._http.port, self._http.url
+        self.inbox = self.plugin = self.metrics_url = None
+        if plugin:
+            from serving.engine.channel import serve_plugin
+            from serving.launch.process import free_port
+
+            port = free_port()
+            self.inbox = _recording_inbox()
+            self.plugin = serve_plugin(lambda: {"live": self.inbox.live, **self.inbox.counts}, self.inbox, port)
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
 
     async def _complete(self, request: Request) -> Response:
         body = await request.json()
@@ -56,7 +88,25 @@ class StandInEngine:
                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
         if self._release is None:
             self._loop, self._release = asyncio.get_running_loop(), asyncio.Event()
-        return StreamingResponse(self._stream(body.get("prompt")), media_type="text/event-stream")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt.startswith(("count:", "lost:")):  # lost: as if the engine forgot the ref
+            ref = (body.get("vllm_xargs") or {}).get("ref") if prompt.startswith("count:") else None
+            return StreamingResponse(self._count(int(prompt[5:].lstrip(":")), ref), media_type="text/event-stream")
+        return StreamingResponse(self._stream(prompt), media_type="text/event-stream")
+
+    async def _count(self, n: int, ref: str | None):
+        """``n`` one-token events 20 ms apart, open to refinements meanwhile when the request carries a ``ref``."""
+        rid = len(self.bodies)
+        if self.inbox is not None and ref is not None:
+            self.inbox.open(ref, rid)
+        try:
+            for i in range(n):
+                yield _event(f"t{i} ")
+                await asyncio.sleep(0.02)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if self.inbox is not None and ref is not None:
+                self.inbox.close(ref, rid)
 
     async def _stream(self, prompt: str):
         self.streams += 1
@@ -85,3 +135,6 @@ class StandInEngine:
     def stop(self) -> None:
         self.release()
         self._http.stop()
+        if self.plugin is not None:
+            self.plugin.shutdown()
+            self.plugin.server_close()

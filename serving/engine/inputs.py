@@ -45,6 +45,7 @@ class RequestInputs:
     priority: int = 0
     client: str = ""  # the gateway's opaque id of the client key ("": not told)
     learnable: bool = True  # nothing the client set shapes the length (max_tokens aside: judged at the end)
+    ref: str | None = None  # the gateway's id of the request, by which refinements name it (None: it gets none)
 
 
 # vLLM's SamplingParams attributes that can end an answer sooner or later than the model would, by their names there
@@ -100,4 +101,4 @@ def parse_inputs(extra_args: dict[str, Any] | None, *, arrival: float, max_token
     else:
         deadline = math.inf
     learnable = shaping_field(sampling_fields(sampling, extra_args, model_stops)) is None
-    return RequestInputs(pred, deadline, fallback, invalid, x.priority or 0, x.client or "", learnable)
+    return RequestInputs(pred, deadline, fallback, invalid, x.priority or 0, x.client or "", learnable, x.ref)

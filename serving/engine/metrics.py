@@ -1,7 +1,8 @@
 """The plug-in's counters as Prometheus metrics, served from inside the engine process.
 
 vLLM's own ``/metrics`` lives in the API-server process, while the scheduler runs in the engine-core
-process, so the plug-in serves its counters on a port of its own (``metrics_port`` in its settings).
+process, so the plug-in serves its counters on a port of its own (``metrics_port`` in its settings;
+:mod:`serving.engine.channel`).
 The gateway scrapes that port for each engine and re-exports the series with an ``engine`` label;
 Prometheus can also scrape it directly. Values are read from ``lengthwise_stats()`` at scrape time,
 so nothing is maintained on the scheduler's hot path.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,10 @@ SERIES: dict[str, tuple[str, str, bool]] = {
                                     "beside another request)"), True),
     "pauses": ("pauses", "under-predicted requests paused for re-prediction", True),
     "hosted": ("hosted", "requests hosted in another's reserved KV (KVC pipelining)", True),
+    "refinements_received": ("refinements_received", "refined predictions queued for a running request", True),
+    "refinements_unknown": ("refinements_unknown", "refined predictions for no running request (404)", True),
+    "refinements_replaced": ("refinements_replaced", "refined predictions replaced by a newer one before a step", True),
+    "refinements_applied": ("refinements_applied", "refined predictions the policy took", True),
     "live": ("live_requests", "requests the policy holds now", False),
     "ledger_blocks_used": ("ledger_blocks_used", "KV blocks reserved in the policy's ledger", False),
     "ledger_blocks_total": ("ledger_blocks_total", "KV blocks in the pool", False),
@@ -59,10 +63,3 @@ class StatsCollector(Collector):
             fam.add_metric([policy], float(s[key]))
             yield fam
 
-
-def serve_metrics(stats: Callable[[], dict], port: int, host: str = "127.0.0.1"):
-    """Start the metrics endpoint in a daemon thread; returns the server (``.shutdown()`` stops it)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server

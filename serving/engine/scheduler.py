@@ -34,6 +34,11 @@ The policy's block ledger is sized to vLLM's pool, so its exact allocation and K
 reservations over vLLM's blocks: vLLM still allocates physical blocks on demand. Speculative decoding
 is refused at start: the policy core advances a request by one token per step.
 
+Refinements: a request the gateway tagged with a ``ref`` can get a sharper prediction while it runs (the
+remaining-length predictor read its answer so far). The gateway posts it to the plug-in's own port
+(:mod:`serving.engine.channel`); the adapter hands every waiting one to the policy (``Policy.refine``) before it
+plans the next step, as a prediction of the whole length.
+
 One rule of the adapter's own, for a vLLM defect rather than a scheduling choice: on an engine that serves LoRA
 adapters, a step that prefills a request asking for prompt logprobs carries that request alone (:meth:`_alone`), since
 vLLM 0.32 computes those logprobs with a LoRA mapping of one row per request and its engine core dies when another
@@ -53,12 +58,13 @@ from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
 from serving.engine import levers as vllm_levers
+from serving.engine.channel import RefinementInbox
 from serving.engine.inputs import model_stop_ids, parse_inputs
 from serving.engine.settings import SchedulerSettings
 from serving.policy.base import Policy, StepPlan
 from serving.policy.config import PolicyConfig
 from serving.policy.registry import make_policy
-from serving.policy.request import Request
+from serving.policy.request import Request, after
 
 logger = init_logger(__name__)
 
@@ -93,19 +99,22 @@ class LengthwiseScheduler(AsyncScheduler):
         self.lw_stats: dict[str, float] = dict.fromkeys((
             "requests", "fallback_predictions", "invalid_inputs", "rejected", "finished", "aborted", "steps",
             "held_request_steps", "policy_preemptions", "vllm_preemptions", "vllm_preempted_held", "plan_mismatch_steps",
-            "adapter_s", "alone_steps"), 0)
+            "adapter_s", "alone_steps", "refinements_applied"), 0)
         self._lw_lora = shape["max_loras"] > 0  # LoRA on: see _alone
         self._last_log = time.monotonic()
+        self.lw_inbox = RefinementInbox()
+        self._ref_of: dict[int, str] = {}
         self.metrics_server = None
         if self.lw_settings.metrics_port:
-            from serving.engine.metrics import serve_metrics
+            from serving.engine.channel import serve_plugin
 
             try:
-                self.metrics_server = serve_metrics(self.lengthwise_stats, self.lw_settings.metrics_port,
-                                                    self.lw_settings.metrics_host)
+                self.metrics_server = serve_plugin(self.lengthwise_stats, self.lw_inbox, self.lw_settings.metrics_port,
+                                                   self.lw_settings.metrics_host)
             except OSError as exc:  # a busy port must not keep the engine from serving
-                logger.error("lengthwise: metrics port %s:%d unavailable (%s); counters stay in the log only",
-                             self.lw_settings.metrics_host, self.lw_settings.metrics_port, exc)
+                logger.error("lengthwise: plug-in port %s:%d unavailable (%s); counters stay in the log only, and no "
+                             "refinement reaches this engine", self.lw_settings.metrics_host,
+                             self.lw_settings.metrics_port, exc)
         logger.info("lengthwise scheduler: policy %s over %d KV blocks of %d tokens, budget %d, TFS %d",
                     self.lw_policy.name, self.lw_kv_blocks, cfg.block_size, budget, cfg.tfs)
 
@@ -139,11 +148,16 @@ class LengthwiseScheduler(AsyncScheduler):
             return
         self._rid_of[request.request_id] = rid
         self._vreq_of[rid] = request
+        if inputs.ref is not None:
+            self._ref_of[rid] = inputs.ref
+            self.lw_inbox.open(inputs.ref, rid)
 
     def _free_request(self, request: VllmRequest, delay_free_blocks: bool = False):
         rid = self._rid_of.pop(request.request_id, None)
         if rid is not None:
             del self._vreq_of[rid]
+            if (ref := self._ref_of.pop(rid, None)) is not None:
+                self.lw_inbox.close(ref, rid)
             aborted = vllm_levers.is_aborted(request)
             self.lw_policy.abort(rid, time.time(), completed=not aborted)  # either way it leaves every queue
             self.lw_stats["aborted" if aborted else "finished"] += 1
@@ -156,6 +170,7 @@ class LengthwiseScheduler(AsyncScheduler):
         between = vllm_levers.preempted_between_steps(self)
         self._host_preempted(between, now)
         self._mirror()
+        self._refine()
         plan = self._alone(self.lw_policy.schedule(now))
         levers = self._apply(plan)
         t1 = time.perf_counter()
@@ -191,6 +206,15 @@ class LengthwiseScheduler(AsyncScheduler):
             twin = self.lw_policy.requests.get(rid)
             if twin is not None:
                 twin.computed, twin.generated = vllm_levers.counts(v)
+
+    def _refine(self) -> None:
+        """Hand the policy every refinement that came since the last step, as a prediction of the whole length."""
+        for rid, update, _came in self.lw_inbox.take():
+            v = self._vreq_of.get(rid)
+            if v is None:
+                continue
+            pred = after(update.generated_tokens, update.pred_len, update.pred_edges, update.pred_probs, v.max_tokens)
+            self.lw_stats["refinements_applied"] += self.lw_policy.refine(rid, pred)
 
     def _alone(self, plan: StepPlan) -> StepPlan:
         """With LoRA on, the plan cut to its first request whose prompt logprobs are still to be computed, if any (the
@@ -229,7 +253,7 @@ class LengthwiseScheduler(AsyncScheduler):
             "ledger_blocks_total": self.lw_policy.kv.total, "pauses": p["pauses"], "hosted": p["hosted"],
             "policy_sched_us_per_step": p["sched_s"] / steps * 1e6,
             "adapter_us_per_step": self.lw_stats["adapter_s"] / steps * 1e6,
-            "live": len(self._vreq_of),
+            "live": len(self._vreq_of), **self.lw_inbox.counts,
             **{f"policy_{k}": v for k, v in p.items() if k not in ("sched_s", "pauses", "hosted", "preemptions")},
         }
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from serving.argtypes import flag_error
+from serving.argtypes import comma_list, flag_error
 from serving.engine.settings import SchedulerSettings
 from serving.gateway.auth import KEY_ENV, read_key_file
 from serving.gateway.settings import GatewaySettings
@@ -252,6 +252,15 @@ def _prediction_flags(pr: argparse._ActionsContainer) -> None:
     _setting(pr, "--predictor-url", "predictor_url", metavar="URL",
              help="prediction sidecar, e.g. http://127.0.0.1:8100 (default: none)")
     _setting(pr, "--predictor-timeout-ms", "predictor_timeout_ms", help="fall back when slower (default: %(default)s)")
+    _setting(pr, "--refine-at", "refine_at", type=comma_list(int, "16,64,192"), metavar="TOKENS",
+             help="refine a running request's prediction when its answer reaches these lengths, e.g. 16,64,192: the "
+                  "sidecar reads the answer so far (a version trained on answers so far: python -m "
+                  "serving.bench.predictor.remaining) and the engine's plug-in takes what it predicts is left. "
+                  "Streamed requests; late ones are skipped and counted (default: off)")
+    _setting(pr, "--refine-timeout-ms", "refine_timeout_ms",
+             help="skip a refinement the sidecar has not answered by then (default: %(default)s)")
+    _setting(pr, "--refine-max-inflight", "refine_max_inflight",
+             help="refinements in flight at once; more are skipped (default: %(default)s)")
     _setting(pr, "--fallback-tokens", "fallback_tokens",
              help="predicted length without a prediction, clamped to max_tokens (default: %(default)s)")
     _setting(pr, "--no-feedback", "feedback", action="store_false",

@@ -40,6 +40,7 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pool import Engine, EnginePool, engine_client
 from serving.gateway.quarantine import CrashQuarantine, Fingerprint, Pass, Probation
 from serving.gateway.redact import engine_error, quote
+from serving.gateway.refine import Refiner, Watch
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.slow_clients import ClientStream
@@ -78,6 +79,7 @@ class Forwarder:
         self.pool, self.settings, self.metrics = pool, settings, metrics
         self.quarantine = quarantine or CrashQuarantine(0)
         self.probation = Probation()
+        self.refiner: Refiner | None = None  # set by the gateway where it refines predictions of running requests
         s = settings
         self.per_engine = s.outstanding_bounds(len(pool.engines))[0]
         self.client = engine_client(
@@ -310,7 +312,9 @@ class Forwarder:
             call.release()
             raise _Retry("error_event", f"{engine.name} failed the request and its health probe", first.data[:200])
         rid = headers.get("X-Request-Id")
-        return ClientStream(self._relay(call, StreamRelay(req.wants_usage), first, rid, on_done, suspicion),
+        watch = self.refiner.watch(req, body, engine.name) if self.refiner is not None else None
+        relay = StreamRelay(req.wants_usage, keep_text=watch is not None)
+        return ClientStream(self._relay(call, relay, first, rid, on_done, suspicion, watch),
                             stall_s=self.settings.client_stall_timeout_s, on_stall=lambda: self._stalled(rid),
                             media_type="text/event-stream", headers={**self._headers(engine), "Cache-Control": "no-cache"},
                             background=BackgroundTask(call.release))
@@ -341,8 +345,10 @@ class Forwarder:
                 raise _Retry(reason, detail)
 
     async def _relay(self, call: _EngineStream, relay: StreamRelay, first: _Data, rid: str | None,
-                     on_done: _Learner, suspicion: _Suspicion | None = None) -> AsyncIterator[bytes]:
-        """The client's events: the engine's as they come (``first`` already read), ended properly whatever ends them.
+                     on_done: _Learner, suspicion: _Suspicion | None = None,
+                     watch: Watch | None = None) -> AsyncIterator[bytes]:
+        """The client's events: the engine's as they come (``first`` already read), ended properly whatever ends them;
+        ``watch`` starts the stream's refinements as its answer passes their points.
 
         The call leaves the engine's view when the stream ends: finished if the answer was complete, else dropped.
         """
@@ -355,6 +361,8 @@ class Forwarder:
                     case _Data(data):
                         chunk = call.passed(relay, data)
                         on_done.progress(relay)
+                        if watch is not None:
+                            watch.seen(relay)
                         if chunk:
                             yield chunk
                     case _End():

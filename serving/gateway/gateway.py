@@ -46,6 +46,7 @@ from serving.gateway.prediction import LengthPrediction, Predictor
 from serving.gateway.prefill import Prefilled, PrefillHop
 from serving.gateway.quarantine import CrashQuarantine, Fingerprint, fingerprint
 from serving.gateway.redact import hide_deployment, model_card
+from serving.gateway.refine import Refiner
 from serving.gateway.requests import PATHS, ClientRequest, Kind, parse_json
 from serving.gateway.requests import validate as validate_request
 from serving.gateway.settings import GatewaySettings
@@ -129,6 +130,10 @@ class Gateway:
                     else None)
         names = {e.url: e.name for e in [*self.pool.engines, *(self.hop.pool.engines if self.hop else [])]}
         self.plugin_targets = {names[u]: m for u, m in (plugin_metrics or {}).items() if u in names}
+        # refined predictions of running requests, posted to the plug-in port beside each engine's metrics
+        self.refiner = (Refiner(settings, metrics, self.plugin_targets, settings.sidecar_headers())
+                        if settings.refine_at and settings.predictor_url else None)
+        self.forwarder.refiner = self.refiner
         self.slo = default_slo(settings)
         # each catalogue model's own (TTFT, TPOT) terms, where it sets them (--models)
         self.model_terms = {m.name: m.slo.terms() for m in (settings.catalogue.models if settings.catalogue else [])}
@@ -282,6 +287,8 @@ class Gateway:
         if self.hop:
             await self.hop.aclose()
         await self.predictor.aclose()
+        if self.refiner is not None:
+            await self.refiner.aclose()
         if self.model_predictors is not None:
             await self.model_predictors.aclose()
 
@@ -485,7 +492,8 @@ class Gateway:
     def hints(self, call: Call, req: ClientRequest, pred: LengthPrediction, dl: float) -> dict[str, Any]:
         """The engine's body: the client's, with the prediction and the deadline in ``vllm_xargs`` over any the client
         set for the same keys (those are counted and logged)."""
-        body, dropped = engine_body(req, pred, dl, self.model_priority.get(req.model, 0), call.client)
+        ref = call.rid if self.refiner is not None else None  # the id a refinement names the request by in its engine
+        body, dropped = engine_body(req, pred, dl, self.model_priority.get(req.model, 0), call.client, ref)
         if dropped:
             self.metrics.client_hints_dropped.inc(len(dropped))
             log.debug("request %s: client vllm_xargs %s replaced by the gateway's", call.rid, dropped)

@@ -25,21 +25,22 @@ from serving.gateway.requests import ClientRequest
 from serving.policy.hints import HINT_KEYS, SchedulingHints
 
 
-def our_xargs(pred: LengthPrediction, deadline: float, priority: int = 0, client: str | None = None) -> dict[str, Any]:
+def our_xargs(pred: LengthPrediction, deadline: float, priority: int = 0, client: str | None = None,
+              ref: str | None = None) -> dict[str, Any]:
     """The hints; a priority class only where the request's catalogue entry sets one other than 0, a client id only
-    where the gateway tells keys apart."""
+    where the gateway tells keys apart, a ref only where it refines predictions."""
     return SchedulingHints(pred_len=pred.tokens, pred_hi=pred.hi, pred_bucket=pred.bucket, pred_edges=pred.edges,
                            pred_probs=pred.probs, deadline=round(deadline, 3), priority=priority or None,
-                           client=client).xargs()
+                           client=client, ref=ref).xargs()
 
 
 def engine_body(req: ClientRequest, pred: LengthPrediction, deadline: float, priority: int = 0,
-                sender: str | None = None) -> tuple[dict[str, Any], list[str]]:
+                sender: str | None = None, ref: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The body to forward, and the client's xargs keys we overrode (for the log). ``sender``: the client key's label
-    (``key-<i>``), or None."""
+    (``key-<i>``), or None; ``ref``: the id refinements name the request by (:mod:`serving.gateway.refine`), or None."""
     client = dict(req.body.get("vllm_xargs") or {})
     dropped = sorted(k for k in client if k in HINT_KEYS)
-    ours = our_xargs(pred, deadline, priority, sender)
+    ours = our_xargs(pred, deadline, priority, sender, ref)
     body = {**req.body, "vllm_xargs": {**{k: v for k, v in client.items() if k not in HINT_KEYS}, **ours}}
     if req.stream:
         body["stream_options"] = {**(req.body.get("stream_options") or {}), "include_usage": True}

@@ -37,6 +37,13 @@ class GatewayMetrics:
                                              registry=r)
         self.predictor_latency = Histogram(p + "predictor_latency_seconds", "sidecar /v1/predict round trips (timeouts included)",
                                            buckets=PREDICT_BUCKETS, registry=r)
+        self.refinements = Counter(p + "refinements", "refined predictions of running requests by outcome: delivered, "
+                                   "late (the sidecar answered after refine_timeout_ms), busy (refine_max_inflight in "
+                                   "flight, or this request's last one), refused (the sidecar's 4xx: a version trained "
+                                   "on prompts alone), sidecar_error, gone (the request had ended in its engine), "
+                                   "engine_error, no_port (no plug-in port known for the engine)", ["outcome"], registry=r)
+        self.refinement_delay = Histogram(p + "refinement_delay_seconds", "from an answer reaching a refinement point to "
+                                          "its engine queuing the refined prediction", buckets=PREDICT_BUCKETS, registry=r)
         self.client_hints_dropped = Counter(p + "client_hints_dropped", "client vllm_xargs keys replaced by the gateway's",
                                             registry=r)
         self.engine_retries = Counter(p + "engine_retries", "requests sent again to another engine, by engine and reason",

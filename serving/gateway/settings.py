@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
@@ -127,6 +127,15 @@ class GatewaySettings(BaseModel):
     allow_predictor_for_other_model: bool = Field(False, description="schedule by a predictor whose target model is not "
                                                   "the served model (logged, counted, shown in /health) instead of "
                                                   "refusing to start")
+    refine_at: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list, description="answer lengths (tokens) at which a running request's prediction is refined: "
+        "the sidecar reads the prompt and the answer so far and the request's engine gets its prediction of the tokens "
+        "still to come (serving/gateway/refine.py). Needs a sidecar version trained on answers so far, and each "
+        "engine's plug-in port (engines started here; attached ones: engine_metrics_urls). Streamed requests only. "
+        "Empty: off")
+    refine_timeout_ms: float = Field(200.0, gt=0, description="a refinement the sidecar has not answered by then is "
+                                     "skipped (counted), never queued")
+    refine_max_inflight: int = Field(64, ge=1, description="refinements in flight at once; one more is skipped (counted)")
     predictor_check_interval_s: float = Field(30.0, gt=0, description="seconds between checks of which model the "
                                               "sidecar's predictor is for (a sidecar that was not up at start, an "
                                               "alias moved to another version)")

@@ -2,7 +2,8 @@
 except for the usage chunk the gateway asked for on its own behalf.
 
 Why parse at all: the actual output length (``usage.completion_tokens``) arrives in the stream's last
-chunk, and the time to the first generated token is seen only here.
+chunk, and the time to the first generated token is seen only here. Where the gateway refines predictions
+(:mod:`serving.gateway.refine`) the relay also keeps the answer's text so far.
 """
 
 from __future__ import annotations
@@ -42,11 +43,23 @@ def _texts(choices: list) -> int:
     return n
 
 
-class StreamRelay:
-    """Turns engine events into client bytes; remembers usage, when the first token passed and how many passed."""
+def _first_choice_text(choices: list) -> str:
+    """The text the first choice (``index`` 0) of one event adds to its answer."""
+    for c in choices:
+        if isinstance(c, dict) and c.get("index", 0) == 0:
+            delta = c.get("delta")
+            text = c.get("text") if "text" in c else delta.get("content") if isinstance(delta, dict) else None
+            return text if isinstance(text, str) else ""
+    return ""
 
-    def __init__(self, wants_usage: bool):
+
+class StreamRelay:
+    """Turns engine events into client bytes; remembers usage, when the first token passed and how many passed, and
+    with ``keep_text`` the first choice's answer so far (:attr:`answer`)."""
+
+    def __init__(self, wants_usage: bool, keep_text: bool = False):
         self.wants_usage = wants_usage
+        self._text: list[str] | None = [] if keep_text else None
         self.completion_tokens: int | None = None
         self.finish_reason: str | None = None  # the engine's, from the chunk that ends the answer
         self.first_token_at: float | None = None
@@ -71,6 +84,8 @@ class StreamRelay:
         choices = obj.get("choices")
         self.finish_reason = finish_reason_of(obj) or self.finish_reason
         texts = _texts(choices) if isinstance(choices, list) else 0
+        if texts and self._text is not None:
+            self._text.append(_first_choice_text(choices))
         if texts:
             self.token_events += texts
             if self.first_token_at is None:
@@ -82,3 +97,12 @@ class StreamRelay:
             data = json.dumps(obj, separators=(",", ":"))
         self.events += 1
         return f"data: {data}\n\n".encode()
+
+    @property
+    def answer(self) -> str:
+        """The first choice's text so far ("" unless kept)."""
+        if not self._text:
+            return ""
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0]

@@ -17,7 +17,12 @@ writes them (``serving/gateway/hints.py``) and the plug-in reads them (``serving
 ``client``      an opaque id of the client key that sent it (the gateway's ``key-<i>``, never the key; at most
                 :data:`CLIENT_MAX_LEN` characters of letters, digits, ``_.:-``), so that a learner of lengths in the
                 engine caps one key's share of its window (:class:`serving.policy.learnable.ClientWindow`)
+``ref``         the gateway's opaque id of the request (the same characters, as long), by which a refined
+                prediction reaches it while it runs (:class:`Refinement`); absent when the gateway sends none
 =============== ======================================================================================
+
+A refinement (:class:`Refinement`) travels the other way round: after the request started, from the gateway to the
+plug-in's own port (:mod:`serving.engine.channel`), naming the request by its ``ref``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,23 @@ PROBS_SUM_TOLERANCE = 1e-3  # |sum(pred_probs) - 1| allowed: a softmax in float3
 _Edge = Annotated[int, Field(ge=1)]
 _Prob = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 CLIENT_MAX_LEN = 64  # the sidecar's feedback takes a client id as long
+_OpaqueId = Annotated[str, Field(min_length=1, max_length=CLIENT_MAX_LEN, pattern=r"^[\w.:-]+$")]
+
+
+def check_distribution(edges: tuple[int, ...] | None, probs: tuple[float, ...] | None) -> None:
+    """ValueError unless ``edges`` and ``probs`` are both absent or make one bucket distribution (the keys' rules)."""
+    if (edges is None) != (probs is None):
+        raise ValueError("pred_edges and pred_probs go together")
+    if edges is None or probs is None:
+        return
+    if not edges:
+        raise ValueError("pred_edges needs at least one edge (two buckets)")
+    if len(probs) != len(edges) + 1:
+        raise ValueError("pred_probs needs one entry per bucket: len(pred_edges) + 1")
+    if any(b <= a for a, b in itertools.pairwise(edges)):
+        raise ValueError("pred_edges must be strictly increasing")
+    if abs(math.fsum(probs) - 1.0) > PROBS_SUM_TOLERANCE:
+        raise ValueError(f"pred_probs must sum to 1, not {math.fsum(probs):.6g}")
 
 
 class SchedulingHints(BaseModel):
@@ -47,22 +69,12 @@ class SchedulingHints(BaseModel):
     deadline: float | None = Field(None, allow_inf_nan=False)
     slo_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     priority: int | None = Field(None, ge=-1000, le=1000)
-    client: str | None = Field(None, min_length=1, max_length=CLIENT_MAX_LEN, pattern=r"^[\w.:-]+$")
+    client: _OpaqueId | None = None
+    ref: _OpaqueId | None = None
 
     @model_validator(mode="after")
     def _distribution(self) -> SchedulingHints:
-        if (self.pred_edges is None) != (self.pred_probs is None):
-            raise ValueError("pred_edges and pred_probs go together")
-        if self.pred_edges is None or self.pred_probs is None:
-            return self
-        if not self.pred_edges:
-            raise ValueError("pred_edges needs at least one edge (two buckets)")
-        if len(self.pred_probs) != len(self.pred_edges) + 1:
-            raise ValueError("pred_probs needs one entry per bucket: len(pred_edges) + 1")
-        if any(b <= a for a, b in itertools.pairwise(self.pred_edges)):
-            raise ValueError("pred_edges must be strictly increasing")
-        if abs(math.fsum(self.pred_probs) - 1.0) > PROBS_SUM_TOLERANCE:
-            raise ValueError(f"pred_probs must sum to 1, not {math.fsum(self.pred_probs):.6g}")
+        check_distribution(self.pred_edges, self.pred_probs)
         return self
 
     def xargs(self) -> dict[str, Any]:
@@ -72,3 +84,22 @@ class SchedulingHints(BaseModel):
 
 HINT_KEYS: frozenset[str] = frozenset(SchedulingHints.model_fields)
 """The keys the plug-in reads: a client may not set these (the gateway is the trust boundary)."""
+
+
+class Refinement(BaseModel):
+    """A sharper prediction for a running request: the remaining-length predictor read its prompt and its answer's
+    first ``generated_tokens`` tokens, and predicts the tokens still to come (``pred_len``, and their bucket
+    distribution). The plug-in turns it into a prediction of the whole length (:meth:`Prediction.after`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ref: _OpaqueId
+    generated_tokens: int = Field(ge=0)
+    pred_len: float = Field(ge=0, allow_inf_nan=False)
+    pred_edges: tuple[_Edge, ...] | None = None
+    pred_probs: tuple[_Prob, ...] | None = None
+
+    @model_validator(mode="after")
+    def _distribution(self) -> Refinement:
+        check_distribution(self.pred_edges, self.pred_probs)
+        return self

@@ -69,6 +69,16 @@ class Prediction:
         return max(16.0, self.length)
 
 
+def after(generated: int, remaining: float, edges: tuple[int, ...] | None = None, probs: tuple[float, ...] | None = None,
+          max_tokens: int | None = None) -> Prediction:
+    """A prediction of the tokens still to come after ``generated`` (a refinement: the remaining-length predictor read
+    the answer so far) as one of the whole length, which is what a policy holds: the point and every bucket edge
+    shifted by ``generated``, the point capped to ``max_tokens`` as a host caps every prediction."""
+    shifted = tuple(generated + e for e in edges) if edges else None
+    return Prediction(length=capped_length(generated + max(1.0, remaining), max_tokens), edges=shifted,
+                      probs=probs if shifted else None)
+
+
 class Phase(str, Enum):
     WAITING = "waiting"      # queued, no KV computed (new or recompute-preempted)
     PREFILL = "prefill"      # PT in progress (chunked)

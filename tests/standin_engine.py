@@ -8,7 +8,8 @@ machine's cores while it runs; the session's real engines (``engine_fleet``) cov
 A completion's ``prompt`` says what the stand-in does: ``hold`` streams one event, then waits for :meth:`release`
 (or for the gateway to leave); ``flood`` streams 4 KB events every millisecond until the gateway leaves; anything
 else is answered at once (``big``: with 8 MB of text, more than a socket buffers). ``count:N`` streams N one-token
-events 20 ms apart (``lost:N`` too, as an engine that never heard of the request's ``ref``). ``streams`` counts the streams in progress, ``cut`` those the gateway left before their end.
+events 20 ms apart (``lost:N`` too, as an engine that never heard of the request's ``ref``). ``streams`` counts the
+streams in progress, ``cut`` those the gateway left before their end.
 
 With ``plugin=True`` the stand-in also has the scheduler plug-in's own port (the real :mod:`serving.engine.channel`,
 at ``metrics_url``): a request whose ``vllm_xargs`` carry a ``ref`` is open to refinements while its stream runs, and

@@ -918,3 +918,33 @@ def test_an_engine_killed_while_serving_comes_back(fleet, gw_hung):
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable" and time.perf_counter() - t0 < 5
     assert gw_hung.get("/health").json()["status"] == "degraded"
 
+
+
+def test_a_non_streamed_answer_read_as_a_stream_for_refinements_is_the_one_the_engine_gives_whole(fleet, logs):
+    """With ``--refine-at`` a non-streamed request is read from its engine as a stream, to be refined on its way
+    (serving/gateway/assemble.py); at temperature 0 its client gets what the engine answers the request whole. Its
+    refinement has no port to go to here (attached engines without --engine-metrics-url): counted, nothing else."""
+    gw = start_gateway(logs, *_attach(fleet), "--predictor-url", f"http://127.0.0.1:{free_port()}",
+                       "--predictor-timeout-ms", "50", "--refine-at", "4")
+    try:
+        for path, fields in (("/v1/completions", {"prompt": "Once upon a time"}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say something."}]})):
+            body = {"model": fleet.model, "max_tokens": 24, "temperature": 0.0, **fields}
+            r = gw.post(path, json=body)
+            assert r.status_code == 200, r.text
+            engine = fleet.engines[int(r.headers["x-lengthwise-engine"].rsplit("-", 1)[1])]
+            whole = HTTP.post(engine + path, json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {fleet.engine_key}"}).json()
+            got = r.json()
+            assert got["object"] == whole["object"] and got["usage"] == whole["usage"], (got, whole)
+            for mine, theirs in zip(got["choices"], whole["choices"], strict=True):
+                assert mine.get("text") == theirs.get("text") and mine["finish_reason"] == theirs["finish_reason"]
+                if "message" in theirs:
+                    assert mine["message"]["content"] == theirs["message"]["content"]
+                    assert mine["message"]["role"] == theirs["message"]["role"]
+        assert gw.metric("lengthwise_gateway_refinements_total", outcome="no_port") == 2  # read as streams, both
+        n = gw.post("/v1/completions", json={"model": fleet.model, "prompt": "x", "max_tokens": 4, "n": 2})
+        assert n.status_code == 200 and len(n.json()["choices"]) == 2  # two sequences: sent as the client sent it
+        assert gw.metric("lengthwise_gateway_refinements_total", outcome="no_port") == 2
+    finally:
+        gw.stop()

@@ -122,3 +122,41 @@ def test_a_sidecar_that_is_down_or_late_costs_refinements_and_never_the_answer(l
         down.stop()
         late.stop()
         silent.close()
+
+
+def test_a_non_streamed_request_is_read_as_a_stream_refined_and_answered_whole(gw, engine):
+    r = gw.post("/v1/completions", json={"model": MODEL, "prompt": "count:20", "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "".join(f"t{i} " for i in range(20))
+    rid = r.headers["x-lengthwise-request-id"]
+    wait_for(lambda: any(u.ref == rid for u in engine.inbox.seen), timeout=20, what="a refinement of the request")
+
+
+def test_a_chat_stream_is_put_back_together_as_vllm_answers_it_whole():
+    from serving.gateway.assemble import Assembler, assembles
+    from serving.gateway.requests import ClientRequest
+
+    whole = Assembler(chat=True)
+    events = [{"id": "chatcmpl-1", "created": 5, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                                  "content": ""}}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"reasoning_content": "hm. "}}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop",
+                                                "stop_reason": None}]},
+              {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
+                                                           "total_tokens": 6}}]
+    for e in events:
+        whole.add(json.dumps(e))
+    whole.add("[DONE]")
+    got = whole.answer()
+    assert got["id"] == "chatcmpl-1" and got["object"] == "chat.completion" and got["usage"]["completion_tokens"] == 3
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": "Hello", "tool_calls": [],
+                                            "reasoning_content": "hm. "}
+    assert got["choices"][0]["finish_reason"] == "stop"
+
+    def req(**body) -> ClientRequest:
+        return ClientRequest("chat", body, MODEL, bool(body.get("stream")), False, 16, body.get("n", 1))
+
+    assert assembles(req()) and assembles(req(n=1, logprobs=False))
+    assert not any(assembles(req(**b)) for b in ({"n": 2}, {"logprobs": True}, {"tools": [{}]}, {"stream": True}))

@@ -256,9 +256,12 @@ def _prediction_flags(pr: argparse._ActionsContainer) -> None:
              help="refine a running request's prediction when its answer reaches these lengths, e.g. 16,64,192: the "
                   "sidecar reads the answer so far (a version trained on answers so far: python -m "
                   "serving.bench.predictor.remaining) and the engine's plug-in takes what it predicts is left. "
-                  "Streamed requests; late ones are skipped and counted (default: off)")
+                  "Late ones are skipped and counted (default: off)")
     _setting(pr, "--refine-timeout-ms", "refine_timeout_ms",
              help="skip a refinement the sidecar has not answered by then (default: %(default)s)")
+    _setting(pr, "--no-refine-unary", "refine_unary", action="store_false",
+             help="refine streamed requests only: send non-streamed ones as the client did (by default they are read "
+                  "from the engine as a stream and answered whole)")
     _setting(pr, "--refine-max-inflight", "refine_max_inflight",
              help="refinements in flight at once; more are skipped (default: %(default)s)")
     _setting(pr, "--fallback-tokens", "fallback_tokens",

@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from serving.gateway.admission import overloaded
+from serving.gateway.assemble import Assembler, as_stream
 from serving.gateway.concurrency import Served
 from serving.gateway.errors import ApiError, sse_error
 from serving.gateway.feedback import finish_reason_of
@@ -157,6 +158,8 @@ class Forwarder:
             try:
                 if req.stream:
                     return await self._stream(engine, req, body, headers, job, done, suspicion)
+                if self.refiner is not None and self.refiner.reads_whole(req):
+                    return await self._assembled(engine, req, body, headers, job, done)
                 return await self._unary(engine, req, body, headers, job, done)
             except _Retry as exc:
                 failure = (engine, exc)
@@ -295,6 +298,43 @@ class Forwarder:
         content = r.content if r.status_code == 200 else engine_error(r.content, r.status_code)
         return Response(content, status_code=r.status_code, headers=self._headers(engine),
                         media_type=r.headers.get("content-type", "application/json"))
+
+    async def _assembled(self, engine: Engine, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
+                         on_done: _Learner) -> Response:
+        """A non-streamed request read from ``engine`` as a stream, so that its answer so far can be refined on
+        (:mod:`serving.gateway.assemble`). The client gets the answer whole and nothing before it, so a failure at any
+        point is still a retry (raised), as for :meth:`_unary`."""
+        assert self.refiner is not None
+        call = _EngineStream(self, engine, job, self._url(engine, req), as_stream(body), headers)
+        watch = self.refiner.watch(req, body, engine.name)
+        relay, whole = StreamRelay(True, keep_text=watch is not None), Assembler(req.kind == "chat")
+        complete = False
+        try:
+            msg = await call.messages.get()
+            while True:
+                match msg:
+                    case _Data(data) if _is_error_event(data):
+                        if not await self.pool.check(engine, immediate=True):
+                            raise _Retry("error_event", f"{engine.name} failed the request and its health probe", data[:200])
+                        on_done(Outcome(500, engine.name))
+                        return Response(engine_error(data.encode(), 500), status_code=500, headers=self._headers(engine),
+                                        media_type="application/json")
+                    case _Data(data):
+                        call.passed(relay, data)
+                        whole.add(data)
+                        if watch is not None:
+                            watch.seen(relay)
+                    case _End() if relay.events:
+                        complete = True
+                        break
+                    case _:  # a refusal, a failure, or a stream closed before any event: as if nothing had come
+                        return await self._unstarted(engine, msg, on_done)
+                msg = await call.messages.get()
+        finally:
+            call.release(relay.completion_tokens, complete)
+        on_done(Outcome(200, engine.name, relay.completion_tokens, relay.finish_reason))
+        return Response(json.dumps(whole.answer(), separators=(",", ":")).encode(), status_code=200,
+                        headers=self._headers(engine), media_type="application/json")
 
     async def _stream(self, engine: Engine, req: ClientRequest, body: dict, headers: dict[str, str], job: Job,
                       on_done: _Learner, suspicion: _Suspicion | None = None) -> Response:

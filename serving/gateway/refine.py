@@ -18,6 +18,9 @@ slower than ``refine_timeout_ms`` (``late``: its answer, when it comes, is dropp
 runs the request (``gone``: it finished, or its engine started again) or does not answer (``engine_error``). A
 request whose engine's plug-in port is unknown (attached without ``--engine-metrics-url``) gets none (``no_port``).
 The request itself never waits, fails or changes for any of these.
+
+A non-streamed request is read from its engine as a stream and given to its client whole
+(:mod:`serving.gateway.assemble`), where its answer is the sum of its stream's parts (``refine_unary``, on by default).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import httpx
 from pydantic import ValidationError
 
 from serving.engine.channel import REFINE_PATH
+from serving.gateway.assemble import assembles
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
@@ -58,6 +62,7 @@ class Refiner:
         self.url = s.predictor_url
         self.timeout = s.refine_timeout_ms / 1000.0
         self.max_inflight = s.refine_max_inflight
+        self.unary = s.refine_unary
         self.metrics, self.ports = metrics, ports
         engine_auth = {"Authorization": f"Bearer {s.engine_api_key.get_secret_value()}"} if s.engine_api_key else {}
         self.engine_headers = engine_auth
@@ -71,6 +76,11 @@ class Refiner:
     @property
     def enabled(self) -> bool:
         return bool(self.points) and self.url is not None
+
+    def reads_whole(self, req: ClientRequest) -> bool:
+        """Whether a non-streamed ``req`` is read from its engine as a stream, to be refined
+        (:func:`serving.gateway.assemble.assembles`)."""
+        return self.enabled and self.unary and req.predict_input is not None and assembles(req)
 
     def watch(self, req: ClientRequest, body: dict, engine: str) -> Watch | None:
         """A stream's watch, or None when it gets no refinements (off, no ref, no text to predict from, no port)."""

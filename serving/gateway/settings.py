@@ -131,11 +131,13 @@ class GatewaySettings(BaseModel):
         default_factory=list, description="answer lengths (tokens) at which a running request's prediction is refined: "
         "the sidecar reads the prompt and the answer so far and the request's engine gets its prediction of the tokens "
         "still to come (serving/gateway/refine.py). Needs a sidecar version trained on answers so far, and each "
-        "engine's plug-in port (engines started here; attached ones: engine_metrics_urls). Streamed requests only. "
-        "Empty: off")
+        "engine's plug-in port (engines started here; attached ones: engine_metrics_urls). Empty: off")
     refine_timeout_ms: float = Field(200.0, gt=0, description="a refinement the sidecar has not answered by then is "
                                      "skipped (counted), never queued")
     refine_max_inflight: int = Field(64, ge=1, description="refinements in flight at once; one more is skipped (counted)")
+    refine_unary: bool = Field(True, description="with refine_at, read a non-streamed request from its engine as a "
+                               "stream and give its client the answer whole, so that it is refined too (one sequence, "
+                               "no logprobs, echo or tools: serving/gateway/assemble.py)")
     predictor_check_interval_s: float = Field(30.0, gt=0, description="seconds between checks of which model the "
                                               "sidecar's predictor is for (a sidecar that was not up at start, an "
                                               "alias moved to another version)")

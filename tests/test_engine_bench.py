@@ -52,7 +52,7 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     import http.server
     import threading
 
-    from serving.bench.fleet import _wait_idle
+    from serving.bench.fleet import wait_idle
 
     body = {"text": "# HELP python_info x\n# TYPE python_info gauge\npython_info 1.0\n"}
 
@@ -71,11 +71,11 @@ def test_fleet_waits_for_an_engines_request_gauges(tmp_path):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
     try:
-        why = _wait_idle([url], timeout_s=1.0)
+        why = wait_idle([url], timeout_s=1.0)
         assert why is not None and "not a vLLM /metrics endpoint" in why
         body["text"] = ("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 0.0\n"
                         "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 0.0\n")
-        assert _wait_idle([url], timeout_s=5.0) is None
+        assert wait_idle([url], timeout_s=5.0) is None
     finally:
         srv.shutdown()
 

@@ -239,7 +239,7 @@ def test_the_engines_argument_names_the_exact_length_processor_as_vllm_parses_it
 
     from serving.bench.engine.exactlen import ExactLengthLogitsProcessor
 
-    argv = [part for a in fleet._engine_args(fleet.FleetBenchConfig(), "float32") for part in shlex.split(a)]
+    argv = [part for a in fleet.bench_engine_args(fleet.FleetBenchConfig(), "float32") for part in shlex.split(a)]
     args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", *argv])
     (name,) = args.logits_processors
     module, sep, cls = name.partition(":")  # vLLM loads module:Class and refuses a dotted path at engine start

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serving.bench.fleet import _engine_args
+from serving.bench.fleet import bench_engine_args
 from serving.bench.models.onengines import BASE, OnEnginesConfig, plan_catalogue
 from serving.gateway.settings import GatewaySettings
 from serving.perf.latency import FittedLatency
@@ -66,7 +66,7 @@ def test_the_plans_catalogue_starts_the_engines_it_says(tmp_path):
         adapters[name] = tmp_path / name
     plan = dataclasses.replace(place_services(_services(), 2, CPU, 256), serves=(("smollm2",), ("detailed", "terse")))
     f = tmp_path / "catalogue.yaml"
-    f.write_text(json.dumps(plan_catalogue(plan, "./m", adapters, _engine_args(OnEnginesConfig(), "float32"))))
+    f.write_text(json.dumps(plan_catalogue(plan, "./m", adapters, bench_engine_args(OnEnginesConfig(), "float32"))))
     s = GatewaySettings(models_file=f)
     assert s.catalogue.engine_names(BASE) == [["smollm2"], ["detailed", "terse"]]
     groups = s.engine_groups()

@@ -143,7 +143,7 @@ def request_settings(url: str, model: str, jobs: list[ReplayJob], preds: list[fl
             for job, head in zip(jobs, heads)]
 
 
-def _engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) -> list[str]:
+def bench_engine_args(cfg: FleetBenchConfig, dtype: str, kv_dir: Path | None = None) -> list[str]:
     """Every engine's vLLM arguments; with ``kv_dir``, the KV-transfer connector of a disaggregated fleet.
 
     Blocks of 32 tokens and the calibration's dtype on every build: ``--kv-blocks`` and the fitted step model
@@ -175,7 +175,7 @@ def _records(results, reqs, jct_limits) -> list[RequestRecord]:
     return out
 
 
-async def _replay(jobs: list[ReplayJob], settings: list[Settings]) -> tuple[list, float]:
+async def replay_jobs(jobs: list[ReplayJob], settings: list[Settings]) -> tuple[list, float]:
     """Every job at its arrival time, sent as its :func:`request_settings` say."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=limits) as client:
@@ -191,7 +191,7 @@ async def _replay(jobs: list[ReplayJob], settings: list[Settings]) -> tuple[list
         return list(results), time.perf_counter() - t_start
 
 
-def _wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> str | None:
+def wait_idle(metrics_urls: list[str], timeout_s: float = 120.0) -> str | None:
     """Until every engine reports nothing running or waiting (a cut run must not leak into the next).
 
     None once idle; else why not, after ``timeout_s`` (the caller warns and records it, and goes on).
@@ -364,17 +364,17 @@ def _start_engines(cfg: FleetBenchConfig, dtype: str, work: Path, console: Conso
     model = dummy_model(cfg.shape, cfg.max_model_len, work / "model", data_path(TOKENIZER))
     kv_dir = work / "kv" if cfg.prefill_engines else None  # the connector's store, shared by every engine
     es = GatewaySettings(model=model, engines=cfg.engines, prefill_engines=cfg.prefill_engines, policy=cfg.local_policy,
-                         engine_args=_engine_args(cfg, dtype, kv_dir),
+                         engine_args=bench_engine_args(cfg, dtype, kv_dir),
                          engine_log_dir=work / "engines")
     console.print(f"[bold]starting {cfg.engines} engines[/]"
                   + (f" behind {cfg.prefill_engines} prefill engine(s)" if cfg.prefill_engines else "")
                   + f" (plug-in policy {cfg.local_policy}); logs in {work / 'engines'}")
-    with _v1_model_runner():
+    with v1_model_runner():
         return model, kv_dir, start_engines(es, work / "engines")
 
 
 @contextlib.contextmanager
-def _v1_model_runner() -> Iterator[None]:
+def v1_model_runner() -> Iterator[None]:
     """``VLLM_USE_V2_MODEL_RUNNER=0`` (unless set) for the engines started inside: the exact-length processor has vLLM's
     V1 logits-processor interface, which the V2 model runner (vLLM 0.32's CUDA default with Triton) refuses at load.
     Restored after, so nothing else in this process sees it."""
@@ -416,7 +416,7 @@ def _replay_placement(cfg: FleetBenchConfig, placement: str, cal: _Calibration, 
     """One placement on the engines up now: replayed, simulated, summed up; the engine restarts it saw recorded."""
     decoders, prefillers = procs[:cfg.engines], procs[cfg.engines:]
     restarts0 = dict(watcher.restarts)
-    not_idle = _wait_idle([p.url + "/metrics" for p in procs])
+    not_idle = wait_idle([p.url + "/metrics" for p in procs])
     if not_idle:
         console.print(f"[yellow]warning[/]: {not_idle}; {placement} starts anyway (recorded as not_idle_at_start)")
     if kv_dir:  # the connector's store is a cache too: no replay may find the last one's prompts there
@@ -442,7 +442,7 @@ def _replay_placement(cfg: FleetBenchConfig, placement: str, cal: _Calibration, 
     return r
 
 
-def _gateway_args(cfg: FleetBenchConfig, placement: str, port: int, cal: _Calibration, model: str, decoders: list,
+def gateway_args(cfg: FleetBenchConfig, placement: str, port: int, cal: _Calibration, model: str, decoders: list,
                   prefillers: list, predictor_url: str | None = None) -> list[str]:
     """The ``lengthwise serve`` command line of one placement's gateway, attached to the running engines.
 
@@ -471,11 +471,11 @@ def _replay_through_gateway(cfg: FleetBenchConfig, placement: str, cal: _Calibra
     """Start ``placement``'s gateway, replay the trace through it, and stop it: (results, wall seconds, its /health,
     its prefill hops by outcome or None without prefill engines)."""
     port = free_port()
-    args = _gateway_args(cfg, placement, port, cal, model, decoders, prefillers)
+    args = gateway_args(cfg, placement, port, cal, model, decoders, prefillers)
     with running_gateway(args, port, work / f"gateway-{placement}.log") as (url, _):
         console.print(f"[bold]{placement}[/]: {len(jobs)} requests at {rate:.3g} req/s through the gateway")
         sends = request_settings(url, model, jobs, [p.length for p in trace.preds])
-        res, wall = asyncio.run(_replay(jobs, sends))
+        res, wall = asyncio.run(replay_jobs(jobs, sends))
         health = httpx.get(f"{url}/health", timeout=10).json()
         hops = _prefill_hops(httpx.get(f"{url}/metrics", timeout=10).text) if prefillers else None
     return res, wall, health, hops
@@ -514,7 +514,7 @@ def _placement_result(m: RunMetrics, s: RunMetrics, res: list, not_idle: str | N
                       hops: dict[str, int] | None) -> dict[str, Any]:
     """One placement's row of the JSON: the replay's metrics ``m`` beside the simulator's ``s``, and the requests that
     failed or did not end at exactly their true length (each by its index in the trace)."""
-    lost = _wrong_or_lost(res)
+    lost = wrong_or_lost(res)
     return {
         **{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
                                       "goodput_rps", "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s",
@@ -571,7 +571,7 @@ def _admitted_by_last_arrival(results) -> float:
     return started / max(1, len(results))
 
 
-def _wrong_or_lost(results) -> list[int]:
+def wrong_or_lost(results) -> list[int]:
     """The indices of the requests that failed or whose answer was not exactly their true length (the engine's
     usage count against the trace's), as ``bench engine`` counts them: the exact-length processor's check."""
     return [r.index for r in results if not r.ok or r.output_tokens != r.trace_output_tokens]

@@ -36,12 +36,12 @@ from rich.table import Table
 
 from serving.bench.fleet import (
     FleetBenchConfig,
-    _gateway_args,
-    _replay,
-    _wait_idle,
-    _wrong_or_lost,
+    gateway_args,
+    replay_jobs,
     request_settings,
     running_gateway,
+    wait_idle,
+    wrong_or_lost,
 )
 from serving.bench.load.run import Fleet, calibrated_fleet, calibration_record, error_kind, meets_slo, pct, trace_jobs
 from serving.bench.load.servedrate import served_rate
@@ -175,7 +175,7 @@ def run_overload_bench(cfg: OverloadConfig, json_path: Path, console: Console) -
         metrics_urls = [p.url + "/metrics" for p in fleet.procs]
         for m in sorted(cfg.multiples):
             for arm in sorted(cfg.arms, key=ARMS.index):
-                not_idle = _wait_idle(metrics_urls)
+                not_idle = wait_idle(metrics_urls)
                 if not_idle:
                     console.print(f"[yellow]warning[/]: {not_idle}; the run starts anyway (recorded as not_idle_at_start)")
                 row = {"multiple": m, "arm": arm, "rate": m * fleet.rate, **_one_run(cfg, fleet, m, arm, console, kept),
@@ -210,7 +210,7 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
         url = kept.url if keep else None
         if url is None:
             port = free_port()
-            args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
+            args = gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
             for flag, value in zip(("--max-outstanding", "--max-outstanding-per-engine"), bounds):
                 if value is not None:
                     args += [flag, str(value)]
@@ -223,14 +223,15 @@ def _one_run(cfg: OverloadConfig, fleet: Fleet, m: float, arm: str, console: Con
             if keep:
                 kept.url = url
         console.print(f"[bold]{m:g} x R = {m * fleet.rate:.3g} req/s, {arm}[/]: {len(jobs)} requests")
-        res, _wall = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, [p.length for p in fleet.trace.preds])))
+        sends = request_settings(url, fleet.model, jobs, [p.length for p in fleet.trace.preds])
+        res, _wall = asyncio.run(replay_jobs(jobs, sends))
         health = httpx.get(url + "/health", timeout=10).json()
     row = run_summary(res, fleet.cal.slo)
     row["gateway_peak_in_flight"] = health.get("inflight_peak")
     row["learnt_bounds"] = {e["name"]: e["bound"] for e in health.get("engines", []) if "bound" in e} or None
     row["bounds"] = {"max_outstanding": bounds[0], "max_outstanding_per_engine": bounds[1],
                      "gateway_max_outstanding": health.get("max_outstanding")}
-    row["lost_ids"] = [i for i in _wrong_or_lost(res) if res[i].status != 429][:20]
+    row["lost_ids"] = [i for i in wrong_or_lost(res) if res[i].status != 429][:20]
     return row
 
 
@@ -247,7 +248,7 @@ def _served_rate(cfg: OverloadConfig, fleet: Fleet, console: Console) -> dict[st
     """R measured through an unbounded gateway (the stack's own capacity, not the bound's); RuntimeError when even the
     ladder's last probe misses the target."""
     port = free_port()
-    args = _gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
+    args = gateway_args(fleet.cfg, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [])
     args += ["--max-outstanding", str(UNBOUNDED), "--max-outstanding-per-engine", str(UNBOUNDED)]
     with running_gateway(args, port, fleet.work / "gateway-probe.log") as (url, _):
         return served_rate(fleet, url, cfg.probe_requests, console)

@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
-from serving.bench.fleet import _replay, _wait_idle, request_settings
+from serving.bench.fleet import replay_jobs, request_settings, wait_idle
 from serving.bench.load.run import Fleet, meets_slo, trace_jobs
 
 TARGET = 0.9     # the share of a probe's requests that must meet their SLO: the simulator's "90% point"
@@ -60,9 +60,9 @@ def served_rate(fleet: Fleet, url: str, n: int, console: Console, headers: bool 
     preds = [p.length for p in fleet.trace.preds] if headers else None
 
     def attainment(rate: float) -> float:
-        _wait_idle(metrics_urls)
+        wait_idle(metrics_urls)
         jobs = trace_jobs(fleet, rate, n)
-        res, _ = asyncio.run(_replay(jobs, request_settings(url, fleet.model, jobs, preds[:len(jobs)] if preds else None)))
+        res, _ = asyncio.run(replay_jobs(jobs, request_settings(url, fleet.model, jobs, preds[:len(jobs)] if preds else None)))
         att = sum(1 for r in res if meets_slo(r, fleet.cal.slo)) / len(res)
         console.print(f"  probe {rate:.3g} req/s: {100 * att:.0f}% of {len(res)} requests within the SLO")
         return att
@@ -70,7 +70,7 @@ def served_rate(fleet: Fleet, url: str, n: int, console: Console, headers: bool 
     console.print(f"[bold]measuring R through the gateway[/]: from the simulator's {fleet.rate:.3g} req/s down by x{STEP:g} "
                   f"until {100 * TARGET:.0f}% of {n} requests meet the SLO")
     rate, probes = ladder(fleet.rate, attainment)
-    _wait_idle(metrics_urls)
+    wait_idle(metrics_urls)
     found = {"rate_rps": rate, "probes": probes, "probe_requests": n, "target": TARGET, "step": STEP,
              "simulated_rate_rps": fleet.rate}
     if rate is None:

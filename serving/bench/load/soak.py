@@ -38,12 +38,12 @@ from rich.table import Table
 from predictor.common import quiet_libraries, silence_loggers
 from serving.bench.fleet import (
     FleetBenchConfig,
-    _gateway_args,
-    _replay,
-    _wrong_or_lost,
+    gateway_args,
+    replay_jobs,
     request_settings,
     running_gateway,
     service_process,
+    wrong_or_lost,
 )
 from serving.bench.load.run import calibrated_fleet, calibration_record, error_kind, pct
 from serving.bench.load.servedrate import served_rate
@@ -200,7 +200,7 @@ async def _soak(jobs: list[Job], sends: list, pids: dict[str, int], interval_s: 
 
     task = asyncio.create_task(sampler())
     try:
-        results, wall = await _replay(jobs, sends)
+        results, wall = await replay_jobs(jobs, sends)
     finally:
         finished.set()
         await task
@@ -227,7 +227,7 @@ def run_soak_bench(cfg: SoakConfig, json_path: Path, console: Console) -> dict[s
         fc = fleet.cfg
         with running_sidecar(cfg.model, fleet.work) as (sc_url, sc):
             port = free_port()
-            args = _gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [], predictor_url=sc_url)
+            args = gateway_args(fc, cfg.placement, port, fleet.cal, fleet.model, fleet.procs, [], predictor_url=sc_url)
             if cfg.predictor_timeout_ms is not None:
                 args += ["--predictor-timeout-ms", f"{cfg.predictor_timeout_ms:g}"]
             with running_gateway(args, port, fleet.work / "gateway.log") as (url, gw):
@@ -281,7 +281,7 @@ def _result(cfg: SoakConfig, saturation: float, rate: float, results: list[Resul
             samples: dict[str, list[dict[str, Any]]], health: dict[str, Any], ttft_slo_s: float | None = None
             ) -> dict[str, Any]:
     warm_end = WARMUP_SHARE * cfg.duration_s
-    lost = _wrong_or_lost(results)
+    lost = wrong_or_lost(results)
     errors = Counter(error_kind(r) for r in results if not r.ok)
     return {
         "config": cfg.model_dump(exclude={"fleet"}), "saturation_rate_rps": saturation, "rate_rps": rate,

@@ -37,11 +37,11 @@ from serving.bench.fleet import (
     BLOCK,
     TOKENIZER,
     _burst,
-    _engine_args,
-    _replay,
-    _v1_model_runner,
+    bench_engine_args,
     exact_length_fields,
+    replay_jobs,
     running_gateway,
+    v1_model_runner,
 )
 from serving.bench.replay import Job, Settings
 from serving.perf.latency import FittedLatency
@@ -199,7 +199,7 @@ def replay_plan(setup: _Setup, plan_name: str, plan: EnginePlan, cfg: OnEnginesC
     from serving.launch.process import free_port
 
     cat = work / f"catalogue-{plan_name}.yaml"
-    cat.write_text(json.dumps(plan_catalogue(plan, setup.model_dir, setup.adapters, _engine_args(cfg, dtype)), indent=1))
+    cat.write_text(json.dumps(plan_catalogue(plan, setup.model_dir, setup.adapters, bench_engine_args(cfg, dtype)), indent=1))
     port, slo = free_port(), setup.slo
     args = [sys.executable, "-m", "serving.cli", "serve", "--models", str(cat), "--port", str(port), "--placement",
             cfg.placement, "--policy", cfg.local_policy, "--trust-client-predictions", "--t-p", f"{slo.t_p:.6f}",
@@ -210,14 +210,14 @@ def replay_plan(setup: _Setup, plan_name: str, plan: EnginePlan, cfg: OnEnginesC
     arrivals = poisson_arrivals(len(setup.reqs), rate, cfg.seed)
     jobs = [Job(i, t, _prompt(r.prompt_tokens), r.prompt_tokens, r.output_tokens, cfg.max_tokens)
             for i, (r, t) in enumerate(zip(setup.reqs, arrivals))]
-    with _v1_model_runner(), running_gateway(args, port, work / f"gateway-{plan_name}.log", timeout_s=900) as (url, _):
+    with v1_model_runner(), running_gateway(args, port, work / f"gateway-{plan_name}.log", timeout_s=900) as (url, _):
         console.print(f"[bold]{plan_name}[/]: engines serve {_describe(plan)}; {len(jobs)} requests at {rate:.3g} req/s")
         base = Settings(url=url, model=BASE, chat=False, stream=cfg.stream, ignore_eos=True, temperature=0.0,
                         timeout_s=900.0)
         sends = [dataclasses.replace(base, model=r.service, extra_headers={"x-lengthwise-pred-len": f"{p.length:.0f}"},
                                      extra_body=exact_length_fields(r.output_tokens, cfg.max_tokens))
                  for r, p in zip(setup.reqs, setup.preds)]
-        results, wall = asyncio.run(_replay(jobs, sends))
+        results, wall = asyncio.run(replay_jobs(jobs, sends))
     records = []
     for res, r in zip(results, setup.reqs):
         rec = RequestRecord(r.rid, res.sent, r.prompt_tokens, r.output_tokens, slo.jct_limit(r.output_tokens),

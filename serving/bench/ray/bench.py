@@ -115,13 +115,13 @@ def _http_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any,
     try:
         wait_started(procs, 900)
         port = free_port()
-        args = fleet._gateway_args(cfg, cfg.placement, port, cal, model, procs, [])
+        args = fleet.gateway_args(cfg, cfg.placement, port, cal, model, procs, [])
         if cal.profile is None and "--latency-profile" in args:
             i = args.index("--latency-profile")
             del args[i:i + 2]
         # an engine that dies is started again (this arm's gateway keeps its old address: the arm's results show it)
         with supervised(procs), fleet.running_gateway(args, port, work / "gateway.log") as (url, _):
-            res, wall = asyncio.run(fleet._replay(jobs, fleet.request_settings(url, model, jobs,
+            res, wall = asyncio.run(fleet.replay_jobs(jobs, fleet.request_settings(url, model, jobs,
                                                                                [p.length for p in trace.preds])))
             import httpx
 
@@ -140,7 +140,7 @@ def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, 
 
     slo = cal.slo
     settings = GatewaySettings(model=model, engines=cfg.engines, policy=cfg.local_policy, placement=cfg.placement,
-                               engine_args=fleet._engine_args(cfg, dtype), trust_client_predictions=True,
+                               engine_args=fleet.bench_engine_args(cfg, dtype), trust_client_predictions=True,
                                t_p_s=slo.t_p, t_g_s=slo.t_g, slo_scale=cfg.slo_scale, slo_ttft_ms=slo.ttft_s * 1e3,
                                slo_tpot_ms=slo.tpot_s * 1e3, engine_max_num_seqs=cfg.max_num_seqs, log_level="warning")
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}  # the exact-length processor's runner
@@ -153,7 +153,8 @@ def _ray_arm(cfg: RayBenchConfig, cal: Any, model: str, jobs: list, trace: Any, 
         url = f"http://127.0.0.1:{port}"
         _wait_serving(url, cfg.ray_start_timeout_s - (time.monotonic() - t0))
         console.print(f"  Ray application up in {time.monotonic() - t0:.0f} s")
-        res, wall = asyncio.run(fleet._replay(jobs, fleet.request_settings(url, model, jobs, [p.length for p in trace.preds])))
+        sends = fleet.request_settings(url, model, jobs, [p.length for p in trace.preds])
+        res, wall = asyncio.run(fleet.replay_jobs(jobs, sends))
         health = httpx.get(url + "/health", timeout=30).json()
     return res, wall, health
 
@@ -174,7 +175,7 @@ def arm_result(arm: str, res: list, reqs: list, cal: Any, wall: float, health: d
     m = summarize(policy=arm, records=fleet._records(res, reqs, limits), slo=cal.slo,
                   makespan=max((r.sent + (r.jct or 0) for r in res), default=wall), steps=0, kv_utilization=0, kv_allocated=0,
                   forward_size=0, batch_size=0, preemptions=0, pauses=0, hosted=0, sched_us_per_step=0, wall_s=wall, busy_s=0)
-    lost = fleet._wrong_or_lost(res)
+    lost = fleet.wrong_or_lost(res)
     return {**{k: getattr(m, k) for k in ("requests_total", "requests_completed", "slo_attainment", "ttft_tpot_attainment",
                                           "throughput_rps", "jct_p50_s", "jct_p99_s", "ttft_p50_s", "ttft_p99_s")},
             "per_replica_requests": fleet._per_engine(res), "wrong_or_lost": len(lost), "wrong_or_lost_ids": lost,

@@ -140,7 +140,7 @@ def test_a_chat_stream_is_put_back_together_as_vllm_answers_it_whole():
     whole = Assembler(chat=True)
     events = [{"id": "chatcmpl-1", "created": 5, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                                                   "content": ""}}]},
-              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"reasoning_content": "hm. "}}]},
+              {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"reasoning": "hm. "}}]},
               {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
               {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop",
                                                 "stop_reason": None}]},
@@ -151,8 +151,9 @@ def test_a_chat_stream_is_put_back_together_as_vllm_answers_it_whole():
     whole.add("[DONE]")
     got = whole.answer()
     assert got["id"] == "chatcmpl-1" and got["object"] == "chat.completion" and got["usage"]["completion_tokens"] == 3
-    assert got["choices"][0]["message"] == {"role": "assistant", "content": "Hello", "tool_calls": [],
-                                            "reasoning_content": "hm. "}
+    message = got["choices"][0]["message"]
+    assert (message["role"], message["content"], message["reasoning"], message["tool_calls"]) == ("assistant", "Hello",
+                                                                                                 "hm. ", None)
     assert got["choices"][0]["finish_reason"] == "stop"
 
     def req(**body) -> ClientRequest:

@@ -45,6 +45,7 @@ class Assembler:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
+        self.stamps: dict[str, Any] = {}  # what vLLM stamps on the stream's last chunk (system_fingerprint, metrics)
 
     def add(self, data: str) -> None:
         """One event's data (``[DONE]`` and what is not JSON are ignored)."""
@@ -58,6 +59,7 @@ class Assembler:
             self.head = {k: obj[k] for k in ("id", "created", "model") if k in obj}
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
+        self.stamps.update({k: obj[k] for k in ("system_fingerprint", "metrics") if obj.get(k) is not None})
         for c in obj.get("choices") or ():
             if not isinstance(c, dict) or c.get("index", 0) != 0:
                 continue
@@ -66,8 +68,9 @@ class Assembler:
                 self.role = delta.get("role") or self.role
                 if isinstance(delta.get("content"), str):
                     self.parts.append(delta["content"])
-                if isinstance(delta.get("reasoning_content"), str):
-                    self.reasoning.append(delta["reasoning_content"])
+                reasoning = delta.get("reasoning", delta.get("reasoning_content"))  # vLLM 0.32's name, then the older
+                if isinstance(reasoning, str):
+                    self.reasoning.append(reasoning)
             elif isinstance(c.get("text"), str):
                 self.parts.append(c["text"])
             if c.get("finish_reason") is not None:
@@ -75,18 +78,23 @@ class Assembler:
                 self.stop_reason = c.get("stop_reason")
 
     def answer(self) -> dict[str, Any]:
-        """The non-streamed answer: one choice with the text (or message) whole, its finish reason, and the usage."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason,
-                                  "stop_reason": self.stop_reason}
+        """The non-streamed answer, with the fields vLLM 0.32 gives one (those a stream does not carry are null): one
+        choice with the text (or message) whole, its finish reason, and the usage."""
+        usage = {"prompt_tokens_details": None, "completion_tokens_details": None, **(self.usage or {})}
+        ends = {"logprobs": None, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "token_ids": None}
         if self.chat:
-            message: dict[str, Any] = {"role": self.role, "content": "".join(self.parts), "tool_calls": []}
-            if self.reasoning:
-                message["reasoning_content"] = "".join(self.reasoning)
-            choice = {"index": 0, "message": message, **{k: v for k, v in choice.items() if k != "index"}}
+            message = {"role": self.role, "content": "".join(self.parts), "refusal": None, "annotations": None,
+                       "audio": None, "function_call": None, "tool_calls": None,
+                       "reasoning": "".join(self.reasoning) if self.reasoning else None}
+            choice = {"index": 0, "message": message, **ends, "routed_experts": None}
+            extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
         else:
-            choice["text"] = "".join(self.parts)
+            choice = {"index": 0, "text": "".join(self.parts), **ends, "prompt_logprobs": None, "prompt_token_ids": None,
+                      "routed_experts": None}
+            extra = {}
         return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
-                "usage": self.usage}
+                "service_tier": None, "system_fingerprint": self.stamps.get("system_fingerprint"), "usage": usage,
+                **extra, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": self.stamps.get("metrics")}
 
 
 __all__ = ["Assembler", "as_stream", "assembles"]

@@ -37,8 +37,8 @@ def _texts(choices: list) -> int:
         if not isinstance(c, dict):
             continue
         delta = c.get("delta")
-        if c.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
-                                                          or delta.get("tool_calls"))):
+        if c.get("text") or (isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning")
+                                                          or delta.get("reasoning_content") or delta.get("tool_calls"))):
             n += 1
     return n
 

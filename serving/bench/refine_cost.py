@@ -25,6 +25,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,8 @@ class RefineCostConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     seed: int = 0
+    work_dir: Path | None = Field(None, description="engine, sidecar and gateway logs (default: a new temporary "
+                                  "directory)")
 
 
 def _jobs(cfg: RefineCostConfig) -> list[Job]:
@@ -168,7 +171,7 @@ def _arm(cfg: RefineCostConfig, on: bool, model: str, served: str, engine, sidec
 
 def run_refine_cost(cfg: RefineCostConfig, json_path: Path, console: Console) -> dict[str, Any]:
     """Start the engine and the sidecar once, replay each arm through its own gateway, and write the JSON."""
-    work = json_path.parent / (json_path.stem + ".work")
+    work = cfg.work_dir or Path(tempfile.mkdtemp(prefix="lengthwise-refine-cost-"))
     work.mkdir(parents=True, exist_ok=True)
     jobs = _jobs(cfg)
     dtype = bench_dtype()

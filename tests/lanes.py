@@ -33,7 +33,7 @@ ALONE = "alone"
 LANE_A = frozenset({
     "test_gateway", "test_gateway_auth", "test_gateway_hostile", "test_gateway_overload", "test_replay",  # the fleet
     "test_ray_serve", "test_ray_router", "test_ray_bench", "test_ray_deploy",  # one Ray cluster at a time
-    "test_engine_real", "test_target",  # the session's SmolLM2 conversion
+    "test_engine_real", "test_target", "test_refine_benches",  # the session's SmolLM2 conversion
     "test_engine_bench", "test_engine_bench_exactlen", "test_engine_bench_steps", "test_relabel",
     "test_relabel_torch", "test_relabel_ceiling", "test_slice_routing", "test_loop", "test_demo_steps", "test_bench_sidecar",
     "test_policy", "test_policy_hostile", "test_policy_host_preempt", "test_placement_hostile",

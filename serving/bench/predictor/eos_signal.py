@@ -34,12 +34,13 @@ def eos_log_probs(model_dir: Path, answers: list[Answer], progress: bool = True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = tok.eos_token_id
     out = []
     with torch.inference_mode():
         for i, a in enumerate(answers):
-            prompt = tok.apply_chat_template([{"role": r, "content": c} for r, c in a.turns], add_generation_prompt=True)
+            prompt = tok.apply_chat_template([{"role": r, "content": c} for r, c in a.turns], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
             ids = torch.tensor([list(prompt) + list(a.ids)])
             logits = model(ids).logits[0, len(prompt) - 1:-1]  # the distribution each answer token was drawn from
             out.append(torch.log_softmax(logits.float(), dim=-1)[:, eos].numpy())

@@ -50,8 +50,8 @@ def test_the_cost_summary_and_the_delay_quantiles():
     assert s["sidecar_cpu_ms_per_refinement"] == pytest.approx(1.5)  # 3 ms x 10 requests over 20 refinements
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = "\n".join(["# TYPE d histogram", 'd_bucket{le="0.1"} 50', 'd_bucket{le="0.2"} 100', 'd_bucket{le="+Inf"} 100',
-                      "d_count 100", "d_sum 10"]) + "\n"
+    text = ('# TYPE d histogram\nd_bucket{le="0.1"} 50\nd_bucket{le="0.2"} 100\nd_bucket{le="+Inf"} 100\n'
+            "d_count 100\nd_sum 10\n")
     fams = {"lengthwise_gateway_refinement_delay_seconds": next(iter(text_string_to_metric_families(text))).samples}
     q = _delay_quantiles(fams)
     assert q["p50"] == pytest.approx(0.1) and q["p95"] == pytest.approx(0.19)

@@ -83,3 +83,4 @@ def test_the_cost_bench_runs_both_arms_and_loses_nothing(trained, tmp_path):
     assert [a["arm"] for a in doc["arms"]] == ["off", "on", "on", "off"] and doc["summary"]["lost_or_wrong"] == 0
     assert all(not a["refinements"] for a in doc["arms"] if a["arm"] == "off")
     assert any(a["refinements"].get("delivered", 0) for a in doc["arms"] if a["arm"] == "on")
+    assert any(a["refinements_applied"] for a in doc["arms"] if a["arm"] == "on")  # the plug-in took them

@@ -34,6 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from predictor.common import default_tokenizer
+from serving.gateway.sse import sse_data
 from serving.progress import logged, waiting
 
 CONTEXT_MARGIN = 64  # tokens kept free for the chat template and tokenizer differences when fitting the context
@@ -301,10 +302,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
             res.error = f"HTTP {r.status_code}: {_error_message(await r.aread())}"
             return
         done = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        async for event_data in sse_data(r.aiter_lines()):  # the gateway's reader, by the SSE spec
+            data = event_data.strip()
             if data == "[DONE]":
                 done = True
                 break

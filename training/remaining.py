@@ -48,7 +48,7 @@ class Answer:
 def served_answers(path: Path) -> list[Answer]:
     """The answers of ``lengthwise relabel --answers``."""
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text().split("\n"):  # not splitlines(): an answer may hold U+2028, which it splits at
         if not line.strip():
             continue
         r = json.loads(line)

@@ -96,6 +96,9 @@ def test_the_port_wants_the_engines_key_and_refuses_what_is_not_a_refinement(mon
         assert _post(url, b"x" * (MAX_BODY + 1), key="engine-secret")[0] == 413
         assert _post(url, _update("gw-a"), key="engine-secret")[0] == 202
         assert s.lw_inbox.counts["refinements_received"] == 1
+        both = {"refinements": [_update("gw-a", pred_len=9.0), _update("gw-gone")]}  # several in one call
+        assert _post(url, both, key="engine-secret") == (200, {"queued": ["gw-a"], "unknown": ["gw-gone"]})
+        assert [u.pred_len for _, u, _ in s.lw_inbox.take()] == [9.0]  # the newer update replaced the older
     finally:
         s.shutdown()
 

@@ -424,5 +424,14 @@ def test_an_answer_so_far_is_refused_by_a_prompt_only_version_and_read_by_a_rema
         assert p["generated_tokens"] == 12 and p["probs"] == pytest.approx(list(local.probs[0]), abs=1e-5)
         plain = _predict(sc, {"prompt": body["prompt"]})["predictions"][0]
         assert plain.get("generated_tokens") is None and plain["probs"] != pytest.approx(p["probs"], abs=1e-5)
+        # several answers in one call: each as its own call would answer it, in order
+        other = {"messages": [{"role": "user", "content": "Say yes."}], "answer_so_far": {"text": "Yes", "tokens": 1}}
+        many = sc.post("/v1/predict/remaining", json={"items": [body, other]})
+        assert many.status_code == 200, many.text
+        first, second = many.json()["results"]
+        assert first["probs"] == pytest.approx(p["probs"], abs=1e-5) and first["generated_tokens"] == 12
+        assert second["probs"] == pytest.approx(_predict(sc, other)["predictions"][0]["probs"], abs=1e-5)
+        bad = sc.post("/v1/predict/remaining", json={"items": [{"prompt": "no answer"}]})
+        assert bad.status_code == 422 and "answer_so_far" in bad.text
     finally:
         sc.stop()

@@ -42,6 +42,8 @@ from predictor.sidecar.schemas import (
     PredictRequest,
     PredictResponse,
     Ready,
+    RemainingRequest,
+    RemainingResponse,
 )
 from predictor.sidecar.settings import SidecarSettings
 from predictor.sidecar.state import SidecarState
@@ -183,6 +185,13 @@ def _add_routes(app: FastAPI, state: SidecarState) -> None:
             None, gt=0, description="how long the caller waits; prompts still queued after that are dropped unrun (504)")):
         return await _predict(state, req, x_lengthwise_timeout_ms)
 
+    @app.post("/v1/predict/remaining", response_model=RemainingResponse, responses=_error_responses(400, 401, 413, 422,
+                                                                                                     503, 504),
+              summary="predict what is left of several running answers at once (a version trained on answers so far)")
+    async def predict_remaining(req: RemainingRequest, x_lengthwise_timeout_ms: float | None = Header(
+            None, gt=0, description="how long the caller waits; items still queued after that are dropped unrun (504)")):
+        return await _predict_remaining(state, req, x_lengthwise_timeout_ms)
+
     @app.post("/v1/feedback", response_model=FeedbackResponse, responses=_error_responses(400, 401, 404, 413, 422, 503),
               summary="report the actual output length of a predicted request (online error tracking)")
     async def feedback(req: FeedbackRequest):
@@ -252,6 +261,40 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
         state.metrics.truncated.inc(truncated)
     last = results[-1][1]
     return JSONResponse({"predictions": preds, "model_name": last.name, "model_version": last.version, "latency_ms": ms})
+
+
+async def _predict_remaining(state: SidecarState, req: RemainingRequest, timeout_ms: float | None = None) -> JSONResponse:
+    """:func:`_predict` for several answers so far in one call: one submission to the batcher for them all. An item
+    its own call would have had refused (a model the predictor never learned) is answered with its error; the others
+    are predicted. Nothing is remembered for feedback: these are predictions of what is left, not of whole lengths."""
+    t0 = time.perf_counter()
+    served = _require_model(state)
+    asked, where, results_out = [], [], []
+    for item in req.items:
+        try:
+            convs = _for_model(served, item.model, _with_answer(served, item, item.conversations()))
+        except HTTPException as exc:
+            if exc.status_code == 422 and not served.predictor.remaining_length:
+                raise  # the version itself cannot: the whole call is refused, as a single one would be
+            results_out.append({"error": exc.detail, "status": exc.status_code})
+            continue
+        where.append(len(results_out))
+        results_out.append(None)
+        asked.append(PredictItem(convs[0], item.quantile))
+    expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
+    try:
+        results = await state.batcher.submit(asked, expires) if asked else []
+    except Expired:
+        raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
+                                 "was free") from None
+    ms = (time.perf_counter() - t0) * 1000.0
+    for i, (d, _model) in zip(where, results, strict=True):
+        item = req.items[i]
+        d.update(prediction_id=item.request_id or uuid.uuid4().hex, latency_ms=ms,
+                 generated_tokens=item.answer_so_far.tokens if item.answer_so_far else None)
+        results_out[i] = d
+    state.metrics.predictions.inc(len(results))
+    return JSONResponse({"results": results_out, "latency_ms": ms})
 
 
 def _with_answer(served: ServedModel, req: PredictRequest,

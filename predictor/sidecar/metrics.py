@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-ENDPOINTS = ("/v1/predict", "/v1/feedback", "/health", "/ready", "/metrics", "/openapi.json", "/docs")
+ENDPOINTS = ("/v1/predict", "/v1/predict/remaining", "/v1/feedback", "/health", "/ready", "/metrics", "/openapi.json", "/docs")
 # Why feedback is refused: a fixed set, so no request can add a label value.
 REJECT_REASONS = ("unknown_id", "duplicate", "unknown_version", "out_of_range", "unauthorized")
 ONLINE = ("accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate", "quantile_overrun_rate")

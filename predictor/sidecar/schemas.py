@@ -113,6 +113,25 @@ class PredictRequest(BaseModel):
         return [[(m.role, m.text()) for m in self.messages or []]]
 
 
+MAX_REMAINING = 256  # items per remaining-length batch
+
+
+class RemainingRequest(BaseModel):
+    """Several running requests' answers so far at once (a gateway gathers its refinements for a few milliseconds):
+    one HTTP call and one place in the sidecar's batches instead of one each."""
+
+    model_config = ConfigDict(strict=True)
+    items: list[PredictRequest] = Field(min_length=1, max_length=MAX_REMAINING,
+                                        description="each with prompt or messages, and answer_so_far")
+
+    @model_validator(mode="after")
+    def _answers(self) -> RemainingRequest:
+        for i, item in enumerate(self.items):
+            if item.answer_so_far is None or item.prompts is not None:
+                raise ValueError(f"items[{i}]: give prompt or messages with answer_so_far")
+        return self
+
+
 class Prediction(BaseModel):
     prediction_id: str = Field(description="send it back as request_id in /v1/feedback")
     bucket: int = Field(description="index of the most likely length bucket")
@@ -141,6 +160,16 @@ class Prediction(BaseModel):
                                                            "predicted; the distribution is of the tokens after them")
     overflow: bool = Field(False, description="true when the encoder could not reach this prompt before the caller's "
                            "x-lengthwise-timeout-ms and the package's fast tier answered it instead (predictor says which)")
+
+
+class ItemRefused(BaseModel):
+    error: str = Field(description="why this item got no prediction (the others did)")
+    status: int = Field(description="the HTTP status a call of its own would have got")
+
+
+class RemainingResponse(BaseModel):
+    results: list[Prediction | ItemRefused] = Field(description="one per item, in order")
+    latency_ms: float
 
 
 class PredictResponse(BaseModel):

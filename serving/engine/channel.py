@@ -8,8 +8,10 @@ arrival. So the plug-in serves one small HTTP port (``metrics_port`` in its sett
 * ``GET /metrics``: the plug-in's counters for Prometheus (:mod:`serving.engine.metrics`);
 * ``POST /v1/refine``: one :class:`~serving.policy.hints.Refinement` for a running request, named by the ``ref`` the
   gateway gave it in ``vllm_xargs``. The answer is 202 when the update is queued, and 404 when no request of that
-  ref is running here: it finished, it never came, or this engine started again since. A bad key gets 401. A body over
-  :data:`MAX_BODY` bytes gets 413, and one that is not a refinement gets 422.
+  ref is running here: it finished, it never came, or this engine started again since. Several at once
+  (:class:`~serving.policy.hints.Refinements`, ``{"refinements": [...]}``) get 200 with the refs ``queued`` and those
+  ``unknown``. A bad key gets 401. A body over :data:`MAX_BODY` bytes gets 413, and one that is not a refinement gets
+  422.
 
 The key is the engine's own: ``$VLLM_API_KEY``, which ``vllm serve`` reads as its ``--api-key`` and which engines the
 gateway starts are given. An engine without one takes refinements only on a loopback address.
@@ -37,12 +39,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from serving.engine.metrics import StatsCollector
-from serving.policy.hints import Refinement
+from serving.policy.hints import Refinement, Refinements
 
 log = logging.getLogger(__name__)
 
 KEY_ENV = "VLLM_API_KEY"
-MAX_BODY = 16_384  # bytes: a refinement is a few hundred; anything near this is not one
+MAX_BODY = 262_144  # bytes: a refinement is a few hundred, and a call holds at most MAX_REFINEMENTS of them
 REFINE_PATH = "/v1/refine"
 
 
@@ -152,11 +154,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a refinement is at most {MAX_BODY} bytes")
         try:
-            update = Refinement.model_validate_json(self.rfile.read(length))
+            data = json.loads(self.rfile.read(length))
+        except ValueError as exc:
+            return self._error(HTTPStatus.UNPROCESSABLE_ENTITY, f"not a refinement: the body is not JSON ({exc})")
+        try:
+            many = isinstance(data, dict) and "refinements" in data
+            update = (Refinements if many else Refinement).model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "body"
             return self._error(HTTPStatus.UNPROCESSABLE_ENTITY, f"not a refinement: {where}: {err['msg']}")
+        if isinstance(update, Refinements):
+            taken = [u.ref for u in update.refinements if self.server.inbox.offer(u)]
+            unknown = [u.ref for u in update.refinements if u.ref not in set(taken)]
+            return self._send(HTTPStatus.OK, json.dumps({"queued": taken, "unknown": unknown}).encode())
         if not self.server.inbox.offer(update):
             return self._error(HTTPStatus.NOT_FOUND, f"no running request has ref {update.ref!r} (finished, never "
                                                      "came, or this engine started again since)")

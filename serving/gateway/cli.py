@@ -262,6 +262,9 @@ def _prediction_flags(pr: argparse._ActionsContainer) -> None:
     _setting(pr, "--no-refine-unary", "refine_unary", action="store_false",
              help="refine streamed requests only: send non-streamed ones as the client did (by default they are read "
                   "from the engine as a stream and answered whole)")
+    _setting(pr, "--refine-window-ms", "refine_window_ms",
+             help="gather refinements this long and send them to the sidecar, and to each engine, in one call: "
+                  "fewer calls under load, for at most this much delay (default: %(default)s)")
     _setting(pr, "--refine-max-inflight", "refine_max_inflight",
              help="refinements in flight at once; more are skipped (default: %(default)s)")
     _setting(pr, "--fallback-tokens", "fallback_tokens",

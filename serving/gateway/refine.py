@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
@@ -39,9 +40,50 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.requests import ClientRequest
 from serving.gateway.settings import GatewaySettings
 from serving.gateway.sse import StreamRelay
-from serving.policy.hints import Refinement
+from serving.policy.hints import Refinement, Refinements
 
 log = logging.getLogger("serving.gateway")
+
+GATHER_LIMIT = 64  # refinements in one call to the sidecar or an engine, at most
+ENGINE_TIMEOUT_S = 5.0  # an engine's port slower than this (its engine core busy for that long) is an engine_error
+
+
+class Gather:
+    """Calls to one endpoint gathered for up to ``window_s`` (or until ``limit`` wait) and sent as one: under load, one
+    HTTP call carries many refinements, which is most of what a refinement costs the gateway. ``send`` takes the items
+    and returns one outcome per item; it never raises (a failure is each item's outcome)."""
+
+    def __init__(self, send: Callable[[list[Any]], Awaitable[list[Any]]], window_s: float, limit: int,
+                 tasks: set[asyncio.Task]) -> None:
+        self.send, self.window, self.limit, self.tasks = send, window_s, limit, tasks
+        self.pending: list[tuple[Any, asyncio.Future]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def submit(self, item: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.pending.append((item, fut))
+        if len(self.pending) >= self.limit:
+            self.flush()
+        elif self.timer is None:
+            self.timer = loop.call_later(self.window, self.flush)
+        return fut
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        outcomes = await self.send([item for item, _ in batch])
+        for (_, fut), outcome in zip(batch, outcomes, strict=True):
+            if not fut.done():
+                fut.set_result(outcome)
 
 
 def refine_url(metrics_url: str) -> str:
@@ -65,13 +107,19 @@ class Refiner:
         self.unary = s.refine_unary
         self.metrics, self.ports = metrics, ports
         engine_auth = {"Authorization": f"Bearer {s.engine_api_key.get_secret_value()}"} if s.engine_api_key else {}
-        self.engine_headers = engine_auth
+        # the sidecar closes connections idle for 5 s (uvicorn's): reused below that; the plug-in's port keeps them
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(max(1.0, self.timeout * 4)),
-            limits=httpx.Limits(max_connections=self.max_inflight, max_keepalive_connections=16,
-                                keepalive_expiry=s.keepalive_s),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=16, keepalive_expiry=s.keepalive_s),
             headers={**(sidecar_headers or {}), "x-lengthwise-timeout-ms": f"{s.refine_timeout_ms:g}"})
+        self.engines = httpx.AsyncClient(timeout=httpx.Timeout(ENGINE_TIMEOUT_S), headers=engine_auth,
+                                         limits=httpx.Limits(max_connections=64, max_keepalive_connections=64,
+                                                             keepalive_expiry=60.0))
         self.inflight: set[asyncio.Task] = set()
+        self.sends: set[asyncio.Task] = set()  # gathered calls in flight
+        window = s.refine_window_ms / 1000.0
+        self.to_sidecar = Gather(self._ask_sidecar, window, GATHER_LIMIT, self.sends)
+        self.to_engine: dict[str, Gather] = {}  # by plug-in URL
 
     @property
     def enabled(self) -> bool:
@@ -109,55 +157,75 @@ class Refiner:
             self.metrics.refinement_delay.observe(time.perf_counter() - t0)
 
     async def _refine(self, watch: Watch, text: str, tokens: int) -> str:
-        assert self.url is not None
-        body = {**watch.ask, "answer_so_far": {"text": text, "tokens": tokens}}
-        # shielded, as the first prediction's call is (serving/gateway/prediction.py): a call cancelled as its answer
-        # arrives loses its connection; a late one runs on to its answer, which is dropped
-        call = asyncio.ensure_future(self.client.post(self.url + "/v1/predict", json=body))
+        """One refinement: the sidecar's answer within the timeout, then the engine's receipt (each call gathered with
+        others bound the same way)."""
+        asked = self.to_sidecar.submit({**watch.ask, "answer_so_far": {"text": text, "tokens": tokens},
+                                        "request_id": watch.ref})
         try:
-            r = await asyncio.wait_for(asyncio.shield(call), self.timeout)
+            outcome, answer = await asyncio.wait_for(asyncio.shield(asked), self.timeout)
         except TimeoutError:
-            call.add_done_callback(_consume)
             return "late"
-        except httpx.HTTPError as exc:
-            log.debug("refinement: sidecar unreachable: %s", exc)
-            return "sidecar_error"
-        if r.status_code != 200:
-            log.debug("refinement: sidecar answered %d: %s", r.status_code, r.text[:200])
-            return "refused" if r.status_code < 500 else "sidecar_error"
+        if outcome != "ok":
+            return outcome
         try:
-            update = _refinement(r.json(), watch.ref, tokens)
+            update = _refinement(answer, watch.ref, tokens)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             log.debug("refinement: sidecar answer not understood: %s", exc)
             return "sidecar_error"
         port = self.ports.get(watch.engine)
         if port is None:
             return "no_port"
+        url = refine_url(port)
+        gather = self.to_engine.get(url)
+        if gather is None:
+            gather = self.to_engine[url] = Gather(lambda updates, url=url: self._post_engine(url, updates),
+                                                  self.to_sidecar.window, GATHER_LIMIT, self.sends)
+        return await gather.submit(update)
+
+    async def _ask_sidecar(self, items: list[dict]) -> list[tuple[str, dict | None]]:
+        """One call of ``POST /v1/predict/remaining`` for ``items``: each item's ("ok", prediction) or (outcome, None)."""
+        assert self.url is not None
         try:
-            e = await self.client.post(refine_url(port), content=update.model_dump_json(exclude_none=True),
-                                       headers={**self.engine_headers, "Content-Type": "application/json"},
-                                       timeout=max(1.0, self.timeout * 4))
+            r = await self.client.post(self.url + "/v1/predict/remaining", json={"items": items})
         except httpx.HTTPError as exc:
-            log.debug("refinement: %s's plug-in port unreachable: %s", watch.engine, exc)
-            return "engine_error"
-        if e.status_code == 202:
-            return "delivered"
-        if e.status_code == 404:
-            return "gone"
-        log.warning("refinement: %s's plug-in port answered %d: %s", watch.engine, e.status_code, e.text[:200])
-        return "engine_error"
+            log.debug("refinement: sidecar unreachable: %s", exc)
+            return [("sidecar_error", None)] * len(items)
+        if r.status_code != 200:
+            log.debug("refinement: sidecar answered %d: %s", r.status_code, r.text[:200])
+            outcome = "late" if r.status_code == 504 else "refused" if r.status_code < 500 else "sidecar_error"
+            return [(outcome, None)] * len(items)
+        try:
+            results = r.json()["results"]
+            if len(results) != len(items):
+                raise ValueError(f"{len(results)} results for {len(items)} items")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("refinement: sidecar answer not understood: %s", exc)
+            return [("sidecar_error", None)] * len(items)
+        return [("refused", None) if "error" in x else ("ok", {"predictions": [x]}) for x in results]
+
+    async def _post_engine(self, url: str, updates: list[Refinement]) -> list[str]:
+        """One call of the plug-in's ``POST /v1/refine`` for ``updates``: each one's outcome."""
+        body = Refinements(refinements=updates).model_dump_json(exclude_none=True)
+        try:
+            r = await self.engines.post(url, content=body, headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as exc:
+            log.debug("refinement: plug-in port %s unreachable: %s", url, exc)
+            return ["engine_error"] * len(updates)
+        if r.status_code != 200:
+            log.warning("refinement: plug-in port %s answered %d: %s", url, r.status_code, r.text[:200])
+            return ["engine_error"] * len(updates)
+        try:
+            queued = set(r.json()["queued"])
+        except (ValueError, KeyError, TypeError):
+            return ["engine_error"] * len(updates)
+        return ["delivered" if u.ref in queued else "gone" for u in updates]
 
     async def aclose(self) -> None:
-        for task in list(self.inflight):
+        for task in [*self.inflight, *self.sends]:
             task.cancel()
-        await asyncio.gather(*self.inflight, return_exceptions=True)
+        await asyncio.gather(*self.inflight, *self.sends, return_exceptions=True)
         await self.client.aclose()
-
-
-def _consume(task: asyncio.Future) -> None:
-    """A late call's end: its outcome read, so nothing is logged as never retrieved."""
-    if not task.cancelled():
-        task.exception()
+        await self.engines.aclose()
 
 
 def _refinement(answer: dict, ref: str, tokens: int) -> Refinement:

@@ -135,6 +135,8 @@ class GatewaySettings(BaseModel):
     refine_timeout_ms: float = Field(200.0, gt=0, description="a refinement the sidecar has not answered by then is "
                                      "skipped (counted), never queued")
     refine_max_inflight: int = Field(64, ge=1, description="refinements in flight at once; one more is skipped (counted)")
+    refine_window_ms: float = Field(20.0, ge=0, description="refinements bound for the sidecar, or for one engine, are "
+                                    "gathered this long and sent in one call (at most 64 in one)")
     refine_unary: bool = Field(True, description="with refine_at, read a non-streamed request from its engine as a "
                                "stream and give its client the answer whole, so that it is refined too (one sequence, "
                                "no logprobs, echo or tools: serving/gateway/assemble.py)")

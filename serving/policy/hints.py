@@ -103,3 +103,14 @@ class Refinement(BaseModel):
     def _distribution(self) -> Refinement:
         check_distribution(self.pred_edges, self.pred_probs)
         return self
+
+
+MAX_REFINEMENTS = 256  # per call of the plug-in's port
+
+
+class Refinements(BaseModel):
+    """Several refinements in one call (a gateway gathers those for one engine for a few milliseconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    refinements: list[Refinement] = Field(min_length=1, max_length=MAX_REFINEMENTS)

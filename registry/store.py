@@ -1,8 +1,7 @@
-"""Where runs and models live, and how a length predictor is registered, promoted and loaded.
+"""How a length predictor is registered, promoted and loaded.
 
-Default store: an embedded SQLite tracking/registry database plus a local artifact root under
-``$LENGTHWISE_HOME`` (default ``~/.lengthwise``): ``mlflow.db`` and ``artifacts/``. Setting
-``MLFLOW_TRACKING_URI`` (e.g. ``http://127.0.0.1:5000`` for an ``mlflow server``) overrides both.
+The MLflow store itself (where it is, pointing the client at it, an experiment in it) is :mod:`predictor.tracking`:
+the sidecar uses it too, and the predictor never imports the registry.
 
 A registered version is an MLflow pyfunc whose artifact is the ONNX model package, so
 ``models:/length-predictor@champion`` loads with nothing but onnxruntime and the tokenizer.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import weakref
@@ -38,6 +36,7 @@ from mlflow.types import ColSpec, Schema
 from predictor.runtime import META_FILE, OnnxLengthPredictor
 from predictor.slices import FAST_TIER_KEY, ROUTES_KEY, routes_tag
 from predictor.target import check_target
+from predictor.tracking import configure, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +62,6 @@ class PromotionRefused(RuntimeError):
     """The candidate is worse than (or not comparable with) the current alias holder."""
 
 
-def lengthwise_home() -> Path:
-    return Path(os.environ.get("LENGTHWISE_HOME", Path.home() / ".lengthwise")).expanduser()
-
-
-def tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    home = lengthwise_home()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'mlflow.db'}"
-
-
 class RegistryUnreachable(RuntimeError):
     """The tracking server ``MLFLOW_TRACKING_URI`` names does not answer."""
 
@@ -99,26 +85,6 @@ def check_reachable(timeout_s: float = 5.0) -> str:
         raise RegistryUnreachable(f"the MLflow tracking server at {uri} does not answer ({type(exc).__name__}): start it, "
                                   "or unset MLFLOW_TRACKING_URI to use the embedded store under $LENGTHWISE_HOME") from None
     return uri
-
-
-def configure() -> str:
-    """Point the MLflow client at our tracking + registry store; returns the URI in use."""
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return uri
-
-
-def ensure_experiment(name: str) -> str:
-    """Experiment id; local stores keep artifacts under ``$LENGTHWISE_HOME/artifacts``, not the cwd."""
-    uri = configure()
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = None
-    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
-        location = (lengthwise_home() / "artifacts" / name).as_uri()
-    return mlflow.create_experiment(name, artifact_location=location)
 
 
 class LengthPredictorModel(mlflow.pyfunc.PythonModel):

@@ -124,6 +124,7 @@ def test_a_mixed_batch_comes_back_in_order(shipped, splits):
 def test_meta_json_and_the_registry_tag_record_the_routes(shipped, home):
     import mlflow
 
+    from predictor.tracking import ensure_experiment
     from registry import store
 
     meta = json.loads((shipped["routed"] / "meta.json").read_text())
@@ -138,7 +139,7 @@ def test_meta_json_and_the_registry_tag_record_the_routes(shipped, home):
     assert routes["later_turns"]["test_metrics"] == block["later_turns"][MODEL]
     assert served_slice_metrics(shipped["report"], routes) == {"first_turn": block["first_turn"][TFIDF],
                                                                "later_turns": block["later_turns"][MODEL]}
-    with mlflow.start_run(experiment_id=store.ensure_experiment("tests-routing")):
+    with mlflow.start_run(experiment_id=ensure_experiment("tests-routing")):
         routed = store.register_package(shipped["routed"], "routing-test", {}, "split", [0, 64, 256])
         plain = store.register_package(shipped["plain"], "routing-test", {}, "split", [0, 64, 256])
     tags = {v: mlflow.MlflowClient().get_model_version("routing-test", v).tags for v in (routed.version, plain.version)}

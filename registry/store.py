@@ -33,8 +33,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from predictor.runtime import META_FILE, OnnxLengthPredictor
-from predictor.slices import FAST_TIER_KEY, ROUTES_KEY, routes_tag
+from predictor.package_meta import META_FILE, read_meta
+from predictor.runtime import OnnxLengthPredictor
+from predictor.slices import routes_tag
 from predictor.target import check_target
 from predictor.tracking import configure, tracking_uri
 
@@ -160,9 +161,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
 
 def _package_target(package_dir: Path, given: dict | None) -> dict | None:
     """The target to record: ``given``, else the package's own; refused when both exist and differ."""
-    meta = package_dir / META_FILE
     try:
-        own = check_target(json.loads(meta.read_text()).get("target")) if meta.is_file() else None
+        own = check_target(read_meta(package_dir).target) if (package_dir / META_FILE).is_file() else None
     except ValueError:
         own = None
     if given is not None and own is not None and given != own:
@@ -175,19 +175,19 @@ def package_variant(package_dir: Path) -> str:
     """The graph variant a package ships (``meta.json``'s ``variant``: ``fused`` when it carries the fused graph), else
     ``fp32``; a distilled student's is prefixed with its layers (``student2-fp32``)."""
     try:
-        meta = json.loads((package_dir / META_FILE).read_text())
+        meta = read_meta(package_dir)
     except (OSError, ValueError):
         return "fp32"
-    variant = str(meta.get("variant") or "fp32")
-    student = meta.get("student")
-    return f"student{student['layers']}-{variant}" if isinstance(student, dict) and "layers" in student else variant
+    variant = meta.variant or "fp32"
+    student = meta.student
+    return f"student{student['layers']}-{variant}" if student is not None and "layers" in student else variant
 
 
 def package_routes(package_dir: Path) -> str | None:
     """Which predictor serves each slice of a package (``meta.json``'s routes, as :func:`predictor.slices.routes_tag`
     writes them), or None for a package without routes."""
     try:
-        return routes_tag(json.loads((package_dir / META_FILE).read_text()).get(ROUTES_KEY))
+        return routes_tag(read_meta(package_dir).routes)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -196,7 +196,7 @@ def package_stages(package_dir: Path) -> str | None:
     """What the package's model learnt from, stage by stage (``meta.json``'s ``stages``), as ``labels x examples > ...``;
     None for a package that does not say."""
     try:
-        stages = json.loads((package_dir / META_FILE).read_text()).get("stages")
+        stages = read_meta(package_dir).stages
         return " > ".join(_stage_text(s) for s in stages) if stages else None
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
@@ -214,7 +214,7 @@ def _stage_text(stage: dict) -> str:
 def package_fast_tier(package_dir: Path) -> str | None:
     """The package's fast tier as ``predictor:slice,slice`` (``meta.json``'s ``fast_tier``), or None without one."""
     try:
-        tier = json.loads((package_dir / META_FILE).read_text()).get(FAST_TIER_KEY)
+        tier = read_meta(package_dir).fast_tier
         return f"{tier['predictor']}:{','.join(tier['files'])}" if tier else None
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None

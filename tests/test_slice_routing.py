@@ -206,7 +206,7 @@ def test_route_slices_fastest_ships_tfidf_where_it_is_within_the_loss(shipped, t
 def test_a_package_without_routes_predicts_as_before(shipped, splits):
     plain = OnnxLengthPredictor(shipped["plain"])
     convs = [_turns(e) for e in splits.test[:64]]
-    assert plain.routes == {} and "routes" not in plain.meta
+    assert plain.routes == {} and plain.meta.routes is None
     out = plain.predict(convs, quantile=0.7)
     before = plain.predict_encoded(plain.encode(convs), quantile=0.7)  # the path predict() took before routing
     for got, want in zip(out, before):
@@ -380,7 +380,7 @@ def test_cpu_per_first_turn_prediction_baseline_vs_onnx(shipped, splits, capsys)
     rows = {b: (cpu_ms(baseline, b), cpu_ms(onnx, b)) for b in (1, 32)}
     with capsys.disabled():
         print(f"\nCPU ms per first-turn prediction ({len(prompts)} ShareGPT first turns, 1 thread; ONNX: {onnx_pkg.name}, "
-              f"{onnx.meta.get('backbone', '?')}, {onnx.input_format.max_tokens} input tokens)")
+              f"{onnx.meta.backbone or '?'}, {onnx.input_format.max_tokens} input tokens)")
         for b, (tf, ox) in rows.items():
             print(f"  batch {b:>2}: tfidf-logreg {tf:.2f} ms   onnx {ox:.2f} ms   ({ox / tf:.1f}x)")
     assert set(baseline.predict(prompts[:4]).predictor) == {TFIDF}

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from predictor.common import lengthwise_home
-from predictor.runtime import META_FILE, MODEL_FILE, TOKENIZER_FILE
+from predictor.package_meta import META_FILE
+from predictor.runtime import MODEL_FILE, TOKENIZER_FILE
 from predictor.tracking import configure, tracking_uri
 
 log = logging.getLogger(__name__)

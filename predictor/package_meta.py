@@ -46,7 +46,7 @@ class PackageMeta(BaseModel):
     routes: Any = Field(None, alias=ROUTES_KEY)  # {slice: route}, checked by predictor.slices.load_routes
     fast_tier: Any = Field(None, alias=FAST_TIER_KEY)  # {"predictor", "files": {slice: file}}: slices.load_fast_tier
     conditioned_models: list[str] | None = Field(None, alias=CONDITIONED_KEY)  # served models it was trained on
-    remaining_length: bool = Field(False, alias=REMAINING_KEY)  # trained on answers so far (predictor.partial)
+    remaining_length: bool | None = Field(None, alias=REMAINING_KEY)  # trained on answers so far (predictor.partial)
     backbone: str | None = None
     trained_on: str | None = None  # the data file it was trained on
     data_format: str | None = Field(None, alias="format")  # that file's format (sharegpt, alpaca-eval, ...)

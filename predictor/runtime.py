@@ -249,7 +249,7 @@ class OnnxLengthPredictor:
         # a predictor for several served models reads the model's name before the request (predictor.conditioning)
         self.conditioned_models: list[str] | None = self.meta.conditioned_models or None
         # trained on answers so far (predictor.partial): it also predicts what is left of an answer being written
-        self.remaining_length: bool = self.meta.remaining_length
+        self.remaining_length: bool = bool(self.meta.remaining_length)
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()

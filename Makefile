@@ -80,7 +80,7 @@ faults: setup
 
 # ruff (line length included) and the layer contracts in pyproject.toml [tool.importlinter].
 lint: setup
-	$(VENV)/bin/ruff check predictor training serving registry tests
+	$(VENV)/bin/ruff check predictor training serving registry monitoring tests
 	$(VENV)/bin/lint-imports
 
 # The gateway's copy of vLLM's request schemas (serving/gateway/vllm_requests.json), written from the installed vLLM:

@@ -1,7 +1,9 @@
-"""The floor every package may import: where the data files live, and keeping libraries' logs quiet.
+"""The floor every package may import: where the data files and lengthwise's own state live, and keeping libraries'
+logs quiet.
 
-Nothing here imports another module of the project, so the simulator, the sidecar's benchmark, training and the
-command lines can all find the data directory and quiet the same loggers without importing each other.
+Nothing here imports another module of the project (nor MLflow), so the simulator, the sidecar, the feedback store,
+training and the command lines can all find the same directories and quiet the same loggers without importing each
+other.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ def data_dir() -> Path:
 def user_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/lengthwise``, else ``~/.cache/lengthwise``: what can be downloaded again (data, wheels)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lengthwise"
+
+
+def lengthwise_home() -> Path:
+    """``$LENGTHWISE_HOME`` (default ``~/.lengthwise``): the embedded MLflow store, the sidecar's model cache and the
+    feedback store live under it. Here, not beside MLflow, because the sidecar and the feedback store need the place
+    without the registry."""
+    return Path(os.environ.get("LENGTHWISE_HOME", Path.home() / ".lengthwise")).expanduser()
 
 
 def default_sharegpt() -> Path:

@@ -12,7 +12,6 @@ predictor and says, per row, which one answered. A package without routes is ser
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -23,11 +22,9 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from predictor.buckets import BucketScheme
 from predictor.common import available_cores
-from predictor.conditioning import META_KEY as CONDITIONED_KEY
 from predictor.optimize import fuse
-from predictor.partial import META_KEY as REMAINING_KEY
+from predictor.package_meta import read_meta, update_meta
 from predictor.prompt import Encoded, InputFormat, encode_turns
 from predictor.slices import MODEL, load_fast_tier, load_routes, rows_by_slice, slice_of
 from predictor.target import check_target
@@ -43,7 +40,6 @@ FUSED_INT8_FILE = "model.fused.int8.onnx"
 # (predictor.optimize), and the fused graph quantized. Each variant is derived from model.onnx once and kept.
 PRECISIONS = ("fp32", "int8", "fused", "fused-int8")
 TOKENIZER_FILE = "tokenizer.json"
-META_FILE = "meta.json"
 
 
 @dataclass
@@ -200,10 +196,7 @@ def add_fused_variant(package_dir: Path, parity_ids: Sequence[Sequence[int]]) ->
     ref = OnnxLengthPredictor(package_dir, precision="fp32")
     fused = OnnxLengthPredictor(package_dir, precision="fused")
     record = dict(report.to_dict(), file=FUSED_FILE, **logit_parity(ref, fused, parity_ids))
-    meta_path = package_dir / META_FILE
-    meta = json.loads(meta_path.read_text())
-    meta.update(variant="fused", fused=record)
-    meta_path.write_text(json.dumps(meta, indent=2))
+    update_meta(package_dir, {"variant": "fused", "fused": record})
     return record
 
 
@@ -246,22 +239,22 @@ class OnnxLengthPredictor:
         d = Path(package_dir)
         self.precision = precision
         self.package_dir = d
-        self.meta = json.loads((d / META_FILE).read_text())
-        self.scheme = BucketScheme.from_dict(self.meta["buckets"])
-        self.input_format = InputFormat.from_dict(self.meta["input_format"])
+        self.meta = read_meta(d)
+        self.scheme = self.meta.buckets
+        self.input_format = self.meta.input_format
         self.trained_max_tokens = self.input_format.max_tokens
         if max_prompt_tokens is not None:
             self.input_format = input_budget(self.input_format, max_prompt_tokens)
-        self.target = self._target(self.meta.get("target"))
+        self.target = self._target(self.meta.target)
         # a predictor for several served models reads the model's name before the request (predictor.conditioning)
-        self.conditioned_models: list[str] | None = self.meta.get(CONDITIONED_KEY) or None
+        self.conditioned_models: list[str] | None = self.meta.conditioned_models or None
         # trained on answers so far (predictor.partial): it also predicts what is left of an answer being written
-        self.remaining_length: bool = bool(self.meta.get(REMAINING_KEY))
+        self.remaining_length: bool = bool(self.meta.remaining_length)
         self.tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self.routes = load_routes(d, self.meta, self.scheme.n)  # {slice: baseline}; empty: the model answers every prompt
-        self.fast_tier = load_fast_tier(d, self.meta, self.scheme.n)  # {slice: cheap model}; empty: no fast tier
+        self.routes = load_routes(d, self.meta.routes, self.scheme.n)  # {slice: baseline}; empty: the model answers every prompt
+        self.fast_tier = load_fast_tier(d, self.meta.fast_tier, self.scheme.n)  # {slice: cheap model}; empty: no fast tier
         model = model_file(d, precision)
         self.session = ort.InferenceSession(str(model), session_options(threads, spin), providers=["CPUExecutionProvider"])
         self.batch_size = batch_size

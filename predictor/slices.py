@@ -174,10 +174,11 @@ def _from_state(state: object, path: Path) -> BucketModel:
     raise SliceModelError(f"slice model {path} holds predictor {kind!r}; this runtime serves {', '.join(SERVABLE)}")
 
 
-def load_routes(package_dir: Path, meta: Mapping, n_buckets: int) -> dict[str, BucketModel]:
-    """``{slice: routed predictor}`` of a package's ``meta.json`` (slices its ONNX model answers are left out); empty
-    for a package without routes. :class:`SliceModelError` for a table this runtime cannot serve as recorded."""
-    routes = meta.get(ROUTES_KEY) or {}
+def load_routes(package_dir: Path, routes: object, n_buckets: int) -> dict[str, BucketModel]:
+    """``{slice: routed predictor}`` of a package's routing table (``meta.json``'s routes; slices its ONNX model answers
+    are left out); empty for a package without routes. :class:`SliceModelError` for a table this runtime cannot serve
+    as recorded."""
+    routes = routes or {}
     if not isinstance(routes, Mapping):
         raise SliceModelError(f"meta.json's {ROUTES_KEY} must map a slice to its predictor, got {type(routes).__name__}")
     out: dict[str, BucketModel] = {}
@@ -205,10 +206,10 @@ def routes_tag(routes: Mapping | None) -> str | None:
 
 
 
-def load_fast_tier(package_dir: Path, meta: Mapping, n_buckets: int) -> dict[str, BucketModel]:
-    """``{slice: model}`` of a package's fast tier (empty without one); :class:`SliceModelError` for one recorded but
-    unreadable, as for a route."""
-    tier = meta.get(FAST_TIER_KEY) or {}
+def load_fast_tier(package_dir: Path, tier: object, n_buckets: int) -> dict[str, BucketModel]:
+    """``{slice: model}`` of a package's fast tier (``meta.json``'s fast_tier; empty without one); :class:`SliceModelError`
+    for one recorded but unreadable, as for a route."""
+    tier = tier or {}
     files = tier.get("files") if isinstance(tier, Mapping) else None
     if not isinstance(files, Mapping):
         if tier:

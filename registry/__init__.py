@@ -1,2 +1,1 @@
-"""MLflow model registry for length predictors (versions, aliases, guarded promotion) and online
-prediction-error tracking."""
+"""MLflow model registry for length predictors: versions, aliases, guarded promotion, and the online-error report."""

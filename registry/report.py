@@ -4,7 +4,7 @@ Shows the windows the sidecar logged (newest last) and their feedback-weighted t
 offline test metrics the version was registered with, so drift reads as one comparison, and one line with the drift
 alarm as the last window leaves it (on since when, or off). ``censored`` counts answers cut short (capped at
 max_tokens, aborted): they are lower bounds, counted in a metric only where its outcome is already decided
-(registry/online.py says how).
+(monitoring/online.py says how).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from mlflow import MlflowClient
 from rich.console import Console
 from rich.table import Table
 
-from registry import online, store
+from monitoring import online
+from predictor import monitoring_runs
+from registry import store
 
 _COLUMNS = (("n", "feedback", "{:.0f}"), ("censored", "censored", "{:.0f}"), ("accuracy", "top-1", "{:.3f}"),
             ("accuracy_within_1", "within-1", "{:.3f}"),
@@ -36,13 +38,13 @@ def print_report(name: str, version: str | None, alias: str | None, last: int = 
         version = str(client.get_model_version_by_alias(name, alias or store.CHAMPION).version)
     mv = client.get_model_version(name, str(version))  # raises for an unknown version: a clear CLI error
     offline = {k: float(mv.tags[k]) for k in store.COMPARED_METRICS if k in mv.tags}
-    run_id, rows = online.window_history(name, str(version))
+    run_id, rows = monitoring_runs.window_history(name, str(version))
     total = online.merge_windows(rows)
     drift = online.drift_state(rows)
     title = f"online error: {name} version {version}" + (f" (@{alias})" if alias and version == _alias_version(name, alias)
                                                          else "")
     if not rows:
-        console.print(f"{title}: no online feedback logged yet (monitoring experiment '{online.MONITORING_EXPERIMENT}' "
+        console.print(f"{title}: no online feedback logged yet (monitoring experiment '{monitoring_runs.MONITORING_EXPERIMENT}' "
                       f"at {store.tracking_uri()})")
         return {"version": str(version), "run_id": run_id, "windows": [], "total": total, "offline": offline,
                 "drift": drift}

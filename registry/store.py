@@ -1,8 +1,7 @@
-"""Where runs and models live, and how a length predictor is registered, promoted and loaded.
+"""How a length predictor is registered, promoted and loaded.
 
-Default store: an embedded SQLite tracking/registry database plus a local artifact root under
-``$LENGTHWISE_HOME`` (default ``~/.lengthwise``): ``mlflow.db`` and ``artifacts/``. Setting
-``MLFLOW_TRACKING_URI`` (e.g. ``http://127.0.0.1:5000`` for an ``mlflow server``) overrides both.
+The MLflow store itself (where it is, pointing the client at it, an experiment in it) is :mod:`predictor.tracking`:
+the sidecar uses it too, and the predictor never imports the registry.
 
 A registered version is an MLflow pyfunc whose artifact is the ONNX model package, so
 ``models:/length-predictor@champion`` loads with nothing but onnxruntime and the tokenizer.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import weakref
@@ -35,9 +33,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from predictor.runtime import META_FILE, OnnxLengthPredictor
-from predictor.slices import FAST_TIER_KEY, ROUTES_KEY, routes_tag
+from predictor.package_meta import META_FILE, read_meta
+from predictor.runtime import OnnxLengthPredictor
+from predictor.slices import routes_tag
 from predictor.target import check_target
+from predictor.tracking import configure, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +63,6 @@ class PromotionRefused(RuntimeError):
     """The candidate is worse than (or not comparable with) the current alias holder."""
 
 
-def lengthwise_home() -> Path:
-    return Path(os.environ.get("LENGTHWISE_HOME", Path.home() / ".lengthwise")).expanduser()
-
-
-def tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    home = lengthwise_home()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'mlflow.db'}"
-
-
 class RegistryUnreachable(RuntimeError):
     """The tracking server ``MLFLOW_TRACKING_URI`` names does not answer."""
 
@@ -99,26 +86,6 @@ def check_reachable(timeout_s: float = 5.0) -> str:
         raise RegistryUnreachable(f"the MLflow tracking server at {uri} does not answer ({type(exc).__name__}): start it, "
                                   "or unset MLFLOW_TRACKING_URI to use the embedded store under $LENGTHWISE_HOME") from None
     return uri
-
-
-def configure() -> str:
-    """Point the MLflow client at our tracking + registry store; returns the URI in use."""
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return uri
-
-
-def ensure_experiment(name: str) -> str:
-    """Experiment id; local stores keep artifacts under ``$LENGTHWISE_HOME/artifacts``, not the cwd."""
-    uri = configure()
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = None
-    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
-        location = (lengthwise_home() / "artifacts" / name).as_uri()
-    return mlflow.create_experiment(name, artifact_location=location)
 
 
 class LengthPredictorModel(mlflow.pyfunc.PythonModel):
@@ -194,9 +161,8 @@ def register_package(package_dir: Path, name: str, metrics: dict, split_fingerpr
 
 def _package_target(package_dir: Path, given: dict | None) -> dict | None:
     """The target to record: ``given``, else the package's own; refused when both exist and differ."""
-    meta = package_dir / META_FILE
     try:
-        own = check_target(json.loads(meta.read_text()).get("target")) if meta.is_file() else None
+        own = check_target(read_meta(package_dir).target) if (package_dir / META_FILE).is_file() else None
     except ValueError:
         own = None
     if given is not None and own is not None and given != own:
@@ -209,19 +175,19 @@ def package_variant(package_dir: Path) -> str:
     """The graph variant a package ships (``meta.json``'s ``variant``: ``fused`` when it carries the fused graph), else
     ``fp32``; a distilled student's is prefixed with its layers (``student2-fp32``)."""
     try:
-        meta = json.loads((package_dir / META_FILE).read_text())
+        meta = read_meta(package_dir)
     except (OSError, ValueError):
         return "fp32"
-    variant = str(meta.get("variant") or "fp32")
-    student = meta.get("student")
-    return f"student{student['layers']}-{variant}" if isinstance(student, dict) and "layers" in student else variant
+    variant = meta.variant or "fp32"
+    student = meta.student
+    return f"student{student['layers']}-{variant}" if student is not None and "layers" in student else variant
 
 
 def package_routes(package_dir: Path) -> str | None:
     """Which predictor serves each slice of a package (``meta.json``'s routes, as :func:`predictor.slices.routes_tag`
     writes them), or None for a package without routes."""
     try:
-        return routes_tag(json.loads((package_dir / META_FILE).read_text()).get(ROUTES_KEY))
+        return routes_tag(read_meta(package_dir).routes)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -230,7 +196,7 @@ def package_stages(package_dir: Path) -> str | None:
     """What the package's model learnt from, stage by stage (``meta.json``'s ``stages``), as ``labels x examples > ...``;
     None for a package that does not say."""
     try:
-        stages = json.loads((package_dir / META_FILE).read_text()).get("stages")
+        stages = read_meta(package_dir).stages
         return " > ".join(_stage_text(s) for s in stages) if stages else None
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
@@ -248,7 +214,7 @@ def _stage_text(stage: dict) -> str:
 def package_fast_tier(package_dir: Path) -> str | None:
     """The package's fast tier as ``predictor:slice,slice`` (``meta.json``'s ``fast_tier``), or None without one."""
     try:
-        tier = json.loads((package_dir / META_FILE).read_text()).get(FAST_TIER_KEY)
+        tier = read_meta(package_dir).fast_tier
         return f"{tier['predictor']}:{','.join(tier['files'])}" if tier else None
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None

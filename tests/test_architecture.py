@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = str(Path(sys.executable).parent / "lint-imports")
-PACKAGES = ("predictor", "training", "registry", "serving")
+PACKAGES = ("predictor", "training", "registry", "monitoring", "serving")
 
 
 def _lint(cwd: Path) -> subprocess.CompletedProcess:
@@ -28,13 +28,20 @@ def test_layer_contracts_hold():
 
 
 @pytest.mark.unit
-def test_an_upward_import_breaks_the_contract(tmp_path):
-    """The check can fail: a copy of the tree whose policy core imports the simulator is rejected."""
+@pytest.mark.parametrize(("module", "line", "broken"), [
+    ("serving/policy/kv.py", "from serving.sim.engine import simulate", "serving.policy.kv -> serving.sim.engine"),
+    # the registry stores predictor packages: an import the other way, even inside a function, is refused
+    ("predictor/sidecar/cache.py", "def _late():\n    from registry.store import configure",
+     "predictor.sidecar.cache -> registry.store"),
+    ("monitoring/online.py", "import mlflow", "monitoring.online -> mlflow"),
+], ids=["policy-imports-simulator", "predictor-imports-registry", "monitoring-imports-mlflow"])
+def test_an_upward_import_breaks_the_contract(tmp_path, module: str, line: str, broken: str):
+    """The check can fail: a copy of the tree with one forbidden import added is rejected, naming that import."""
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    kv = tmp_path / "serving" / "policy" / "kv.py"
-    kv.write_text(kv.read_text() + "\nfrom serving.sim.engine import simulate  # noqa: E402,F401\n")
+    path = tmp_path / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa: E402,F401\n")
     r = _lint(tmp_path)
     assert r.returncode != 0
-    assert "serving.policy.kv -> serving.sim.engine" in r.stdout
+    assert broken in r.stdout

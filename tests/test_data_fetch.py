@@ -32,7 +32,7 @@ TOKENIZER = re.compile(r"""["'{]([\w-]+/tokenizer\.(?:model|json))["']""")  # "g
 
 
 def _sources() -> list[Path]:
-    files = [p for d in ("predictor", "training", "serving", "registry", "tests") for p in (ROOT / d).rglob("*.py")
+    files = [p for d in ("predictor", "training", "serving", "registry", "monitoring", "tests") for p in (ROOT / d).rglob("*.py")
              if p.name != "test_data_fetch.py"]  # this file's paths are its own test manifests
     return [*files, ROOT / "Makefile", *(ROOT / "notebooks").glob("*.ipynb")]
 

@@ -13,7 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT = 15_000  # bytes
-PACKAGES = ("predictor", "training", "serving", "registry")
+PACKAGES = ("predictor", "training", "serving", "registry", "monitoring")
 FORBIDDEN = {
     "a private spec section": re.compile(r"SPEC §", re.IGNORECASE),
     "the anchors file": re.compile(r"ANCHORS\.md", re.IGNORECASE),

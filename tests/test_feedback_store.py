@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from registry.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter, error_kind
+from monitoring.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter, error_kind
 from tests.sidecar_proc import wait_for
 
 pytestmark = pytest.mark.unit

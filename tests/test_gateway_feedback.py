@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.feedback_store import FeedbackStore
+from monitoring.feedback_store import FeedbackStore
 from serving.gateway.feedback import finish_reason_of
 from serving.gateway.forward import Outcome
 from serving.gateway.gateway import Call

@@ -1037,6 +1037,7 @@ def long_predictor(logs, data, tmp_path_factory):
     with a 30-feedback window and a token; yields (sidecar, its LENGTHWISE_HOME)."""
     import mlflow
 
+    from predictor.tracking import ensure_experiment
     from registry import store
     from tests.sidecar_proc import start_sidecar
     from tests.tiny_package import tiny_packages
@@ -1049,7 +1050,7 @@ def long_predictor(logs, data, tmp_path_factory):
         store.configure()
         package = tiny_packages(tmp_path_factory.mktemp("attack-pkg"), need_data("tokenizers/gpt2/tokenizer.json"),
                                 {"long": None}, head_bias=[0.0, 0.0, 10.0])["long"]
-        with mlflow.start_run(experiment_id=store.ensure_experiment("attack")):
+        with mlflow.start_run(experiment_id=ensure_experiment("attack")):
             store.register_package(package, "lp-attack", {"accuracy": 0.9, "kendall_tau": 0.3}, "split", [64, 256])
     store.configure()
     sidecar = start_sidecar(logs, "--model", "models:/lp-attack/1", "--window-size", "30", "--window-seconds", "3600",
@@ -1064,7 +1065,7 @@ def test_the_feedback_attack_leaves_the_alarm_down(owner, logs, long_predictor):
     """30 requests the predictor puts at 256-1,024 tokens, each ended early by stop strings: their lengths reach
     neither the online windows nor the feedback store. The same lengths posted as feedback (what the gateway did before)
     raise the alarm, so the check can fail; posted as one key's they fill at most its share of the window."""
-    from registry.feedback_store import FeedbackStore
+    from monitoring.feedback_store import FeedbackStore
 
     sidecar, home = long_predictor
     auth = {"Authorization": f"Bearer {SIDECAR_TOKEN}"}

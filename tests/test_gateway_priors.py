@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from registry.online import Feedback
+from monitoring.online import Feedback
 from serving.gateway.app import create_app
 from serving.gateway.settings import GatewaySettings
 from tests.recording_sidecar import RecordingSidecar
@@ -131,7 +131,7 @@ CASES = [
 
 def test_the_profile_learns_exactly_the_answers_the_sidecar_takes_as_the_models_own(engine, tmp_path):
     """One table, both learners: the profile learns an answer exactly when the gateway reports it to the sidecar and
-    the sidecar takes it as uncensored (registry/online.py's rule, with the finish reason the sidecar was sent)."""
+    the sidecar takes it as uncensored (monitoring/online.py's rule, with the finish reason the sidecar was sent)."""
     sidecar, other = RecordingSidecar(), LengthEngine(("sidecar-predicted",))
     app = _app(tmp_path, f"""
 - {{name: {NAME}, engine_urls: ["{engine.url}"], predictor: profile}}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from monitoring import online
 from predictor.sidecar.schemas import FINISH_REASONS as SIDECAR_FINISH_REASONS
-from registry import online
 from serving.gateway.model_predictors import ProfilePredictor
 from serving.gateway.prediction import LengthPrediction
 from serving.gateway.requests import ClientRequest
@@ -22,7 +22,7 @@ def test_the_finish_reasons_are_the_sidecars():
 
 @pytest.mark.parametrize("reason", [*FINISHED, *CUT, None, "something-new"])
 def test_a_length_is_learnt_exactly_when_the_sidecar_takes_it_as_uncensored(reason):
-    """The sidecar's rule (registry/online.py's ``Feedback.censored``) and this one, over every finish reason."""
+    """The sidecar's rule (monitoring/online.py's ``Feedback.censored``) and this one, over every finish reason."""
     fb = online.Feedback("m", "1", 0, 0, 20.0, None, 20, reason)
     assert censored(reason) == fb.censored
     assert (refusal(None, reason) is None) == (not fb.censored)

@@ -103,7 +103,7 @@ def test_the_loop_retrains_on_served_feedback_and_the_sidecar_reloads_the_new_ve
                                                                                        capsys):
     from mlflow import MlflowClient
 
-    from registry.feedback_store import FeedbackStore
+    from monitoring.feedback_store import FeedbackStore
     from serving.cli import main
 
     # windows close by count, with no wait for their age; 64 rows to train on, so that the challenger's pipeline

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from monitoring import online
 from predictor.buckets import BucketScheme
-from registry import online
 
 pytestmark = pytest.mark.unit
 

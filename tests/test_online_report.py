@@ -9,7 +9,9 @@ import pytest
 from mlflow import MlflowClient
 from rich.console import Console
 
-from registry import online, report, store
+from monitoring import online
+from predictor.monitoring_runs import MlflowWindowLogger
+from registry import report, store
 from tests.sidecar_proc import wait_for
 
 
@@ -25,7 +27,7 @@ def _version(tmp_path, accuracy: float) -> tuple[str, str]:
 
 
 def _log(name: str, version: str, windows: list[list[online.Feedback]], offline: float) -> None:
-    logger = online.MlflowWindowLogger(retry_min_s=0.1)
+    logger = MlflowWindowLogger(retry_min_s=0.1)
     try:
         for fbs in windows:
             w = online.WindowStats(name, version, offline_accuracy=offline, alarm_margin=0.1, min_alarm_n=5)

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
+from monitoring import online
+from predictor import monitoring_runs as runs
 from predictor.buckets import BucketScheme
-from registry import online, store
+from predictor.tracking import ensure_experiment
+from registry import store
 from serving.launch.process import free_port
 from tests.sidecar_proc import start_sidecar, wait_for
 from training.evaluate import Predictions, compute_metrics
@@ -58,7 +61,7 @@ def test_alarm_when_online_accuracy_drops_below_offline(caplog):
     agg.set_offline_accuracy("lp-unit", "1", 0.9)
     wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None,
                             actual_tokens=1000)
-    with caplog.at_level(logging.WARNING, logger="registry.online"):
+    with caplog.at_level(logging.WARNING, logger="monitoring.online"):
         closed = [w for _ in range(20) for w in agg.add(wrong)]
     assert closed[0].alarm and closed[0].metrics()["accuracy_alarm"] == 1.0
     assert "online accuracy alarm" in caplog.text
@@ -79,7 +82,7 @@ def test_each_served_model_has_its_own_part_of_the_window_and_its_own_alarm(capl
                             actual_tokens=1000, served_model="base")
     wrong = online.Feedback("lp-unit", "1", bucket=0, true_bucket=5, expected_tokens=100.0, quantile_tokens=None,
                             actual_tokens=1000, served_model="org/terse:v2")
-    with caplog.at_level(logging.WARNING, logger="registry.online"):
+    with caplog.at_level(logging.WARNING, logger="monitoring.online"):
         closed = [w for i in range(120) for w in agg.add(wrong if i % 6 == 0 else right)]  # 20 of 120 wrong
     (w,) = closed
     assert w.accuracy == pytest.approx(100 / 120) and not w.alarm  # the total stays above 0.8 - 0.1
@@ -135,7 +138,7 @@ def test_windows_buffered_while_mlflow_is_down_then_logged(home, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     name = f"lp-outage-{uuid.uuid4().hex[:8]}"
-    logger = online.MlflowWindowLogger(max_buffered=3, retry_min_s=0.2, retry_max_s=0.4)
+    logger = runs.MlflowWindowLogger(max_buffered=3, retry_min_s=0.2, retry_max_s=0.4)
     try:
         agg = online.WindowAggregator(window_size=5, window_seconds=3600)
         fbs, _, _ = _feedbacks(20, version="7", name=name)
@@ -147,18 +150,18 @@ def test_windows_buffered_while_mlflow_is_down_then_logged(home, monkeypatch):
         wait_for(lambda: logger.buffered == 0, timeout=30, what="the buffer to drain")
     finally:
         logger.close()
-    run_id, rows = online.window_history(name, "7")
+    run_id, rows = runs.window_history(name, "7")
     assert run_id and [r["n"] for r in rows] == [5, 5, 5] and [r["step"] for r in rows] == [0, 1, 2]
     tags = MlflowClient().get_run(run_id).data.tags
-    assert tags[online.TAG_NAME] == name and tags[online.TAG_VERSION] == "7"
+    assert tags[runs.TAG_NAME] == name and tags[runs.TAG_VERSION] == "7"
 
 
 def test_sidecar_feedback_reaches_mlflow_and_the_report(trained, tmp_path, capsys):
     name, version = trained["registered_name"], trained["registered_version"]
     store.configure()
     client = MlflowClient()
-    exp = store.ensure_experiment(online.MONITORING_EXPERIMENT)
-    before = online.find_monitoring_run(client, exp, name, version)  # other tests may have fed this version back
+    exp = ensure_experiment(runs.MONITORING_EXPERIMENT)
+    before = runs.find_monitoring_run(client, exp, name, version)  # other tests may have fed this version back
     n_before = len(client.get_metric_history(before.info.run_id, "online_n")) if before else 0
     sc = start_sidecar(tmp_path, "--model", f"models:/{name}/{version}", "--window-size", "5", "--window-seconds", "3600",
                        "--alarm-margin", "0.0")
@@ -167,7 +170,7 @@ def test_sidecar_feedback_reaches_mlflow_and_the_report(trained, tmp_path, capsy
         preds = sc.post("/v1/predict", json={"prompts": prompts}).json()["predictions"]
         for p, actual in zip(preds, [50, 150, 250, 350, 450, 550, 650, 750, 850, 950, 1050, 1150]):
             assert sc.post("/v1/feedback", json={"request_id": p["prediction_id"], "actual_tokens": actual}).status_code == 200
-        run = wait_for(lambda: online.find_monitoring_run(client, exp, name, version), what="the monitoring run")
+        run = wait_for(lambda: runs.find_monitoring_run(client, exp, name, version), what="the monitoring run")
         wait_for(lambda: len(client.get_metric_history(run.info.run_id, "online_accuracy")) >= n_before + 2, what="two windows")
         metrics = client.get_run(run.info.run_id).data.metrics
         for k in ("online_n", "online_accuracy", "online_accuracy_within_1", "online_mae_tokens", "online_bias_tokens",

@@ -6,6 +6,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from predictor.tracking import ensure_experiment
 from registry import store
 
 
@@ -43,7 +44,7 @@ def test_load_by_alias_predicts(trained):
 def _register_copy(trained, metrics, split=None, edges=None) -> str:
     from pathlib import Path
 
-    with mlflow.start_run(experiment_id=store.ensure_experiment("tests")):
+    with mlflow.start_run(experiment_id=ensure_experiment("tests")):
         reg = store.register_package(Path(trained["work_dir"]) / "package", "length-predictor", metrics,
                                      split or trained["eval_split"], edges or trained["buckets"]["edges"])
     return reg.version
@@ -80,7 +81,7 @@ def test_real_mlflow_server(trained, shared_mlflow_server, monkeypatch):
     """The same registration and alias loading against a real `mlflow server` over HTTP."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_server)
     assert store.configure() == shared_mlflow_server
-    with mlflow.start_run(experiment_id=store.ensure_experiment("server-test")):
+    with mlflow.start_run(experiment_id=ensure_experiment("server-test")):
         from pathlib import Path
 
         reg = store.register_package(Path(trained["work_dir"]) / "package", "lp-server", trained["model"],

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from monitoring.feedback_store import FeedbackRow, FeedbackStore
 from predictor.buckets import BucketScheme
-from registry.feedback_store import FeedbackRow, FeedbackStore
 from serving.launch.process import free_port
 from tests.datafiles import need_data
 from training.retrain import RetrainError, Settings, decided, retrain_once, split_window

@@ -16,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from predictor.runtime import OnnxLengthPredictor
+from predictor.tracking import ensure_experiment
 from registry import store
 from serving.launch.process import free_port
 from tests.datafiles import need_data
@@ -204,7 +205,7 @@ def _register_copy(package: Path, trained, tmp: Path, break_it: bool = False) ->
         shutil.copytree(package, broken)
         (broken / "model.onnx").write_bytes(b"this is not an onnx graph")
         package = broken
-    with mlflow.start_run(experiment_id=store.ensure_experiment("tests")):
+    with mlflow.start_run(experiment_id=ensure_experiment("tests")):
         return store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"]).version
 
 
@@ -386,7 +387,7 @@ def test_cache_follows_the_registry_it_was_resolved_from(trained, package, share
     local = resolve(f"models:/{NAME}/1")  # the embedded store's version 1
     monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_server)
     store.configure()
-    with mlflow.start_run(experiment_id=store.ensure_experiment("server-cache")):
+    with mlflow.start_run(experiment_id=ensure_experiment("server-cache")):
         reg = store.register_package(package, NAME, trained["model"], trained["eval_split"], trained["buckets"]["edges"])
     assert reg.version == "1"
     remote = resolve(f"models:/{NAME}/1")

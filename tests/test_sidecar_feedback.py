@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from monitoring.feedback_store import FeedbackStore
 from predictor.sidecar.app import create_app
 from predictor.sidecar.cache import ResolvedModel, parse_uri
 from predictor.sidecar.loading import NO_TARGET
 from predictor.sidecar.settings import SidecarSettings
-from registry.feedback_store import FeedbackStore
 from tests.conftest import metric_values
 from tests.sidecar_proc import wait_for
 

@@ -124,6 +124,7 @@ def test_a_mixed_batch_comes_back_in_order(shipped, splits):
 def test_meta_json_and_the_registry_tag_record_the_routes(shipped, home):
     import mlflow
 
+    from predictor.tracking import ensure_experiment
     from registry import store
 
     meta = json.loads((shipped["routed"] / "meta.json").read_text())
@@ -138,7 +139,7 @@ def test_meta_json_and_the_registry_tag_record_the_routes(shipped, home):
     assert routes["later_turns"]["test_metrics"] == block["later_turns"][MODEL]
     assert served_slice_metrics(shipped["report"], routes) == {"first_turn": block["first_turn"][TFIDF],
                                                                "later_turns": block["later_turns"][MODEL]}
-    with mlflow.start_run(experiment_id=store.ensure_experiment("tests-routing")):
+    with mlflow.start_run(experiment_id=ensure_experiment("tests-routing")):
         routed = store.register_package(shipped["routed"], "routing-test", {}, "split", [0, 64, 256])
         plain = store.register_package(shipped["plain"], "routing-test", {}, "split", [0, 64, 256])
     tags = {v: mlflow.MlflowClient().get_model_version("routing-test", v).tags for v in (routed.version, plain.version)}
@@ -205,7 +206,7 @@ def test_route_slices_fastest_ships_tfidf_where_it_is_within_the_loss(shipped, t
 def test_a_package_without_routes_predicts_as_before(shipped, splits):
     plain = OnnxLengthPredictor(shipped["plain"])
     convs = [_turns(e) for e in splits.test[:64]]
-    assert plain.routes == {} and "routes" not in plain.meta
+    assert plain.routes == {} and plain.meta.routes is None
     out = plain.predict(convs, quantile=0.7)
     before = plain.predict_encoded(plain.encode(convs), quantile=0.7)  # the path predict() took before routing
     for got, want in zip(out, before):
@@ -379,7 +380,7 @@ def test_cpu_per_first_turn_prediction_baseline_vs_onnx(shipped, splits, capsys)
     rows = {b: (cpu_ms(baseline, b), cpu_ms(onnx, b)) for b in (1, 32)}
     with capsys.disabled():
         print(f"\nCPU ms per first-turn prediction ({len(prompts)} ShareGPT first turns, 1 thread; ONNX: {onnx_pkg.name}, "
-              f"{onnx.meta.get('backbone', '?')}, {onnx.input_format.max_tokens} input tokens)")
+              f"{onnx.meta.backbone or '?'}, {onnx.input_format.max_tokens} input tokens)")
         for b, (tf, ox) in rows.items():
             print(f"  batch {b:>2}: tfidf-logreg {tf:.2f} ms   onnx {ox:.2f} ms   ({ox / tf:.1f}x)")
     assert set(baseline.predict(prompts[:4]).predictor) == {TFIDF}

@@ -20,6 +20,7 @@ from predictor.target import (
     served_model_id,
     split_id,
 )
+from predictor.tracking import ensure_experiment
 from tests.datafiles import need_data
 
 TARGET = make_target("SmolLM2-135M-Instruct@0123456789ab", "served model's own output tokens",
@@ -192,7 +193,7 @@ def store(tmp_path_factory):
 def _register(store, package: Path, name: str, target: dict | None = None, accuracy: float = 0.5) -> str:
     import mlflow
 
-    with mlflow.start_run(experiment_id=store.ensure_experiment("target-tests")):
+    with mlflow.start_run(experiment_id=ensure_experiment("target-tests")):
         return store.register_package(package, name, {"accuracy": accuracy, "kendall_tau": 0.1}, "split-1", [64, 256],
                                       target=target).version
 

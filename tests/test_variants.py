@@ -150,7 +150,8 @@ def test_add_fused_variant_ships_the_graph_and_records_it(tiny, tmp_path, home):
     import mlflow
     from mlflow import MlflowClient
 
-    from registry.store import ensure_experiment, register_package
+    from predictor.tracking import ensure_experiment
+    from registry.store import register_package
 
     mlflow.set_experiment(experiment_id=ensure_experiment("variants"))
     tags = {}

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer
 
 from predictor.buckets import BucketScheme
 from predictor.model import LengthClassifier, merged_for_export
+from predictor.package_meta import META_FILE
 from predictor.prompt import InputFormat
-from predictor.runtime import META_FILE, MODEL_FILE, TOKENIZER_FILE, OnnxLengthPredictor, pad_ids
+from predictor.runtime import MODEL_FILE, TOKENIZER_FILE, OnnxLengthPredictor, pad_ids
 from predictor.target import check_target
 
 

@@ -194,6 +194,7 @@ def run(cfg: TrainConfig) -> dict:
     baseline that wins a slice ships for it), :func:`_log_results` (MLflow) and :func:`_register` (version, alias,
     promotion).
     """
+    from predictor.tracking import ensure_experiment
     from registry import store
 
     store.check_reachable()  # before minutes of data and training, not at the first log line
@@ -213,7 +214,7 @@ def run(cfg: TrainConfig) -> dict:
     torch.set_num_threads(compute_threads())
     inputs = _encode(cfg, prep)
     module, lora, train_dl, val_dl = _build_module(cfg, prep, inputs)
-    exp_id = store.ensure_experiment(cfg.experiment)
+    exp_id = ensure_experiment(cfg.experiment)
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lengthwise-train-"))
     work.mkdir(parents=True, exist_ok=True)
     params = _run_params(cfg, prep, inputs, lora)

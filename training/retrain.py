@@ -1,7 +1,7 @@
 """``lengthwise retrain``: live traffic back into a promoted predictor.
 
 The sidecar keeps every answered prediction's feedback (prompt, predicted distribution, actual length, finish reason)
-in its store (registry.feedback_store). A predictor that served another model's lengths, or whose traffic drifted,
+in its store (monitoring.feedback_store). A predictor that served another model's lengths, or whose traffic drifted,
 shows it there first: its online windows fall below its offline accuracy and raise the drift alarm. This job closes
 the loop, once (``--once``, for cron) or every ``--interval``:
 
@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from monitoring.feedback_store import FeedbackRow, FeedbackStore
 from predictor.buckets import BucketScheme
+from predictor.monitoring_runs import window_history
 from predictor.target import served_model_id
-from registry.feedback_store import FeedbackRow, FeedbackStore
-from registry.online import window_history
 
 log = logging.getLogger(__name__)
 

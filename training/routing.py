@@ -13,13 +13,12 @@ writes no routes.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from predictor.runtime import META_FILE
+from predictor.package_meta import update_meta
 from predictor.slices import (
     CONSTANT,
     FAST_TIER_DIR,
@@ -91,16 +90,8 @@ def ship_routes(package: Path, report: Mapping, fitted: Mapping[str, Mapping[str
         routes[part] = route
     by = (report.get("recommended_by") if mode == "auto"
           else f"fastest within top-1 -{max_top1_drop:g} and tau -{max_tau_drop:g} of the slice's best")
-    _update_meta(package, {ROUTES_KEY: routes, "routes_by": by})
+    update_meta(package, {ROUTES_KEY: routes, "routes_by": by})
     return routes
-
-
-def _update_meta(package: Path, values: Mapping) -> None:
-    """Set ``values`` in the package's ``meta.json``, keeping everything else in it."""
-    meta_path = Path(package) / META_FILE
-    meta = json.loads(meta_path.read_text())
-    meta.update(values)
-    meta_path.write_text(json.dumps(meta, indent=2, default=float))
 
 
 def served_slice_metrics(report: Mapping, routes: Mapping | None) -> dict[str, dict]:
@@ -130,5 +121,5 @@ def ship_fast_tier(package: Path, report: Mapping, fitted: Mapping[str, Mapping[
     slices = report.get("slices", {})
     tier = {"predictor": TFIDF, "files": files,
             "test_metrics": {part: dict(slices[part][TFIDF]) for part in files if TFIDF in slices.get(part, {})}}
-    _update_meta(package, {FAST_TIER_KEY: tier})
+    update_meta(package, {FAST_TIER_KEY: tier})
     return tier

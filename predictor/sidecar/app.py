@@ -3,7 +3,7 @@
 The gateway asks ``POST /v1/predict`` for every request and posts the actual output length (and the engine's
 finish reason: a capped answer is only a lower bound) to ``POST /v1/feedback`` when the answer is done; feedback
 becomes online error windows, the drift alarm ``/health`` shows, and rows of the local feedback store
-(registry/feedback_store.py) that retraining reads. The routes stay thin: concurrent requests are
+(monitoring/feedback_store.py) that retraining reads. The routes stay thin: concurrent requests are
 micro-batched into shared forward passes (predictor/sidecar/batcher.py) and run in worker threads so the event
 loop keeps answering; which model version serves, hot reload and feedback windows live in
 predictor/sidecar/state.py, and which feedback may change anything in predictor/sidecar/feedback.py. With a token,

@@ -23,7 +23,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from predictor.runtime import META_FILE, MODEL_FILE, TOKENIZER_FILE
+from predictor.common import lengthwise_home
+from predictor.package_meta import META_FILE
+from predictor.runtime import MODEL_FILE, TOKENIZER_FILE
+from predictor.tracking import configure, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +88,6 @@ def parse_uri(uri: str) -> ModelRef:
 
 
 def cache_root() -> Path:
-    from registry.store import lengthwise_home
-
     return lengthwise_home() / "cache" / "models"
 
 
@@ -231,8 +232,6 @@ def resolve(uri: str | ModelRef) -> ResolvedModel:
                              info.get("tags", {}))
     from mlflow.exceptions import MlflowException
 
-    from registry.store import configure
-
     try:
         configure()
         version = registry_version(ref)
@@ -263,8 +262,6 @@ def _from_cache(ref: ModelRef, exc: BaseException) -> ResolvedModel:
 
 
 def _where() -> str:
-    from registry.store import tracking_uri
-
     return tracking_uri()
 
 

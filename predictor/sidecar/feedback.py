@@ -14,10 +14,10 @@ HTTP layer (predictor/sidecar/app.py) turns a :class:`Refused` into its status a
 
 from __future__ import annotations
 
+from monitoring.online import Feedback
 from predictor.buckets import BucketScheme
 from predictor.sidecar.schemas import FeedbackRequest, InlinePrediction
 from predictor.sidecar.state import SidecarState
-from registry.online import Feedback
 
 
 class Refused(Exception):

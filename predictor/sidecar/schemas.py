@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from registry.online import FINISH_REASONS
+from monitoring.online import FINISH_REASONS
 
 MAX_PROMPTS = 64  # prompts per request; the micro-batcher splits them across forward passes
 MAX_MESSAGES = 256

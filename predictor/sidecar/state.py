@@ -17,15 +17,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from monitoring.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter
+from monitoring.online import Feedback, WindowAggregator, WindowStats
 from predictor.buckets import BucketScheme
 from predictor.features import is_first_turn
+from predictor.monitoring_runs import MlflowWindowLogger
 from predictor.sidecar.batcher import MicroBatcher
 from predictor.sidecar.cache import ModelRef, ResolvedModel, download_version, prune, registry_version, remember_alias
 from predictor.sidecar.loading import PredictItem, ServedModel, load_served, predict_fast, predict_items
 from predictor.sidecar.metrics import SidecarMetrics
 from predictor.sidecar.settings import SidecarSettings
-from registry.feedback_store import FeedbackRow, FeedbackStore, FeedbackWriter
-from registry.online import Feedback, MlflowWindowLogger, WindowAggregator, WindowStats
 
 log = logging.getLogger("predictor.sidecar")
 

@@ -16,10 +16,10 @@ its offline accuracy never shows. The loop that fixes it runs here end to end, w
 5. When it promoted a challenger, the sidecar's ``/health`` must report the new version (hot reload); phase 2
    replays ``--phase2`` fresh prompts (other conversations) and the windows are read again.
 6. The report: every request's predicted and actual length, each version's online windows
-   (:func:`registry.online.window_history`), the retrain outcome, a table of both phases and a PNG.
+   (:func:`predictor.monitoring_runs.window_history`), the retrain outcome, a table of both phases and a PNG.
 
 Censored answers (capped at ``max_tokens``: ``finish_reason=length``) are a lower bound on the true length; every
-metric here counts them as :mod:`registry.online` does: top-1, within-1 and MAE only where the outcome is already
+metric here counts them as :mod:`monitoring.online` does: top-1, within-1 and MAE only where the outcome is already
 decided, and Kendall tau over the pairs whose order is known (both answers finished and differ, or one was capped
 above where the other finished).
 """
@@ -41,10 +41,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from monitoring.feedback_store import FeedbackStore
+from monitoring.online import Feedback, WindowStats
 from predictor.buckets import BucketScheme
 from predictor.common import data_dir, default_sharegpt, quiet_libraries, silence_loggers
-from registry.feedback_store import FeedbackStore
-from registry.online import Feedback, WindowStats, window_history
+from predictor.monitoring_runs import window_history
 from serving.bench.replay import CONTEXT_MARGIN, Job, Plan, Settings, build_report, poisson_arrivals, run_with_progress
 from serving.launch.models import Sampling, predictor_fit, resolve_model
 from serving.launch.process import Children, StartError, cpu_cores, free_port, wait_child
@@ -54,7 +55,7 @@ from training.data.loaders import load_sharegpt
 from training.evaluate import censored_tau
 
 if TYPE_CHECKING:
-    from registry.feedback_store import FeedbackRow
+    from monitoring.feedback_store import FeedbackRow
     from serving.bench.replay import Result
 
 EPILOG = """\
@@ -114,7 +115,7 @@ def plan_prompts(sharegpt: Path, n1: int, n2: int, model_dir: Path, max_tokens: 
 
 # --- metrics with censoring -----------------------------------------------------------------------------------------
 def score(rows: list[FeedbackRow]) -> dict[str, Any]:
-    """One version's feedback rows as registry.online counts them (a window over all of them) and tau as above."""
+    """One version's feedback rows as monitoring.online counts them (a window over all of them) and tau as above."""
     if not rows:
         return {"n": 0}
     w = WindowStats(rows[0].model_name, rows[0].model_version)
@@ -459,7 +460,7 @@ def phase_report(ph: Phase) -> dict:
 
 def outcomes(rows: list[dict]) -> list[tuple[float, bool | None, float | None]]:
     """(feedback time, top-1 hit or None when undecided, absolute error or None) of each request, as one-feedback
-    windows of registry.online count them: the plot's rolling curves."""
+    windows of monitoring.online count them: the plot's rolling curves."""
     out = []
     for r in rows:
         scheme = BucketScheme.from_edges(r["edges"])
@@ -500,7 +501,7 @@ def table(report: dict):
         t.add_row(label, *[fn(ph, sc) for ph, sc in cols])
     r = report["retrain"]
     t.caption = (f"retrain: {r['action']}: {r['reason']}. Capped answers count only where their outcome is decided "
-                 "(registry.online); tau over pairs whose order is known.")
+                 "(monitoring.online); tau over pairs whose order is known.")
     return t
 
 

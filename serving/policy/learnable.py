@@ -13,7 +13,7 @@ request was predicted at 1 token, first in every shortest-first queue. So a lear
 - it is one sequence's length (``n`` > 1: usage sums the sequences, which is the length of none of them);
 - the model ended it: a finish reason in :data:`CUT` ("length" at ``max_tokens``, "abort", ...) says only that the
   answer would have been at least that long. The sidecar keeps such an answer as a censored label, scored as a lower
-  bound (registry/online.py, whose finish reasons these are: a test holds the two to the same table); a learner of a
+  bound (monitoring/online.py, whose finish reasons these are: a test holds the two to the same table); a learner of a
   mean or of a window of lengths refuses it (:func:`refusal`). An engine cannot know at admission whether
   ``max_tokens`` will cut an answer: there the policy treats a request whose output reached its ``max_tokens`` as cut.
 

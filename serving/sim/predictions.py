@@ -468,7 +468,8 @@ def _load_model(spec: str):
         except Exception as exc:  # noqa: BLE001 - MLflow raises many types for "no such model/alias"
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise PredictorSpecError(f"cannot load predictor {spec}: {first}") from None
-    from predictor.runtime import META_FILE, MODEL_FILE, OnnxLengthPredictor
+    from predictor.package_meta import META_FILE
+    from predictor.runtime import MODEL_FILE, OnnxLengthPredictor
 
     d = Path(spec).expanduser()
     if not ((d / MODEL_FILE).exists() and (d / META_FILE).exists()):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from registry.online import CUT  # finish reasons of an answer that was cut: its length is a lower bound
+from monitoring.online import CUT  # finish reasons of an answer that was cut: its length is a lower bound
 from training.data.example import DataError, Example, Turn
 
 FORMATS = ("sharegpt", "alpaca-eval", "jsonl", "csv", "hf")

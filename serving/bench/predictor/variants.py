@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -38,8 +39,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from predictor.buckets import BucketScheme
 from predictor.common import default_sharegpt, quiet_libraries
+from predictor.package_meta import META_FILE, PackageMeta, read_meta
 from serving.bench.predictor.sidecar import GATEWAY_PREDICTOR_TIMEOUT_MS, PRECISIONS, BenchError, bench, parse_levels
 from serving.progress import waiting
 
@@ -166,31 +167,31 @@ def parse_layouts(spec: str | None) -> list[Layout]:
     return list(dict.fromkeys(out))
 
 
-def split_source(meta: dict, a: argparse.Namespace) -> str:
+def split_source(meta: PackageMeta, a: argparse.Namespace) -> str:
     """The data to rebuild the test split from: --data, else what the package trained on, else the default ShareGPT."""
-    recorded = meta.get("trained_on")
+    recorded = meta.trained_on
     data = a.data or (recorded if recorded and Path(recorded).exists() else str(default_sharegpt()))
     if not Path(data).exists():
         raise BenchError(f"the test data {data} does not exist; pass --data")
     return data
 
 
-def labelled_test(meta: dict, a: argparse.Namespace) -> LabelledTest:
+def labelled_test(meta: PackageMeta, a: argparse.Namespace) -> LabelledTest:
     """The test split ``train-predictor`` made from the same data and settings, labelled, with the package's buckets."""
     from training.config import TrainConfig
     from training.data.labels import labels_of
     from training.pipeline import prepare
 
-    scheme = BucketScheme.from_dict(meta["buckets"])
+    scheme = meta.buckets
     data = split_source(meta, a)
-    cfg = TrainConfig(data=data, fmt=a.fmt or meta.get("format") or "sharegpt", tokenizer=a.tokenizer,
-                      generator=a.generator or meta.get("generator"), first_turn_only=a.first_turn_only,
+    cfg = TrainConfig(data=data, fmt=a.fmt or meta.data_format or "sharegpt", tokenizer=a.tokenizer,
+                      generator=a.generator or meta.generator, first_turn_only=a.first_turn_only,
                       served_lengths=a.served_lengths, bucket_width=None, edges=",".join(map(str, scheme.edges[1:])),
                       max_tokens=scheme.max_tokens, max_samples=a.max_samples or None, seed=a.seed)
     splits = prepare(cfg).splits
     rows = splits.test[: a.test_limit] if a.test_limit else splits.test
     return LabelledTest([[(t.role, t.text) for t in e.turns] for e in rows], labels_of(rows).astype(np.float64),
-                        np.array([e.first_turn for e in rows], dtype=bool), splits.fingerprint(), meta.get("eval_split"),
+                        np.array([e.first_turn for e in rows], dtype=bool), splits.fingerprint(), meta.eval_split,
                         splits)
 
 
@@ -199,13 +200,11 @@ def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, d
     logistic-regression model fitted per slice on the package's training split, C chosen on its validation split:
     ``training.baselines.fit_sliced`` with ``TfidfLogReg``, what ``train-predictor`` fits and ships. Returns the copy and
     each slice's fit (C, rows)."""
-    from predictor.runtime import META_FILE
     from predictor.slices import SLICES, SLICES_DIR, TFIDF
     from training.baselines import TfidfLogReg, fit_sliced, rows_of
     from training.routing import ship_routes
 
-    meta = json.loads((package / META_FILE).read_text())
-    scheme = BucketScheme.from_dict(meta["buckets"])
+    scheme = read_meta(package).buckets
     splits = test.splits
     rows = {k: rows_of(getattr(splits, k), np.zeros(len(getattr(splits, k)))) for k in ("train", "val", "test")}
     fitted: dict = {}
@@ -214,7 +213,7 @@ def tfidf_package(package: Path, test: LabelledTest, dst: Path) -> tuple[Path, d
     for f in package.iterdir():
         if f.name != META_FILE and f.name != SLICES_DIR and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f.resolve())
-    (dst / META_FILE).write_text(json.dumps(meta, indent=2))
+    shutil.copyfile(package / META_FILE, dst / META_FILE)  # a copy of its own: ship_routes rewrites it
     # every slice "recommends" TF-IDF: ship_routes writes its files and table (a slice it was not fitted on stays the model's)
     ship_routes(dst, {"recommended": {part: TFIDF for part in SLICES}, "recommended_by": "bench predictor-variants --tfidf"},
                 {TFIDF: fitted})
@@ -463,11 +462,11 @@ def run_cli(a: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 160))
     package = Path(a.package)
     try:
-        if not (package / "meta.json").is_file() or not (package / "model.onnx").is_file():
+        if not (package / META_FILE).is_file() or not (package / "model.onnx").is_file():
             raise BenchError(f"{package} is not a model package (no meta.json and model.onnx)")
-        meta = json.loads((package / "meta.json").read_text())
+        meta = read_meta(package)
         precisions = parse_precisions(a.precisions)
-        budgets = parse_budgets(a.budgets, int(meta["input_format"]["max_tokens"]))
+        budgets = parse_budgets(a.budgets, meta.input_format.max_tokens)
         layouts = parse_layouts(a.layouts)
         if a.speed_prompts < 1 or a.token_budget < 1 or a.test_limit < 0 or a.max_samples < 0:
             raise BenchError("--speed-prompts and --token-budget must be at least 1, --test-limit and --max-samples at "

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from predictor.common import lengthwise_home
+
 log = logging.getLogger(__name__)
 
 DB_FILE = "feedback.db"
@@ -102,8 +104,6 @@ class FeedbackRow:
 
 def default_path() -> Path:
     """``$LENGTHWISE_HOME/feedback.db``, beside the MLflow store."""
-    from registry.store import lengthwise_home
-
     return lengthwise_home() / DB_FILE
 
 

@@ -1,5 +1,4 @@
-"""Online prediction error: feedback (predicted vs actual output length) aggregated in windows and logged
-to MLflow as metrics of one monitoring run per model version.
+"""Online prediction error: feedback (predicted vs actual output length) aggregated in windows, and the drift alarm.
 
 Offline accuracy is measured once on a held-out split; traffic drifts. The serving endpoint posts the
 actual output length of each answered request back to the sidecar, which folds it into the same
@@ -37,9 +36,9 @@ one predictor may answer for all of them) also counts in that model's part of th
 MAE, bias and alarm (``model.<name>.accuracy``, ``model.<name>.accuracy_alarm``, ...), because a predictor that drifts
 on one service, an adapter retrained to answer longer, is hidden in the total while the others still fit.
 
-Logging never blocks serving: closed windows go to a bounded buffer that a background thread writes
-to MLflow, retrying with backoff while the tracking server is down (oldest windows are dropped, and
-counted, when the buffer is full).
+Only the arithmetic is here, no MLflow: the sidecar hands closed windows to a :class:`monitoring.window_log.WindowLogger`
+that writes them to one MLflow run per model version (:mod:`predictor.monitoring_runs`, which also reads them back),
+and :func:`merge_windows` and :func:`drift_state` total what was read back.
 """
 
 from __future__ import annotations
@@ -48,17 +47,11 @@ import logging
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-MONITORING_EXPERIMENT = "lengthwise-monitoring"
-TAG_KIND = "lengthwise.kind"
-TAG_NAME = "lengthwise.model_name"
-TAG_VERSION = "lengthwise.model_version"
-KIND = "online-monitoring"
 # The metric names of a window, in report order; every one is logged with the prefix "online_".
 WINDOW_METRICS = ("n", "censored", "accuracy", "accuracy_within_1", "mae_tokens", "bias_tokens", "under_prediction_rate",
                   "quantile_overrun_rate", "accuracy_alarm")
@@ -307,140 +300,6 @@ class WindowAggregator:
                                 "of the last window, offline %.3f (margin %.2f)", served, win.model_name, win.model_version,
                                 part.accuracy, part.n, win.offline_accuracy, win.alarm_margin)
         return closed
-
-
-def find_monitoring_run(client, experiment_id: str, name: str, version: str):
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{TAG_KIND}` = '{KIND}' and tags.`{TAG_NAME}` = '{name}' and tags.`{TAG_VERSION}` = '{version}'",
-        max_results=1, order_by=["attributes.start_time ASC"],
-    )
-    return runs[0] if runs else None
-
-
-class MlflowWindowLogger:
-    """Writes closed windows to MLflow from a background thread; a bounded buffer rides out outages."""
-
-    def __init__(self, max_buffered: int = 1000, retry_min_s: float = 1.0, retry_max_s: float = 30.0,
-                 on_change: Callable[[int, int], None] | None = None):
-        self._buf: deque[WindowStats] = deque()
-        self.max_buffered = max_buffered
-        self.dropped = 0
-        self.logged = 0
-        self.failures = 0
-        self.last_error: str | None = None
-        self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
-        self._on_change = on_change or (lambda buffered, dropped: None)
-        self._cv = threading.Condition()
-        self._stop = False
-        self._runs: dict[tuple[str, str], tuple[str, int]] = {}  # (name, version) -> (run_id, next step)
-        self._thread = threading.Thread(target=self._loop, name="mlflow-window-logger", daemon=True)
-        self._thread.start()
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf)
-
-    def submit(self, windows: list[WindowStats]) -> None:
-        """Queue windows for logging; never blocks on MLflow."""
-        if not windows:
-            return
-        with self._cv:
-            for w in windows:
-                if len(self._buf) >= self.max_buffered:
-                    self._buf.popleft()
-                    self.dropped += 1
-                self._buf.append(w)
-            self._cv.notify()
-        self._on_change(len(self._buf), self.dropped)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Try to write what is buffered (bounded by ``timeout``), then stop the thread."""
-        deadline = time.time() + timeout
-        with self._cv:
-            self._cv.notify()
-        while self._buf and time.time() < deadline and self.failures == 0:
-            time.sleep(0.05)
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=max(0.1, deadline - time.time()))
-
-    def _loop(self) -> None:
-        delay = self.retry_min_s
-        while True:
-            with self._cv:
-                while not self._buf and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                win = self._buf[0]
-            try:
-                self._log(win)
-            except Exception as exc:  # noqa: BLE001 - tracking server down, DB locked: keep the window, back off, retry
-                self.failures += 1
-                self.last_error = " ".join(str(exc).split())[:300]
-                log.warning("could not log an online-monitoring window to MLflow (%d buffered, retry in %.1f s): %s",
-                            len(self._buf), delay, self.last_error)
-                with self._cv:
-                    self._cv.wait(timeout=delay)
-                delay = min(delay * 2, self.retry_max_s)
-                continue
-            delay = self.retry_min_s
-            self.failures = 0
-            with self._cv:
-                if self._buf and self._buf[0] is win:
-                    self._buf.popleft()
-            self.logged += 1
-            self._on_change(len(self._buf), self.dropped)
-
-    def _run_for(self, client, name: str, version: str) -> tuple[str, int]:
-        key = (name, version)
-        if key not in self._runs:
-            from registry.store import ensure_experiment
-
-            exp = ensure_experiment(MONITORING_EXPERIMENT)
-            run = find_monitoring_run(client, exp, name, version)
-            if run is None:
-                run = client.create_run(exp, run_name=f"online-{name}-v{version}",
-                                        tags={TAG_KIND: KIND, TAG_NAME: name, TAG_VERSION: version})
-                step = 0
-            else:
-                hist = client.get_metric_history(run.info.run_id, "online_n")
-                step = max((m.step for m in hist), default=-1) + 1
-            self._runs[key] = (run.info.run_id, step)
-        return self._runs[key]
-
-    def _log(self, win: WindowStats) -> None:
-        from mlflow import MlflowClient
-        from mlflow.entities import Metric
-
-        from registry.store import configure
-
-        configure()
-        client = MlflowClient()
-        run_id, step = self._run_for(client, win.model_name, win.model_version)
-        ts = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(f"online_{k}", float(v), ts, step) for k, v in win.metrics().items()])
-        self._runs[(win.model_name, win.model_version)] = (run_id, step + 1)
-
-
-def window_history(name: str, version: str) -> tuple[str | None, list[dict]]:
-    """(run id, one dict of metrics per logged window in step order) for the report."""
-    from mlflow import MlflowClient
-
-    from registry.store import configure, ensure_experiment
-
-    configure()
-    client = MlflowClient()
-    run = find_monitoring_run(client, ensure_experiment(MONITORING_EXPERIMENT), name, version)
-    if run is None:
-        return None, []
-    steps: dict[int, dict] = {}
-    for key in [k for k in run.data.metrics if k.startswith("online_")]:
-        for m in client.get_metric_history(run.info.run_id, key):
-            steps.setdefault(m.step, {"step": m.step, "timestamp": m.timestamp})[key.removeprefix("online_")] = m.value
-    return run.info.run_id, [steps[s] for s in sorted(steps)]
 
 
 def merge_windows(rows: list[dict]) -> dict[str, float]:

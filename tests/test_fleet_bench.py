@@ -117,9 +117,9 @@ def run_fake_fleet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **config: An
         return [{"profile": _profile(i)} for i in range(len(jobs))]
 
     monkeypatch.setattr(fleet, "run_engines", run_engines)
-    monkeypatch.setattr(fleet, "_wait_idle", lambda urls: next(idle, None))
+    monkeypatch.setattr(fleet, "wait_idle", lambda urls: next(idle, None))
     monkeypatch.setattr(fleet, "_wait_gateway", lambda url, proc, timeout_s=120.0: None)
-    monkeypatch.setattr(fleet, "_replay", replay)
+    monkeypatch.setattr(fleet, "replay_jobs", replay)
     monkeypatch.setattr(fleet, "start_engines", start_engines)
     monkeypatch.setattr(fleet, "stop_engines", lambda procs: None)
     monkeypatch.setattr(fleet, "wait_started", lambda procs, timeout: None)

@@ -132,7 +132,7 @@ def test_deep_nesting_and_lone_surrogates_are_400s(make_gateway, raw, words):
 def test_every_plug_in_key_a_client_sets_is_stripped_even_where_the_gateway_sets_none(make_gateway):
     gw = make_gateway()
     hostile = {"pred_len": 1, "pred_hi": 1, "pred_bucket": 0, "pred_edges": [1, 2], "pred_probs": [1.0, 0.0, 0.0],
-               "deadline": 0.0, "slo_s": 1e-9, "priority": -1000, "client": "key-0", "mine": "kept"}
+               "deadline": 0.0, "slo_s": 1e-9, "priority": -1000, "client": "key-0", "ref": "lw-x", "mine": "kept"}
     assert set(hostile) - {"mine"} == HINT_KEYS  # every key the plug-in reads
     req = gw.validate("completion", body(vllm_xargs=hostile))
     out = gw.hints(Call("completion"), req, LengthPrediction(64, "fallback"), 2000.0)  # no distribution, no slo_s

@@ -49,9 +49,10 @@ def sidecar(trained, logs):
     sc.stop()
 
 
-def _gateway(logs: Path, engine: StandInEngine, predictor_url: str, timeout_ms: str = "5000") -> Gateway:
+def _gateway(logs: Path, engine: StandInEngine, predictor_url: str, timeout_ms: str = "5000",
+             first_ms: str = "5000") -> Gateway:
     return start_gateway(logs, "--engine-url", engine.url, "--engine-metrics-url", engine.metrics_url,
-                         "--predictor-url", predictor_url, "--predictor-timeout-ms", "5000",
+                         "--predictor-url", predictor_url, "--predictor-timeout-ms", first_ms,
                          "--allow-predictor-for-other-model", "--refine-at", ",".join(map(str, POINTS)),
                          "--refine-timeout-ms", timeout_ms, "--health-interval", "0.5",
                          env={"LENGTHWISE_API_KEY": "", "LENGTHWISE_ENGINE_API_KEY": ""})
@@ -110,8 +111,8 @@ def test_a_sidecar_that_is_down_or_late_costs_refinements_and_never_the_answer(l
     silent = socket.socket()  # accepts connections and never answers: a hung sidecar
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
-    down = _gateway(logs, engine, f"http://127.0.0.1:{free_port()}")
-    late = _gateway(logs, engine, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_ms="50")
+    down = _gateway(logs, engine, f"http://127.0.0.1:{free_port()}", first_ms="300")
+    late = _gateway(logs, engine, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_ms="50", first_ms="300")
     try:
         for gw, outcome in ((down, "sidecar_error"), (late, "late")):
             text, _ = _stream(gw, "count:20")
@@ -161,3 +162,22 @@ def test_a_chat_stream_is_put_back_together_as_vllm_answers_it_whole():
 
     assert assembles(req()) and assembles(req(n=1, logprobs=False))
     assert not any(assembles(req(**b)) for b in ({"n": 2}, {"logprobs": True}, {"tools": [{}]}, {"stream": True}))
+
+
+@pytest.mark.slow
+def test_the_cost_bench_runs_both_arms_and_loses_nothing(trained, tmp_path):
+    """Engine, sidecar and gateways for real: a short run of each arm (the default tier checks its parts above)."""
+    from serving.bench.refine_cost import main
+
+    package = tmp_path / "remaining"
+    shutil.copytree(Path(trained["work_dir"]) / "package", package)
+    meta = json.loads((package / "meta.json").read_text())
+    (package / "meta.json").write_text(json.dumps({**meta, "remaining_length": True}))
+    out = tmp_path / "cost.json"
+    assert main(["--package", str(package), "--requests", "8", "--rate", "2", "--refine-at", "4,16",
+                 "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
+    doc = json.loads(out.read_text())
+    assert [a["arm"] for a in doc["arms"]] == ["off", "on", "on", "off"] and doc["summary"]["lost_or_wrong"] == 0
+    assert all(not a["refinements"] for a in doc["arms"] if a["arm"] == "off")
+    assert any(a["refinements"].get("delivered", 0) for a in doc["arms"] if a["arm"] == "on")
+    assert any(a["refinements_applied"] for a in doc["arms"] if a["arm"] == "on")  # the plug-in took them

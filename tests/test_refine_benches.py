@@ -1,5 +1,5 @@
 """The benches of refinements: the served model's own p(EOS) as a ranking of the remaining length, and the cost bench's
-arithmetic and its refusals (its run, engines and all, is in make test-slow)."""
+arithmetic and its refusals (its run, engines and all, is in tests/test_gateway_refine.py, in make test-slow)."""
 
 from __future__ import annotations
 
@@ -64,23 +64,3 @@ def test_the_cost_bench_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys)
     assert main(["--package", str(tmp_path), "--rate", "-1"]) == 2
     assert "--rate" in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
-
-
-@pytest.mark.slow
-def test_the_cost_bench_runs_both_arms_and_loses_nothing(trained, tmp_path):
-    """Engine, sidecar and gateways for real: a short run of each arm (the default tier checks its parts above)."""
-    import shutil
-    from pathlib import Path
-
-    package = tmp_path / "remaining"
-    shutil.copytree(Path(trained["work_dir"]) / "package", package)
-    meta = json.loads((package / "meta.json").read_text())
-    (package / "meta.json").write_text(json.dumps({**meta, "remaining_length": True}))
-    out = tmp_path / "cost.json"
-    assert main(["--package", str(package), "--requests", "8", "--rate", "2", "--refine-at", "4,16",
-                 "--json", str(out), "--work-dir", str(tmp_path / "work")]) == 0
-    doc = json.loads(out.read_text())
-    assert [a["arm"] for a in doc["arms"]] == ["off", "on", "on", "off"] and doc["summary"]["lost_or_wrong"] == 0
-    assert all(not a["refinements"] for a in doc["arms"] if a["arm"] == "off")
-    assert any(a["refinements"].get("delivered", 0) for a in doc["arms"] if a["arm"] == "on")
-    assert any(a["refinements_applied"] for a in doc["arms"] if a["arm"] == "on")  # the plug-in took them

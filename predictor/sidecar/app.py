@@ -235,12 +235,7 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
     served = _require_model(state)
     convs = req.conversations()  # as the client sent them: what feedback and retraining keep
     asked = _for_model(served, req.model, _with_answer(served, req, convs))
-    expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
-    try:
-        results = await state.batcher.submit([PredictItem(c, req.quantile) for c in asked], expires)
-    except Expired:  # counted by the batcher, prompt by prompt
-        raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
-                                 "was free (the sidecar is saturated; the caller has its fallback)") from None
+    results = await _submit(state, [PredictItem(c, req.quantile) for c in asked], timeout_ms)
     ms = (time.perf_counter() - t0) * 1000.0
     preds, truncated = [], 0
     for i, (d, model) in enumerate(results):
@@ -263,6 +258,16 @@ async def _predict(state: SidecarState, req: PredictRequest, timeout_ms: float |
     return JSONResponse({"predictions": preds, "model_name": last.name, "model_version": last.version, "latency_ms": ms})
 
 
+async def _submit(state: SidecarState, items: list[PredictItem], timeout_ms: float | None) -> list:
+    """``items`` through the batcher; 504 when the caller's timeout passes before a worker takes them."""
+    expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
+    try:
+        return await state.batcher.submit(items, expires)
+    except Expired:  # counted by the batcher, prompt by prompt
+        raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
+                                 "was free (the sidecar is saturated; the caller has its fallback)") from None
+
+
 async def _predict_remaining(state: SidecarState, req: RemainingRequest, timeout_ms: float | None = None) -> JSONResponse:
     """:func:`_predict` for several answers so far in one call: one submission to the batcher for them all. An item
     its own call would have had refused (a model the predictor never learned) is answered with its error; the others
@@ -281,12 +286,7 @@ async def _predict_remaining(state: SidecarState, req: RemainingRequest, timeout
         where.append(len(results_out))
         results_out.append(None)
         asked.append(PredictItem(convs[0], item.quantile))
-    expires = asyncio.get_running_loop().time() + timeout_ms / 1000.0 if timeout_ms else float("inf")
-    try:
-        results = await state.batcher.submit(asked, expires) if asked else []
-    except Expired:
-        raise HTTPException(504, f"expired in the sidecar's queue: the caller's {timeout_ms:g} ms passed before a worker "
-                                 "was free") from None
+    results = await _submit(state, asked, timeout_ms) if asked else []
     ms = (time.perf_counter() - t0) * 1000.0
     for i, (d, _model) in zip(where, results, strict=True):
         item = req.items[i]

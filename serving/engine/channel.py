@@ -165,8 +165,10 @@ class _Handler(BaseHTTPRequestHandler):
             where = ".".join(str(p) for p in err["loc"]) or "body"
             return self._error(HTTPStatus.UNPROCESSABLE_ENTITY, f"not a refinement: {where}: {err['msg']}")
         if isinstance(update, Refinements):
-            taken = [u.ref for u in update.refinements if self.server.inbox.offer(u)]
-            unknown = [u.ref for u in update.refinements if u.ref not in set(taken)]
+            taken: list[str] = []
+            unknown: list[str] = []
+            for u in update.refinements:
+                (taken if self.server.inbox.offer(u) else unknown).append(u.ref)
             return self._send(HTTPStatus.OK, json.dumps({"queued": taken, "unknown": unknown}).encode())
         if not self.server.inbox.offer(update):
             return self._error(HTTPStatus.NOT_FOUND, f"no running request has ref {update.ref!r} (finished, never "

@@ -6,7 +6,7 @@ do. The gateway relays every token, so it is where the answer so far can be read
 
 How: with ``refine_at`` set, each request carries a ``ref`` in ``vllm_xargs`` (its gateway request id). While its
 stream is relayed, at each point of ``refine_at`` (tokens of the answer, as the stream counts them), the gateway asks
-the sidecar (``POST /v1/predict`` with ``answer_so_far``) and posts its answer, a
+the sidecar (``POST /v1/predict/remaining``, the answer so far) and posts its answer, a
 :class:`~serving.policy.hints.Refinement`, to the plug-in port of the engine the request runs on (``POST /v1/refine``
 on the port of its ``/metrics``, with the engine key as bearer: :mod:`serving.engine.channel`). The relay never waits
 for either: a refinement runs beside it.
@@ -159,13 +159,13 @@ class Refiner:
         asked = self.to_sidecar.submit({**watch.ask, "answer_so_far": {"text": text, "tokens": tokens},
                                         "request_id": watch.ref})
         try:
-            outcome, answer = await asyncio.wait_for(asyncio.shield(asked), self.timeout)
+            outcome, prediction = await asyncio.wait_for(asyncio.shield(asked), self.timeout)
         except TimeoutError:
             return "late"
         if outcome != "ok":
             return outcome
         try:
-            update = _refinement(answer, watch.ref, tokens)
+            update = _refinement(prediction, watch.ref, tokens)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             log.debug("refinement: sidecar answer not understood: %s", exc)
             return "sidecar_error"
@@ -199,7 +199,8 @@ class Refiner:
             return r.status, await r.text()
 
     async def _ask_sidecar(self, items: list[dict]) -> list[tuple[str, dict | None]]:
-        """One call of ``POST /v1/predict/remaining`` for ``items``: each item's ("ok", prediction) or (outcome, None)."""
+        """One call of ``POST /v1/predict/remaining`` for ``items``: each item's ("ok", its prediction) or (outcome,
+        None)."""
         assert self.url is not None
         try:
             status, text = await self._post("sidecar", self.url + "/v1/predict/remaining", json.dumps({"items": items}))
@@ -217,7 +218,7 @@ class Refiner:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("refinement: sidecar answer not understood: %s", exc)
             return [("sidecar_error", None)] * len(items)
-        return [("refused", None) if "error" in x else ("ok", {"predictions": [x]}) for x in results]
+        return [("refused", None) if "error" in x else ("ok", x) for x in results]
 
     async def _post_engine(self, url: str, updates: list[Refinement]) -> list[str]:
         """One call of the plug-in's ``POST /v1/refine`` for ``updates``: each one's outcome."""
@@ -244,10 +245,9 @@ class Refiner:
             await session.close()
 
 
-def _refinement(answer: dict, ref: str, tokens: int) -> Refinement:
-    """The sidecar's answer as the plug-in takes it; a distribution the plug-in would refuse is left out (the point
-    still serves)."""
-    p = answer["predictions"][0]
+def _refinement(p: dict, ref: str, tokens: int) -> Refinement:
+    """The sidecar's prediction ``p`` as the plug-in takes it; a distribution the plug-in would refuse is left out (the
+    point still serves)."""
     point = {"ref": ref, "generated_tokens": tokens, "pred_len": float(p["expected_tokens"])}
     try:
         return Refinement.model_validate({**point, "pred_edges": p.get("edges"), "pred_probs": p.get("probs")})

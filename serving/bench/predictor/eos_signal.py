@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.bench.predictor.remaining import EVAL_KS
+from serving.bench.predictor.remaining import EVAL_KS, running_at
 from training.remaining import Answer, served_answers
 
 
@@ -55,17 +55,15 @@ def score(answers: list[Answer], logp: list[np.ndarray], ks: tuple[int, ...] = E
     length, with its bootstrap interval."""
     from scipy.stats import bootstrap, kendalltau
 
+    def tau(s: np.ndarray, t: np.ndarray) -> float:
+        return float(kendalltau(s, t).statistic)
+
     rows = []
     for k in ks:
-        idx = [i for i, a in enumerate(answers) if len(a.ids) > k]
-        if len(idx) < 10:
+        if (running := running_at(answers, k)) is None:
             continue
-        truth = np.array([len(answers[i].ids) - k for i in idx], dtype=float)
+        idx, truth = running
         signal = np.array([-float(np.mean(logp[i][max(0, k - window):k])) for i in idx])  # high: far from the end
-
-        def tau(s: np.ndarray, t: np.ndarray) -> float:
-            return float(kendalltau(s, t).statistic)
-
         ci = bootstrap((signal, truth), tau, paired=True, vectorized=False, n_resamples=resamples,
                        random_state=seed, method="percentile").confidence_interval
         rows.append({"k": k, "running": len(idx), "tau_eos": tau(signal, truth), "ci": [float(ci.low), float(ci.high)]})

@@ -35,6 +35,15 @@ def _predict(pred, turns_list: list[list[tuple[str, str]]], model: str):
     return pred.predict(turns_list)
 
 
+def running_at(answers: list[Answer], k: int, least: int = 10) -> tuple[list[int], np.ndarray] | None:
+    """The answers still running after ``k`` tokens (their indices) and the true tokens each has left; None when fewer
+    than ``least`` are, too few to rank."""
+    idx = [i for i, a in enumerate(answers) if len(a.ids) > k]
+    if len(idx) < least:
+        return None
+    return idx, np.array([len(answers[i].ids) - k for i in idx], dtype=float)
+
+
 def evaluate(package: Path, answers: list[Answer], tokenizer, ks: tuple[int, ...] = EVAL_KS,
              as_model: str | None = None) -> list[dict[str, Any]]:
     """The module's scoring on ``answers`` (held out): one row per ``k``. ``as_model``: the model a conditioned package
@@ -49,10 +58,9 @@ def evaluate(package: Path, answers: list[Answer], tokenizer, ks: tuple[int, ...
     edges = tuple(int(e) for e in scheme.edges[1:])
     rows = []
     for k in ks:
-        idx = [i for i, a in enumerate(answers) if len(a.ids) > k]
-        if len(idx) < 10:
+        if (running := running_at(answers, k)) is None:
             continue
-        truth = np.array([len(answers[i].ids) - k for i in idx], dtype=float)
+        idx, truth = running
         prior = np.array([Prediction(1.0, edges=edges, probs=tuple(base.probs[i])).remaining_after(k) for i in idx])
         texts = [tokenizer.decode(list(answers[i].ids[:k]), skip_special_tokens=True) for i in idx]
         refined = _predict(pred, [with_answer(answers[i].turns, t, k) for i, t in zip(idx, texts)], model)
